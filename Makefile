@@ -1,0 +1,30 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+# Both create .venv from scratch if it is missing and install everything.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test chaos install clean
+
+$(STAMP): pyproject.toml requirements-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# CPU build of torch first, so the package's torch range is already satisfied.
+	$(BIN)/pip install --quiet -r requirements-cpu.txt
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/asyncgrpo train recipes/demo.yaml $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+chaos: $(STAMP)
+	$(BIN)/python -m pytest -q tests/sim/test_chaos.py --chaos-scenarios=20000 $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
