@@ -1,0 +1,379 @@
+"""Run configuration: pydantic models, YAML recipes and dotted command-line overrides.
+
+Layering: field defaults, then the recipe file, then `key=value` overrides (values parsed
+as YAML, so `5`, `true` and `[1, 2]` mean what they look like). Every model forbids unknown
+keys, every number has bounds and every duration has its unit in its name.
+
+Invariants:
+- Imports no torch: a config mistake is reported in well under a second.
+- `load_config` either returns a fully consistent `Config` or raises `ConfigError` whose
+  message lists every problem, each naming the dotted key, the value, the limit and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from asyncgrpo.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("demo", min_length=1, description="Run name; the run directory defaults to runs/<name>.")
+    output_dir: str | None = Field(None, description="Run directory (default runs/<run.name>).")
+    seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
+    shutdown_timeout_s: float = Field(30.0, gt=0, description="Bound on a clean shutdown after Ctrl-C, SIGTERM or a fatal error.")
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.output_dir) if self.output_dir else Path("runs") / self.name
+
+
+class ModelConfig(_Section):
+    path: str = Field("builtin:tiny", description="builtin:tiny, or a local Hugging Face model directory.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype for training and the local engine.")
+
+
+class DataConfig(_Section):
+    source: str = Field("builtin:repeat_letter", description="builtin:<task>, a .jsonl or .parquet file, or a saved Hugging Face dataset directory.")
+    prompt_key: str = Field("prompt", min_length=1, description="Column holding the prompt (text, or a list of chat messages).")
+    num_epochs: int = Field(1, ge=1, description="Passes over the data; each epoch reshuffles.")
+    shuffle: bool = True
+    max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are dropped at load, with a count.")
+    drop_last: bool = Field(False, description="Skip the last, partial batch at end of data instead of training it as a smaller batch.")
+    builtin_size: int = Field(2048, ge=1, description="Number of prompts a builtin:<task> source generates.")
+
+
+class RewardConfig(_Section):
+    functions: list[str] = Field(default_factory=lambda: ["builtin:repeat_letter"], min_length=1, description="builtin:<name> or module:function, each reward(prompts, completions, **columns) -> list[float | None].")
+    weights: list[float] | None = Field(None, description="One weight per function (default 1.0 each).")
+    timeout_s: float = Field(30.0, gt=0, description="Deadline for one reward call on one group.")
+    on_error: Literal["fail", "drop"] = Field("fail", description="fail: a reward exception is fatal; drop: the group is dropped as reward_error.")
+
+
+class Distribution(_Section):
+    """A random quantity of the scripted backend: const (value), uniform (low, high) or lognormal (median, sigma)."""
+
+    dist: Literal["const", "uniform", "lognormal"] = "const"
+    value: float | None = Field(None, ge=0)
+    low: float | None = Field(None, ge=0)
+    high: float | None = Field(None, ge=0)
+    median: float | None = Field(None, gt=0)
+    sigma: float | None = Field(None, ge=0)
+    max: float | None = Field(None, gt=0, description="Upper clamp on sampled values.")
+
+    @model_validator(mode="after")
+    def _parameters_present(self) -> Distribution:
+        needed = {"const": ("value",), "uniform": ("low", "high"), "lognormal": ("median", "sigma")}[self.dist]
+        missing = [name for name in needed if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"dist '{self.dist}' needs {', '.join(needed)}; missing {', '.join(missing)}")
+        if self.dist == "uniform" and self.low > self.high:  # type: ignore[operator]
+            raise ValueError(f"uniform needs low <= high, got low={self.low}, high={self.high}")
+        return self
+
+
+FaultKind = Literal["http_500", "http_429", "http_400", "http_404", "connection_refused", "hang", "exception", "prompt_too_long"]
+
+
+class FaultConfig(_Section):
+    """One injected fault: with probability `rate` per request attempt, inside [from_s, until_s) of virtual time, or always for `prompts`."""
+
+    error: FaultKind
+    rate: float = Field(1.0, ge=0, le=1)
+    from_s: float = Field(0.0, ge=0)
+    until_s: float | None = Field(None, gt=0)
+    prompts: list[int] | None = Field(None, description="Only these prompt ids (then `rate` applies to them).")
+
+
+class ScriptedConfig(_Section):
+    latency_s: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=1.0))
+    tokens: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=32))
+    faults: list[FaultConfig] = Field(default_factory=list)
+
+
+class LocalEngineConfig(_Section):
+    max_batch_size: int = Field(64, ge=1, description="Most sequences the in-process engine decodes together.")
+
+
+class GenerationConfig(_Section):
+    backend: Literal["local", "scripted"] = "local"
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the trainer computes log-probs at the same temperature.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a completion (the tokenizer's EOS always does).")
+    max_inflight: int = Field(64, ge=1, description="Most completion requests open at once.")
+    request_timeout_s: float = Field(60.0, gt=0, description="Deadline of one request attempt.")
+    rollout_deadline_s: float = Field(180.0, gt=0, description="Deadline of one rollout, all retries included.")
+    retry_backoff_s: float = Field(0.5, gt=0, description="First retry delay; doubles per attempt, with jitter.")
+    retry_backoff_max_s: float = Field(10.0, gt=0, description="Cap on one retry delay.")
+    health_probe_interval_s: float = Field(5.0, gt=0)
+    backend_dead_after_s: float = Field(60.0, gt=0)
+    weight_sync_every: int = Field(1, ge=1, description="Publish weights to the generators every N optimizer steps (<= rollout.max_staleness + 1).")
+    local: LocalEngineConfig = Field(default_factory=LocalEngineConfig)
+    scripted: ScriptedConfig = Field(default_factory=ScriptedConfig)
+
+
+class RolloutConfig(_Section):
+    group_size: int = Field(8, ge=2, description="Completions per prompt; GRPO compares completions within a group, so at least 2.")
+    groups_per_step: int = Field(16, ge=1, description="Groups trained per optimizer step.")
+    max_staleness: int = Field(1, ge=0, description="K: most steps between the version that generated a group and the step that trains it; 0 = synchronous on-policy.")
+    on_stale: Literal["requeue", "drop"] = "requeue"
+    max_requeues: int = Field(2, ge=0)
+    min_group_survivors: int = Field(2, ge=2, description="A group with fewer surviving rollouts is dropped (advantages need 2).")
+    max_generation_failures: int = Field(0, ge=0, description="Consecutive all-failed groups tolerated; one more fails the run.")
+    drop_window: int = Field(64, ge=1)
+    max_drop_fraction: float = Field(0.5, gt=0, le=1)
+    max_filtered_fraction: float = Field(0.9, gt=0, le=1)
+    filter_zero_variance: bool = False
+    mask_truncated: bool = Field(False, description="Mask completions cut at max_new_tokens out of the loss.")
+    stall_timeout_s: float | None = Field(None, gt=0, description="No rollout finished and no step trained for this long raises StallError (default: rollout deadline + probe interval + 60 s).")
+
+
+class LossConfig(_Section):
+    objective: Literal["behaviour", "decoupled"] = "behaviour"
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    clip_high: float = Field(0.28, ge=0)
+    is_cap: float = Field(2.0, ge=1, description="Cap of the truncated importance weight pi_prox / pi_gen (decoupled).")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to a frozen copy of the initial model.")
+    normalization: Literal["token", "sequence"] = "token"
+    scale_by_std: bool = True
+
+
+class TrainConfig(_Section):
+    backend: Literal["torch", "stub"] = "torch"
+    max_steps: int = Field(200, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")
+    updates_per_batch: int = Field(1, ge=1, description="Optimizer updates per step, each on a slice of the step's batch.")
+    step_time_s: float = Field(1.0, gt=0, description="Virtual duration of one step of the stub trainer (simulate only).")
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+
+class EvalConfig(_Section):
+    every_steps: int = Field(0, ge=0, description="Evaluate every N steps (0 = never).")
+    source: str | None = Field(None, description="Held-out prompts (same forms as data.source); default: the builtin task's eval split, or the last eval.num_prompts rows of the data.")
+    num_prompts: int = Field(64, ge=1)
+    samples_per_prompt: int = Field(1, ge=1, description="k of pass@k.")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy.")
+    success_threshold: float = Field(1.0, description="A sample passes when its reward reaches this.")
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(50, ge=0, description="Save every N steps (0 = only the final checkpoint).")
+    keep_last: int = Field(2, ge=1)
+
+
+class LoggingConfig(_Section):
+    progress: bool = True
+    samples_per_step: int = Field(2, ge=0, description="Completions per step written to samples.jsonl.")
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    runtime: Literal["local"] = "local"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        problems = consistency_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @property
+    def stall_timeout_s(self) -> float:
+        g = self.generation
+        if self.rollout.stall_timeout_s is not None:
+            return self.rollout.stall_timeout_s
+        return g.rollout_deadline_s + g.health_probe_interval_s + 60.0
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def consistency_problems(cfg: Config) -> list[str]:
+    """Cross-field rules; each message names the dotted keys, their values and the fix."""
+    problems: list[str] = []
+    r, g = cfg.rollout, cfg.generation
+    if r.min_group_survivors > r.group_size:
+        problems.append(
+            f"rollout.min_group_survivors = {r.min_group_survivors} exceeds rollout.group_size = {r.group_size}: "
+            f"no group could ever succeed. Fix: set rollout.min_group_survivors to at most {r.group_size}."
+        )
+    if g.weight_sync_every > r.max_staleness + 1:
+        problems.append(
+            f"generation.weight_sync_every = {g.weight_sync_every} exceeds rollout.max_staleness + 1 = {r.max_staleness + 1}: "
+            f"generators would serve weights older than the staleness bound allows. Fix: set "
+            f"generation.weight_sync_every <= {r.max_staleness + 1} or raise rollout.max_staleness."
+        )
+    if g.request_timeout_s > g.rollout_deadline_s:
+        problems.append(
+            f"generation.request_timeout_s = {g.request_timeout_s:g} exceeds generation.rollout_deadline_s = "
+            f"{g.rollout_deadline_s:g}: one attempt could outlive its rollout. Fix: lower request_timeout_s or raise rollout_deadline_s."
+        )
+    if g.retry_backoff_s > g.retry_backoff_max_s:
+        problems.append(
+            f"generation.retry_backoff_s = {g.retry_backoff_s:g} exceeds generation.retry_backoff_max_s = {g.retry_backoff_max_s:g}. "
+            f"Fix: make the first delay at most the cap."
+        )
+    weights = cfg.reward.weights
+    if weights is not None and len(weights) != len(cfg.reward.functions):
+        problems.append(
+            f"reward.weights has {len(weights)} values but reward.functions has {len(cfg.reward.functions)}: "
+            f"give one weight per function, or drop reward.weights to weigh each 1.0."
+        )
+    return problems
+
+
+def tolerance_warnings(cfg: Config) -> list[str]:
+    """Settings that are valid but will not do what they suggest."""
+    r = cfg.rollout
+    warnings = []
+    if r.max_drop_fraction < 1.0 and r.max_generation_failures >= r.drop_window * r.max_drop_fraction:
+        warnings.append(
+            f"rollout.max_generation_failures = {r.max_generation_failures} can never be reached: the drop-fraction "
+            f"rule (rollout.max_drop_fraction = {r.max_drop_fraction:g} of rollout.drop_window = {r.drop_window}) "
+            f"fails the run first. Set rollout.max_drop_fraction: 1.0 to turn that rule off."
+        )
+    return warnings
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ["a.b=1", "c=x"] into a nested dict; values are parsed as YAML."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(
+                f"override {item!r} is not of the form dotted.key=value (for example train.max_steps=5)."
+            )
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({exc.problem}).") from exc
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part} was already given a plain value by another override.")
+            node = child
+        node[parts[-1]] = value
+    return tree
+
+
+def merge(base: dict[str, Any], override: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Deep-merge `override` into a copy of `base`; a dict replacing a plain value is an error."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and key in out and isinstance(out[key], dict):
+            out[key] = merge(out[key], value, f"{prefix}{key}.")
+        elif isinstance(value, dict) and key in out and out[key] is not None and not isinstance(out[key], dict):
+            raise ConfigError(f"override {prefix}{key}: the recipe gives it a plain value ({out[key]!r}), not a section.")
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML recipe (or only defaults when `path` is None), apply overrides, validate everything."""
+    source = "defaults"
+    data: dict[str, Any] = {}
+    if path is not None:
+        recipe = Path(path)
+        source = str(recipe)
+        if not recipe.is_file():
+            raise ConfigError(f"recipe {recipe} does not exist. Fix: pass the path of a YAML recipe, e.g. recipes/demo.yaml.")
+        try:
+            loaded = yaml.safe_load(recipe.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"recipe {recipe} is not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"recipe {recipe} must be a mapping of sections (run:, model:, ...), got {type(loaded).__name__}.")
+        data = loaded
+    if overrides:
+        data = merge(data, parse_overrides(overrides))
+    return validate_config(data, source)
+
+
+def validate_config(data: dict[str, Any], source: str = "config") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = [describe_error(err) for err in exc.errors(include_url=False)]
+        noun = "problem" if len(lines) == 1 else "problems"
+        raise ConfigError(f"{source}: {len(lines)} config {noun}:\n" + "\n".join(f"  - {line}" for line in lines)) from None
+
+
+def describe_error(err: dict[str, Any]) -> str:
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc)
+    kind = err["type"]
+    value = err.get("input")
+    msg = err["msg"]
+    if kind == "extra_forbidden":
+        known = _fields_at(loc[:-1])
+        guess = difflib.get_close_matches(loc[-1], known, n=1)
+        hint = f"did you mean {'.'.join(loc[:-1] + [guess[0]])}?" if guess else f"known keys here: {', '.join(sorted(known))}."
+        return f"{key}: unknown key. Fix: {hint}"
+    if kind == "value_error" and not loc:
+        return msg.removeprefix("Value error, ")
+    if kind == "value_error":
+        return f"{key}: {msg.removeprefix('Value error, ')}"
+    if kind == "missing":
+        return f"{key}: required but missing. Fix: add {key} to the recipe."
+    description = _description_at(loc)
+    why = f" ({description})" if description else ""
+    return f"{key} = {value!r}: {msg}{why}. Fix: set {key} to a value that satisfies this."
+
+
+def _model_at(loc: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        else:
+            return None
+    return model
+
+
+def _fields_at(loc: list[str]) -> list[str]:
+    model = _model_at(loc)
+    return list(model.model_fields) if model else []
+
+
+def _description_at(loc: list[str]) -> str | None:
+    model = _model_at(loc[:-1]) if loc else None
+    if model is None or loc[-1] not in model.model_fields:
+        return None
+    return model.model_fields[loc[-1]].description
