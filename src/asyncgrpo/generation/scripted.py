@@ -1,0 +1,127 @@
+"""The scripted backend: a seeded stand-in for a generation server, for `asyncgrpo simulate` and the tests.
+
+It reads time only through the event loop (so it runs on virtual time), uses no threads,
+and is deterministic for a seed: every attempt of every request draws from its own
+random stream, seeded by (run seed, request id, attempt number), so the outcome of a
+request does not depend on what else is in flight.
+
+Per attempt it first applies the configured faults, in order (each with its probability,
+inside its time window, for its prompts), then waits the sampled latency and returns a
+completion of the sampled length, stamped with the serving version at dispatch (as an
+HTTP server would). Fault kinds and the error class each raises:
+
+    http_500, http_429, connection_refused  -> TransientGenerationError (retried)
+    http_400                                -> GenerationError (not retried)
+    prompt_too_long                         -> PromptRejectedError (invalid prompt)
+    http_404                                -> MisconfiguredBackendError (fatal at once)
+    exception                               -> RuntimeError (not retried)
+    hang                                    -> never answers; the request deadline ends it
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+from collections import Counter
+from typing import Any, Mapping
+
+from asyncgrpo.config import Distribution, FaultConfig, ScriptedConfig
+from asyncgrpo.errors import GenerationError, MisconfiguredBackendError, PromptRejectedError, TransientGenerationError
+from asyncgrpo.types import Completion, GenerationRequest
+
+
+def sample(dist: Distribution, rng: random.Random) -> float:
+    if dist.dist == "const":
+        value = float(dist.value)  # type: ignore[arg-type]
+    elif dist.dist == "uniform":
+        value = rng.uniform(dist.low, dist.high)  # type: ignore[arg-type]
+    else:
+        value = float(dist.median) * math.exp(float(dist.sigma) * rng.gauss(0.0, 1.0))  # type: ignore[arg-type]
+    return min(value, dist.max) if dist.max is not None else value
+
+
+def mean_of(dist: Distribution) -> float:
+    """Expected value (before the `max` clamp) - used for the simulator's capacity bound."""
+    if dist.dist == "const":
+        return float(dist.value)  # type: ignore[arg-type]
+    if dist.dist == "uniform":
+        return (float(dist.low) + float(dist.high)) / 2  # type: ignore[arg-type]
+    return float(dist.median) * math.exp(float(dist.sigma) ** 2 / 2)  # type: ignore[arg-type]
+
+
+class ScriptedGenerator:
+    def __init__(self, cfg: ScriptedConfig, *, seed: int, max_new_tokens: int, name: str = "scripted") -> None:
+        self.name = name
+        self.cfg = cfg
+        self.seed = seed
+        self.max_new_tokens = max_new_tokens
+        self._version = 0
+        self._attempts: Counter[str] = Counter()
+        self.aborted = 0  # requests cancelled while in progress (the server stopped generating them)
+        self.completed = 0
+
+    @property
+    def serving_version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+    async def load_weights(self, state: Mapping[str, Any] | None, version: int) -> None:
+        self._version = version
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        self._attempts[request.request_id] += 1
+        rng = random.Random(_stream_seed(self.seed, request.request_id, self._attempts[request.request_id]))
+        dispatch_version = self._version
+        now = asyncio.get_running_loop().time()
+        try:
+            for fault in self.cfg.faults:
+                if _applies(fault, request.prompt_id, now) and rng.random() < fault.rate:
+                    await self._inject(fault, request)
+            await asyncio.sleep(sample(self.cfg.latency_s, rng))
+        except asyncio.CancelledError:
+            self.aborted += 1
+            raise
+        length = max(1, min(self.max_new_tokens, request.sampling.max_new_tokens, round(sample(self.cfg.tokens, rng))))
+        self.completed += 1
+        return Completion(
+            token_ids=tuple(rng.randrange(4, 64) for _ in range(length)),
+            logprobs=tuple(-rng.expovariate(1.0) for _ in range(length)),
+            versions=(dispatch_version,) * length,
+            finish_reason="length" if length >= request.sampling.max_new_tokens else "stop",
+            dispatch_version=dispatch_version,
+            text=f"{request.request_id}:{rng.getrandbits(32)}",
+        )
+
+    async def _inject(self, fault: FaultConfig, request: GenerationRequest) -> None:
+        where = f"scripted fault for request {request.request_id}"
+        kind = fault.error
+        if kind in ("http_500", "http_429", "connection_refused"):
+            raise TransientGenerationError(f"{kind} ({where})", backend=self.name)
+        if kind == "http_400":
+            raise GenerationError(f"HTTP 400 Bad Request ({where})", backend=self.name)
+        if kind == "prompt_too_long":
+            raise PromptRejectedError(f"prompt too long ({where})", backend=self.name)
+        if kind == "http_404":
+            raise MisconfiguredBackendError(f"HTTP 404: model not found ({where})", backend=self.name)
+        if kind == "exception":
+            raise RuntimeError(f"exception ({where})")
+        # hang: wait on a future nobody completes; the caller's request deadline cancels it.
+        await asyncio.get_running_loop().create_future()
+
+
+def _applies(fault: FaultConfig, prompt_id: int, now: float) -> bool:
+    if fault.prompts is not None and prompt_id not in fault.prompts:
+        return False
+    return now >= fault.from_s and (fault.until_s is None or now < fault.until_s)
+
+
+def _stream_seed(seed: int, request_id: str, attempt: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{request_id}:{attempt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")

@@ -1,0 +1,140 @@
+"""The training loop, shared by real runs and the simulator: collector and trainer under one task group.
+
+    for each step s:   batch = await collector.next_batch(s)     (waits: predicate + stall deadline)
+                       metrics = await trainer.train_step(batch)
+                       publish weights of version s + 1 (every generation.weight_sync_every steps)
+                       collector.step_trained()                   (admission opens again)
+
+Invariants:
+- One task group owns the collector's task and the loop; an error in either cancels the
+  other and reaches the caller. When the loop ends, for whatever reason, the collector is
+  stopped: admission ends and in-flight work is cancelled (reported as in flight, never
+  as failed).
+- `max_staleness: 0` is synchronous on-policy GRPO: the admission rule lets no group start
+  while a step is being trained or its weights are not yet served.
+- The outcome is returned, not raised: `completed` (max_steps reached, or data ran out
+  after at least one step), `failed` (the run's diagnostic) or `stalled` (StallError).
+  Cancellation (Ctrl-C, SIGTERM) propagates to the caller unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from asyncgrpo.config import Config
+from asyncgrpo.errors import Diagnostic, PipelineError, StallError
+from asyncgrpo.generation.base import Generator
+from asyncgrpo.rollout.collector import Collector
+from asyncgrpo.types import Group
+
+Outcome = Literal["completed", "failed", "stalled"]
+StopReason = Literal["max_steps", "data_exhausted", "signal", "error"]
+
+
+class StepBackend(Protocol):
+    """What the loop needs from a trainer: one step on a batch, and the weights to publish after it."""
+
+    async def train_step(self, groups: list[Group]) -> dict[str, float]: ...
+
+    def generation_weights(self) -> Mapping[str, Any] | None: ...
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Everything that happened in one step, for metrics and progress."""
+
+    step: int
+    batch: list[Group]
+    train_metrics: dict[str, float]
+    wait_s: float
+    step_s: float
+    weight_sync_s: float
+    staleness: list[int]
+
+
+@dataclass
+class PipelineResult:
+    outcome: Outcome
+    stop_reason: StopReason
+    steps: int
+    diagnostic: Diagnostic | None = None
+    error: PipelineError | None = None
+    staleness_max: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+async def run_pipeline(
+    cfg: Config,
+    *,
+    collector: Collector,
+    backend: StepBackend,
+    generator: Generator,
+    start_step: int = 0,
+    on_step: Callable[[StepRecord], Awaitable[None]] | None = None,
+) -> PipelineResult:
+    loop = asyncio.get_running_loop()
+    step = start_step
+    staleness_max = 0
+    stop_reason: StopReason = "max_steps"
+    sync_every = cfg.generation.weight_sync_every
+    failure: PipelineError | None = None
+    async with asyncio.TaskGroup() as task_group:
+        task_group.create_task(collector.run(), name="collector")
+        try:
+            while step < cfg.train.max_steps:
+                waited_from = loop.time()
+                batch = await collector.next_batch(step, cfg.stall_timeout_s)
+                if batch is None:
+                    stop_reason = "data_exhausted"
+                    break
+                started = loop.time()
+                metrics = await backend.train_step(batch)
+                trained = loop.time()
+                version = step + 1
+                if version % sync_every == 0:
+                    await generator.load_weights(backend.generation_weights(), version)
+                    collector.weights_published()
+                synced = loop.time()
+                collector.step_trained()
+                staleness = [group.staleness_at(step) for group in batch]
+                staleness_max = max(staleness_max, *staleness)
+                record = StepRecord(
+                    step=step,
+                    batch=batch,
+                    train_metrics=metrics,
+                    wait_s=started - waited_from,
+                    step_s=trained - started,
+                    weight_sync_s=synced - trained,
+                    staleness=staleness,
+                )
+                step += 1
+                collector.check_health()
+                if on_step is not None:
+                    await on_step(record)
+        except PipelineError as exc:  # the run's diagnostic: reported in the result, not raised
+            failure = exc
+        finally:
+            collector.stop()
+    if failure is not None:
+        return PipelineResult(
+            outcome="stalled" if isinstance(failure, StallError) else "failed",
+            stop_reason="error",
+            steps=step,
+            diagnostic=failure.diagnostic,
+            error=failure,
+            staleness_max=staleness_max,
+        )
+    if step == start_step:
+        diagnostic = Diagnostic(
+            kind="no_steps",
+            message=(
+                "The run ended without training a single step: the data ran out before one batch was complete "
+                f"(dropped so far: {collector.accounting.dropped}). Check data.source and the drop counters."
+            ),
+            trainer_step=step,
+        )
+        return PipelineResult("failed", "error", step, diagnostic, PipelineError(diagnostic), staleness_max)
+    return PipelineResult("completed", stop_reason, step, staleness_max=staleness_max)

@@ -1,0 +1,45 @@
+"""The replay buffer: finished groups waiting for a training step.
+
+Plain data structure; waiting for it happens in the collector, under its Condition.
+
+Invariants:
+- `take(n)` hands out the `n` groups of lowest generation version, ties broken by
+  completion order (`Group.seq`).
+- `remove_untrainable(step)` is the consumption-time check that makes the staleness bound
+  hard: called before every take, it removes every group whose staleness at `step` would
+  exceed K, so no such group can ever reach the loss.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from asyncgrpo.rollout.admission import is_trainable
+from asyncgrpo.types import Group
+
+
+class ReplayBuffer:
+    def __init__(self, max_staleness: int) -> None:
+        self.max_staleness = max_staleness
+        self._heap: list[tuple[int, int, Group]] = []
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def put(self, group: Group) -> None:
+        heapq.heappush(self._heap, (group.generation_version, group.seq, group))
+
+    def remove_untrainable(self, step: int) -> list[Group]:
+        """Remove and return the groups that may no longer be trained at `step` or later."""
+        stale = [g for _, _, g in self._heap if not is_trainable(generation_version=g.generation_version, step=step, max_staleness=self.max_staleness)]
+        if stale:
+            self._heap = [entry for entry in self._heap if is_trainable(generation_version=entry[2].generation_version, step=step, max_staleness=self.max_staleness)]
+            heapq.heapify(self._heap)
+        return stale
+
+    def take(self, n: int) -> list[Group]:
+        """Remove and return up to `n` groups, oldest generation version first."""
+        return [heapq.heappop(self._heap)[2] for _ in range(min(n, len(self._heap)))]
+
+    def groups(self) -> list[Group]:
+        return [g for _, _, g in sorted(self._heap)]

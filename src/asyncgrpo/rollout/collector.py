@@ -1,0 +1,510 @@
+"""The collector: takes prompts, generates their groups, scores them, and hands batches to the trainer.
+
+One `Collector` owns, for one run: the admission decisions, a task per in-flight group
+(and under it a task per rollout), the replay buffer, the accounting, the failure policy
+and the run's health. All of its state lives on one event loop and changes only in
+synchronous code; every change calls `StateSignal.notify()`.
+
+Invariants (DESIGN.md §2):
+- Every take of a prompt ends in exactly one outcome (`Accounting` checks the identity);
+  whoever ends a group first (finish, stale cancellation) removes it from `_in_flight`,
+  and only a group still there can be ended.
+- No group with staleness > K reaches the trainer: `next_batch` removes untrainable groups
+  right before taking a batch, and in-flight groups that can no longer make any step are
+  cancelled (requests aborted, slots freed) as soon as the steps move past them.
+- Errors are never swallowed: a rollout error is retried (transient), or fails the rollout
+  (counted); group outcomes feed the failure policy; a broken budget, a misconfigured
+  backend or a fatal reward error becomes the run's sticky diagnostic, which the trainer
+  raises through `check_health()`.
+- Cancellation (stale, shutdown, end of data) is never counted as a failure.
+- Tasks: `run()` owns a TaskGroup with one task per in-flight group; each group task owns
+  a TaskGroup with one task per dispatched rollout. `stop()` cancels them all; work
+  unfinished at exit stays reported as in flight or buffered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from asyncgrpo.config import Config
+from asyncgrpo.errors import (
+    Diagnostic,
+    MisconfiguredBackendError,
+    PromptRejectedError,
+    RequestTimeoutError,
+    RewardError,
+    TransientGenerationError,
+)
+from asyncgrpo.generation.base import Generator
+from asyncgrpo.rollout.accounting import Accounting
+from asyncgrpo.rollout.admission import is_doomed, is_trainable, may_admit_group
+from asyncgrpo.rollout.buffer import ReplayBuffer
+from asyncgrpo.rollout.failures import FailurePolicy, GroupOutcome
+from asyncgrpo.rollout.health import Health, format_traceback
+from asyncgrpo.rollout.signal import StateSignal
+from asyncgrpo.training.advantages import group_advantages
+from asyncgrpo.types import DROP_REASONS, Completion, DropReason, GenerationRequest, Group, Prompt, Rollout, SamplingParams
+
+COUNTER_NAMES: tuple[str, ...] = (
+    "rollout/failed_total",
+    "rollout/dropped_groups_total",
+    *(f"rollout/dropped/{reason}" for reason in DROP_REASONS),
+    "rollout/stale_groups_total",
+    "rollout/stale_samples_total",
+    "rollout/retries_total",
+    "rollout/requeued_total",
+    "rollout/wasted_tokens_total",
+    "rollout/generated_tokens_total",
+)
+
+
+class PromptSourceLike(Protocol):
+    @property
+    def exhausted(self) -> bool: ...
+
+    def take(self) -> Prompt | None: ...
+
+    def requeue(self, prompt: Prompt) -> None: ...
+
+
+class ScorerLike(Protocol):
+    async def score(self, prompt: Prompt, completions: list[str]) -> list[Any]: ...
+
+
+@dataclass
+class _InFlightGroup:
+    """A group between its take and its outcome. Lists are indexed by member (rollout) number."""
+
+    key: int
+    prompt: Prompt
+    size: int
+    task: asyncio.Task[None] | None = None
+    dispatched: int = 0
+    dispatch_versions: list[int | None] = field(default_factory=list)
+    completions: list[Completion | None] = field(default_factory=list)
+    errors: list[BaseException | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.dispatch_versions = [None] * self.size
+        self.completions = [None] * self.size
+        self.errors = [None] * self.size
+
+    def version_floor(self) -> int | None:
+        """Lowest version any of its tokens has or can have; None while nothing is dispatched."""
+        versions = [
+            c.generation_version if c is not None else v
+            for c, v in zip(self.completions, self.dispatch_versions)
+            if c is not None or v is not None
+        ]
+        return min(versions, default=None)
+
+    def finished_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions if c is not None)
+
+
+def request_seed(run_seed: int, prompt: Prompt, member: int) -> int:
+    """A per-request sampling seed, stable across runs and resumes for the same take of a prompt."""
+    text = f"{run_seed}:{prompt.id}:{prompt.epoch}:{prompt.requeues}:{member}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+class Collector:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        source: PromptSourceLike,
+        generator: Generator,
+        scorer: ScorerLike,
+        sampling: SamplingParams,
+        start_step: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.source = source
+        self.generator = generator
+        self.scorer = scorer
+        self.sampling = sampling
+        r = cfg.rollout
+        self.group_size = r.group_size
+        self.groups_per_step = r.groups_per_step
+        self.max_staleness = r.max_staleness
+        self.buffer = ReplayBuffer(r.max_staleness)
+        self.accounting = Accounting()
+        self.policy = FailurePolicy(
+            max_generation_failures=r.max_generation_failures,
+            drop_window=r.drop_window,
+            max_drop_fraction=r.max_drop_fraction,
+            max_filtered_fraction=r.max_filtered_fraction,
+        )
+        self.health = Health()
+        self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
+        self.steps_taken = start_step
+        self.in_training: list[Group] = []
+        self._signal = StateSignal()
+        self._in_flight: dict[int, _InFlightGroup] = {}
+        self._open_requests = 0
+        self._takes = 0
+        self._seq = 0
+        self._stopping = False
+        self._jitter = random.Random(cfg.run.seed)
+        self._last_progress = 0.0
+        self._task_group: asyncio.TaskGroup | None = None
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def in_flight_groups(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def open_requests(self) -> int:
+        return self._open_requests
+
+    def occupancy(self) -> int:
+        return len(self._in_flight) + len(self.buffer) + len(self.in_training)
+
+    def check_health(self) -> None:
+        self.health.check()
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _undispatched(self) -> int:
+        return sum(g.size - g.dispatched for g in self._in_flight.values())
+
+    def _may_admit(self) -> bool:
+        return not self.source.exhausted and may_admit_group(
+            occupancy=self.occupancy(),
+            max_staleness=self.max_staleness,
+            groups_per_step=self.groups_per_step,
+            steps_taken=self.steps_taken,
+            serving_version=self.generator.serving_version,
+            free_request_slots=self.cfg.generation.max_inflight - self._open_requests,
+            undispatched_rollouts=self._undispatched(),
+        )
+
+    def _data_done(self) -> bool:
+        """No group will ever reach the buffer again: the source is exhausted and nothing is in flight."""
+        return self.source.exhausted and not self._in_flight
+
+    # ------------------------------------------------------------------ dispatcher
+
+    async def run(self) -> None:
+        """Admit groups until `stop()`; owns every group task. Its waits end with `stop()` or the owner's cancellation."""
+        self._last_progress = self._now()
+        async with asyncio.TaskGroup() as task_group:
+            self._task_group = task_group
+            while True:
+                await self._signal.wait_for(lambda: self._stopping or self.health.failed or self._may_admit())
+                if self._stopping or self.health.failed:
+                    break
+                prompt = self.source.take()
+                if prompt is None:  # exhausted between the check and the take cannot happen on one loop
+                    raise AssertionError("prompt source reported data but returned none")
+                self._admit(prompt)
+            for group in list(self._in_flight.values()):
+                if group.task is not None:
+                    group.task.cancel()
+
+    def _admit(self, prompt: Prompt) -> None:
+        assert self._task_group is not None
+        self._takes += 1
+        group = _InFlightGroup(key=self._takes, prompt=prompt, size=self.group_size)
+        self.accounting.take()
+        self._in_flight[group.key] = group
+        group.task = self._task_group.create_task(self._run_group(group), name=f"group-{prompt.id}")
+        self._signal.notify()
+
+    def stop(self) -> None:
+        """Stop admitting and cancel every in-flight group (not a failure); returns at once, `run()` winds down."""
+        self._stopping = True
+        self._signal.notify()
+
+    # ------------------------------------------------------------------ one group
+
+    async def _run_group(self, group: _InFlightGroup) -> None:
+        async with asyncio.TaskGroup() as members:
+            for member in range(group.size):
+                await self._signal.wait_for(lambda: self._open_requests < self.cfg.generation.max_inflight)
+                self._open_requests += 1
+                group.dispatched += 1
+                group.dispatch_versions[member] = self.generator.serving_version
+                members.create_task(self._run_rollout(group, member), name=f"rollout-{group.prompt.id}-{member}")
+        await self._finish_group(group)
+
+    async def _run_rollout(self, group: _InFlightGroup, member: int) -> None:
+        prompt = group.prompt
+        request = GenerationRequest(
+            request_id=f"{prompt.id}-{prompt.epoch}-{prompt.requeues}-{member}",
+            prompt_id=prompt.id,
+            prompt_token_ids=prompt.token_ids,
+            sampling=self.sampling,
+            seed=request_seed(self.cfg.run.seed, prompt, member),
+        )
+        try:
+            completion = await self._generate_with_retries(request)
+        except MisconfiguredBackendError as exc:
+            group.errors[member] = exc
+            self.counters["rollout/failed_total"] += 1
+            self._fail_run(
+                Diagnostic(
+                    kind="misconfigured_backend",
+                    message=f"The generation backend rejects requests as configured: {exc}. Retrying cannot fix this; "
+                    f"check the model name, the server URL and its credentials.",
+                    backend=exc.backend or self.generator.name,
+                    generation_version=group.dispatch_versions[member],
+                    trainer_step=self.steps_taken,
+                    original=exc,
+                    traceback=format_traceback(exc),
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - classified: retries are exhausted or the error is not retryable
+            group.errors[member] = exc
+            self.counters["rollout/failed_total"] += 1
+        else:
+            group.completions[member] = completion
+            self.counters["rollout/generated_tokens_total"] += len(completion.token_ids)
+        finally:
+            self._open_requests -= 1
+            self._signal.notify()
+        self._last_progress = self._now()  # a rollout finished (a cancelled one never gets here)
+
+    async def _generate_with_retries(self, request: GenerationRequest) -> Completion:
+        """One rollout: transient errors retried with jittered exponential backoff, every attempt under
+        `request_timeout_s`, all of them under `rollout_deadline_s`. Anything else propagates at once."""
+        g = self.cfg.generation
+        deadline = self._now() + g.rollout_deadline_s
+        attempt = 0
+        while True:
+            remaining = deadline - self._now()
+            try:
+                async with asyncio.timeout(min(g.request_timeout_s, remaining)):
+                    return await self.generator.generate(request)
+            except TimeoutError as exc:
+                error: TransientGenerationError = RequestTimeoutError(
+                    f"request {request.request_id} got no answer within {min(g.request_timeout_s, remaining):g} s "
+                    f"(generation.request_timeout_s = {g.request_timeout_s:g})",
+                    backend=self.generator.name,
+                )
+                error.__cause__ = exc
+            except TransientGenerationError as exc:
+                error = exc
+            attempt += 1
+            delay = min(g.retry_backoff_max_s, g.retry_backoff_s * 2 ** (attempt - 1)) * (0.5 + 0.5 * self._jitter.random())
+            if self._now() + delay >= deadline:
+                raise RolloutDeadlineError(
+                    f"request {request.request_id} still failing after {attempt} attempts when its "
+                    f"generation.rollout_deadline_s = {g.rollout_deadline_s:g} ran out; last error: {error}",
+                    backend=self.generator.name,
+                ) from error
+            self.counters["rollout/retries_total"] += 1
+            await asyncio.sleep(delay)
+
+    async def _finish_group(self, group: _InFlightGroup) -> None:
+        survivors = [(m, c) for m, c in enumerate(group.completions) if c is not None]
+        errors = [e for e in group.errors if e is not None]
+        if not survivors:
+            if all(isinstance(e, PromptRejectedError) for e in errors):
+                self._end_dropped(group, "invalid_prompt", errors[0])
+            else:
+                self._end_dropped(group, "failed", errors[0])
+            return
+        if len(survivors) < self.cfg.rollout.min_group_survivors:
+            self._end_dropped(group, "too_few_survivors", errors[0] if errors else None)
+            return
+        try:
+            scored = await self.scorer.score(group.prompt, [c.text for _, c in survivors])
+        except RewardError as exc:
+            if self.cfg.reward.on_error == "fail":
+                self._fail_run(
+                    Diagnostic(
+                        kind="reward_error",
+                        message=f"A reward function failed: {exc}. Fix the function, or set reward.on_error: drop "
+                        f"to drop such groups (counted as reward_error) instead of stopping.",
+                        generation_version=group.version_floor(),
+                        trainer_step=self.steps_taken,
+                        original=exc,
+                        traceback=format_traceback(exc),
+                    )
+                )
+            self._end_dropped(group, "reward_error", exc)
+            return
+        kept = [(c, s) for (_, c), s in zip(survivors, scored) if s.reward is not None]
+        if len(kept) < self.cfg.rollout.min_group_survivors:
+            self._end_dropped(group, "too_few_survivors", None)
+            return
+        rewards = [float(s.reward) for _, s in kept]
+        if self.cfg.rollout.filter_zero_variance and max(rewards) == min(rewards):
+            self._end_dropped(group, "filtered", None)
+            return
+        advantages = group_advantages(rewards, scale_by_std=self.cfg.train.loss.scale_by_std)
+        self._seq += 1
+        finished = Group(
+            prompt=group.prompt,
+            rollouts=tuple(
+                Rollout(completion=c, reward=r, advantage=a, reward_terms=dict(s.terms))
+                for (c, s), r, a in zip(kept, rewards, advantages)
+            ),
+            seq=self._seq,
+            failed_rollouts=len(errors),
+        )
+        if is_doomed(version_floor=finished.generation_version, steps_taken=self.steps_taken, max_staleness=self.max_staleness):
+            self._end_stale(group)
+            return
+        del self._in_flight[group.key]
+        self.accounting.buffer()
+        self.buffer.put(finished)
+        self._record_outcome("success", None)
+        self._signal.notify()
+
+    # ------------------------------------------------------------------ outcomes
+
+    def _end_dropped(self, group: _InFlightGroup, reason: DropReason, error: BaseException | None) -> None:
+        del self._in_flight[group.key]
+        self.accounting.drop_in_flight(reason)
+        self._count_drop(reason)
+        self._record_outcome(reason, error)  # type: ignore[arg-type]
+        self._signal.notify()
+
+    def _end_stale(self, group: _InFlightGroup) -> None:
+        """Cancel a group no remaining step can train: abort its rollouts, then requeue or drop its prompt."""
+        del self._in_flight[group.key]
+        if group.task is not None and group.task is not asyncio.current_task():
+            group.task.cancel()
+        self.counters["rollout/stale_groups_total"] += 1
+        finished = [c for c in group.completions if c is not None]
+        self.counters["rollout/stale_samples_total"] += len(finished)
+        self.counters["rollout/wasted_tokens_total"] += group.finished_tokens()
+        prompt = group.prompt
+        if self.cfg.rollout.on_stale == "requeue" and prompt.requeues < self.cfg.rollout.max_requeues:
+            self.accounting.requeue_in_flight()
+            self.counters["rollout/requeued_total"] += 1
+            self.source.requeue(prompt)
+        else:
+            self.accounting.drop_in_flight("stale")
+            self._count_drop("stale")
+        self._signal.notify()
+
+    def _count_drop(self, reason: DropReason) -> None:
+        self.counters["rollout/dropped_groups_total"] += 1
+        self.counters[f"rollout/dropped/{reason}"] += 1
+
+    def _record_outcome(self, outcome: GroupOutcome, error: BaseException | None) -> None:
+        verdict = self.policy.record(outcome, error)
+        if verdict is None:
+            return
+        first = next(iter(verdict.examples.values()), None)
+        self._fail_run(
+            Diagnostic(
+                kind=verdict.kind,
+                message=verdict.message,
+                backend=self.generator.name,
+                generation_version=self.generator.serving_version,
+                trainer_step=self.steps_taken,
+                count=verdict.count,
+                threshold=verdict.threshold,
+                original=first,
+                traceback=format_traceback(first),
+                details={
+                    "by_reason": verdict.by_reason,
+                    "examples": {reason: repr(e) for reason, e in verdict.examples.items()},
+                },
+            )
+        )
+
+    def _fail_run(self, diagnostic: Diagnostic) -> None:
+        self.health.fail(diagnostic)
+        self._signal.notify()
+
+    def _cancel_doomed(self) -> None:
+        for group in list(self._in_flight.values()):
+            floor = group.version_floor()
+            if floor is not None and is_doomed(version_floor=floor, steps_taken=self.steps_taken, max_staleness=self.max_staleness):
+                self._end_stale(group)
+
+    def _expire_buffered(self, step: int) -> None:
+        for group in self.buffer.remove_untrainable(step):
+            self.accounting.drop_buffered("stale")
+            self._count_drop("stale")
+            self.counters["rollout/stale_groups_total"] += 1
+            self.counters["rollout/stale_samples_total"] += len(group.rollouts)
+            self.counters["rollout/wasted_tokens_total"] += sum(len(r.completion.token_ids) for r in group.rollouts)
+
+    # ------------------------------------------------------------------ the trainer's side
+
+    async def next_batch(self, step: int, stall_timeout_s: float) -> list[Group] | None:
+        """Wait for step `step`'s batch: `groups_per_step` trainable groups, oldest first.
+
+        Returns a smaller final batch at end of data (unless `data.drop_last`), None when no
+        group is left to train, raises the run's diagnostic if it failed, and `StallError` if
+        no rollout finished and no step trained for `stall_timeout_s`.
+        """
+        if step != self.steps_taken:
+            raise AssertionError(f"next_batch({step}) but {self.steps_taken} steps were taken")
+        while True:
+            self.check_health()
+            self._expire_buffered(step)
+            if len(self.buffer) >= self.groups_per_step:
+                return self._take(step, self.groups_per_step)
+            if self._data_done():
+                if len(self.buffer) and not self.cfg.data.drop_last:
+                    return self._take(step, len(self.buffer))
+                return None
+            deadline = self._last_progress + stall_timeout_s
+            if self._now() >= deadline:
+                self._fail_run(self._stall_diagnostic(step, stall_timeout_s))
+                continue
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._signal.wait_for(
+                        lambda: len(self.buffer) >= self.groups_per_step or self._data_done() or self.health.failed
+                    )
+            except TimeoutError:
+                pass  # the loop re-checks: progress may have moved the deadline
+
+    def _take(self, step: int, n: int) -> list[Group]:
+        batch = self.buffer.take(n)
+        for group in batch:
+            if not is_trainable(generation_version=group.generation_version, step=step, max_staleness=self.max_staleness):
+                raise AssertionError(f"group of version {group.generation_version} taken for step {step} with K={self.max_staleness}")
+        self.in_training = batch
+        self.steps_taken = step + 1
+        self._cancel_doomed()
+        self._expire_buffered(self.steps_taken)
+        self._signal.notify()
+        return batch
+
+    def step_trained(self) -> None:
+        """The step that took `in_training` has completed and its weights are published."""
+        self.accounting.train_buffered(len(self.in_training))
+        self.in_training = []
+        self._last_progress = self._now()
+        self._signal.notify()
+
+    def weights_published(self) -> None:
+        """A generator's serving version changed: admission may open."""
+        self._signal.notify()
+
+    def _stall_diagnostic(self, step: int, stall_timeout_s: float) -> Diagnostic:
+        return Diagnostic(
+            kind="stall",
+            message=(
+                f"The pipeline stalled: no rollout finished and no step trained for {stall_timeout_s:g} s "
+                f"(rollout.stall_timeout_s) while step {step} waited for {self.groups_per_step} groups. "
+                f"State: {len(self.buffer)} buffered, {len(self._in_flight)} groups in flight with "
+                f"{self._open_requests} requests open, source exhausted: {self.source.exhausted}, "
+                f"serving version {self.generator.serving_version}. Check that the generation backend answers."
+            ),
+            backend=self.generator.name,
+            generation_version=self.generator.serving_version,
+            trainer_step=step,
+            threshold=stall_timeout_s,
+        )
+
+
+class RolloutDeadlineError(TransientGenerationError):
+    """A rollout's transient errors outlasted `generation.rollout_deadline_s`."""

@@ -1,0 +1,116 @@
+"""The failure policy: when do dropped groups become a fatal error? Pure; no tasks, no I/O.
+
+Rules (DESIGN.md §3 "Failures"):
+- Consecutive budget: a group whose rollouts all failed (not all by prompt rejection) is a
+  *generation failure*. More than `max_generation_failures` in a row fail the run. A group
+  that succeeds resets the streak; `too_few_survivors`, `invalid_prompt`, `filtered` and
+  `reward_error` drops leave it unchanged.
+- Trickle rule: once `drop_window` groups have finished, if more than `max_drop_fraction` of
+  the last window were dropped as failed/too_few_survivors/invalid_prompt/reward_error, or
+  more than `max_filtered_fraction` were filtered, the run fails. A fraction of 1.0 turns a
+  rule off.
+- Cancellation (stale, shutdown, end of data) is not an outcome here and never counts.
+
+`record` returns a `Verdict` the first time a rule is broken and keeps returning it (the
+caller keeps the first one; the policy does not need to know).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+GroupOutcome = Literal["success", "failed", "too_few_survivors", "invalid_prompt", "filtered", "reward_error"]
+WINDOW_DROP_REASONS: tuple[GroupOutcome, ...] = ("failed", "too_few_survivors", "invalid_prompt", "reward_error")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A broken rule: which, the count against its threshold, and the first error of each drop reason."""
+
+    kind: Literal["generation_failures", "drop_fraction", "filtered_fraction"]
+    message: str
+    count: int
+    threshold: float
+    examples: dict[str, BaseException] = field(default_factory=dict)
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class FailurePolicy:
+    def __init__(
+        self,
+        *,
+        max_generation_failures: int,
+        drop_window: int,
+        max_drop_fraction: float,
+        max_filtered_fraction: float,
+    ) -> None:
+        self.max_generation_failures = max_generation_failures
+        self.drop_window = drop_window
+        self.max_drop_fraction = max_drop_fraction
+        self.max_filtered_fraction = max_filtered_fraction
+        self.streak = 0
+        self._window: deque[GroupOutcome] = deque(maxlen=drop_window)
+        self._finished = 0
+        self._examples: dict[str, BaseException] = {}
+
+    def record(self, outcome: GroupOutcome, error: BaseException | None = None) -> Verdict | None:
+        """Account one finished group; return a Verdict if a rule is now broken."""
+        if error is not None:
+            self._examples.setdefault(outcome, error)
+        if outcome == "success":
+            self.streak = 0
+        elif outcome == "failed":
+            self.streak += 1
+        self._window.append(outcome)
+        self._finished += 1
+
+        if self.streak > self.max_generation_failures:
+            return Verdict(
+                kind="generation_failures",
+                message=(
+                    f"{self.streak} consecutive groups had every rollout fail, more than "
+                    f"rollout.max_generation_failures = {self.max_generation_failures}. Generation is not working: "
+                    f"check the backend (the first error is below). Raise rollout.max_generation_failures only if "
+                    f"such failures are expected and transient."
+                ),
+                count=self.streak,
+                threshold=self.max_generation_failures,
+                examples=dict(self._examples),
+            )
+        if self._finished < self.drop_window:
+            return None
+        counts = Counter(self._window)
+        dropped = sum(counts[r] for r in WINDOW_DROP_REASONS)
+        if dropped > self.max_drop_fraction * self.drop_window:
+            by_reason = {r: counts[r] for r in WINDOW_DROP_REASONS if counts[r]}
+            return Verdict(
+                kind="drop_fraction",
+                message=(
+                    f"{dropped} of the last {self.drop_window} groups were dropped ({_format(by_reason)}), more than "
+                    f"rollout.max_drop_fraction = {self.max_drop_fraction:g}. Too little data reaches training: fix the "
+                    f"cause below, or set rollout.max_drop_fraction: 1.0 to turn this rule off."
+                ),
+                count=dropped,
+                threshold=self.max_drop_fraction,
+                examples={r: e for r, e in self._examples.items() if r in by_reason},
+                by_reason=by_reason,
+            )
+        if counts["filtered"] > self.max_filtered_fraction * self.drop_window:
+            return Verdict(
+                kind="filtered_fraction",
+                message=(
+                    f"{counts['filtered']} of the last {self.drop_window} groups had rewards that were all equal and "
+                    f"were filtered, more than rollout.max_filtered_fraction = {self.max_filtered_fraction:g}: the rewards "
+                    f"carry no signal. Check the reward function or the task difficulty."
+                ),
+                count=counts["filtered"],
+                threshold=self.max_filtered_fraction,
+                by_reason={"filtered": counts["filtered"]},
+            )
+        return None
+
+
+def _format(by_reason: dict[str, int]) -> str:
+    return ", ".join(f"{reason}: {n}" for reason, n in by_reason.items())

@@ -1,0 +1,136 @@
+"""`asyncgrpo simulate`: the whole pipeline on virtual time, with the scripted backend and the stub trainer.
+
+The collector, buffer, policies, reward scoring and the training loop are the real ones;
+only generation (seeded latencies, lengths and faults) and the optimizer step (a fixed
+virtual duration) are scripted. A simulated hour takes well under a second, so users can
+tune staleness, concurrency and failure tolerance, and chaos-test a recipe, before
+spending GPU hours; the test suite uses it to check every invariant under faults.
+
+Invariants checked on every run (a violation raises `InvariantViolation`, a bug):
+accounting balances; no trained group exceeded the staleness bound; every task the
+pipeline started has ended when it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from asyncgrpo.config import Config
+from asyncgrpo.data.loading import build_prompts, read_rows
+from asyncgrpo.data.source import PromptSource
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
+from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline
+from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rollout.collector import Collector
+from asyncgrpo.training.stub import StubTrainer
+from asyncgrpo.types import SamplingParams
+from asyncgrpo.vtime import run_virtual
+
+EXIT_CODES = {"completed": 0, "failed": 1, "stalled": 2}
+
+
+class InvariantViolation(AssertionError):
+    """The pipeline broke one of DESIGN.md §2's invariants: always a bug in asyncgrpo."""
+
+
+@dataclass
+class Simulation:
+    """A finished simulation: the pipeline's result and what the report needs."""
+
+    cfg: Config
+    result: PipelineResult
+    collector: Collector
+    generator: ScriptedGenerator
+    trainer: StubTrainer
+    records: list[StepRecord]
+    virtual_time_s: float
+    wall_time_s: float
+
+    def report(self) -> dict[str, Any]:
+        """The `simulate --json` object (format documented in the README)."""
+        cfg, r = self.cfg, self.result
+        trained_completions = sum(len(g.rollouts) for g in self.trainer.trained_groups)
+        generation_capacity = cfg.generation.max_inflight / mean_of(cfg.generation.scripted.latency_s)
+        training_capacity = cfg.rollout.groups_per_step * cfg.rollout.group_size / cfg.train.step_time_s
+        bound = min(generation_capacity, training_capacity)
+        rate = trained_completions / self.virtual_time_s if self.virtual_time_s > 0 else 0.0
+        return {
+            "outcome": r.outcome,
+            "stop_reason": r.stop_reason,
+            "steps": r.steps,
+            "error": None if r.diagnostic is None else r.diagnostic.to_json(),
+            "counters": dict(self.collector.counters),
+            "staleness_max": r.staleness_max,
+            "accounting": self.collector.accounting.to_json(),
+            "virtual_time_s": round(self.virtual_time_s, 6),
+            "wall_time_s": round(self.wall_time_s, 6),
+            "efficiency": round(rate / bound, 6) if bound > 0 else 0.0,
+            "trained_completions": trained_completions,
+            "capacity_bound_completions_per_s": round(bound, 6),
+            "generator": {"completed": self.generator.completed, "aborted": self.generator.aborted},
+        }
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.result.outcome]
+
+
+def check_simulatable(cfg: Config) -> None:
+    problems = []
+    if cfg.generation.backend != "scripted":
+        problems.append(f"generation.backend = {cfg.generation.backend!r}: simulate needs 'scripted'. Fix: add generation.backend=scripted.")
+    if cfg.train.backend != "stub":
+        problems.append(f"train.backend = {cfg.train.backend!r}: simulate needs 'stub'. Fix: add train.backend=stub.")
+    if problems:
+        raise ConfigError("simulate runs on virtual time with a scripted generator and a stub trainer:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def simulate(cfg: Config) -> Simulation:
+    """Run one simulation to its end; config errors raise ConfigError, invariant breaks InvariantViolation."""
+    check_simulatable(cfg)
+    rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)
+    prompts, _ = build_prompts(rows, prompt_key=cfg.data.prompt_key, tokenizer=None, max_prompt_tokens=cfg.data.max_prompt_tokens)
+    source = PromptSource(prompts, num_epochs=cfg.data.num_epochs, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
+    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), cfg.reward.weights, cfg.reward.timeout_s, sync_in_thread=False)
+    generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
+    trainer = StubTrainer(cfg.train.step_time_s)
+    sampling = SamplingParams(
+        max_new_tokens=cfg.generation.max_new_tokens,
+        temperature=cfg.generation.temperature,
+        top_p=cfg.generation.top_p,
+        stop_token_ids=tuple(cfg.generation.stop_token_ids),
+    )
+    collector = Collector(cfg, source=source, generator=generator, scorer=scorer, sampling=sampling)
+    records: list[StepRecord] = []
+
+    async def record(step: StepRecord) -> None:
+        records.append(step)
+
+    async def main() -> tuple[PipelineResult, float]:
+        result = await run_pipeline(cfg, collector=collector, backend=trainer, generator=generator, on_step=record)
+        leftovers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if leftovers:
+            raise InvariantViolation(f"tasks outlived the pipeline: {[t.get_name() for t in leftovers]}")
+        return result, asyncio.get_running_loop().time()
+
+    wall_start = time.perf_counter()
+    result, virtual_time = run_virtual(main())
+    simulation = Simulation(cfg, result, collector, generator, trainer, records, virtual_time, time.perf_counter() - wall_start)
+    check_invariants(simulation)
+    return simulation
+
+
+def check_invariants(sim: Simulation) -> None:
+    acc = sim.collector.accounting
+    if not acc.balanced():
+        raise InvariantViolation(f"accounting does not add up: {acc.to_json()}")
+    k = sim.cfg.rollout.max_staleness
+    for record in sim.records:
+        if any(s > k for s in record.staleness):
+            raise InvariantViolation(f"step {record.step} trained staleness {max(record.staleness)} > max_staleness {k}")
+    if acc.trained != len(sim.trainer.trained_groups):
+        raise InvariantViolation(f"accounting says {acc.trained} trained, the trainer saw {len(sim.trainer.trained_groups)}")

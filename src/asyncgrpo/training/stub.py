@@ -1,0 +1,32 @@
+"""The stub trainer of the simulator: a step takes `train.step_time_s` of (virtual) time and learns nothing.
+
+It reports only what it can measure honestly from the batch (no loss, no gradients), and
+publishes no weights (`generation_weights()` is None), so the scripted backend only
+records the new serving version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from asyncgrpo.types import Group
+
+
+class StubTrainer:
+    def __init__(self, step_time_s: float) -> None:
+        self.step_time_s = step_time_s
+        self.trained_groups: list[Group] = []
+
+    async def train_step(self, groups: list[Group]) -> dict[str, float]:
+        await asyncio.sleep(self.step_time_s)
+        self.trained_groups.extend(groups)
+        completions = [r.completion for g in groups for r in g.rollouts]
+        return {
+            "completion/len_mean": sum(len(c.token_ids) for c in completions) / len(completions),
+            "completion/len_max": float(max(len(c.token_ids) for c in completions)),
+        }
+
+    def generation_weights(self) -> Mapping[str, Any] | None:
+        return None

@@ -1,0 +1,76 @@
+"""Random small pipeline scenarios for the chaos suite, each fully determined by one integer seed.
+
+`scenario(seed)` returns a recipe dict: at most 6 steps, at most 4 groups of at most 4 per
+step, random latencies and lengths, transient errors, non-retryable errors, outages,
+hangs, per-prompt exceptions, staleness 0-4 and random tolerances.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+FAULT_KINDS = ("http_500", "http_429", "connection_refused", "http_400", "prompt_too_long", "hang", "exception")
+
+
+def scenario(seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    group_size = rng.randint(2, 4)
+    max_staleness = rng.randint(0, 4)
+    faults: list[dict[str, Any]] = []
+    for _ in range(rng.choice((0, 0, 1, 2, 3))):
+        kind = rng.choice(FAULT_KINDS)
+        fault: dict[str, Any] = {"error": kind, "rate": rng.choice((0.05, 0.2, 0.5, 1.0))}
+        if rng.random() < 0.4:
+            start = rng.uniform(0, 20)
+            fault.update(from_s=round(start, 3), until_s=round(start + rng.uniform(1, 30), 3))
+        if kind == "exception" or rng.random() < 0.15:
+            fault["prompts"] = rng.sample(range(40), rng.randint(1, 4))
+        faults.append(fault)
+    latency = rng.choice(
+        (
+            {"dist": "const", "value": round(rng.uniform(0.1, 3), 3)},
+            {"dist": "uniform", "low": 0.05, "high": round(rng.uniform(0.1, 5), 3)},
+            {"dist": "lognormal", "median": round(rng.uniform(0.2, 2), 3), "sigma": round(rng.uniform(0, 1.2), 3), "max": 20},
+        )
+    )
+    return {
+        "run": {"name": f"chaos-{seed}", "seed": seed},
+        "data": {
+            "source": "builtin:repeat_letter",
+            "builtin_size": rng.randint(1, 40),
+            "num_epochs": rng.randint(1, 2),
+            "drop_last": rng.random() < 0.3,
+        },
+        "reward": {"functions": ["builtin:coin"], "on_error": rng.choice(("fail", "drop"))},
+        "generation": {
+            "backend": "scripted",
+            "max_new_tokens": 64,
+            "max_inflight": rng.randint(1, 16),
+            "request_timeout_s": 5.0,
+            "rollout_deadline_s": round(rng.uniform(5, 25), 3),
+            "retry_backoff_s": 0.2,
+            "retry_backoff_max_s": 2.0,
+            "weight_sync_every": rng.randint(1, max_staleness + 1),
+            "scripted": {
+                "latency_s": latency,
+                "tokens": {"dist": "uniform", "low": 1, "high": 64},
+                "faults": faults,
+            },
+        },
+        "rollout": {
+            "group_size": group_size,
+            "groups_per_step": rng.randint(1, 4),
+            "max_staleness": max_staleness,
+            "on_stale": rng.choice(("requeue", "drop")),
+            "max_requeues": rng.randint(0, 2),
+            "min_group_survivors": rng.randint(2, group_size),
+            "max_generation_failures": rng.randint(0, 4),
+            "drop_window": rng.randint(2, 16),
+            "max_drop_fraction": rng.choice((0.3, 0.5, 1.0)),
+            "max_filtered_fraction": rng.choice((0.5, 1.0)),
+            "filter_zero_variance": rng.random() < 0.3,
+            "stall_timeout_s": 120.0,
+        },
+        "train": {"backend": "stub", "step_time_s": round(rng.uniform(0.1, 4), 3), "max_steps": rng.randint(1, 6)},
+    }
