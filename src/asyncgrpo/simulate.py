@@ -22,6 +22,7 @@ from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, read_rows
 from asyncgrpo.data.source import PromptSource
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
 from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
@@ -44,7 +45,7 @@ class Simulation:
     cfg: Config
     result: PipelineResult
     collector: Collector
-    generator: ScriptedGenerator
+    generator: Generator
     trainer: StubTrainer
     records: list[StepRecord]
     virtual_time_s: float
@@ -71,7 +72,6 @@ class Simulation:
             "efficiency": round(rate / bound, 6) if bound > 0 else 0.0,
             "trained_completions": trained_completions,
             "capacity_bound_completions_per_s": round(bound, 6),
-            "generator": {"completed": self.generator.completed, "aborted": self.generator.aborted},
         }
 
     @property
@@ -89,14 +89,19 @@ def check_simulatable(cfg: Config) -> None:
         raise ConfigError("simulate runs on virtual time with a scripted generator and a stub trainer:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def simulate(cfg: Config) -> Simulation:
-    """Run one simulation to its end; config errors raise ConfigError, invariant breaks InvariantViolation."""
+def simulate(cfg: Config, generator: Generator | None = None) -> Simulation:
+    """Run one simulation to its end; config errors raise ConfigError, invariant breaks InvariantViolation.
+
+    `generator` replaces the scripted backend (tests drive exact request fates with it); it
+    must read time only through the event loop.
+    """
     check_simulatable(cfg)
     rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)
     prompts, _ = build_prompts(rows, prompt_key=cfg.data.prompt_key, tokenizer=None, max_prompt_tokens=cfg.data.max_prompt_tokens)
     source = PromptSource(prompts, num_epochs=cfg.data.num_epochs, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
     scorer = RewardScorer(resolve_rewards(cfg.reward.functions), cfg.reward.weights, cfg.reward.timeout_s, sync_in_thread=False)
-    generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
+    if generator is None:
+        generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
     trainer = StubTrainer(cfg.train.step_time_s)
     sampling = SamplingParams(
         max_new_tokens=cfg.generation.max_new_tokens,

@@ -30,8 +30,8 @@ def scenario(seed: int) -> dict[str, Any]:
     latency = rng.choice(
         (
             {"dist": "const", "value": round(rng.uniform(0.1, 3), 3)},
-            {"dist": "uniform", "low": 0.05, "high": round(rng.uniform(0.1, 5), 3)},
-            {"dist": "lognormal", "median": round(rng.uniform(0.2, 2), 3), "sigma": round(rng.uniform(0, 1.2), 3), "max": 20},
+            {"dist": "uniform", "low": 0.05, "high": round(rng.uniform(0.1, 4.5), 3)},
+            {"dist": "lognormal", "median": round(rng.uniform(0.2, 2), 3), "sigma": round(rng.uniform(0, 1.2), 3), "max": 4.5},
         )
     )
     return {

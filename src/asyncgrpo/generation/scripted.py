@@ -61,6 +61,7 @@ class ScriptedGenerator:
         self._attempts: Counter[str] = Counter()
         self.aborted = 0  # requests cancelled while in progress (the server stopped generating them)
         self.completed = 0
+        self.in_progress = 0
 
     @property
     def serving_version(self) -> int:
@@ -80,6 +81,7 @@ class ScriptedGenerator:
         rng = random.Random(_stream_seed(self.seed, request.request_id, self._attempts[request.request_id]))
         dispatch_version = self._version
         now = asyncio.get_running_loop().time()
+        self.in_progress += 1
         try:
             for fault in self.cfg.faults:
                 if _applies(fault, request.prompt_id, now) and rng.random() < fault.rate:
@@ -88,6 +90,8 @@ class ScriptedGenerator:
         except asyncio.CancelledError:
             self.aborted += 1
             raise
+        finally:
+            self.in_progress -= 1
         length = max(1, min(self.max_new_tokens, request.sampling.max_new_tokens, round(sample(self.cfg.tokens, rng))))
         self.completed += 1
         return Completion(

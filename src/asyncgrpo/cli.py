@@ -1,0 +1,104 @@
+"""`asyncgrpo train|simulate|check RECIPE [dotted.key=value ...]`: argument parsing and exit codes only.
+
+Exit codes: 0 completed, 1 failed (the run's diagnostic is printed), 2 stalled,
+3 bad config (reported before any model loads), 130/143 interrupted by SIGINT/SIGTERM.
+Errors are one paragraph on stderr; `--debug` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import traceback
+
+from asyncgrpo.config import Config, load_config, tolerance_warnings
+from asyncgrpo.errors import AsyncGRPOError, ConfigError
+
+EXIT_CONFIG = 3
+
+log = logging.getLogger("asyncgrpo")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncgrpo", description="Asynchronous GRPO training that never hangs and never loses a prompt.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def recipe_command(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("recipe", help="YAML recipe, e.g. recipes/demo.yaml")
+        p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=5")
+        p.add_argument("--debug", action="store_true", help="show tracebacks")
+        return p
+
+    recipe_command("train", "Train a model with GRPO as the recipe says.")
+    sim = recipe_command("simulate", "Run the recipe's pipeline on virtual time with a scripted backend and a stub trainer.")
+    sim.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    recipe_command("check", "Validate a recipe and the files it names, then exit.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+        for warning in tolerance_warnings(cfg):
+            log.warning("warning: %s", warning)
+        if args.command == "simulate":
+            return _simulate(cfg, as_json=args.json)
+        if args.command == "check":
+            from asyncgrpo.run import preflight
+
+            preflight(cfg)
+            print(f"{args.recipe}: ok")
+            return 0
+        from asyncgrpo.run import train_cli
+
+        return train_cli(cfg)
+    except ConfigError as exc:
+        _report(exc, args.debug, prefix="config error: ")
+        return EXIT_CONFIG
+    except AsyncGRPOError as exc:
+        _report(exc, args.debug, prefix="error: ")
+        return 1
+
+
+def _simulate(cfg: Config, *, as_json: bool) -> int:
+    from asyncgrpo.simulate import simulate
+
+    simulation = simulate(cfg)
+    report = simulation.report()
+    if as_json:
+        print(json.dumps(report))
+    else:
+        print(_format_simulation(report))
+    return simulation.exit_code
+
+
+def _format_simulation(report: dict) -> str:
+    acc = report["accounting"]
+    dropped = ", ".join(f"{k} {v}" for k, v in acc["dropped"].items() if v) or "none"
+    lines = [
+        f"outcome: {report['outcome']} ({report['stop_reason']}) after {report['steps']} steps, "
+        f"{report['virtual_time_s']:.1f} virtual s in {report['wall_time_s']:.2f} wall s",
+        f"efficiency: {report['efficiency']:.2f} of the bound {report['capacity_bound_completions_per_s']:.2f} completions/s",
+        f"prompts: taken {acc['taken']}, trained {acc['trained']}, requeued {acc['requeued']}, dropped: {dropped}, "
+        f"in flight at exit {acc['in_flight']}, buffered at exit {acc['buffered']}",
+        f"max staleness trained: {report['staleness_max']}",
+        "counters: " + ", ".join(f"{k.removeprefix('rollout/')} {v}" for k, v in report["counters"].items() if v),
+    ]
+    if report["error"]:
+        lines.append(f"error ({report['error']['kind']}): {report['error']['message']}")
+    return "\n".join(lines)
+
+
+def _report(exc: BaseException, debug: bool, prefix: str) -> None:
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"{prefix}{exc}", file=sys.stderr)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

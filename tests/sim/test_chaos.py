@@ -1,0 +1,97 @@
+"""The chaos suite: thousands of small seeded scenarios on virtual time, each checked against every invariant.
+
+Each scenario (tests/sim/scenarios.py) draws staleness, tolerances, latencies, transient and
+non-retryable errors, outages, hangs and per-prompt exceptions from one seed. A failing seed
+prints the one-line command that replays it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from asyncgrpo.config import validate_config
+from asyncgrpo.simulate import Simulation, simulate
+from tests.sim.scenarios import scenario
+
+BATCH = 100
+
+
+def replay_command(seed: int) -> str:
+    return f".venv/bin/python -m pytest -q tests/sim/test_chaos.py --chaos-seed={seed}"
+
+
+def check_scenario(seed: int) -> Simulation:
+    cfg = validate_config(scenario(seed), source=f"chaos scenario {seed}")
+    try:
+        sim = simulate(cfg)
+        check_outcome(sim)
+    except BaseException as exc:
+        raise AssertionError(f"chaos scenario {seed} broke an invariant: {exc!r}\n  replay: {replay_command(seed)}") from exc
+    return sim
+
+
+def check_outcome(sim: Simulation) -> None:
+    """The invariants simulate() does not already check (it checks accounting, staleness and leftover tasks)."""
+    cfg, result, collector = sim.cfg, sim.result, sim.collector
+    acc = collector.accounting
+    # No hang: every run ends with a result; a stall is impossible with these deadlines.
+    assert result.outcome in ("completed", "failed"), f"outcome {result.outcome}: {result.diagnostic}"
+    # Exactly-once: the buckets match the collector's live state.
+    assert acc.in_flight == collector.in_flight_groups
+    assert acc.buffered == len(collector.buffer) + len(collector.in_training)
+    assert collector.open_requests == 0, "requests still counted open after the pipeline ended"
+    assert sim.generator.in_progress == 0, "a request kept running after its rollout ended"
+    # No prompt is trained twice in the same epoch.
+    taken = Counter((g.prompt.id, g.prompt.epoch) for g in sim.trainer.trained_groups)
+    assert not [k for k, n in taken.items() if n > 1], "a prompt was trained twice in one epoch"
+    # Counters agree with the accounting.
+    counters = collector.counters
+    assert counters["rollout/dropped_groups_total"] == sum(acc.dropped.values())
+    for reason, n in acc.dropped.items():
+        assert counters[f"rollout/dropped/{reason}"] == n
+    assert counters["rollout/requeued_total"] == acc.requeued
+    if result.outcome == "completed":
+        assert result.diagnostic is None
+        if result.stop_reason == "max_steps":
+            assert result.steps == cfg.train.max_steps
+        else:
+            # End of data: everything that was in flight finished and was trained (or dropped).
+            assert acc.in_flight == 0
+            assert acc.buffered == 0 or (cfg.data.drop_last and acc.buffered < cfg.rollout.groups_per_step)
+    else:
+        d = result.diagnostic
+        assert d is not None and d.kind in {"generation_failures", "drop_fraction", "filtered_fraction", "misconfigured_backend", "reward_error", "no_steps"}
+        if d.kind == "generation_failures":
+            assert d.count == cfg.rollout.max_generation_failures + 1
+            assert d.original is not None and d.traceback
+    # Cancellation is not failure: without faults nothing fails.
+    if not cfg.generation.scripted.faults:
+        assert counters["rollout/failed_total"] == 0
+        assert acc.dropped["failed"] == acc.dropped["invalid_prompt"] == acc.dropped["too_few_survivors"] == 0
+
+
+def seeds(config: pytest.Config) -> list[int]:
+    chosen = config.getoption("--chaos-seed")
+    if chosen is not None:
+        return [chosen]
+    return list(range(config.getoption("--chaos-scenarios")))
+
+
+@pytest.fixture
+def chaos_seeds(request: pytest.FixtureRequest) -> list[int]:
+    return seeds(request.config)
+
+
+@pytest.mark.timeout(600)
+def test_chaos_scenarios_keep_every_invariant(chaos_seeds: list[int]) -> None:
+    outcomes: Counter[str] = Counter()
+    for seed in chaos_seeds:
+        sim = check_scenario(seed)
+        kind = sim.result.diagnostic.kind if sim.result.diagnostic else sim.result.stop_reason
+        outcomes[f"{sim.result.outcome}:{kind}"] += 1
+    if len(chaos_seeds) >= 500:
+        # The sweep must exercise the interesting paths, not only happy runs.
+        for expected in ("completed:max_steps", "completed:data_exhausted", "failed:generation_failures", "failed:drop_fraction"):
+            assert outcomes[expected] > 0, f"no scenario reached {expected}: {outcomes}"

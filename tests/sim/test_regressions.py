@@ -1,0 +1,218 @@
+"""Named regressions: each one hangs, loses a prompt or miscounts on a naive implementation.
+
+All run on virtual time with a hand-written generator whose every request fate the test
+decides (tests/sim/fakes.py); prompts are taken in order 0, 1, 2, ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from asyncgrpo.errors import GenerationError, PipelineError, TransientGenerationError
+from asyncgrpo.pipeline import run_pipeline
+from asyncgrpo.simulate import simulate
+from asyncgrpo.vtime import run_virtual
+from tests.sim.fakes import OK, Fate, ProgrammedGenerator, member, recipe
+
+REFUSED = Fate(after_s=0.1, error=TransientGenerationError("connection refused", backend="programmed"))
+
+
+def test_a_failure_after_the_trainer_reached_its_target_is_gap_filled():
+    # K=1, one group per step. Prompt 1 (generated at version 0, so trainable up to step 1) keeps
+    # getting refused until its rollout deadline, which passes while the trainer already waits at
+    # step 1. Its place is refilled at once and step 1 trains the refill.
+    cfg = recipe(
+        rollout={"max_generation_failures": 1},
+        generation={"request_timeout_s": 7.5, "rollout_deadline_s": 8.0},
+        train={"max_steps": 6},
+    )
+    slow = Fate(after_s=7.0)  # later groups are slow, so the trainer is still waiting at step 1 when prompt 1 fails
+    gen = ProgrammedGenerator(lambda r, a: OK if r.prompt_id == 0 else REFUSED if r.prompt_id == 1 else slow)
+    sim = simulate(cfg, gen)
+    assert sim.result.outcome == "completed" and sim.result.steps == 6
+    assert sim.collector.accounting.dropped["failed"] == 1
+    trained = [g.prompt.id for g in sim.trainer.trained_groups]
+    assert 1 not in trained and len(trained) == 6
+    assert gen.finished_at["1-0-0-0"] < sim.records[1].wait_s + 2.0  # it failed while step 1 was waiting
+
+
+def test_dead_generation_with_tolerance_3_fails_on_the_4th_consecutive_failure():
+    cfg = recipe(rollout={"max_generation_failures": 3, "max_drop_fraction": 1.0}, generation={"request_timeout_s": 2.0, "rollout_deadline_s": 5.0})
+    sim = simulate(cfg, ProgrammedGenerator(lambda r, a: REFUSED))
+    assert sim.result.outcome == "failed"
+    d = sim.result.diagnostic
+    assert d.kind == "generation_failures" and d.count == 4 and d.threshold == 3
+    assert sim.collector.accounting.dropped["failed"] == 4
+    assert sim.virtual_time_s < 60  # the deadlines bound it; it never waits for a batch forever
+
+
+def test_tolerance_0_first_all_failed_group_fails_the_run_with_the_full_diagnostic():
+    boom = GenerationError("HTTP 400: bad sampling parameter", backend="programmed")
+    cfg = recipe(rollout={"max_generation_failures": 0})
+    sim = simulate(cfg, ProgrammedGenerator(lambda r, a: Fate(after_s=0.5, error=boom) if r.prompt_id == 0 else OK))
+    d = sim.result.diagnostic
+    assert sim.result.outcome == "failed" and d.kind == "generation_failures"
+    assert d.count == 1 and d.threshold == 0
+    assert d.backend == "programmed" and d.generation_version == 0 and d.trainer_step == 0
+    assert d.original is boom
+    assert "HTTP 400: bad sampling parameter" in d.traceback and "Traceback" in d.traceback
+    assert sim.result.steps == 0
+
+
+def test_a_version_advance_while_the_collector_waits_is_not_lost():
+    # K=0: after each step nothing may be admitted until the new weights are served. The only
+    # wake-up for admission is the serving version changing during a slow weight sync; a lost
+    # wake-up would leave the trainer waiting until the stall deadline.
+    cfg = recipe(rollout={"max_staleness": 0, "stall_timeout_s": 30.0}, train={"max_steps": 25})
+    gen = ProgrammedGenerator(weight_sync_s=0.7)
+    sim = simulate(cfg, gen)
+    assert sim.result.outcome == "completed" and sim.result.steps == 25
+    assert sim.result.staleness_max == 0
+
+
+def test_end_of_data_trains_the_groups_still_in_flight_and_counts_no_failure():
+    cfg = recipe(data={"builtin_size": 5}, rollout={"groups_per_step": 2, "max_staleness": 2}, train={"max_steps": 100})
+    sim = simulate(cfg, ProgrammedGenerator(lambda r, a: Fate(after_s=1.0 + r.prompt_id)))
+    acc = sim.collector.accounting
+    assert sim.result.outcome == "completed" and sim.result.stop_reason == "data_exhausted"
+    assert acc.trained == 5 and acc.in_flight == 0 and acc.buffered == 0
+    assert sum(acc.dropped.values()) == 0 and sim.collector.counters["rollout/failed_total"] == 0
+    assert [len(r.batch) for r in sim.records] == [2, 2, 1]  # the last partial batch is trained
+
+
+def test_success_resets_the_failure_streak():
+    # One group at a time (max_inflight = group_size); prompts 0, 1 and 3 fail completely, 2 succeeds.
+    failing = {0, 1, 3}
+    crash = RuntimeError("worker crashed")
+    cfg = recipe(rollout={"max_generation_failures": 2, "max_drop_fraction": 1.0}, generation={"max_inflight": 2})
+    sim = simulate(cfg, ProgrammedGenerator(lambda r, a: Fate(after_s=0.2, error=crash) if r.prompt_id in failing else OK))
+    assert sim.result.outcome == "completed", sim.result.diagnostic
+    assert sim.collector.accounting.dropped["failed"] == 3
+
+
+def test_the_diagnostic_stays_the_first_and_each_check_raises_a_fresh_exception():
+    first = GenerationError("first cause", backend="programmed")
+    cfg = recipe(rollout={"max_generation_failures": 0})
+
+    def fate(request, attempt):
+        return Fate(after_s=0.1 if request.prompt_id == 0 else 0.2, error=first if request.prompt_id == 0 else RuntimeError("later"))
+
+    sim = simulate(cfg, ProgrammedGenerator(fate))
+    errors = []
+    for _ in range(2):
+        with pytest.raises(PipelineError) as info:
+            sim.collector.check_health()
+        errors.append(info.value)
+    assert errors[0] is not errors[1]
+    for error in errors:
+        assert error.diagnostic is sim.result.diagnostic
+        assert error.__cause__ is first
+        assert error.__traceback__ is not None
+    assert "first cause" in sim.result.diagnostic.traceback
+
+
+def test_a_stale_in_flight_group_is_cancelled_its_requests_aborted_and_its_prompt_requeued():
+    # Prompt 1's requests never answer (and never time out). Once the trainer moves past every
+    # step that could still train it, the group is cancelled and its prompt requeued, until
+    # max_requeues is spent; then it is dropped as stale. Nothing counts as a failure.
+    cfg = recipe(
+        generation={"request_timeout_s": 1000.0, "rollout_deadline_s": 1000.0},
+        rollout={"max_requeues": 1},
+        train={"max_steps": 12},
+    )
+    gen = ProgrammedGenerator(lambda r, a: Fate(hang=True) if r.prompt_id == 1 else OK)
+    sim = simulate(cfg, gen)
+    counters, acc = sim.collector.counters, sim.collector.accounting
+    assert sim.result.outcome == "completed"
+    assert counters["rollout/stale_groups_total"] == 2
+    assert counters["rollout/requeued_total"] == 1 and acc.requeued == 1
+    assert acc.dropped["stale"] == 1
+    assert sorted(gen.aborted) == ["1-0-0-0", "1-0-0-1", "1-0-1-0", "1-0-1-1"]
+    assert counters["rollout/failed_total"] == 0 and gen.in_progress == 0
+
+
+def test_a_group_cancelled_while_only_partly_dispatched_never_strands():
+    # One request slot, groups of 3: at max_steps the next group holds the slot with one
+    # member, the others wait for it. Shutdown cancels it; nothing is left open or running.
+    cfg = recipe(generation={"max_inflight": 1}, rollout={"group_size": 3, "max_staleness": 2}, train={"max_steps": 2})
+    gen = ProgrammedGenerator()
+    sim = simulate(cfg, gen)
+    assert sim.result.outcome == "completed" and sim.result.steps == 2
+    assert sim.collector.open_requests == 0 and gen.in_progress == 0
+    assert sim.collector.accounting.in_flight == sim.collector.in_flight_groups >= 1
+    assert sim.collector.counters["rollout/failed_total"] == 0
+
+
+def test_a_group_with_one_survivor_is_dropped():
+    crash = RuntimeError("boom")
+    cfg = recipe(rollout={"group_size": 3, "min_group_survivors": 2, "max_drop_fraction": 1.0})
+    gen = ProgrammedGenerator(lambda r, a: Fate(after_s=0.3, error=crash) if r.prompt_id == 0 and member(r) > 0 else OK)
+    sim = simulate(cfg, gen)
+    acc = sim.collector.accounting
+    assert acc.dropped["too_few_survivors"] == 1 and acc.dropped["failed"] == 0
+    assert sim.collector.counters["rollout/failed_total"] == 2
+    assert sim.result.outcome == "completed"
+
+
+def test_a_hung_request_ends_at_its_deadline():
+    # Staleness 4 and slow steps keep the group trainable past its deadline, so only the deadline ends it.
+    cfg = recipe(
+        generation={"request_timeout_s": 4.0, "rollout_deadline_s": 10.0},
+        rollout={"group_size": 3, "max_staleness": 4},
+        train={"max_steps": 3, "step_time_s": 5.0},
+    )
+    gen = ProgrammedGenerator(lambda r, a: Fate(hang=True) if r.request_id == "0-0-0-0" else OK)
+    sim = simulate(cfg, gen)
+    assert sim.result.outcome == "completed"
+    assert sim.collector.counters["rollout/failed_total"] == 1
+    assert gen.attempts["0-0-0-0"] >= 2  # each attempt ended at the request timeout and was retried
+    assert gen.finished_at["0-0-0-0"] <= 10.0  # ... until the rollout deadline
+    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.buffer.groups()}
+    assert len(finished[0].rollouts) == 2 and finished[0].failed_rollouts == 1
+
+
+def test_a_non_retryable_error_is_not_retried():
+    bad = GenerationError("HTTP 400: unsupported parameter", backend="programmed")
+    cfg = recipe(rollout={"group_size": 3})
+    gen = ProgrammedGenerator(lambda r, a: Fate(after_s=0.1, error=bad) if r.request_id == "0-0-0-1" else OK)
+    sim = simulate(cfg, gen)
+    assert gen.attempts["0-0-0-1"] == 1
+    assert sim.collector.counters["rollout/retries_total"] == 0
+    assert sim.collector.counters["rollout/failed_total"] == 1
+
+
+def test_shutdown_with_requests_in_flight_is_bounded_and_leaves_no_task_or_thread():
+    from asyncgrpo.data.loading import build_prompts, read_rows
+    from asyncgrpo.data.source import PromptSource
+    from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+    from asyncgrpo.rollout.collector import Collector
+    from asyncgrpo.training.stub import StubTrainer
+    from asyncgrpo.types import SamplingParams
+
+    cfg = recipe(generation={"request_timeout_s": 1000.0, "rollout_deadline_s": 1000.0}, train={"max_steps": 50})
+    gen = ProgrammedGenerator(lambda r, a: Fate(hang=True) if r.prompt_id >= 3 else OK)
+    prompts, _ = build_prompts(read_rows(cfg.data.source, builtin_size=40, seed=0), prompt_key="prompt", tokenizer=None, max_prompt_tokens=256)
+    source = PromptSource(prompts, num_epochs=1, shuffle=False, seed=0)
+    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), None, 30.0, sync_in_thread=False)
+    collector = Collector(cfg, source=source, generator=gen, scorer=scorer, sampling=SamplingParams(max_new_tokens=8))
+    threads_before = set(threading.enumerate())
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(run_pipeline(cfg, collector=collector, backend=StubTrainer(1.0), generator=gen))
+        await asyncio.sleep(20.0)  # requests of prompts >= 3 hang: the run is stuck waiting with work in flight
+        assert gen.in_progress > 0
+        task.cancel()  # what Ctrl-C / SIGTERM does
+        cancelled_at = loop.time()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert loop.time() - cancelled_at <= cfg.run.shutdown_timeout_s
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    run_virtual(main())
+    assert gen.in_progress == 0 and collector.open_requests == 0
+    assert collector.accounting.balanced() and collector.accounting.in_flight > 0
+    assert set(threading.enumerate()) == threads_before
