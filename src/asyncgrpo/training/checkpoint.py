@@ -1,0 +1,242 @@
+"""Checkpoints: atomic save, load, find the latest, prune.
+
+Layout of `run_dir/checkpoints/step_{step:06d}/`:
+- the model and tokenizer in the standard `save_pretrained` layout (config.json,
+  model.safetensors or shards, tokenizer files): the directory loads anywhere
+  transformers does (`AutoModelForCausalLM.from_pretrained(path)`);
+- `trainer_state.pt`: optimizer, LR scheduler, policy version, torch RNG state;
+- `run_config.yaml`: the run's resolved config;
+- `state.json`: step, version and the caller's `extra` (counters, data cursor), written last.
+
+Invariants:
+- Atomic: everything is written into a temporary directory `.tmp-step_*` beside the final
+  one, each file fsynced, then the directory is renamed into place and the parent fsynced.
+  A kill at any moment leaves either the complete checkpoint or a temp dir that
+  `latest_checkpoint` ignores (and the next save removes).
+- `latest_checkpoint` returns only directories named `step_NNNNNN` that hold a readable
+  `state.json`; the newest by step wins.
+- After a save, only the `keep_last` newest checkpoints remain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from asyncgrpo.training.trainer import TorchTrainer
+
+CHECKPOINTS_DIR = "checkpoints"
+TEMP_PREFIX = ".tmp-"
+STATE_FILE = "state.json"
+TRAINER_STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "run_config.yaml"
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step:06d}"
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    trainer: TorchTrainer,
+    config_yaml: str,
+    extra: dict[str, Any],
+    *,
+    keep_last: int | None = None,
+) -> Path:
+    """Write the checkpoint of `step` atomically and prune to `keep_last` (default
+    `checkpoint.keep_last` of the trainer's config). Returns the checkpoint directory.
+
+    Saving a step that already exists replaces it.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    keep = trainer.cfg.checkpoint.keep_last if keep_last is None else keep_last
+    if keep < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep}")
+    final = checkpoint_dir(run_dir, step)
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f"{TEMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        with trainer.lock:  # weights, optimizer and version from the same moment
+            with _quiet_transformers():
+                trainer.model.save_pretrained(tmp)
+            torch.save(trainer.state_dict(), tmp / TRAINER_STATE_FILE)
+            version = trainer.version
+        if trainer.tokenizer is not None and hasattr(trainer.tokenizer, "save_pretrained"):
+            trainer.tokenizer.save_pretrained(tmp)
+        (tmp / CONFIG_FILE).write_text(config_yaml)
+        state = {"step": step, "version": version, "extra": extra}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
+        _fsync_tree(tmp)
+        if final.exists():
+            trash = parent / f"{TEMP_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, trash)
+            os.rename(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune_checkpoints(run_dir, keep, protect=final)
+    return final
+
+
+def load_checkpoint(path: Path, trainer: TorchTrainer) -> dict[str, Any]:
+    """Restore weights, optimizer, scheduler, version and RNG state into `trainer`.
+
+    Returns the checkpoint's `state.json` (step, version, extra).
+    """
+    path = Path(path)
+    state = _read_state(path)
+    if state is None:
+        raise FileNotFoundError(f"{path} is not a complete checkpoint: {STATE_FILE} is missing or unreadable")
+    trainer_state = torch.load(path / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
+    with trainer.lock:
+        _load_weights(path, trainer.model)
+        trainer.load_state_dict(trainer_state)
+    return state
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The complete checkpoint with the highest step under `run_dir`, or None."""
+    complete = list_checkpoints(run_dir)
+    return complete[-1] if complete else None
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest step first (temp and incomplete directories ignored)."""
+    parent = Path(run_dir) / CHECKPOINTS_DIR
+    if not parent.is_dir():
+        return []
+    found: list[tuple[int, Path]] = []
+    for entry in parent.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir() and _read_state(entry) is not None:
+            found.append((int(match.group(1)), entry))
+    return [p for _, p in sorted(found)]
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int, *, protect: Path | None = None) -> list[Path]:
+    """Remove all but the `keep_last` newest complete checkpoints, and leftover temp dirs.
+
+    Returns the removed checkpoint directories.
+    """
+    parent = Path(run_dir) / CHECKPOINTS_DIR
+    removed = []
+    complete = list_checkpoints(run_dir)
+    for old in complete[: max(0, len(complete) - keep_last)]:
+        if protect is not None and old == protect:
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+        removed.append(old)
+    if parent.is_dir():
+        for entry in parent.iterdir():
+            if entry.name.startswith(TEMP_PREFIX) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+    return removed
+
+
+# -------------------------------------------------------------------------------------
+
+
+def _read_state(path: Path) -> dict[str, Any] | None:
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and "step" in state else None
+
+
+def _load_weights(path: Path, model: torch.nn.Module) -> None:
+    """Load safetensors weights (single file or sharded index) written by save_pretrained."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / name for name in shards]
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} holds no model.safetensors or model.safetensors.index.json")
+    loaded: dict[str, torch.Tensor] = {}
+    for file in files:
+        loaded.update(load_file(str(file)))
+    expected = model.state_dict()
+    unexpected = set(loaded) - set(expected)
+    missing = set(expected) - set(loaded)
+    # save_pretrained drops tied weights (e.g. lm_head.weight tied to the embeddings); those
+    # are restored through the tensor they share storage with.
+    loaded_ptrs = {expected[name].data_ptr() for name in set(loaded) & set(expected)}
+    untied_missing = sorted(name for name in missing if expected[name].data_ptr() not in loaded_ptrs)
+    if unexpected or untied_missing:
+        # Names on disk differ from the module's (transformers renames some on save): let
+        # transformers itself map them, then copy the result.
+        from_pretrained = getattr(type(model), "from_pretrained", None)
+        if from_pretrained is None:
+            raise ValueError(
+                f"checkpoint {path} does not match the model: unexpected {sorted(unexpected)[:5]}, "
+                f"missing {untied_missing[:5]}"
+            )
+        with _quiet_transformers():
+            reloaded = from_pretrained(path, dtype=next(model.parameters()).dtype)
+        loaded = dict(reloaded.state_dict())
+        model.load_state_dict(loaded, strict=True)
+        return
+    with torch.no_grad():
+        for name, tensor in loaded.items():
+            expected[name].copy_(tensor.to(expected[name].dtype))
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No transformers progress bars while saving/loading (they would garble the run's console)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,423 @@
+"""The torch GRPO trainer: one blocking `train_step` per batch of groups (DESIGN.md §3 "Training").
+
+The caller (the run loop) runs `train_step` in a worker thread it owns; this module starts
+no threads and does no I/O.
+
+One training step on a batch of groups:
+1. Each rollout becomes one sequence: prompt token ids + completion token ids, its
+   advantage (`Rollout.advantage`) and its generation log-probs (`Completion.logprobs`).
+   Loss tokens are the completion tokens; a truncated completion has none when
+   `rollout.mask_truncated` is on.
+2. `decoupled`: the proximal log-probs pi_prox are those of the weights at the start of
+   the step (computed once, without grad).
+3. The groups are split into `train.updates_per_batch` mini-batches (whole groups, in
+   order); each is one optimizer update whose gradient accumulates over micro-batches of
+   `train.micro_batch_size` sequences, normalised by the loss tokens (or sequences) of the
+   whole mini-batch, then clipped to `train.max_grad_norm`.
+4. The LR scheduler steps once, and `version` advances by exactly 1.
+
+Invariants:
+- Policy version = number of training steps applied: step s starts at version s and ends
+  at s + 1, whatever `updates_per_batch` is.
+- pi_theta is computed at `generation.temperature`, the temperature the generator sampled at.
+- The model stays in eval mode (no dropout), so pi_theta of unchanged weights equals the
+  generator's pi_gen up to numerics.
+- A non-finite loss or gradient norm raises `NonFiniteLossError` before the optimizer
+  applies it; weights are never updated with NaN/inf.
+- Every metric key in `METRIC_KEYS` is returned every step, as a finite float.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from asyncgrpo.config import Config
+from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
+from asyncgrpo.types import Group
+
+METRIC_KEYS: tuple[str, ...] = (
+    "loss",
+    "kl",
+    "clip_frac",
+    "is_ratio/mean",
+    "is_ratio/max",
+    "entropy",
+    "grad_norm",
+    "lr",
+    "advantage/mean",
+    "advantage/std",
+    "completion/len_mean",
+    "completion/len_max",
+    "completion/truncated_frac",
+)
+
+
+class NonFiniteLossError(AsyncGRPOError):
+    """The loss or the gradient norm of an update is NaN or infinite; the update was not applied."""
+
+
+@dataclass
+class _Sequence:
+    """One rollout as the trainer sees it. `logp_prox` `[C]` is filled for `decoupled`."""
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    logp_gen: tuple[float, ...]
+    advantage: float
+    has_loss: bool
+    logp_prox: Tensor | None = None
+
+    @property
+    def loss_tokens(self) -> int:
+        return len(self.completion_ids) if self.has_loss else 0
+
+
+@dataclass
+class _MicroBatch:
+    """Collated sequences. Prompts are left-padded and completions right-padded, so every
+    completion starts at the same column and only the last C logits are needed.
+
+    input_ids/attention_mask/position_ids `[B, P + C - 1]`; targets/logp_gen/mask (and
+    logp_prox) `[B, C]`; advantages `[B]`.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    targets: Tensor
+    logp_gen: Tensor
+    logp_prox: Tensor | None
+    mask: Tensor
+    advantages: Tensor
+    completion_width: int
+
+
+def _split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
+    """Split into `parts` contiguous chunks whose sizes differ by at most one (larger first)."""
+    n = len(items)
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(list(items[start : start + size]))
+        start += size
+    return out
+
+
+def _chunks(items: Sequence[Any], size: int) -> Iterator[list[Any]]:
+    for start in range(0, len(items), size):
+        yield list(items[start : start + size])
+
+
+class TorchTrainer:
+    """GRPO on a Hugging Face causal LM with AdamW, linear LR warm-up and gradient accumulation.
+
+    `model`: a causal LM (its device and dtype are used as they are). `tokenizer`: used only
+    for its pad id (None: pad with 0) and saved with checkpoints. With `train.loss.kl_coef > 0`
+    a frozen copy of `model` as passed here is the KL reference, so on resume build the
+    trainer from the initial model and then load the checkpoint.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: Config, *, version: int = 0) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.version = version
+        # Held by train_step, generation_weights, state_dict and load_state_dict; hold it to
+        # read or write the model consistently from another thread (checkpoints do).
+        self.lock = threading.RLock()
+        t = cfg.train
+        self.model.eval()
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self._params:
+            raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+        self.optimizer = torch.optim.AdamW(self._params, lr=t.lr, weight_decay=t.weight_decay)
+        warmup = t.warmup_steps
+
+        def lr_factor(step: int) -> float:
+            return min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
+        self.reference: torch.nn.Module | None = None
+        if t.loss.kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).eval()
+            self.reference.requires_grad_(False)
+        self.pad_id = self._pad_id(tokenizer)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    # ---------------------------------------------------------------------------------
+    # Public API
+
+    @property
+    def device(self) -> torch.device:
+        return self._params[0].device
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer update will use."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
+        """Train one step on `groups` (whole groups; at least one). Advances `version` by 1.
+
+        Returns every key of `METRIC_KEYS` as a float.
+        """
+        with self.lock:
+            return self._train_step(groups)
+
+    def generation_weights(self) -> dict[str, Tensor]:
+        """A detached copy of the model's state dict (tensors cloned), safe to hand to a generator."""
+        with self.lock, torch.no_grad():
+            return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, scheduler, version and torch RNG state (not the weights: those go through save_pretrained)."""
+        with self.lock:
+            rng: dict[str, Any] = {"torch": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                rng["cuda"] = torch.cuda.get_rng_state_all()
+            return {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "version": self.version,
+                "rng": rng,
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self.lock:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.version = int(state["version"])
+            rng = state.get("rng", {})
+            if "torch" in rng:
+                torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+
+    # ---------------------------------------------------------------------------------
+    # The step
+
+    def _train_step(self, groups: Sequence[Group]) -> dict[str, float]:
+        if not groups:
+            raise ValueError("train_step needs at least one group, got an empty batch")
+        cfg_t, cfg_l = self.cfg.train, self.cfg.train.loss
+        per_group = [self._sequences(g) for g in groups]
+        rollouts = [r for g in groups for r in g.rollouts]
+
+        minibatches = [
+            [s for seqs in chunk for s in seqs]
+            for chunk in _split_even(per_group, min(cfg_t.updates_per_batch, len(per_group)))
+        ]
+        if cfg_l.objective == "decoupled":
+            # The first update starts from the step's weights, so its pi_prox is its own
+            # detached pi_theta; later updates need pi_prox of the weights as they were.
+            for seqs in minibatches[1:]:
+                self._fill_proximal([s for s in seqs if s.has_loss])
+
+        lr = self.lr
+        stats = LossStats.zeros(self.device)
+        losses: list[float] = []
+        grad_norms: list[float] = []
+        for index, seqs in enumerate(minibatches):
+            loss, grad_norm, update_stats = self._update(seqs, first=index == 0)
+            if loss is not None:
+                losses.append(loss)
+                grad_norms.append(grad_norm)
+                stats = stats + update_stats
+        self.scheduler.step()
+        self.version += 1
+
+        advantages = [float(r.advantage) for r in rollouts]
+        lengths = [len(r.completion.token_ids) for r in rollouts]
+        adv_mean = sum(advantages) / len(advantages)
+        adv_std = math.sqrt(sum((a - adv_mean) ** 2 for a in advantages) / len(advantages))
+        metrics = {
+            "loss": sum(losses) / len(losses) if losses else 0.0,
+            "kl": stats.kl_mean,
+            "clip_frac": stats.clip_frac,
+            "is_ratio/mean": stats.is_ratio_mean,
+            "is_ratio/max": stats.is_ratio_max,
+            "entropy": stats.entropy_mean,
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+            "lr": lr,
+            "advantage/mean": adv_mean,
+            "advantage/std": adv_std,
+            "completion/len_mean": sum(lengths) / len(lengths),
+            "completion/len_max": float(max(lengths)),
+            "completion/truncated_frac": sum(r.completion.truncated for r in rollouts) / len(rollouts),
+        }
+        return {key: float(metrics[key]) for key in METRIC_KEYS}
+
+    def _update(self, seqs: list[_Sequence], *, first: bool) -> tuple[float | None, float, LossStats]:
+        """One optimizer update over `seqs`; (None, 0, zeros) when they hold no loss token."""
+        cfg_t, cfg_l = self.cfg.train, self.cfg.train.loss
+        stats = LossStats.zeros(self.device)
+        active = [s for s in seqs if s.has_loss and s.completion_ids]
+        if cfg_l.normalization == "token":
+            normalizer = sum(s.loss_tokens for s in active)
+        else:
+            normalizer = len(active)
+        self.optimizer.zero_grad(set_to_none=True)
+        if normalizer == 0:
+            # Nothing to learn from (e.g. every completion truncated and masked). With every
+            # grad None, AdamW's step changes nothing (no decay, no moment update); it is
+            # called so the LR scheduler sees the usual optimizer-then-scheduler order.
+            self.optimizer.step()
+            return None, 0.0, stats
+        total = torch.zeros((), device=self.device)
+        # Similar lengths together: less padding, same sum.
+        active.sort(key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)))
+        for chunk in _chunks(active, cfg_t.micro_batch_size):
+            batch = self._collate(chunk)
+            logits = self._logits(self.model, batch)
+            logp_new, entropy = token_logprobs(logits, batch.targets, self.cfg.generation.temperature)
+            del logits
+            logp_prox = None
+            if cfg_l.objective == "decoupled":
+                logp_prox = logp_new.detach() if first else batch.logp_prox
+            logp_ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logits = self._logits(self.reference, batch)
+                    logp_ref, _ = token_logprobs(ref_logits, batch.targets, self.cfg.generation.temperature, with_entropy=False)
+                    del ref_logits
+            loss, micro_stats = grpo_loss(
+                logp_new,
+                batch.logp_gen,
+                batch.advantages,
+                batch.mask,
+                normalizer,
+                objective=cfg_l.objective,
+                clip_low=cfg_l.clip_low,
+                clip_high=cfg_l.clip_high,
+                logp_prox=logp_prox,
+                is_cap=cfg_l.is_cap,
+                logp_ref=logp_ref,
+                kl_coef=cfg_l.kl_coef,
+                normalization=cfg_l.normalization,
+                entropy=entropy,
+            )
+            loss.backward()
+            total = total + loss.detach()
+            stats = stats + micro_stats
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, cfg_t.max_grad_norm)
+        loss_value, norm_value = float(total), float(grad_norm)
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(
+                f"training step {self.version}: loss = {loss_value}, gradient norm = {norm_value}; the update was not "
+                f"applied. Try a lower train.lr (now {cfg_t.lr:g}) or train.max_grad_norm (now {cfg_t.max_grad_norm:g}), "
+                f"and check that the generator's log-probs are finite and taken at generation.temperature."
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_value, norm_value, stats
+
+    # ---------------------------------------------------------------------------------
+    # Helpers
+
+    def _sequences(self, group: Group) -> list[_Sequence]:
+        if not group.rollouts:
+            raise ValueError(f"group of prompt {group.prompt.id} has no rollouts; only groups with survivors can be trained")
+        prompt_ids = tuple(group.prompt.token_ids)
+        out = []
+        for rollout in group.rollouts:
+            c = rollout.completion
+            if c.token_ids and not prompt_ids:
+                raise ValueError(
+                    f"prompt {group.prompt.id} has no tokens: the first completion token has nothing to be predicted from"
+                )
+            if not math.isfinite(rollout.advantage):
+                raise ValueError(f"prompt {group.prompt.id}: advantage {rollout.advantage} is not finite")
+            has_loss = not (c.truncated and self.cfg.rollout.mask_truncated)
+            out.append(
+                _Sequence(
+                    prompt_ids=prompt_ids,
+                    completion_ids=tuple(c.token_ids),
+                    logp_gen=tuple(c.logprobs),
+                    advantage=float(rollout.advantage),
+                    has_loss=has_loss,
+                )
+            )
+        return out
+
+    def _collate(self, seqs: list[_Sequence]) -> _MicroBatch:
+        width_p = max(len(s.prompt_ids) for s in seqs)
+        width_c = max(len(s.completion_ids) for s in seqs)
+        assert width_c > 0, "micro-batches hold only sequences with completion tokens"
+        length = width_p + width_c - 1
+        pad = self.pad_id
+        input_rows, attn_rows, target_rows, gen_rows, mask_rows, prox_rows = [], [], [], [], [], []
+        for s in seqs:
+            p, c = len(s.prompt_ids), len(s.completion_ids)
+            body = list(s.prompt_ids) + list(s.completion_ids[:-1])
+            left, right = width_p - p, length - (width_p - p) - len(body)
+            input_rows.append([pad] * left + body + [pad] * right)
+            attn_rows.append([0] * left + [1] * len(body) + [0] * right)
+            target_rows.append(list(s.completion_ids) + [pad] * (width_c - c))
+            gen_rows.append(list(s.logp_gen) + [0.0] * (width_c - c))
+            mask_rows.append([s.has_loss] * c + [False] * (width_c - c))
+            if s.logp_prox is not None:
+                prox_rows.append(torch.nn.functional.pad(s.logp_prox, (0, width_c - c)))
+        device = self.device
+        attention_mask = torch.tensor(attn_rows, dtype=torch.long, device=device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logp_prox = None
+        if prox_rows:
+            if len(prox_rows) != len(seqs):
+                raise AssertionError("proximal log-probs missing for part of a micro-batch")
+            logp_prox = torch.stack(prox_rows).to(device)
+        return _MicroBatch(
+            input_ids=torch.tensor(input_rows, dtype=torch.long, device=device),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            targets=torch.tensor(target_rows, dtype=torch.long, device=device),
+            logp_gen=torch.tensor(gen_rows, dtype=torch.float32, device=device),
+            logp_prox=logp_prox,
+            mask=torch.tensor(mask_rows, dtype=torch.bool, device=device),
+            advantages=torch.tensor([s.advantage for s in seqs], dtype=torch.float32, device=device),
+            completion_width=width_c,
+        )
+
+    def _logits(self, model: torch.nn.Module, batch: _MicroBatch) -> Tensor:
+        """Logits `[B, C, V]` at the C positions that predict the completion tokens."""
+        kwargs: dict[str, Any] = {
+            "input_ids": batch.input_ids,
+            "attention_mask": batch.attention_mask,
+            "position_ids": batch.position_ids,
+            "use_cache": False,
+        }
+        if self._keeps_logits:
+            kwargs["logits_to_keep"] = batch.completion_width
+        logits = model(**kwargs).logits
+        return logits[:, -batch.completion_width :, :]
+
+    def _fill_proximal(self, seqs: list[_Sequence]) -> None:
+        """pi_prox of the current weights for each sequence (no grad), stored per sequence."""
+        ordered = sorted(seqs, key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)))
+        ordered = [s for s in ordered if s.completion_ids]
+        with torch.no_grad():
+            for chunk in _chunks(ordered, self.cfg.train.micro_batch_size):
+                batch = self._collate(chunk)
+                logp, _ = token_logprobs(
+                    self._logits(self.model, batch), batch.targets, self.cfg.generation.temperature, with_entropy=False
+                )
+                for row, s in enumerate(chunk):
+                    s.logp_prox = logp[row, : len(s.completion_ids)].detach().clone()
+
+    @staticmethod
+    def _pad_id(tokenizer: Any) -> int:
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(tokenizer, name, None)
+            if isinstance(value, int):
+                return value
+        return 0
