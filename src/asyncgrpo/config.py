@@ -31,6 +31,7 @@ class RunConfig(_Section):
     output_dir: str | None = Field(None, description="Run directory (default runs/<run.name>).")
     seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
     shutdown_timeout_s: float = Field(30.0, gt=0, description="Bound on a clean shutdown after Ctrl-C, SIGTERM or a fatal error.")
+    overwrite: bool = Field(False, description="Replace a run directory that already holds a run.")
 
     @property
     def directory(self) -> Path:

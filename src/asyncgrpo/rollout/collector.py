@@ -151,7 +151,7 @@ class Collector:
         self._seq = 0
         self._stopping = False
         self._jitter = random.Random(cfg.run.seed)
-        self._last_progress = 0.0
+        self._last_progress: float | None = None  # loop time of the last finished rollout or trained step
         self._task_group: asyncio.TaskGroup | None = None
 
     # ------------------------------------------------------------------ views
@@ -172,6 +172,10 @@ class Collector:
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
+
+    def _mark_start(self) -> None:
+        if self._last_progress is None:
+            self._last_progress = self._now()
 
     def _undispatched(self) -> int:
         return sum(g.size - g.dispatched for g in self._in_flight.values())
@@ -195,7 +199,7 @@ class Collector:
 
     async def run(self) -> None:
         """Admit groups until `stop()`; owns every group task. Its waits end with `stop()` or the owner's cancellation."""
-        self._last_progress = self._now()
+        self._mark_start()
         async with asyncio.TaskGroup() as task_group:
             self._task_group = task_group
             while True:
@@ -445,6 +449,7 @@ class Collector:
         """
         if step != self.steps_taken:
             raise AssertionError(f"next_batch({step}) but {self.steps_taken} steps were taken")
+        self._mark_start()
         while True:
             self.check_health()
             self._expire_buffered(step)
@@ -454,6 +459,7 @@ class Collector:
                 if len(self.buffer) and not self.cfg.data.drop_last:
                     return self._take(step, len(self.buffer))
                 return None
+            assert self._last_progress is not None
             deadline = self._last_progress + stall_timeout_s
             if self._now() >= deadline:
                 self._fail_run(self._stall_diagnostic(step, stall_timeout_s))

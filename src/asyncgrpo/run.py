@@ -1,0 +1,352 @@
+"""One training run: wires the prompt source, collector, local engine, torch trainer, metrics, eval and checkpoints.
+
+Order of a run:
+1. `preflight(cfg)`: every name and path in the recipe is checked (model, data, eval data,
+   reward functions, backends, run directory) before anything heavy is imported or loaded.
+2. Load the model and tokenizer; the trainer trains one copy, the engine serves another.
+3. `run_pipeline`: the shared loop of pipeline.py, with an `on_step` that writes metrics and
+   samples, evaluates every `eval.every_steps`, and checkpoints every `checkpoint.every_steps`.
+4. A final checkpoint and a summary.
+
+Threads: the engine owns its decode thread; the trainer's steps and checkpoint writes run on
+one dedicated thread owned by this module, shut down on every exit path. On SIGINT/SIGTERM
+the pipeline is cancelled (no failure counted), the step in progress finishes, a checkpoint
+is saved, and the process exits 130/143; a second signal exits at once (checkpoints are
+written atomically, so the last one stays intact).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import logging
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.config import Config
+from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_rows, read_rows
+from asyncgrpo.data.source import PromptSource
+from asyncgrpo.errors import ConfigError, Diagnostic
+from asyncgrpo.models.loading import check_model_path
+from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline
+from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.types import GenerationRequest, Group, Prompt, SamplingParams
+
+log = logging.getLogger("asyncgrpo")
+
+EXIT_CODES = {"completed": 0, "failed": 1, "stalled": 2}
+SIGNAL_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def preflight(cfg: Config) -> None:
+    """Raise ConfigError for any recipe mistake that can be found without loading a model."""
+    if cfg.generation.backend != "local" or cfg.train.backend != "torch":
+        raise ConfigError(
+            f"train needs generation.backend: local and train.backend: torch (got {cfg.generation.backend!r} and "
+            f"{cfg.train.backend!r}); the scripted backend and the stub trainer are for `asyncgrpo simulate`."
+        )
+    check_model_path(cfg.model.path)
+    check_data_source(cfg.data.source, key="data.source")
+    if cfg.eval.source is not None:
+        check_data_source(cfg.eval.source, key="eval.source")
+    resolve_rewards(cfg.reward.functions)
+    run_dir = cfg.run.directory
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run.output_dir = {str(run_dir)!r} is a file, not a directory. Fix: choose another run.output_dir.")
+    if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
+        raise ConfigError(
+            f"run directory {run_dir} already holds a run (metrics.jsonl). Fix: pick a new run.name, or pass "
+            f"run.overwrite=true to replace it."
+        )
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    result: PipelineResult
+    accounting: dict[str, Any]
+    first_rewards: list[float] = field(default_factory=list)
+    last_rewards: list[float] = field(default_factory=list)
+    final_checkpoint: Path | None = None
+    interrupted_by: int | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted_by is not None:
+            return SIGNAL_EXIT_CODES[self.interrupted_by]
+        return EXIT_CODES[self.result.outcome]
+
+    def render(self) -> str:
+        r = self.result
+        acc = self.accounting
+        dropped = ", ".join(f"{k} {v}" for k, v in acc["dropped"].items() if v) or "none"
+        if self.interrupted_by is not None:
+            head = f"interrupted by {signal.Signals(self.interrupted_by).name} after {r.steps} steps"
+        elif r.outcome == "completed":
+            why = "max_steps reached" if r.stop_reason == "max_steps" else "the data ran out"
+            head = f"completed {r.steps} steps ({why})"
+        else:
+            head = f"{r.outcome} after {r.steps} steps"
+        lines = [f"asyncgrpo: {head}. Run directory: {self.run_dir}"]
+        if self.first_rewards and self.last_rewards:
+            lines.append(
+                f"  reward: first 10% of steps {statistics.fmean(self.first_rewards):.3f} -> "
+                f"last 10% {statistics.fmean(self.last_rewards):.3f}"
+            )
+        lines.append(
+            f"  prompts: taken {acc['taken']}, trained {acc['trained']}, requeued {acc['requeued']}, dropped: {dropped}, "
+            f"in flight at exit {acc['in_flight']}, buffered at exit {acc['buffered']}"
+        )
+        lines.append(f"  max staleness trained: {r.staleness_max}")
+        if self.final_checkpoint is not None:
+            lines.append(f"  checkpoint: {self.final_checkpoint} (loads with transformers' from_pretrained)")
+        if r.diagnostic is not None:
+            lines.append(f"  error ({r.diagnostic.kind}): {r.diagnostic.render()}")
+            if r.diagnostic.traceback:
+                lines.append("  first error's traceback is in " + str(self.run_dir / "error.txt"))
+        return "\n".join(lines)
+
+
+def train_cli(cfg: Config) -> int:
+    """The `asyncgrpo train` command: preflight, run with signal handling, print the summary."""
+    preflight(cfg)
+    summary = asyncio.run(_train_until_signal(cfg))
+    print(summary.render(), file=sys.stderr)
+    return summary.exit_code
+
+
+async def _train_until_signal(cfg: Config) -> RunSummary:
+    loop = asyncio.get_running_loop()
+    received: list[int] = []
+    main = asyncio.current_task()
+    assert main is not None
+
+    def on_signal(signum: int) -> None:
+        if received:  # second signal: leave now; the last checkpoint was written atomically
+            os._exit(SIGNAL_EXIT_CODES.get(signum, 130))
+        received.append(signum)
+        log.warning("received %s: stopping (cancelling in-flight rollouts, saving a checkpoint); press Ctrl-C again to exit at once", signal.Signals(signum).name)
+        main.cancel()
+
+    for signum in SIGNAL_EXIT_CODES:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        return await train(cfg, interrupted=received)
+    finally:
+        for signum in SIGNAL_EXIT_CODES:
+            loop.remove_signal_handler(signum)
+
+
+async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSummary:
+    """Run one training to its end (see the module docstring). Config problems raise ConfigError first."""
+    preflight(cfg)
+    import torch  # heavy imports only after the recipe is known to be sound
+
+    from asyncgrpo.generation.local import LocalEngine
+    from asyncgrpo.models.loading import load_model_and_tokenizer
+    from asyncgrpo.telemetry.metrics import MetricsWriter, SamplesWriter, metric_keys, step_metrics
+    from asyncgrpo.training.checkpoint import save_checkpoint
+    from asyncgrpo.training.trainer import TorchTrainer
+
+    run_dir = cfg.run.directory
+    if run_dir.exists() and cfg.run.overwrite:
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+
+    torch.manual_seed(cfg.run.seed)
+    model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, cfg.run.seed)
+    prompts, report = build_prompts(
+        read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed),
+        prompt_key=cfg.data.prompt_key,
+        tokenizer=tokenizer,
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+    )
+    warnings = list(report.warnings())
+    warnings += _step_budget_warnings(cfg, len(prompts))
+    for warning in warnings:
+        log.warning("warning: %s", warning)
+    eval_prompts = _eval_prompts(cfg, tokenizer) if cfg.eval.every_steps else []
+
+    source = PromptSource(prompts, num_epochs=cfg.data.num_epochs, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
+    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), cfg.reward.weights, cfg.reward.timeout_s, sync_in_thread=True)
+    engine = LocalEngine(copy.deepcopy(model), tokenizer, max_batch_size=cfg.generation.local.max_batch_size)
+    trainer = TorchTrainer(model, tokenizer, cfg)
+    stop_ids = tuple(dict.fromkeys([*cfg.generation.stop_token_ids, tokenizer.eos_token_id]))
+    sampling = SamplingParams(
+        max_new_tokens=cfg.generation.max_new_tokens,
+        temperature=cfg.generation.temperature,
+        top_p=cfg.generation.top_p,
+        stop_token_ids=stop_ids,
+    )
+
+    from asyncgrpo.rollout.collector import Collector  # after torch: keeps `check` and config errors fast
+
+    collector = Collector(cfg, source=source, generator=engine, scorer=scorer, sampling=sampling)
+    trainer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncgrpo-trainer")
+    loop = asyncio.get_running_loop()
+    metrics = MetricsWriter(run_dir / "metrics.jsonl", metric_keys(scorer.names))
+    samples = SamplesWriter(run_dir / "samples.jsonl", cfg.logging.samples_per_step)
+    progress = _Progress(cfg)
+    rewards_by_step: list[float] = []
+    eval_state: dict[str, float | None] = {"eval/reward_mean": None, "eval/pass_rate": None}
+    started = time.perf_counter()
+    last = {"time": started, "tokens": 0}
+
+    class ThreadedTrainer:
+        async def train_step(self, groups: list[Group]) -> dict[str, float]:
+            return await loop.run_in_executor(trainer_thread, trainer.train_step, groups)
+
+        def generation_weights(self) -> dict[str, Any]:
+            return trainer.generation_weights()
+
+    async def checkpoint(step: int) -> Path:
+        extra = {"accounting": collector.accounting.to_json(), "counters": dict(collector.counters)}
+        return await loop.run_in_executor(trainer_thread, save_checkpoint, run_dir, step, trainer, cfg.to_yaml(), extra)
+
+    async def evaluate() -> None:
+        eval_state.update(await _evaluate(cfg, engine, scorer, eval_prompts, stop_ids))
+
+    async def on_step(record: StepRecord) -> None:
+        step = record.step + 1  # steps completed
+        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
+            await evaluate()
+        now = time.perf_counter()
+        tokens = collector.counters["rollout/generated_tokens_total"]
+        values = step_metrics(
+            record,
+            collector,
+            reward_names=scorer.names,
+            elapsed_s=now - started,
+            gen_tokens_per_s=(tokens - last["tokens"]) / max(now - last["time"], 1e-9),
+            eval_metrics=eval_state,
+        )
+        last.update(time=now, tokens=tokens)
+        metrics.write(values)
+        samples.write(record)
+        rewards_by_step.append(values["reward/mean"])
+        progress.update(values)
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.max_steps:
+            await checkpoint(step)
+
+    final_checkpoint: Path | None = None
+    result: PipelineResult | None = None
+    try:
+        await engine.start()
+        if eval_prompts:
+            await evaluate()  # the untrained baseline, so eval/* is never empty
+        result = await run_pipeline(cfg, collector=collector, backend=ThreadedTrainer(), generator=engine, on_step=on_step)
+    except asyncio.CancelledError:
+        if not interrupted:
+            raise
+        result = PipelineResult("failed", "signal", trainer.version)
+    finally:
+        progress.close()
+        await engine.aclose()
+        # The step in progress (if any) finishes before the thread is released; the shutdown
+        # is bounded by the step itself, which has no I/O to wait on.
+        await loop.run_in_executor(None, trainer_thread.shutdown, True)
+        metrics.close()
+        samples.close()
+    steps_trained = trainer.version
+    if steps_trained > 0:
+        final_checkpoint = save_checkpoint(run_dir, steps_trained, trainer, cfg.to_yaml(), {"accounting": collector.accounting.to_json(), "counters": dict(collector.counters)})
+    if result.diagnostic is not None and result.diagnostic.traceback:
+        (run_dir / "error.txt").write_text(_error_report(result.diagnostic))
+    tenth = max(1, len(rewards_by_step) // 10)
+    return RunSummary(
+        run_dir=run_dir,
+        result=result,
+        accounting=collector.accounting.to_json(),
+        first_rewards=rewards_by_step[:tenth],
+        last_rewards=rewards_by_step[-tenth:],
+        final_checkpoint=final_checkpoint,
+        interrupted_by=interrupted[0] if interrupted else None,
+        warnings=warnings,
+    )
+
+
+def _step_budget_warnings(cfg: Config, num_prompts: int) -> list[str]:
+    groups = num_prompts * cfg.data.num_epochs
+    per_step = cfg.rollout.groups_per_step
+    available = groups // per_step if cfg.data.drop_last else math.ceil(groups / per_step)
+    if cfg.train.max_steps > available:
+        return [
+            f"train.max_steps = {cfg.train.max_steps} but the data allows at most {available} steps "
+            f"({num_prompts} prompts x {cfg.data.num_epochs} epochs / rollout.groups_per_step = {per_step}); "
+            f"the run will stop when the data runs out. Raise data.num_epochs for more."
+        ]
+    return []
+
+
+def _eval_prompts(cfg: Config, tokenizer: Any) -> list[Prompt]:
+    source = cfg.eval.source or cfg.data.source
+    rows = read_eval_rows(source, n=cfg.eval.num_prompts, seed=cfg.run.seed, key="eval.source" if cfg.eval.source else "data.source")
+    prompts, _ = build_prompts(rows, prompt_key=cfg.data.prompt_key, tokenizer=tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, key="data.prompt_key")
+    return prompts
+
+
+async def _evaluate(cfg: Config, engine: Any, scorer: RewardScorer, prompts: list[Prompt], stop_ids: tuple[int, ...]) -> dict[str, float | None]:
+    """Sample `eval.samples_per_prompt` completions per held-out prompt; report mean reward and pass@k."""
+    sampling = SamplingParams(
+        max_new_tokens=cfg.generation.max_new_tokens,
+        temperature=cfg.eval.temperature,
+        top_p=cfg.generation.top_p if cfg.eval.temperature > 0 else 1.0,
+        stop_token_ids=stop_ids,
+    )
+    k = cfg.eval.samples_per_prompt
+
+    async def one(prompt: Prompt) -> list[float | None]:
+        requests = [
+            GenerationRequest(f"eval-{prompt.id}-{i}", prompt.id, prompt.token_ids, sampling, seed=cfg.run.seed + i)
+            for i in range(k)
+        ]
+        completions = [await engine.generate(request) for request in requests]
+        return [s.reward for s in await scorer.score(prompt, [c.text for c in completions])]
+
+    async with asyncio.TaskGroup() as task_group:
+        tasks = [task_group.create_task(one(p)) for p in prompts]
+    per_prompt = [t.result() for t in tasks]
+    rewards = [r for rs in per_prompt for r in rs if r is not None]
+    passed = [any(r is not None and r >= cfg.eval.success_threshold for r in rs) for rs in per_prompt]
+    return {
+        "eval/reward_mean": statistics.fmean(rewards) if rewards else None,
+        "eval/pass_rate": sum(passed) / len(passed) if passed else None,
+    }
+
+
+def _error_report(diagnostic: Diagnostic) -> str:
+    return f"{diagnostic.render()}\n\n{diagnostic.traceback}"
+
+
+class _Progress:
+    """A progress bar on stderr (step, reward, ETA), or a line every 10 steps when `logging.progress` is off."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.every = max(1, cfg.train.max_steps // 10)
+        self.bar = None
+        if cfg.logging.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.train.max_steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, values: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(reward=f"{values['reward/mean']:.3f}", stale=values["staleness/max"], refresh=False)
+            self.bar.update(1)
+        elif (values["step"] + 1) % self.every == 0:
+            log.info("step %d  reward %.3f  loss %.4f", values["step"] + 1, values["reward/mean"], values["loss"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

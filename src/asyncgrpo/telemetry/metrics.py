@@ -1,0 +1,166 @@
+"""Per-step metrics: one JSON object per step in `metrics.jsonl`, and sampled completions in `samples.jsonl`.
+
+Invariants:
+- The key set is fixed when the run starts (DESIGN.md §5 names plus `reward/<function>` and
+  `eval/*`) and every line carries every key, so charts have no gaps. A step that cannot
+  produce a value (an eval metric before the first evaluation) writes null; a missing or
+  unexpected key is a bug and raises.
+- Lines are flushed as they are written, so a killed run keeps every finished step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any
+
+from asyncgrpo.pipeline import StepRecord
+from asyncgrpo.rollout.collector import COUNTER_NAMES, Collector
+
+TRAIN_KEYS = (
+    "loss",
+    "kl",
+    "clip_frac",
+    "is_ratio/mean",
+    "is_ratio/max",
+    "entropy",
+    "grad_norm",
+    "lr",
+    "advantage/mean",
+    "advantage/std",
+    "completion/len_mean",
+    "completion/len_max",
+    "completion/truncated_frac",
+)
+EVAL_KEYS = ("eval/reward_mean", "eval/pass_rate")
+PIPELINE_KEYS = (
+    "rollout/inflight",
+    "buffer/size",
+    "staleness/mean",
+    "staleness/max",
+    "time/trainer_wait_s",
+    "time/step_s",
+    "time/weight_sync_s",
+    "time/elapsed_s",
+    "throughput/gen_tokens_per_s",
+    "reward/mean",
+    "reward/std",
+)
+
+
+def metric_keys(reward_names: Iterable[str]) -> tuple[str, ...]:
+    return (
+        "step",
+        "version",
+        *PIPELINE_KEYS,
+        *(f"reward/{name}" for name in reward_names),
+        *TRAIN_KEYS,
+        *COUNTER_NAMES,
+        *EVAL_KEYS,
+    )
+
+
+def step_metrics(
+    record: StepRecord,
+    collector: Collector,
+    *,
+    reward_names: list[str],
+    elapsed_s: float,
+    gen_tokens_per_s: float,
+    eval_metrics: dict[str, float | None],
+) -> dict[str, Any]:
+    rewards = [r.reward for g in record.batch for r in g.rollouts]
+    per_function = {
+        f"reward/{name}": _mean([r.reward_terms.get(name) for g in record.batch for r in g.rollouts])
+        for name in reward_names
+    }
+    values: dict[str, Any] = {
+        "step": record.step,
+        "version": record.step + 1,
+        "rollout/inflight": collector.open_requests,
+        "buffer/size": len(collector.buffer),
+        "staleness/mean": statistics.fmean(record.staleness),
+        "staleness/max": max(record.staleness),
+        "time/trainer_wait_s": record.wait_s,
+        "time/step_s": record.step_s,
+        "time/weight_sync_s": record.weight_sync_s,
+        "time/elapsed_s": elapsed_s,
+        "throughput/gen_tokens_per_s": gen_tokens_per_s,
+        "reward/mean": statistics.fmean(rewards),
+        "reward/std": statistics.pstdev(rewards),
+        **per_function,
+        **record.train_metrics,
+        **collector.counters,
+        **eval_metrics,
+    }
+    return values
+
+
+class MetricsWriter:
+    """Appends step metrics to `metrics.jsonl`, checking the key set on every line."""
+
+    def __init__(self, path: Path, keys: tuple[str, ...]) -> None:
+        self.path = path
+        self.keys = keys
+        self._file: IO[str] = path.open("a", encoding="utf-8")
+
+    def write(self, values: dict[str, Any]) -> None:
+        missing = [k for k in self.keys if k not in values]
+        extra = [k for k in values if k not in self.keys]
+        if missing or extra:
+            raise AssertionError(f"metrics line for step {values.get('step')}: missing {missing}, unexpected {extra}")
+        line = {k: _finite_or_none(values[k]) for k in self.keys}
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class SamplesWriter:
+    """Writes a few completions per step to `samples.jsonl` (prompt, completion, reward, advantage, version)."""
+
+    def __init__(self, path: Path, per_step: int) -> None:
+        self.per_step = per_step
+        self._file: IO[str] = path.open("a", encoding="utf-8")
+
+    def write(self, record: StepRecord) -> None:
+        written = 0
+        for group in record.batch:
+            for rollout in group.rollouts:
+                if written >= self.per_step:
+                    break
+                self._file.write(
+                    json.dumps(
+                        {
+                            "step": record.step,
+                            "prompt_id": group.prompt.id,
+                            "prompt": group.prompt.text,
+                            "completion": rollout.completion.text,
+                            "reward": rollout.reward,
+                            "advantage": rollout.advantage,
+                            "generation_version": rollout.completion.generation_version,
+                            "finish_reason": rollout.completion.finish_reason,
+                        }
+                    )
+                    + "\n"
+                )
+                written += 1
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
