@@ -1,0 +1,110 @@
+"""Resolve `model.path` to a (model, tokenizer) pair, and save models in the same layout.
+
+Job: one place that knows the accepted forms of `model.path`: `builtin:<name>` (built from the
+run seed, no download) or a local Hugging Face directory (never a hub name: nothing is
+downloaded, `local_files_only=True`).
+
+Invariants:
+- `check_model_path` imports no torch and touches only the file system, so a wrong path is
+  reported with the config errors, before anything heavy loads.
+- A directory's tokenizer is loaded with `PreTrainedTokenizerFast` when it has tokenizer.json:
+  `AutoTokenizer` may swap in a model-specific class that rewrites the pre-tokenizer
+  (research/cpu-environment.md §2, the qwen2 trap).
+- The returned tokenizer always has an EOS token (else ConfigError) and a pad token (EOS
+  when the directory defines none).
+- `save_model` writes the standard `save_pretrained` layout; `load_model_and_tokenizer` on it
+  gives bit-identical weights and the same tokenization.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.errors import ConfigError
+
+BUILTIN_MODELS = ("tiny",)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_model_path(path: str) -> None:
+    """Raise ConfigError unless `path` is a known builtin or a directory holding config.json."""
+    if path.startswith("builtin:"):
+        name = path.removeprefix("builtin:")
+        if name not in BUILTIN_MODELS:
+            known = ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
+            raise ConfigError(
+                f"model.path = {path!r}: there is no built-in model named {name!r}. "
+                f"Fix: use one of {known}, or the path of a local Hugging Face model directory."
+            )
+        return
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(
+            f"model.path = {path!r}: no such directory. asyncgrpo loads models only from local "
+            f"directories (nothing is downloaded). Fix: point model.path at a directory written by "
+            f"save_pretrained (holding config.json and the weights), or use builtin:tiny."
+        )
+    if not (directory / "config.json").is_file():
+        raise ConfigError(
+            f"model.path = {path!r}: the directory has no config.json, so it is not a Hugging Face "
+            f"model directory. Fix: point model.path at the directory that holds config.json, "
+            f"model.safetensors and the tokenizer files (as written by save_pretrained)."
+        )
+
+
+def _torch_dtype(dtype: str) -> Any:
+    import torch
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"model.dtype = {dtype!r} is not supported. Fix: use one of {', '.join(DTYPES)}.")
+    return getattr(torch, dtype)
+
+
+def load_model_and_tokenizer(path: str, dtype: str = "float32", seed: int = 0) -> tuple[Any, Any]:
+    """Return (causal LM, tokenizer) for `model.path`. `seed` initialises builtin models only."""
+    check_model_path(path)
+    torch_dtype = _torch_dtype(dtype)
+    if path.startswith("builtin:"):
+        from asyncgrpo.models.tiny import build_tiny
+
+        model, tokenizer = build_tiny(seed)
+        return model.to(torch_dtype), tokenizer
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    directory = Path(path).expanduser()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch_dtype)
+    except Exception as exc:
+        raise ConfigError(
+            f"model.path = {path!r}: could not load a causal LM from this directory ({type(exc).__name__}: {exc}). "
+            f"Fix: check that config.json describes a causal LM and the weight files are complete."
+        ) from exc
+    try:
+        if (directory / "tokenizer.json").is_file():
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:
+        raise ConfigError(
+            f"model.path = {path!r}: could not load the tokenizer from this directory ({type(exc).__name__}: {exc}). "
+            f"Fix: save the tokenizer next to the model (tokenizer.save_pretrained(dir))."
+        ) from exc
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(
+            f"model.path = {path!r}: the tokenizer defines no EOS token, so completions could never stop. "
+            f"Fix: set eos_token in {directory / 'tokenizer_config.json'}."
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def save_model(model: Any, tokenizer: Any, directory: str | Path) -> Path:
+    """Write model and tokenizer in the save_pretrained layout; returns the directory."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
