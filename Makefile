@@ -18,13 +18,13 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/asyncgrpo train recipes/demo.yaml $(ARGS)
+	$(BIN)/asyncgrpo train recipes/demo.yaml run.overwrite=true $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 chaos: $(STAMP)
-	$(BIN)/python -m pytest -q tests/sim/test_chaos.py --chaos-scenarios=20000 $(ARGS)
+	$(BIN)/python -m pytest -q tests/sim/test_chaos.py --chaos-scenarios=20000 -o timeout=0 -o faulthandler_timeout=0 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -165,6 +165,10 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
     torch.manual_seed(cfg.run.seed)
+    if cfg.rollout.max_staleness > 0:
+        # The engine and the trainer run at the same time: give each a share of the cores, since
+        # oversubscribed OpenMP threads spin and slow both down many times over.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, cfg.run.seed)
     prompts, report = build_prompts(
         read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed),

@@ -47,7 +47,7 @@ class Prompt:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one completion. `temperature > 0`; stop tokens end the completion and are kept in it."""
+    """How to sample one completion. `temperature >= 0` (0 = greedy); stop tokens end the completion and are kept in it."""
 
     max_new_tokens: int
     temperature: float = 1.0

@@ -84,7 +84,6 @@ def chaos_seeds(request: pytest.FixtureRequest) -> list[int]:
     return seeds(request.config)
 
 
-@pytest.mark.timeout(600)
 def test_chaos_scenarios_keep_every_invariant(chaos_seeds: list[int]) -> None:
     outcomes: Counter[str] = Counter()
     for seed in chaos_seeds:
