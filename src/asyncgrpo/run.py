@@ -131,12 +131,22 @@ async def _train_until_signal(cfg: Config) -> RunSummary:
     main = asyncio.current_task()
     assert main is not None
 
+    def exit_now(signum: int, why: str) -> None:
+        log.warning("%s: exiting at once; the last checkpoint on disk is intact (checkpoints are written atomically)", why)
+        os._exit(SIGNAL_EXIT_CODES[signum])
+
     def on_signal(signum: int) -> None:
-        if received:  # second signal: leave now; the last checkpoint was written atomically
-            os._exit(SIGNAL_EXIT_CODES.get(signum, 130))
+        if received:
+            exit_now(signum, f"second {signal.Signals(signum).name}")
         received.append(signum)
-        log.warning("received %s: stopping (cancelling in-flight rollouts, saving a checkpoint); press Ctrl-C again to exit at once", signal.Signals(signum).name)
+        log.warning(
+            "received %s: stopping (cancelling in-flight rollouts, saving a checkpoint) within run.shutdown_timeout_s = %gs; "
+            "press Ctrl-C again to exit at once",
+            signal.Signals(signum).name,
+            cfg.run.shutdown_timeout_s,
+        )
         main.cancel()
+        loop.call_later(cfg.run.shutdown_timeout_s, exit_now, signum, "shutdown took longer than run.shutdown_timeout_s")
 
     for signum in SIGNAL_EXIT_CODES:
         loop.add_signal_handler(signum, on_signal, signum)

@@ -1,0 +1,162 @@
+"""`PromptSource`: hands out the prompts of every epoch, and takes back requeued ones.
+
+Pure bookkeeping: no asyncio, no I/O, no clocks; the collector owns the concurrency.
+
+Invariants:
+- Every prompt of every epoch is handed out by `take` exactly once, unless it is
+  requeued; a requeued prompt is handed out once more per `requeue` call.
+- Requeued prompts come first, oldest requeue first, before any prompt not yet handed out.
+- Epoch e (0-based) hands out all prompts in an order that depends only on (seed, e)
+  (a fresh shuffle per epoch when `shuffle`, else the given order); epochs do not
+  interleave: epoch e+1 starts after the last prompt of epoch e was taken.
+- Each handed-out prompt carries its `epoch`; `requeue` returns it with `requeues + 1` and
+  the same epoch. The caller decides when a prompt has been requeued too often.
+- `take()` returns None once every epoch is handed out and nothing is requeued; that is the
+  normal end of data, not an error. A later `requeue` makes prompts available again.
+- The whole position (epoch, cursor, requeued prompts) is captured by `state_dict()`, so a
+  resumed source continues exactly where the saved one stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import deque
+from typing import Any, Sequence
+
+from asyncgrpo.types import Prompt
+
+
+class PromptSource:
+    """Deterministic, epoch-based prompt dispenser with a requeue lane."""
+
+    def __init__(self, prompts: Sequence[Prompt], *, num_epochs: int, shuffle: bool, seed: int) -> None:
+        if num_epochs < 1:
+            raise ValueError(f"num_epochs must be at least 1, got {num_epochs}")
+        base = [dataclasses.replace(p, epoch=0, requeues=0) for p in prompts]
+        by_id = {p.id: p for p in base}
+        if len(by_id) != len(base):
+            raise ValueError("prompt ids must be unique within a PromptSource")
+        self._prompts: tuple[Prompt, ...] = tuple(base)
+        self._ids = frozenset(by_id)
+        self.num_epochs = num_epochs
+        self.shuffle = shuffle
+        self.seed = seed
+        self._epoch = 0
+        self._order: list[int] = self._epoch_order(0)
+        self._cursor = 0
+        self._requeued: deque[Prompt] = deque()
+        self.taken_total = 0
+
+    # -- reading -----------------------------------------------------------------------
+
+    @property
+    def prompts_per_epoch(self) -> int:
+        return len(self._prompts)
+
+    @property
+    def total_prompts(self) -> int:
+        """Prompts handed out over all epochs, requeues not counted."""
+        return len(self._prompts) * self.num_epochs
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next new (not requeued) prompt belongs to."""
+        return self._epoch
+
+    @property
+    def requeued_pending(self) -> int:
+        return len(self._requeued)
+
+    @property
+    def remaining(self) -> int:
+        """How many more takes can succeed right now (requeued prompts included)."""
+        rest_of_epoch = len(self._order) - self._cursor
+        later_epochs = (self.num_epochs - 1 - self._epoch) * len(self._prompts)
+        return len(self._requeued) + rest_of_epoch + later_epochs
+
+    @property
+    def exhausted(self) -> bool:
+        """True when `take()` would return None: every epoch handed out and nothing requeued."""
+        return self.remaining == 0
+
+    # -- taking ------------------------------------------------------------------------
+
+    def take(self) -> Prompt | None:
+        """The next prompt (requeued ones first), or None at the end of data."""
+        if self._requeued:
+            self.taken_total += 1
+            return self._requeued.popleft()
+        while self._cursor >= len(self._order):
+            if self._epoch + 1 >= self.num_epochs or not self._prompts:
+                return None
+            self._epoch += 1
+            self._order = self._epoch_order(self._epoch)
+            self._cursor = 0
+        prompt = self._prompts[self._order[self._cursor]]
+        self._cursor += 1
+        self.taken_total += 1
+        return dataclasses.replace(prompt, epoch=self._epoch) if self._epoch else prompt
+
+    def requeue(self, prompt: Prompt) -> Prompt:
+        """Put a taken prompt back, to be taken again before any new one; returns the queued copy."""
+        if prompt.id not in self._ids:
+            raise ValueError(f"prompt id {prompt.id} does not belong to this PromptSource")
+        again = dataclasses.replace(prompt, requeues=prompt.requeues + 1)
+        self._requeued.append(again)
+        return again
+
+    # -- resume ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable position: restore it with `load_state_dict` on a source built from the same prompts."""
+        return {
+            "prompts_per_epoch": len(self._prompts),
+            "num_epochs": self.num_epochs,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "epoch": self._epoch,
+            "cursor": self._cursor,
+            "taken_total": self.taken_total,
+            "requeued": [[p.id, p.epoch, p.requeues] for p in self._requeued],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position. Raises ValueError if the prompts or the order differ."""
+        for name, mine in (
+            ("prompts_per_epoch", len(self._prompts)),
+            ("shuffle", self.shuffle),
+            ("seed", self.seed),
+        ):
+            if state[name] != mine:
+                raise ValueError(
+                    f"cannot resume the prompt source: the checkpoint has {name} = {state[name]!r}, this run has "
+                    f"{mine!r}; resuming would hand out a different order of prompts"
+                )
+        epoch, cursor = int(state["epoch"]), int(state["cursor"])
+        if not 0 <= epoch < self.num_epochs:
+            raise ValueError(
+                f"cannot resume the prompt source: the checkpoint is in epoch {epoch} but this run has "
+                f"num_epochs = {self.num_epochs}; raise data.num_epochs to at least {epoch + 1}"
+            )
+        if not 0 <= cursor <= len(self._prompts):
+            raise ValueError(f"cannot resume the prompt source: saved cursor {cursor} is outside 0..{len(self._prompts)}")
+        by_id = {p.id: p for p in self._prompts}
+        requeued: deque[Prompt] = deque()
+        for pid, p_epoch, requeues in state["requeued"]:
+            if pid not in by_id:
+                raise ValueError(f"cannot resume the prompt source: requeued prompt id {pid} is not in the data")
+            requeued.append(dataclasses.replace(by_id[pid], epoch=int(p_epoch), requeues=int(requeues)))
+        self._epoch = epoch
+        self._order = self._epoch_order(epoch)
+        self._cursor = cursor
+        self._requeued = requeued
+        self.taken_total = int(state["taken_total"])
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self._prompts)))
+        if self.shuffle:
+            random.Random(f"asyncgrpo:prompt-order:{self.seed}:{epoch}").shuffle(order)
+        return order

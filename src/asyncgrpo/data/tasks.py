@@ -1,0 +1,264 @@
+"""Built-in tasks with verifiable rewards.
+
+A built-in task is referenced as `data.source: builtin:<name>` (its prompts) and
+`reward.functions: [builtin:<name>]` (its reward). Every task offers
+
+- `rows(n, seed) -> list[dict]`: training rows, a "prompt" column plus the columns its
+  reward reads ("letter", "answer"), deterministic for a seed;
+- `eval_rows(n, seed) -> list[dict]`: held-out rows, disjoint from every training row where
+  the task's prompt space allows it, otherwise drawn from a separate seed stream;
+- `reward(prompts, completions, **columns) -> list[float]`, TRL's convention: every column
+  is a list aligned with `completions`.
+
+Invariants:
+- Every prompt and answer uses only `CHARSET` (the vocabulary of the built-in tiny
+  char-level model): lowercase a-z, digits, space, ``+-*/=?:.,!'()`` and newline.
+- Rewards lie in [0, 1], never raise on any completion text, and are pure functions of
+  their inputs (no global random state), so scoring is reproducible.
+- `rows` and `eval_rows` never consult global random state: the same (n, seed) gives the
+  same rows in every process.
+
+`coin` is a reward only: a simulator aid with no data of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/=?:.,!'()\n"
+"""Characters every built-in prompt and answer is made of (51 characters)."""
+
+RowsFn = Callable[[int, int], list[dict[str, Any]]]
+RewardFn = Callable[..., list[float]]
+
+
+# ---------------------------------------------------------------------------------------
+# repeat_letter: the demo task
+
+REPEAT_LETTERS = "abcde"
+"""Letters a repeat_letter prompt asks for."""
+
+REPEAT_SPAN = 8
+"""How many leading completion characters the repeat_letter reward inspects (N)."""
+
+_SAY_RE = re.compile(r"say ([a-z]): ")
+
+
+def repeat_letter_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """`n` rows ``{"prompt": "say x: ", "letter": "x"}``, x drawn uniformly from `REPEAT_LETTERS`."""
+    rng = random.Random(f"asyncgrpo:repeat_letter:train:{seed}")
+    return [_repeat_row(rng.choice(REPEAT_LETTERS)) for _ in range(n)]
+
+
+def repeat_letter_eval_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """Held-out rows. The task has only len(REPEAT_LETTERS) distinct prompts, so eval rows
+    cannot be disjoint from training rows; they come from a separate seed stream and cycle
+    through the letters so that every letter is evaluated equally often."""
+    rng = random.Random(f"asyncgrpo:repeat_letter:eval:{seed}")
+    letters = list(REPEAT_LETTERS)
+    rng.shuffle(letters)
+    return [_repeat_row(letters[i % len(letters)]) for i in range(n)]
+
+
+def _repeat_row(letter: str) -> dict[str, Any]:
+    return {"prompt": f"say {letter}: ", "letter": letter}
+
+
+def repeat_letter_reward(
+    prompts: Sequence[str], completions: Sequence[str], letter: Sequence[str] | None = None, **_: Any
+) -> list[float]:
+    """Reward of the `repeat_letter` task: how well the completion repeats the asked letter.
+
+    Definition: with x the row's "letter" (or, when no such column is given, the letter in
+    the prompt's ``say x: ``), and c the completion text,
+
+        reward = #{ i < N : c[i] == x } / N,      N = REPEAT_SPAN = 8
+
+    i.e. the fraction of the first 8 completion characters that equal x. Characters past the
+    8th are ignored; a completion shorter than 8 characters (it sampled EOS early) scores its
+    missing positions as misses. Values are multiples of 1/8 in [0, 1]; "xxxxxxxx..." scores 1.
+
+    Why it is learnable by GRPO from a random char-level model: a near-uniform policy over
+    the tiny model's 55 tokens already hits x with probability ~1/55 per position, so a
+    completion scores > 0 with probability ~14% and a group of 8 has reward variance ~70%
+    of the time from step one (mean reward ~0.02). The credit is dense (per position,
+    partial), so the advantage pushes up log p(x | prompt) at every hit, and with only
+    len(REPEAT_LETTERS) = 5 letters the model needs to learn just 5 prompt -> letter
+    mappings. Learning shows in two stages: emitting letters of the small set (~0.2 without
+    reading the prompt), then copying the asked letter (towards 1.0).
+    """
+    if letter is None:
+        letter = [_letter_from_prompt(p) for p in prompts]
+    if len(letter) != len(completions):
+        raise ValueError(f"repeat_letter: {len(letter)} 'letter' values for {len(completions)} completions")
+    rewards = []
+    for want, text in zip(letter, completions):
+        want = str(want)
+        if len(want) != 1:
+            raise ValueError(f"repeat_letter: the 'letter' column must hold one character, got {want!r}")
+        hits = sum(1 for ch in text[:REPEAT_SPAN] if ch == want)
+        rewards.append(hits / REPEAT_SPAN)
+    return rewards
+
+
+def _letter_from_prompt(prompt: str) -> str:
+    match = _SAY_RE.search(prompt)
+    if match is None:
+        raise ValueError(
+            f"repeat_letter: no 'letter' column and the prompt {prompt[:80]!r} does not contain 'say x: '; "
+            "give the rows a 'letter' column"
+        )
+    return match.group(1)
+
+
+# ---------------------------------------------------------------------------------------
+# addition
+
+ADDITION_MAX_OPERAND = 99
+"""Operands are integers in [0, ADDITION_MAX_OPERAND]."""
+
+_ADDITION_EVAL_MODULUS = 10
+"""One operand pair in ten (by a fixed hash) is held out for evaluation."""
+
+
+def _addition_is_eval(a: int, b: int) -> bool:
+    digest = hashlib.blake2b(f"{a}+{b}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % _ADDITION_EVAL_MODULUS == 0
+
+
+def _addition_pairs(held_out: bool) -> list[tuple[int, int]]:
+    span = range(ADDITION_MAX_OPERAND + 1)
+    return [(a, b) for a in span for b in span if _addition_is_eval(a, b) == held_out]
+
+
+def addition_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """`n` rows ``{"prompt": "12+7=", "answer": "19"}`` over operand pairs in [0, 99]^2, never
+    a held-out pair (a fixed ~10% of pairs, chosen by hash, is reserved for `eval_rows`)."""
+    return _addition_sample(_addition_pairs(held_out=False), n, f"asyncgrpo:addition:train:{seed}")
+
+
+def addition_eval_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """`n` held-out rows: operand pairs disjoint from every training row of every seed."""
+    return _addition_sample(_addition_pairs(held_out=True), n, f"asyncgrpo:addition:eval:{seed}")
+
+
+def _addition_sample(pairs: list[tuple[int, int]], n: int, stream: str) -> list[dict[str, Any]]:
+    rng = random.Random(stream)
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in (rng.choice(pairs) for _ in range(n))]
+
+
+def addition_reward(
+    prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any] | None = None, **_: Any
+) -> list[float]:
+    """Reward of the `addition` task: 1.0 for the exact sum, else 0.0 (no format credit).
+
+    Definition: the completion is stripped of leading whitespace and cut at its first space
+    or newline; the reward is 1.0 when what remains equals ``str(answer).strip()`` exactly
+    ("19" for "12+7="), else 0.0. So "19", " 19\\n" and "19 because..." score 1; "019",
+    "19." and "the answer is 19" score 0. When no "answer" column is given, the answer is
+    computed from an ``a+b=`` prompt.
+    """
+    if answer is None:
+        answer = [_answer_from_prompt(p) for p in prompts]
+    if len(answer) != len(completions):
+        raise ValueError(f"addition: {len(answer)} 'answer' values for {len(completions)} completions")
+    return [1.0 if _first_word(text) == str(want).strip() else 0.0 for want, text in zip(answer, completions)]
+
+
+_ADDITION_RE = re.compile(r"(\d+)\+(\d+)=\s*$")
+
+
+def _answer_from_prompt(prompt: str) -> str:
+    match = _ADDITION_RE.search(prompt)
+    if match is None:
+        raise ValueError(
+            f"addition: no 'answer' column and the prompt {prompt[-80:]!r} does not end in 'a+b='; "
+            "give the rows an 'answer' column"
+        )
+    return str(int(match.group(1)) + int(match.group(2)))
+
+
+def _first_word(text: str) -> str:
+    text = text.lstrip()
+    cut = len(text)
+    for sep in (" ", "\n"):
+        pos = text.find(sep)
+        if pos != -1:
+            cut = min(cut, pos)
+    return text[:cut]
+
+
+# ---------------------------------------------------------------------------------------
+# coin: simulator aid
+
+
+def coin_reward(
+    prompts: Sequence[str], completions: Sequence[str], sample: Sequence[Any] | None = None, **_: Any
+) -> list[float]:
+    """A simulator aid, not a task: a deterministic pseudo-random 0/1 reward.
+
+    Definition: for completion i, with s = ``sample[i]`` when a "sample" column is given, else
+    the index i within the call,
+
+        reward = lowest bit of blake2b(prompt_i, completion_i, s)
+
+    so it is 0 or 1 with probability 1/2 each, independent across completions and stable
+    across processes. Scripted completions that all have the same (or empty) text still get
+    varied rewards within a group. It reads no meaning from the text; never train a real
+    model on it.
+    """
+    if sample is not None and len(sample) != len(completions):
+        raise ValueError(f"coin: {len(sample)} 'sample' values for {len(completions)} completions")
+    rewards = []
+    for i, (prompt, text) in enumerate(zip(prompts, completions)):
+        salt = sample[i] if sample is not None else i
+        digest = hashlib.blake2b(
+            "\x1f".join((str(prompt), str(text), str(salt))).encode(), digest_size=8
+        ).digest()
+        rewards.append(float(digest[0] & 1))
+    return rewards
+
+
+# ---------------------------------------------------------------------------------------
+# Registries
+
+
+@dataclass(frozen=True)
+class Task:
+    """A built-in data source with its reward function."""
+
+    name: str
+    description: str
+    rows: RowsFn
+    eval_rows: RowsFn
+    reward: RewardFn
+
+
+TASKS: dict[str, Task] = {
+    "repeat_letter": Task(
+        "repeat_letter",
+        "'say x: ' -> repeat x; the demo task a tiny random char model learns in minutes",
+        repeat_letter_rows,
+        repeat_letter_eval_rows,
+        repeat_letter_reward,
+    ),
+    "addition": Task(
+        "addition",
+        "'12+7=' -> '19', exact-match reward; for real models",
+        addition_rows,
+        addition_eval_rows,
+        addition_reward,
+    ),
+}
+"""Built-in data sources (`data.source: builtin:<name>`)."""
+
+REWARDS: dict[str, RewardFn] = {
+    "repeat_letter": repeat_letter_reward,
+    "addition": addition_reward,
+    "coin": coin_reward,
+}
+"""Built-in reward functions (`reward.functions: [builtin:<name>]`)."""

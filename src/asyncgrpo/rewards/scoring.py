@@ -1,0 +1,387 @@
+"""Reward functions: resolving them from the config, and scoring a group's completions.
+
+Convention (TRL's): a reward function is called with keyword arguments
+
+    reward(prompts=[...], completions=[...], **columns) -> list[float | None]
+
+one prompt and one completion per entry, every column of the prompt's row repeated as a
+list aligned with `completions`. A function whose signature has no ``**kwargs`` receives
+only the columns it names. Functions may be sync or async (``async def``, or returning an
+awaitable). None means "no opinion on this completion": it is excluded from that
+function's term.
+
+Invariants:
+- `resolve_reward` imports nothing heavy for ``builtin:<name>``; every failure is a
+  `ConfigError` naming ``reward.functions[i]``, the value, what is wrong and the fix.
+- `RewardScorer.score` returns exactly one `ScoredCompletion` per completion, or raises
+  `RewardError`. A function that raises, outlives ``reward.timeout_s``, returns the wrong
+  number of values, or a value that is not a finite real number is an error, reported with
+  the function's name and one offending input, chained to the original exception. An error
+  never becomes a 0.0 reward; what to do with it (fail or drop the group) is the caller's
+  policy.
+- Cancelling `score` propagates as cancellation, never as a `RewardError`.
+- Functions are called one after another, in config order, once per group.
+
+Threads: with ``sync_in_thread`` (real runs) a sync function runs in the loop's default
+executor, so a slow one blocks neither generation nor training; a call that times out is
+abandoned, but Python cannot stop its thread, which runs on to its end. With
+``sync_in_thread=False`` (the simulator, on virtual time, no threads) sync functions run
+inline and the timeout can only catch async functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import functools
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from asyncgrpo.data.tasks import REWARDS
+from asyncgrpo.errors import ConfigError, RewardError
+from asyncgrpo.types import Prompt
+
+BUILTIN_PREFIX = "builtin:"
+RESERVED_ARGUMENTS = ("prompts", "completions")
+
+
+# ---------------------------------------------------------------------------------------
+# Resolving
+
+
+def resolve_reward(spec: str, index: int) -> tuple[str, Callable[..., Any]]:
+    """Turn ``builtin:<name>`` or ``module:function`` into (name, callable).
+
+    `module` is a dotted module path importable from sys.path or the working directory, or a
+    path to a ``.py`` file; `function` may be dotted (``module:Class.method``). The name is
+    the builtin's name or the last part of `function`.
+    """
+    key = f"reward.functions[{index}]"
+    form = (
+        "builtin:<name> (" + ", ".join(sorted(REWARDS)) + ") or module:function, e.g. my_rewards:score "
+        "for def score(prompts, completions, **columns) in my_rewards.py"
+    )
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ConfigError(f"{key} = {spec!r} is not of the form {form}.")
+    if spec.startswith(BUILTIN_PREFIX):
+        name = spec[len(BUILTIN_PREFIX) :]
+        if name in REWARDS:
+            return name, REWARDS[name]
+        guess = difflib.get_close_matches(name, list(REWARDS), n=1)
+        hint = f"did you mean builtin:{guess[0]}? " if guess else ""
+        raise ConfigError(
+            f"{key} = {spec!r}: there is no built-in reward {name!r}. Fix: {hint}built-in rewards are "
+            f"{', '.join('builtin:' + r for r in sorted(REWARDS))}."
+        )
+    module_name, _, attr_path = spec.rpartition(":")
+    if not module_name or not attr_path:
+        raise ConfigError(f"{key} = {spec!r}: the module or the function name is empty. Fix: use {form}.")
+    module = _import(module_name, key, spec)
+    obj: Any = module
+    walked: list[str] = []
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            where = f"module {module_name!r}" if not walked else f"{module_name}:{'.'.join(walked)}"
+            raise ConfigError(f"{key} = {spec!r}: {where} has no attribute {part!r}. Fix: {_suggest(obj, part)}")
+        obj = getattr(obj, part)
+        walked.append(part)
+    if not callable(obj):
+        raise ConfigError(
+            f"{key} = {spec!r}: {attr_path} is a {type(obj).__name__}, not a function. Fix: point it at a function "
+            f"reward(prompts, completions, **columns) -> list[float | None]."
+        )
+    return attr_path.rsplit(".", 1)[-1], obj
+
+
+def resolve_rewards(specs: Sequence[str]) -> list[tuple[str, Callable[..., Any]]]:
+    """Resolve every ``reward.functions`` entry (each error names its index)."""
+    return [resolve_reward(spec, i) for i, spec in enumerate(specs)]
+
+
+def _import(module_name: str, key: str, spec: str) -> Any:
+    if module_name.endswith(".py"):
+        return _import_file(Path(module_name), key, spec)
+    try:
+        try:
+            return importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            cwd = os.getcwd()
+            top = module_name.split(".")[0]
+            if exc.name not in (top, module_name) or cwd in sys.path or "" in sys.path:
+                raise
+            # The console script does not put the working directory on sys.path; a reward
+            # module next to the recipe is the common case, so look there too.
+            sys.path.append(cwd)
+            return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"{key} = {spec!r}: module {module_name!r} cannot be imported ({type(exc).__name__}: {exc}). Fix: check "
+            f"the spelling, install the package it needs, or run from the directory holding "
+            f"{module_name.split('.')[0]}.py (the working directory is searched); a path like path/to/file.py:function "
+            f"also works."
+        ) from exc
+    except Exception as exc:
+        raise ConfigError(
+            f"{key} = {spec!r}: importing module {module_name!r} raised {type(exc).__name__}: {exc}. Fix: the module "
+            f"fails on import; run `python -c 'import {module_name}'` to see the full error."
+        ) from exc
+
+
+def _import_file(path: Path, key: str, spec: str) -> Any:
+    if not path.is_file():
+        raise ConfigError(
+            f"{key} = {spec!r}: file {str(path)!r} does not exist (looked in {path.resolve()}). Fix: give the path of "
+            f"the .py file relative to the directory you run from."
+        )
+    unique = "asyncgrpo_user_reward_" + "".join(c if c.isalnum() else "_" for c in str(path.resolve()))
+    if unique in sys.modules:
+        return sys.modules[unique]
+    file_spec = importlib.util.spec_from_file_location(unique, path)
+    if file_spec is None or file_spec.loader is None:
+        raise ConfigError(f"{key} = {spec!r}: {str(path)!r} cannot be loaded as a Python module.")
+    module = importlib.util.module_from_spec(file_spec)
+    sys.modules[unique] = module
+    try:
+        file_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[unique]
+        raise ConfigError(
+            f"{key} = {spec!r}: importing {str(path)!r} raised {type(exc).__name__}: {exc}. Fix: run "
+            f"`python {path}` to see the full error."
+        ) from exc
+    return module
+
+
+def _suggest(obj: Any, missing: str) -> str:
+    public = [n for n in dir(obj) if not n.startswith("_")]
+    close = difflib.get_close_matches(missing, public, n=3, cutoff=0.6)
+    if close:
+        return "did you mean " + " or ".join(repr(c) for c in close) + "?"
+    functions = [n for n in public if inspect.isfunction(getattr(obj, n, None))]
+    if functions:
+        shown = ", ".join(functions[:10]) + (", ..." if len(functions) > 10 else "")
+        return f"its functions are {shown}."
+    return "it defines no public function; check the module name."
+
+
+# ---------------------------------------------------------------------------------------
+# Scoring
+
+
+@dataclass(frozen=True)
+class ScoredCompletion:
+    """One completion's reward: the weighted total (None: no function gave a usable value) and each function's value."""
+
+    reward: float | None
+    terms: Mapping[str, float | None] = field(default_factory=dict)
+
+
+class RewardFunctionError(RewardError):
+    """A `RewardError` that names the function and the input it failed on."""
+
+    def __init__(self, message: str, *, function: str, prompt: str, completion: str) -> None:
+        super().__init__(message)
+        self.function = function
+        self.prompt = prompt
+        self.completion = completion
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    fn: Callable[..., Any]
+    weight: float
+    is_async: bool
+    accepted: frozenset[str] | None  # None: takes **kwargs, so every column
+
+
+class RewardScorer:
+    """Scores the completions of one group with every configured reward function."""
+
+    def __init__(
+        self,
+        functions: Sequence[tuple[str, Callable[..., Any]]],
+        weights: Sequence[float] | None = None,
+        timeout_s: float = 30.0,
+        sync_in_thread: bool = True,
+    ) -> None:
+        if not functions:
+            raise ValueError("RewardScorer needs at least one reward function")
+        if weights is None:
+            weights = [1.0] * len(functions)
+        if len(weights) != len(functions):
+            raise ConfigError(
+                f"reward.weights has {len(weights)} values but reward.functions has {len(functions)}: give one weight "
+                f"per function, or drop reward.weights to weigh each 1.0."
+            )
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        entries = []
+        seen: dict[str, int] = {}
+        for (name, fn), weight in zip(functions, weights):
+            if not math.isfinite(float(weight)):
+                raise ConfigError(f"reward.weights: weight {weight!r} of {name!r} is not a finite number.")
+            seen[name] = seen.get(name, 0) + 1
+            unique = name if seen[name] == 1 else f"{name}_{seen[name]}"
+            entries.append(_Entry(unique, fn, float(weight), _is_async(fn), _accepted_keywords(fn)))
+        self._entries: tuple[_Entry, ...] = tuple(entries)
+        self.timeout_s = float(timeout_s)
+        self.sync_in_thread = sync_in_thread
+
+    @property
+    def names(self) -> list[str]:
+        """Function names, as used in `ScoredCompletion.terms` and the `reward/<name>` metrics."""
+        return [e.name for e in self._entries]
+
+    async def score(self, prompt: Prompt, completions: Sequence[str]) -> list[ScoredCompletion]:
+        """Score `completions` (texts) of `prompt`; one result per completion, or `RewardError`."""
+        completions = list(completions)
+        if not completions:
+            return []
+        per_function = [await self._call(entry, prompt, completions) for entry in self._entries]
+        results = []
+        for i in range(len(completions)):
+            terms = {entry.name: values[i] for entry, values in zip(self._entries, per_function)}
+            used = [entry.weight * v for entry, v in zip(self._entries, terms.values()) if v is not None]
+            results.append(ScoredCompletion(reward=math.fsum(used) if used else None, terms=terms))
+        return results
+
+    async def _call(self, entry: _Entry, prompt: Prompt, completions: list[str]) -> list[float | None]:
+        n = len(completions)
+        kwargs: dict[str, Any] = {
+            name: [value] * n
+            for name, value in prompt.columns.items()
+            if name not in RESERVED_ARGUMENTS and (entry.accepted is None or name in entry.accepted)
+        }
+        kwargs["prompts"] = [prompt.text] * n
+        kwargs["completions"] = list(completions)
+        deadline = asyncio.timeout(self.timeout_s)
+        try:
+            async with deadline:
+                if entry.is_async:
+                    result = await entry.fn(**kwargs)
+                elif self.sync_in_thread:
+                    result = await asyncio.to_thread(functools.partial(entry.fn, **kwargs))
+                else:
+                    result = entry.fn(**kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
+        except Exception as exc:
+            if deadline.expired():
+                raise self._error(
+                    entry,
+                    prompt,
+                    completions[0],
+                    f"did not return within reward.timeout_s = {self.timeout_s:g} s for a group of {n} completions",
+                    "make the function faster, or raise reward.timeout_s",
+                ) from exc
+            raise self._error(
+                entry,
+                prompt,
+                completions[0],
+                f"raised {type(exc).__name__}: {_truncate(str(exc), 300)}",
+                "fix the function (the original traceback is chained below), or set reward.on_error: drop to drop "
+                "such groups as reward_error",
+            ) from exc
+        return self._check(entry, prompt, completions, result)
+
+    def _check(self, entry: _Entry, prompt: Prompt, completions: list[str], result: Any) -> list[float | None]:
+        n = len(completions)
+        contract = "return a list with one float (or None) per completion"
+        if isinstance(result, (str, bytes, Mapping)) or not hasattr(result, "__len__") or not hasattr(result, "__iter__"):
+            raise self._error(
+                entry, prompt, completions[0], f"returned a {type(result).__name__}, not a list of {n} values", contract
+            )
+        values = list(result)
+        if len(values) != n:
+            raise self._error(
+                entry, prompt, completions[0], f"returned {len(values)} values for {n} completions", contract
+            )
+        out: list[float | None] = []
+        for i, value in enumerate(values):
+            if value is None:
+                out.append(None)
+                continue
+            number = _as_float(value)
+            if number is None:
+                raise self._error(
+                    entry,
+                    prompt,
+                    completions[i],
+                    f"returned {_short_repr(value)} ({type(value).__name__}) for completion {i}, not a number",
+                    contract,
+                )
+            if not math.isfinite(number):
+                raise self._error(
+                    entry,
+                    prompt,
+                    completions[i],
+                    f"returned {number!r} for completion {i}, which is not finite",
+                    "return finite values, or None to exclude a completion",
+                )
+            out.append(number)
+        return out
+
+    @staticmethod
+    def _error(entry: _Entry, prompt: Prompt, completion: str, what: str, fix: str) -> RewardFunctionError:
+        return RewardFunctionError(
+            f"reward function {entry.name!r} {what}. Input: prompt {_clip(prompt.text)} (id {prompt.id}), "
+            f"completion {_clip(completion)}. Fix: {fix}.",
+            function=entry.name,
+            prompt=prompt.text,
+            completion=completion,
+        )
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(fn, "__call__", None)
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+def _accepted_keywords(fn: Callable[..., Any]) -> frozenset[str] | None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+        return None
+    return frozenset(
+        name
+        for name, p in signature.parameters.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    )
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if getattr(value, "shape", None) in ((), []) and hasattr(value, "item"):  # numpy / torch 0-d
+        item = value.item()
+        if isinstance(item, numbers.Real):
+            return float(item)
+    return None
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    text = str(text)
+    if len(text) <= limit:
+        return repr(text)
+    return repr(text[:limit]) + f"... ({len(text)} chars)"
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    return _truncate(repr(value), limit)
+
+
+def _truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."

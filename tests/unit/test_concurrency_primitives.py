@@ -1,0 +1,95 @@
+"""StateSignal (no lost wake-ups), Health (sticky, fresh exceptions) and the virtual-time loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from asyncgrpo.errors import Diagnostic, PipelineError, StallError
+from asyncgrpo.rollout.health import Health
+from asyncgrpo.rollout.signal import StateSignal
+from asyncgrpo.vtime import VirtualDeadlock, run_virtual
+
+
+def test_wait_for_returns_at_once_when_the_predicate_already_holds():
+    async def main():
+        signal = StateSignal()
+        await asyncio.wait_for(signal.wait_for(lambda: True), timeout=1)
+
+    asyncio.run(main())
+
+
+def test_a_change_made_before_the_waiter_sleeps_is_seen():
+    # The state changes (and notifies) before the waiter runs at all: an Event that the waiter
+    # clears after checking would lose this; the predicate loop cannot.
+    async def main():
+        signal, state = StateSignal(), {"version": 0}
+        waiter = asyncio.create_task(signal.wait_for(lambda: state["version"] >= 1))
+        state["version"] = 1
+        signal.notify()
+        await asyncio.wait_for(waiter, timeout=1)
+
+    asyncio.run(main())
+
+
+def test_notify_wakes_every_waiter_and_cancelled_waiters_are_forgotten():
+    async def main():
+        signal, state = StateSignal(), {"n": 0}
+        waiters = [asyncio.create_task(signal.wait_for(lambda i=i: state["n"] > i)) for i in range(3)]
+        doomed = asyncio.create_task(signal.wait_for(lambda: False))
+        await asyncio.sleep(0)
+        doomed.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        state["n"] = 3
+        signal.notify()
+        await asyncio.wait_for(asyncio.gather(*waiters), timeout=1)
+        assert signal._waiters == []
+
+    asyncio.run(main())
+
+
+def test_health_is_sticky_and_raises_a_fresh_chained_exception_each_call():
+    first, second = RuntimeError("first"), RuntimeError("second")
+    health = Health()
+    health.check()  # healthy: no error
+    assert health.fail(Diagnostic(kind="generation_failures", message="m1", original=first))
+    assert not health.fail(Diagnostic(kind="drop_fraction", message="m2", original=second))
+    raised = []
+    for _ in range(2):
+        with pytest.raises(PipelineError) as info:
+            health.check()
+        raised.append(info.value)
+    assert raised[0] is not raised[1]
+    assert all(e.__cause__ is first and e.diagnostic.message == "m1" for e in raised)
+
+
+def test_a_stall_diagnostic_raises_stall_error():
+    health = Health()
+    health.fail(Diagnostic(kind="stall", message="stalled"))
+    with pytest.raises(StallError):
+        health.check()
+
+
+def test_virtual_time_jumps_over_sleeps_and_timeouts():
+    async def main():
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(3600)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(7200):
+                await loop.create_future()
+        return loop.time()
+
+    wall = time.perf_counter()
+    assert run_virtual(main()) == pytest.approx(3600 + 7200)
+    assert time.perf_counter() - wall < 5
+
+
+def test_a_wait_with_no_deadline_and_nothing_pending_is_reported_not_hung():
+    async def main():
+        await asyncio.get_running_loop().create_future()
+
+    with pytest.raises(VirtualDeadlock):
+        run_virtual(main())

@@ -1,0 +1,86 @@
+"""Config errors name the dotted key, the value, the limit and the fix; overrides parse as YAML."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncgrpo.config import load_config, parse_overrides, tolerance_warnings
+from asyncgrpo.errors import ConfigError
+
+
+def error_of(*overrides: str, path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    return str(info.value)
+
+
+def test_defaults_are_valid():
+    cfg = load_config(None)
+    assert cfg.rollout.group_size == 8 and cfg.rollout.max_staleness == 1
+
+
+def test_overrides_are_parsed_as_yaml_and_nest():
+    assert parse_overrides(["train.max_steps=5", "a.b.c=true", "x=[1, 2]", "s=hello"]) == {
+        "train": {"max_steps": 5},
+        "a": {"b": {"c": True}},
+        "x": [1, 2],
+        "s": "hello",
+    }
+    cfg = load_config(None, ["train.max_steps=5", "train.loss.clip_high=0.3"])
+    assert cfg.train.max_steps == 5 and cfg.train.loss.clip_high == 0.3
+
+
+def test_a_misspelled_key_suggests_the_right_one():
+    message = error_of("rollout.grup_size=4")
+    assert "rollout.grup_size: unknown key" in message and "did you mean rollout.group_size?" in message
+
+
+def test_an_out_of_range_value_names_key_value_and_limit():
+    message = error_of("rollout.group_size=1")
+    assert "rollout.group_size = 1" in message and "greater than or equal to 2" in message and "Fix:" in message
+
+
+def test_a_wrong_type_names_key_and_value():
+    message = error_of("generation.temperature=hot")
+    assert "generation.temperature = 'hot'" in message and "valid number" in message
+
+
+def test_survivors_above_group_size_is_inconsistent():
+    message = error_of("rollout.group_size=4", "rollout.min_group_survivors=5")
+    assert "rollout.min_group_survivors = 5 exceeds rollout.group_size = 4" in message
+    assert "at most 4" in message
+
+
+def test_weight_sync_slower_than_the_staleness_bound_is_rejected():
+    message = error_of("rollout.max_staleness=1", "generation.weight_sync_every=3")
+    assert "generation.weight_sync_every = 3" in message and "<= 2" in message
+
+
+def test_every_problem_is_reported_at_once():
+    message = error_of("rollout.group_size=1", "train.lr=-1", "bogus=1")
+    assert "3 config problems" in message
+
+
+def test_bad_override_syntax_and_missing_recipe():
+    assert "dotted.key=value" in error_of("train.max_steps")
+    message = error_of(path="does/not/exist.yaml")
+    assert "does/not/exist.yaml does not exist" in message
+
+
+def test_a_recipe_that_is_not_a_mapping(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("- a\n- b\n")
+    assert "must be a mapping" in error_of(path=recipe)
+
+
+def test_high_failure_tolerance_overridden_by_the_window_warns():
+    cfg = load_config(None, ["rollout.max_generation_failures=40", "rollout.drop_window=64", "rollout.max_drop_fraction=0.5"])
+    assert any("can never be reached" in w for w in tolerance_warnings(cfg))
+    assert tolerance_warnings(load_config(None)) == []
+
+
+def test_the_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config(None, ["train.max_steps=7"])
+    path = tmp_path / "config.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_config(path) == cfg

@@ -1,0 +1,83 @@
+"""The failure policy: consecutive budget, streak resets, and the trickle window."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from asyncgrpo.rollout.failures import FailurePolicy
+
+OUTCOMES = ("success", "failed", "too_few_survivors", "invalid_prompt", "filtered", "reward_error")
+
+
+def policy(**overrides):
+    args = dict(max_generation_failures=0, drop_window=64, max_drop_fraction=1.0, max_filtered_fraction=1.0)
+    args.update(overrides)
+    return FailurePolicy(**args)
+
+
+def test_tolerance_zero_first_generation_failure_is_fatal_and_keeps_the_error():
+    error = RuntimeError("boom")
+    verdict = policy().record("failed", error)
+    assert verdict is not None and verdict.kind == "generation_failures"
+    assert verdict.count == 1 and verdict.threshold == 0
+    assert verdict.examples["failed"] is error
+    assert "rollout.max_generation_failures = 0" in verdict.message
+
+
+def test_tolerance_three_fails_on_the_fourth_in_a_row():
+    p = policy(max_generation_failures=3)
+    assert [p.record("failed") is None for _ in range(3)] == [True, True, True]
+    assert p.record("failed").count == 4
+
+
+def test_success_resets_the_streak_and_other_drops_leave_it():
+    p = policy(max_generation_failures=1)
+    assert p.record("failed") is None
+    for neutral in ("too_few_survivors", "invalid_prompt", "filtered", "reward_error"):
+        assert p.record(neutral) is None
+        assert p.streak == 1
+    assert p.record("success") is None and p.streak == 0
+    assert p.record("failed") is None
+
+
+@given(st.lists(st.sampled_from(OUTCOMES), max_size=60), st.integers(0, 5))
+def test_the_budget_is_broken_exactly_when_the_streak_exceeds_the_tolerance(outcomes, tolerance):
+    p = policy(max_generation_failures=tolerance)
+    streak = 0
+    for outcome in outcomes:
+        streak = 0 if outcome == "success" else streak + 1 if outcome == "failed" else streak
+        verdict = p.record(outcome)
+        assert (verdict is not None) == (streak > tolerance)
+        if verdict is not None:
+            break
+
+
+def test_drop_fraction_counts_only_after_a_full_window_and_names_the_reasons():
+    p = policy(max_generation_failures=100, drop_window=4, max_drop_fraction=0.5)
+    assert p.record("too_few_survivors", ValueError("one survivor")) is None
+    assert p.record("failed", RuntimeError("x")) is None
+    assert p.record("invalid_prompt") is None  # 3 finished: the window is not full yet
+    verdict = p.record("reward_error")
+    assert verdict.kind == "drop_fraction" and verdict.count == 4
+    assert verdict.by_reason == {"failed": 1, "too_few_survivors": 1, "invalid_prompt": 1, "reward_error": 1}
+    assert set(verdict.examples) == {"failed", "too_few_survivors"}
+
+
+def test_drop_fraction_at_the_limit_is_allowed():
+    p = policy(max_generation_failures=100, drop_window=4, max_drop_fraction=0.5)
+    for outcome in ("failed", "success", "failed", "success", "success"):
+        assert p.record(outcome) is None
+
+
+def test_filtered_fraction_says_the_rewards_carry_no_signal():
+    p = policy(drop_window=2, max_filtered_fraction=0.5)
+    assert p.record("filtered") is None
+    verdict = p.record("filtered")
+    assert verdict.kind == "filtered_fraction" and "no signal" in verdict.message
+
+
+def test_fraction_one_turns_the_trickle_rules_off():
+    p = policy(max_generation_failures=10**6, drop_window=3, max_drop_fraction=1.0, max_filtered_fraction=1.0)
+    for outcome in ("failed", "filtered", "too_few_survivors") * 10:
+        assert p.record(outcome) is None

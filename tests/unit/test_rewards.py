@@ -1,0 +1,352 @@
+"""Reward functions: resolving specs, scoring with weights and None, and every error path."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from asyncgrpo.data.tasks import REWARDS
+from asyncgrpo.errors import ConfigError, RewardError
+from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion, resolve_reward, resolve_rewards
+from asyncgrpo.types import Prompt
+
+pytestmark = pytest.mark.timeout(30)
+
+PROMPT = Prompt(id=3, text="say a: ", token_ids=(1, 2), columns={"letter": "a", "answer": "x"})
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def write_module(tmp_path, name, body):
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+
+
+# -- resolving -------------------------------------------------------------------------------
+
+
+def test_resolve_builtins():
+    for name in ("repeat_letter", "addition", "coin"):
+        assert resolve_reward(f"builtin:{name}", 0) == (name, REWARDS[name])
+
+
+def test_resolve_builtin_does_not_import_heavy_libraries():
+    code = (
+        "import sys\n"
+        "from asyncgrpo.rewards.scoring import resolve_reward\n"
+        "resolve_reward('builtin:repeat_letter', 0)\n"
+        "heavy = [m for m in ('torch', 'transformers', 'datasets', 'pyarrow') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+def test_unknown_builtin_lists_the_builtins():
+    with pytest.raises(ConfigError) as err:
+        resolve_reward("builtin:repeat_leter", 2)
+    msg = str(err.value)
+    assert "reward.functions[2]" in msg and "'builtin:repeat_leter'" in msg
+    assert "did you mean builtin:repeat_letter" in msg and "builtin:coin" in msg
+
+
+@pytest.mark.parametrize("spec", ["repeat_letter", "mod:", ":fn", ""])
+def test_malformed_specs(spec):
+    with pytest.raises(ConfigError, match=r"reward\.functions\[0\]"):
+        resolve_reward(spec, 0)
+
+
+def test_resolve_module_function(tmp_path, monkeypatch):
+    write_module(tmp_path, "ag_rewards_ok", "def score(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name, fn = resolve_reward("ag_rewards_ok:score", 0)
+    assert name == "score" and fn(["p"], ["c"]) == [1.0]
+
+
+def test_resolve_py_file_path(tmp_path, monkeypatch):
+    write_module(tmp_path, "file_rewards", "def score(prompts, completions):\n    return [0.5] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    name, fn = resolve_reward("file_rewards.py:score", 0)
+    assert name == "score" and fn([], ["c"]) == [0.5]
+    with pytest.raises(ConfigError, match=r"reward\.functions\[1\].*does not exist"):
+        resolve_reward("missing_file.py:score", 1)
+
+
+def test_resolve_searches_the_working_directory(tmp_path, monkeypatch):
+    write_module(tmp_path, "ag_rewards_cwd", "def score(prompts, completions):\n    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert resolve_reward("ag_rewards_cwd:score", 0)[0] == "score"
+
+
+def test_missing_module_includes_the_import_error():
+    with pytest.raises(ConfigError) as err:
+        resolve_reward("no_such_module_xyz.sub:score", 1)
+    msg = str(err.value)
+    assert "reward.functions[1]" in msg and "'no_such_module_xyz.sub:score'" in msg
+    assert "No module named 'no_such_module_xyz'" in msg and "Fix" in msg
+    assert isinstance(err.value.__cause__, ImportError)
+
+
+def test_module_failing_on_import(tmp_path, monkeypatch):
+    write_module(tmp_path, "ag_rewards_broken", "raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="raised RuntimeError: boom at import"):
+        resolve_reward("ag_rewards_broken:score", 0)
+
+
+def test_missing_attribute_lists_close_names(tmp_path, monkeypatch):
+    write_module(
+        tmp_path,
+        "ag_rewards_attr",
+        """
+        def score_answer(prompts, completions, **kw):
+            return [1.0] * len(completions)
+
+        def other(prompts, completions, **kw):
+            return [0.0] * len(completions)
+        """,
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        resolve_reward("ag_rewards_attr:score_answr", 0)
+    msg = str(err.value)
+    assert "reward.functions[0]" in msg and "has no attribute 'score_answr'" in msg and "'score_answer'" in msg
+    with pytest.raises(ConfigError, match="its functions are other, score_answer"):
+        resolve_reward("ag_rewards_attr:zzz", 0)
+
+
+def test_not_callable(tmp_path, monkeypatch):
+    write_module(tmp_path, "ag_rewards_value", "THRESHOLD = 0.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        resolve_reward("ag_rewards_value:THRESHOLD", 4)
+    msg = str(err.value)
+    assert "reward.functions[4]" in msg and "is a float, not a function" in msg and "Fix" in msg
+
+
+def test_resolve_rewards_names_each_index():
+    with pytest.raises(ConfigError, match=r"reward\.functions\[1\]"):
+        resolve_rewards(["builtin:coin", "builtin:nope"])
+
+
+# -- scoring ---------------------------------------------------------------------------------
+
+
+def test_sync_and_async_functions_with_weights():
+    def length(prompts, completions, **kw):
+        return [float(len(c)) for c in completions]
+
+    async def is_a(prompts, completions, **kw):
+        await asyncio.sleep(0)
+        return [1.0 if c.startswith("a") else 0.0 for c in completions]
+
+    scorer = RewardScorer([("length", length), ("is_a", is_a)], weights=[0.5, -2.0], timeout_s=5)
+    assert scorer.names == ["length", "is_a"]
+    out = run(scorer.score(PROMPT, ["aa", "bbbb"]))
+    assert out == [
+        ScoredCompletion(reward=0.5 * 2 - 2.0, terms={"length": 2.0, "is_a": 1.0}),
+        ScoredCompletion(reward=0.5 * 4, terms={"length": 4.0, "is_a": 0.0}),
+    ]
+
+
+def test_builtin_through_the_scorer():
+    scorer = RewardScorer([resolve_reward("builtin:repeat_letter", 0)], timeout_s=5)
+    out = run(scorer.score(PROMPT, ["aaaaaaaa", "aaaa", "zzzz"]))
+    assert [s.reward for s in out] == [1.0, 0.5, 0.0]
+
+
+def test_columns_are_aligned_lists_and_filtered_by_signature():
+    seen = {}
+
+    def with_kwargs(prompts, completions, **columns):
+        seen["kwargs"] = (prompts, completions, columns)
+        return [0.0] * len(completions)
+
+    def named_only(prompts, completions, answer):
+        seen["named"] = answer
+        return [0.0] * len(completions)
+
+    run(RewardScorer([("a", with_kwargs), ("b", named_only)], timeout_s=5).score(PROMPT, ["x", "y"]))
+    assert seen["kwargs"] == (["say a: "] * 2, ["x", "y"], {"letter": ["a", "a"], "answer": ["x", "x"]})
+    assert seen["named"] == ["x", "x"]
+
+
+def test_none_excludes_a_term_and_all_none_gives_none():
+    def first(prompts, completions, **kw):
+        return [None, 1.0, None]
+
+    def second(prompts, completions, **kw):
+        return [0.5, None, None]
+
+    out = run(RewardScorer([("f", first), ("s", second)], weights=[1.0, 4.0], timeout_s=5).score(PROMPT, ["a", "b", "c"]))
+    assert [s.reward for s in out] == [2.0, 1.0, None]
+    assert out[2].terms == {"f": None, "s": None}
+
+
+def test_numpy_values_and_tuples_are_accepted():
+    np = pytest.importorskip("numpy")
+
+    def f(prompts, completions, **kw):
+        return np.array([0.25, 1.0], dtype=np.float32)
+
+    def g(prompts, completions, **kw):
+        return (1, True)
+
+    out = run(RewardScorer([("f", f), ("g", g)], timeout_s=5).score(PROMPT, ["a", "b"]))
+    assert [s.reward for s in out] == [1.25, 2.0]
+
+
+def test_duplicate_names_are_made_unique():
+    def f(prompts, completions, **kw):
+        return [1.0] * len(completions)
+
+    scorer = RewardScorer([("f", f), ("f", f)], timeout_s=5)
+    assert scorer.names == ["f", "f_2"]
+    assert run(scorer.score(PROMPT, ["a"]))[0].reward == 2.0
+
+
+def test_no_completions_calls_nothing():
+    def f(prompts, completions, **kw):
+        raise AssertionError("must not be called")
+
+    assert run(RewardScorer([("f", f)], timeout_s=5).score(PROMPT, [])) == []
+
+
+def test_sync_inline_runs_on_the_loop_thread():
+    threads = []
+
+    def f(prompts, completions, **kw):
+        threads.append(threading.get_ident())
+        return [0.0] * len(completions)
+
+    run(RewardScorer([("f", f)], timeout_s=5, sync_in_thread=False).score(PROMPT, ["a"]))
+    run(RewardScorer([("f", f)], timeout_s=5, sync_in_thread=True).score(PROMPT, ["a"]))
+    assert threads[0] == threading.get_ident() and threads[1] != threading.get_ident()
+
+
+def test_weights_must_match_functions():
+    def f(prompts, completions, **kw):
+        return [0.0]
+
+    with pytest.raises(ConfigError, match="reward.weights has 2 values"):
+        RewardScorer([("f", f)], weights=[1.0, 2.0], timeout_s=5)
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def test_exception_becomes_reward_error_with_cause():
+    def grader(prompts, completions, **kw):
+        raise KeyError("missing_column")
+
+    with pytest.raises(RewardError) as err:
+        run(RewardScorer([("grader", grader)], timeout_s=5).score(PROMPT, ["aaaa", "b"]))
+    msg = str(err.value)
+    assert "'grader'" in msg and "raised KeyError" in msg and "missing_column" in msg
+    assert "'say a: '" in msg and "'aaaa'" in msg and "reward.on_error" in msg
+    assert isinstance(err.value.__cause__, KeyError)
+    assert err.value.__cause__.__traceback__ is not None
+    assert err.value.function == "grader" and err.value.completion == "aaaa"
+
+
+def test_async_exception_becomes_reward_error():
+    async def judge(prompts, completions, **kw):
+        await asyncio.sleep(0)
+        raise ConnectionError("judge down")
+
+    with pytest.raises(RewardError) as err:
+        run(RewardScorer([("judge", judge)], timeout_s=5).score(PROMPT, ["a"]))
+    assert isinstance(err.value.__cause__, ConnectionError) and "judge down" in str(err.value)
+
+
+def test_long_inputs_are_truncated_in_the_message():
+    def f(prompts, completions, **kw):
+        raise ValueError("x")
+
+    long_prompt = Prompt(id=0, text="p" * 5000, token_ids=())
+    with pytest.raises(RewardError) as err:
+        run(RewardScorer([("f", f)], timeout_s=5).score(long_prompt, ["c" * 5000]))
+    assert len(str(err.value)) < 1000 and "(5000 chars)" in str(err.value)
+
+
+def test_async_timeout_becomes_reward_error():
+    async def slow(prompts, completions, **kw):
+        await asyncio.sleep(60)
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardError) as err:
+        run(RewardScorer([("slow", slow)], timeout_s=0.05).score(PROMPT, ["a"]))
+    assert "reward.timeout_s = 0.05 s" in str(err.value) and "'slow'" in str(err.value)
+    assert isinstance(err.value.__cause__, TimeoutError)
+
+
+def test_sync_timeout_in_thread_becomes_reward_error():
+    release = threading.Event()
+
+    def stuck(prompts, completions, **kw):
+        release.wait(10)
+        return [0.0] * len(completions)
+
+    async def main():
+        try:
+            await RewardScorer([("stuck", stuck)], timeout_s=0.05).score(PROMPT, ["a"])
+        finally:
+            release.set()  # let the abandoned thread end so the loop can close
+
+    with pytest.raises(RewardError, match="did not return within"):
+        run(main())
+
+
+def test_a_function_raising_timeout_error_itself_is_not_a_timeout():
+    def f(prompts, completions, **kw):
+        raise TimeoutError("upstream judge timed out")
+
+    with pytest.raises(RewardError, match="raised TimeoutError: upstream judge timed out"):
+        run(RewardScorer([("f", f)], timeout_s=5).score(PROMPT, ["a"]))
+
+
+@pytest.mark.parametrize(
+    ("result", "fragment"),
+    [
+        ([1.0], "returned 1 values for 2 completions"),
+        ([1.0, 2.0, 3.0], "returned 3 values for 2 completions"),
+        (None, "returned a NoneType, not a list of 2 values"),
+        ("11", "returned a str"),
+        ({"a": 1.0, "b": 2.0}, "returned a dict"),
+        ([1.0, "1"], "returned '1' (str) for completion 1, not a number"),
+        ([math.nan, 1.0], "returned nan for completion 0, which is not finite"),
+        ([1.0, math.inf], "returned inf for completion 1, which is not finite"),
+    ],
+)
+def test_bad_return_values_are_reward_errors(result, fragment):
+    def f(prompts, completions, **kw):
+        return result
+
+    with pytest.raises(RewardError) as err:
+        run(RewardScorer([("f", f)], timeout_s=5).score(PROMPT, ["aa", "bb"]))
+    assert fragment in str(err.value) and "'f'" in str(err.value) and "Fix" in str(err.value)
+
+
+def test_cancellation_is_not_a_reward_error():
+    async def main():
+        began = asyncio.Event()
+
+        async def slow(prompts, completions, **kw):
+            began.set()
+            await asyncio.sleep(60)
+            return [0.0]
+
+        task = asyncio.create_task(RewardScorer([("slow", slow)], timeout_s=30).score(PROMPT, ["a"]))
+        await began.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(main())
