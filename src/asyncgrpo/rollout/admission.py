@@ -10,11 +10,13 @@ Admission rule. A new group starts only while
 
     occupancy < (K + 1 - lag) * groups_per_step,   lag = steps_taken - serving_version
 
-where occupancy counts groups in flight, buffered, or taken by the step being trained.
-A group admitted now is served at `serving_version` and, with the groups ahead of it
-trained oldest first, reaches the loss by step `serving_version + K`. With weights synced
-after every step this is DESIGN.md's `in_flight + buffered < (K + 1) * groups_per_step`;
-the lag term keeps the bound when `generation.weight_sync_every > 1` leaves the serving
+where occupancy counts groups in flight or buffered (not those already taken by the step
+being trained). A group admitted now is served at `serving_version`; with at most
+`occupancy` groups ahead of it, trained oldest first, it reaches the loss by step
+`steps_taken + occupancy // groups_per_step <= serving_version + K`. With weights synced
+after every step this is DESIGN.md's `in_flight + buffered < (K + 1) * groups_per_step`,
+counting the step in training there (it is the `lag = 1` while a step trains here); the
+lag term also keeps the bound when `generation.weight_sync_every > 1` leaves the serving
 version behind. It needs no absolute counters, so it holds unchanged after a resume.
 
 A group is *doomed* once no step it could still be trained at remains: the earliest step

@@ -165,7 +165,8 @@ class Collector:
         return self._open_requests
 
     def occupancy(self) -> int:
-        return len(self._in_flight) + len(self.buffer) + len(self.in_training)
+        """Groups admitted and not yet taken for a step (the step in training is the lag term of admission)."""
+        return len(self._in_flight) + len(self.buffer)
 
     def check_health(self) -> None:
         self.health.check()
