@@ -180,8 +180,9 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
         # oversubscribed OpenMP threads spin and slow both down many times over.
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, cfg.run.seed)
+    train_rows, eval_rows = _split_rows(cfg)
     prompts, report = build_prompts(
-        read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed),
+        train_rows,
         prompt_key=cfg.data.prompt_key,
         tokenizer=tokenizer,
         max_prompt_tokens=cfg.data.max_prompt_tokens,
@@ -190,7 +191,15 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
     warnings += _step_budget_warnings(cfg, len(prompts))
     for warning in warnings:
         log.warning("warning: %s", warning)
-    eval_prompts = _eval_prompts(cfg, tokenizer) if cfg.eval.every_steps else []
+    eval_prompts: list[Prompt] = []
+    if eval_rows:
+        eval_prompts, _ = build_prompts(
+            eval_rows,
+            prompt_key=cfg.data.prompt_key,
+            tokenizer=tokenizer,
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
+            key="eval.source" if cfg.eval.source else "data.prompt_key",
+        )
 
     source = PromptSource(prompts, num_epochs=cfg.data.num_epochs, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
     scorer = RewardScorer(resolve_rewards(cfg.reward.functions), cfg.reward.weights, cfg.reward.timeout_s, sync_in_thread=True)
@@ -303,11 +312,26 @@ def _step_budget_warnings(cfg: Config, num_prompts: int) -> list[str]:
     return []
 
 
-def _eval_prompts(cfg: Config, tokenizer: Any) -> list[Prompt]:
-    source = cfg.eval.source or cfg.data.source
-    rows = read_eval_rows(source, n=cfg.eval.num_prompts, seed=cfg.run.seed, key="eval.source" if cfg.eval.source else "data.source")
-    prompts, _ = build_prompts(rows, prompt_key=cfg.data.prompt_key, tokenizer=tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, key="data.prompt_key")
-    return prompts
+def _split_rows(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Training rows and held-out eval rows (none when eval is off).
+
+    Eval rows come from `eval.source`, else the built-in task's eval split, else the last
+    `eval.num_prompts` rows of the data, which are then left out of training.
+    """
+    rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)
+    n = cfg.eval.num_prompts
+    if not cfg.eval.every_steps:
+        return rows, []
+    if cfg.eval.source is not None:
+        return rows, read_eval_rows(cfg.eval.source, n=n, seed=cfg.run.seed, key="eval.source")
+    if cfg.data.source.startswith("builtin:"):
+        return rows, read_eval_rows(cfg.data.source, n=n, seed=cfg.run.seed, key="data.source")
+    if len(rows) <= n:
+        raise ConfigError(
+            f"eval.num_prompts = {n} would hold out all {len(rows)} rows of data.source = {cfg.data.source!r}, "
+            f"leaving nothing to train on. Fix: lower eval.num_prompts, give a separate eval.source, or set eval.every_steps=0."
+        )
+    return rows[:-n], rows[-n:]
 
 
 async def _evaluate(cfg: Config, engine: Any, scorer: RewardScorer, prompts: list[Prompt], stop_ids: tuple[int, ...]) -> dict[str, float | None]:

@@ -68,3 +68,22 @@ def test_the_train_path_keeps_the_invariants_at_each_staleness(tmp_path, stalene
     assert all(m["rollout/failed_total"] == 0 for m in metrics)
     assert (tmp_path / "config.yaml").exists() and (tmp_path / "samples.jsonl").read_text()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003", "step_000006"]
+
+
+@pytest.mark.timeout(300)
+def test_a_jsonl_source_trains_until_the_data_runs_out_and_holds_out_its_eval_rows(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {c}: ", "letter": c}) + "\n" for c in "abcde" * 4))
+    cfg, summary, metrics = run(
+        tmp_path / "run",
+        f"data.source={data}",
+        "eval.every_steps=2",
+        "eval.num_prompts=4",
+        "rollout.groups_per_step=4",
+        "rollout.group_size=4",
+        "train.max_steps=100",
+    )
+    assert summary.result.outcome == "completed" and summary.result.stop_reason == "data_exhausted"
+    assert summary.accounting["trained"] == 16  # 20 rows, the last 4 held out for eval
+    assert "the data ran out" in summary.render()
+    assert len(metrics) == 4 and metrics[-1]["eval/reward_mean"] is not None
