@@ -7,31 +7,19 @@ import json
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from asyncgrpo.config import Config
 from asyncgrpo.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from asyncgrpo.training.trainer import TorchTrainer
 from asyncgrpo.types import Completion, Group, Prompt, Rollout
+from tests.tiny_models import tiny_llama
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def tiny_model(seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=tie,
-    )
-    return LlamaForCausalLM(config).float()
+    return tiny_llama(seed, tie)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -9,12 +9,14 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from asyncgrpo.config import Config
 from asyncgrpo.training.advantages import group_advantages
-from asyncgrpo.training.trainer import METRIC_KEYS, NonFiniteLossError, TorchTrainer
+from asyncgrpo.telemetry.keys import TRAIN_KEYS
+from asyncgrpo.training.trainer import NonFiniteLossError, TorchTrainer
 from asyncgrpo.types import Completion, Group, Prompt, Rollout
+from tests.tiny_models import tiny_llama
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,19 +24,7 @@ TEMPERATURE = 0.7
 
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return LlamaForCausalLM(config).float()
+    return tiny_llama(seed)
 
 
 def make_cfg(train: dict | None = None, rollout: dict | None = None) -> Config:
@@ -97,7 +87,7 @@ def test_train_step_moves_model_and_returns_exact_metrics():
     assert trainer.version == 0
     metrics = trainer.train_step(groups)
     assert trainer.version == 1
-    assert list(metrics) == list(METRIC_KEYS)
+    assert list(metrics) == list(TRAIN_KEYS)
     assert set(metrics) == {
         "loss", "kl", "clip_frac", "is_ratio/mean", "is_ratio/max", "entropy", "grad_norm", "lr",
         "advantage/mean", "advantage/std", "completion/len_mean", "completion/len_max", "completion/truncated_frac",

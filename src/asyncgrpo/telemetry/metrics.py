@@ -19,37 +19,7 @@ from typing import IO, Any
 
 from asyncgrpo.pipeline import StepRecord
 from asyncgrpo.rollout.collector import COUNTER_NAMES, Collector
-
-TRAIN_KEYS = (
-    "loss",
-    "kl",
-    "clip_frac",
-    "is_ratio/mean",
-    "is_ratio/max",
-    "entropy",
-    "grad_norm",
-    "lr",
-    "advantage/mean",
-    "advantage/std",
-    "completion/len_mean",
-    "completion/len_max",
-    "completion/truncated_frac",
-)
-EVAL_KEYS = ("eval/reward_mean", "eval/pass_rate")
-PIPELINE_KEYS = (
-    "rollout/inflight",
-    "buffer/size",
-    "staleness/mean",
-    "staleness/max",
-    "time/trainer_wait_s",
-    "time/step_s",
-    "time/weight_sync_s",
-    "time/elapsed_s",
-    "throughput/gen_tokens_per_s",
-    "reward/mean",
-    "reward/std",
-)
-
+from asyncgrpo.telemetry.keys import EVAL_KEYS, PIPELINE_KEYS, TRAIN_KEYS
 
 def metric_keys(reward_names: Iterable[str]) -> tuple[str, ...]:
     return (

@@ -24,7 +24,7 @@ Invariants:
   generator's pi_gen up to numerics.
 - A non-finite loss or gradient norm raises `NonFiniteLossError` before the optimizer
   applies it; weights are never updated with NaN/inf.
-- Every metric key in `METRIC_KEYS` is returned every step, as a finite float.
+- Every metric key in `TRAIN_KEYS` is returned every step, as a finite float.
 """
 
 from __future__ import annotations
@@ -41,24 +41,10 @@ from torch import Tensor
 
 from asyncgrpo.config import Config
 from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.telemetry.keys import TRAIN_KEYS
 from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
 from asyncgrpo.types import Group
 
-METRIC_KEYS: tuple[str, ...] = (
-    "loss",
-    "kl",
-    "clip_frac",
-    "is_ratio/mean",
-    "is_ratio/max",
-    "entropy",
-    "grad_norm",
-    "lr",
-    "advantage/mean",
-    "advantage/std",
-    "completion/len_mean",
-    "completion/len_max",
-    "completion/truncated_frac",
-)
 
 
 class NonFiniteLossError(AsyncGRPOError):
@@ -169,7 +155,7 @@ class TorchTrainer:
     def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
         """Train one step on `groups` (whole groups; at least one). Advances `version` by 1.
 
-        Returns every key of `METRIC_KEYS` as a float.
+        Returns every key of `TRAIN_KEYS` as a float.
         """
         with self.lock:
             return self._train_step(groups)
@@ -255,7 +241,7 @@ class TorchTrainer:
             "completion/len_max": float(max(lengths)),
             "completion/truncated_frac": sum(r.completion.truncated for r in rollouts) / len(rollouts),
         }
-        return {key: float(metrics[key]) for key in METRIC_KEYS}
+        return {key: float(metrics[key]) for key in TRAIN_KEYS}
 
     def _update(self, seqs: list[_Sequence], *, first: bool) -> tuple[float | None, float, LossStats]:
         """One optimizer update over `seqs`; (None, 0, zeros) when they hold no loss token."""
