@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -138,3 +139,17 @@ async def run_pipeline(
         )
         return PipelineResult("failed", "error", step, diagnostic, PipelineError(diagnostic), staleness_max)
     return PipelineResult("completed", stop_reason, step, staleness_max=staleness_max)
+
+
+def step_budget_warnings(cfg: Config, num_prompts: int) -> list[str]:
+    """Say so at start when train.max_steps asks for more steps than the data can give."""
+    groups = num_prompts * cfg.data.num_epochs
+    per_step = cfg.rollout.groups_per_step
+    available = groups // per_step if cfg.data.drop_last else math.ceil(groups / per_step)
+    if cfg.train.max_steps <= available:
+        return []
+    return [
+        f"train.max_steps = {cfg.train.max_steps} but the data allows at most {available} steps "
+        f"({num_prompts} prompts x {cfg.data.num_epochs} epochs / rollout.groups_per_step = {per_step}); "
+        f"the run will stop when the data runs out. Raise data.num_epochs for more."
+    ]

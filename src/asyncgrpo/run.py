@@ -21,7 +21,6 @@ import asyncio
 import concurrent.futures
 import copy
 import logging
-import math
 import os
 import shutil
 import signal
@@ -37,7 +36,7 @@ from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_r
 from asyncgrpo.data.source import PromptSource
 from asyncgrpo.errors import ConfigError, Diagnostic
 from asyncgrpo.models.loading import check_model_path
-from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline
+from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.types import GenerationRequest, Group, Prompt, SamplingParams
 
@@ -188,7 +187,7 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
         max_prompt_tokens=cfg.data.max_prompt_tokens,
     )
     warnings = list(report.warnings())
-    warnings += _step_budget_warnings(cfg, len(prompts))
+    warnings += step_budget_warnings(cfg, len(prompts))
     for warning in warnings:
         log.warning("warning: %s", warning)
     eval_prompts: list[Prompt] = []
@@ -297,19 +296,6 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
         interrupted_by=interrupted[0] if interrupted else None,
         warnings=warnings,
     )
-
-
-def _step_budget_warnings(cfg: Config, num_prompts: int) -> list[str]:
-    groups = num_prompts * cfg.data.num_epochs
-    per_step = cfg.rollout.groups_per_step
-    available = groups // per_step if cfg.data.drop_last else math.ceil(groups / per_step)
-    if cfg.train.max_steps > available:
-        return [
-            f"train.max_steps = {cfg.train.max_steps} but the data allows at most {available} steps "
-            f"({num_prompts} prompts x {cfg.data.num_epochs} epochs / rollout.groups_per_step = {per_step}); "
-            f"the run will stop when the data runs out. Raise data.num_epochs for more."
-        ]
-    return []
 
 
 def _split_rows(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -14,6 +14,7 @@ pipeline started has ended when it returns.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,12 +25,14 @@ from asyncgrpo.data.source import PromptSource
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
-from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline
+from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.training.stub import StubTrainer
 from asyncgrpo.types import SamplingParams
 from asyncgrpo.vtime import run_virtual
+
+log = logging.getLogger("asyncgrpo")
 
 EXIT_CODES = {"completed": 0, "failed": 1, "stalled": 2}
 
@@ -98,6 +101,8 @@ def simulate(cfg: Config, generator: Generator | None = None) -> Simulation:
     check_simulatable(cfg)
     rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)
     prompts, _ = build_prompts(rows, prompt_key=cfg.data.prompt_key, tokenizer=None, max_prompt_tokens=cfg.data.max_prompt_tokens)
+    for warning in step_budget_warnings(cfg, len(prompts)):
+        log.warning("warning: %s", warning)
     source = PromptSource(prompts, num_epochs=cfg.data.num_epochs, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
     scorer = RewardScorer(resolve_rewards(cfg.reward.functions), cfg.reward.weights, cfg.reward.timeout_s, sync_in_thread=False)
     if generator is None:
