@@ -105,8 +105,19 @@ class LocalEngineConfig(_Section):
     max_batch_size: int = Field(64, ge=1, description="Most sequences the in-process engine decodes together.")
 
 
+class HttpConfig(_Section):
+    """OpenAI-compatible completion servers (vLLM, or `asyncgrpo serve`)."""
+
+    base_urls: list[str] = Field(default_factory=list, description="Server URLs, e.g. http://127.0.0.1:8000 (one or more).")
+    model: str | None = Field(None, description="Model name the servers serve (default: the one /v1/models lists).")
+    api_key: str | None = Field(None, description="Sent as a Bearer token when set.")
+    weights_dir: str | None = Field(None, description="Directory the servers can read, where new weights are written (default <run dir>/weights).")
+    weight_sync_timeout_s: float = Field(120.0, gt=0, description="Deadline of one server's pause, reload and resume.")
+    startup_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start for the servers to answer.")
+
+
 class GenerationConfig(_Section):
-    backend: Literal["local", "scripted"] = "local"
+    backend: Literal["local", "scripted", "http"] = "local"
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; the trainer computes log-probs at the same temperature.")
     top_p: float = Field(1.0, gt=0, le=1)
@@ -121,6 +132,7 @@ class GenerationConfig(_Section):
     weight_sync_every: int = Field(1, ge=1, description="Publish weights to the generators every N optimizer steps (<= rollout.max_staleness + 1).")
     local: LocalEngineConfig = Field(default_factory=LocalEngineConfig)
     scripted: ScriptedConfig = Field(default_factory=ScriptedConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
 
 
 class RolloutConfig(_Section):
@@ -236,6 +248,11 @@ def consistency_problems(cfg: Config) -> list[str]:
         problems.append(
             f"generation.retry_backoff_s = {g.retry_backoff_s:g} exceeds generation.retry_backoff_max_s = {g.retry_backoff_max_s:g}. "
             f"Fix: make the first delay at most the cap."
+        )
+    if g.backend == "http" and not g.http.base_urls:
+        problems.append(
+            "generation.backend = 'http' needs at least one server: set generation.http.base_urls, "
+            "e.g. [http://127.0.0.1:8000]."
         )
     weights = cfg.reward.weights
     if weights is not None and len(weights) != len(cfg.reward.functions):

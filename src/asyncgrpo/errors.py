@@ -10,7 +10,8 @@ Generation errors are classified by type, and the class alone decides the policy
   jittered backoff under the rollout deadline.
 - `PromptRejectedError` (prompt too long, 413): the rollout fails at once; a group whose
   members all fail this way is dropped as `invalid_prompt`.
-- `MisconfiguredBackendError` (401/403/404/422): fatal for the run at once.
+- `FatalBackendError`: fatal for the run at once: `MisconfiguredBackendError` (401/403/404/422)
+  and `BackendDeadError` (no healthy server for `generation.backend_dead_after_s`).
 - Any other exception raised by a backend: not retried; the rollout fails.
 """
 
@@ -48,8 +49,22 @@ class PromptRejectedError(GenerationError):
     """The backend rejected this prompt (too long, 413). Retrying cannot help; the backend works."""
 
 
-class MisconfiguredBackendError(GenerationError):
+class FatalBackendError(GenerationError):
+    """Retrying or dropping cannot help: the run fails at once with diagnostic kind `kind`."""
+
+    kind = "backend_error"
+
+
+class MisconfiguredBackendError(FatalBackendError):
     """The backend refuses every request as configured (401/403/404/422). Fatal at once."""
+
+    kind = "misconfigured_backend"
+
+
+class BackendDeadError(FatalBackendError):
+    """No server was healthy for `generation.backend_dead_after_s`; the message names each server and its last error."""
+
+    kind = "backend_dead"
 
 
 class RewardError(AsyncGRPOError):

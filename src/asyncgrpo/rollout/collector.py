@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from asyncgrpo.config import Config
 from asyncgrpo.errors import (
     Diagnostic,
-    MisconfiguredBackendError,
+    FatalBackendError,
     PromptRejectedError,
     RequestTimeoutError,
     RewardError,
@@ -252,14 +252,14 @@ class Collector:
         )
         try:
             completion = await self._generate_with_retries(request)
-        except MisconfiguredBackendError as exc:
+        except FatalBackendError as exc:
             group.errors[member] = exc
             self.counters["rollout/failed_total"] += 1
             self._fail_run(
                 Diagnostic(
-                    kind="misconfigured_backend",
-                    message=f"The generation backend rejects requests as configured: {exc}. Retrying cannot fix this; "
-                    f"check the model name, the server URL and its credentials.",
+                    kind=exc.kind,
+                    message=f"The generation backend cannot serve this run: {exc}. Retrying cannot fix this; "
+                    f"check the servers, the model name, the URLs and the credentials.",
                     backend=exc.backend or self.generator.name,
                     generation_version=group.dispatch_versions[member],
                     trainer_step=self.steps_taken,
