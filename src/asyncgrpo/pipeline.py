@@ -82,6 +82,31 @@ async def run_pipeline(
     stop_reason: StopReason = "max_steps"
     sync_every = cfg.generation.weight_sync_every
     failure: PipelineError | None = None
+
+    async def complete_step(step: int, batch: list[Group], waited_s: float) -> StepRecord:
+        """Train, publish, account and report one step: all of it or (if the trainer fails) none."""
+        started = loop.time()
+        metrics = await backend.train_step(batch)
+        trained = loop.time()
+        version = step + 1
+        if version % sync_every == 0:
+            await generator.load_weights(backend.generation_weights(), version)
+            collector.weights_published()
+        synced = loop.time()
+        collector.step_trained()
+        record = StepRecord(
+            step=step,
+            batch=batch,
+            train_metrics=metrics,
+            wait_s=waited_s,
+            step_s=trained - started,
+            weight_sync_s=synced - trained,
+            staleness=[group.staleness_at(step) for group in batch],
+        )
+        if on_step is not None:
+            await on_step(record)
+        return record
+
     async with asyncio.TaskGroup() as task_group:
         task_group.create_task(collector.run(), name="collector")
         try:
@@ -91,30 +116,18 @@ async def run_pipeline(
                 if batch is None:
                     stop_reason = "data_exhausted"
                     break
-                started = loop.time()
-                metrics = await backend.train_step(batch)
-                trained = loop.time()
-                version = step + 1
-                if version % sync_every == 0:
-                    await generator.load_weights(backend.generation_weights(), version)
-                    collector.weights_published()
-                synced = loop.time()
-                collector.step_trained()
-                staleness = [group.staleness_at(step) for group in batch]
-                staleness_max = max(staleness_max, *staleness)
-                record = StepRecord(
-                    step=step,
-                    batch=batch,
-                    train_metrics=metrics,
-                    wait_s=started - waited_from,
-                    step_s=trained - started,
-                    weight_sync_s=synced - trained,
-                    staleness=staleness,
-                )
+                # A step that started is finished even if the run is cancelled meanwhile (Ctrl-C):
+                # the weights, the accounting and the metrics then agree on which steps happened.
+                step_task = task_group.create_task(complete_step(step, batch, loop.time() - waited_from), name=f"step-{step}")
+                try:
+                    record = await asyncio.shield(step_task)
+                except asyncio.CancelledError:
+                    if not step_task.done():
+                        await step_task
+                    raise
+                staleness_max = max(staleness_max, *record.staleness)
                 step += 1
                 collector.check_health()
-                if on_step is not None:
-                    await on_step(record)
         except PipelineError as exc:  # the run's diagnostic: reported in the result, not raised
             failure = exc
         finally:

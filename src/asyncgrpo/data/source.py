@@ -13,8 +13,10 @@ Invariants:
   the same epoch. The caller decides when a prompt has been requeued too often.
 - `take()` returns None once every epoch is handed out and nothing is requeued; that is the
   normal end of data, not an error. A later `requeue` makes prompts available again.
-- The whole position (epoch, cursor, requeued prompts) is captured by `state_dict()`, so a
-  resumed source continues exactly where the saved one stopped.
+- Resume: `done` maps an epoch to the ids whose take already ended in training or a drop;
+  those are skipped, and everything else of that epoch (what was in flight, buffered or
+  requeued when the checkpoint was written) is handed out again, in the epoch's order. A
+  position cursor would lose exactly that in-flight work.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import deque
-from typing import Any, Sequence
+from typing import Collection, Mapping, Sequence
 
 from asyncgrpo.types import Prompt
 
@@ -30,7 +32,15 @@ from asyncgrpo.types import Prompt
 class PromptSource:
     """Deterministic, epoch-based prompt dispenser with a requeue lane."""
 
-    def __init__(self, prompts: Sequence[Prompt], *, num_epochs: int, shuffle: bool, seed: int) -> None:
+    def __init__(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        num_epochs: int,
+        shuffle: bool,
+        seed: int,
+        done: Mapping[int, Collection[int]] | None = None,
+    ) -> None:
         if num_epochs < 1:
             raise ValueError(f"num_epochs must be at least 1, got {num_epochs}")
         base = [dataclasses.replace(p, epoch=0, requeues=0) for p in prompts]
@@ -42,6 +52,7 @@ class PromptSource:
         self.num_epochs = num_epochs
         self.shuffle = shuffle
         self.seed = seed
+        self._done = {int(epoch): frozenset(ids) for epoch, ids in (done or {}).items()}
         self._epoch = 0
         self._order: list[int] = self._epoch_order(0)
         self._cursor = 0
@@ -106,57 +117,11 @@ class PromptSource:
         self._requeued.append(again)
         return again
 
-    # -- resume ------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable position: restore it with `load_state_dict` on a source built from the same prompts."""
-        return {
-            "prompts_per_epoch": len(self._prompts),
-            "num_epochs": self.num_epochs,
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-            "epoch": self._epoch,
-            "cursor": self._cursor,
-            "taken_total": self.taken_total,
-            "requeued": [[p.id, p.epoch, p.requeues] for p in self._requeued],
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved position. Raises ValueError if the prompts or the order differ."""
-        for name, mine in (
-            ("prompts_per_epoch", len(self._prompts)),
-            ("shuffle", self.shuffle),
-            ("seed", self.seed),
-        ):
-            if state[name] != mine:
-                raise ValueError(
-                    f"cannot resume the prompt source: the checkpoint has {name} = {state[name]!r}, this run has "
-                    f"{mine!r}; resuming would hand out a different order of prompts"
-                )
-        epoch, cursor = int(state["epoch"]), int(state["cursor"])
-        if not 0 <= epoch < self.num_epochs:
-            raise ValueError(
-                f"cannot resume the prompt source: the checkpoint is in epoch {epoch} but this run has "
-                f"num_epochs = {self.num_epochs}; raise data.num_epochs to at least {epoch + 1}"
-            )
-        if not 0 <= cursor <= len(self._prompts):
-            raise ValueError(f"cannot resume the prompt source: saved cursor {cursor} is outside 0..{len(self._prompts)}")
-        by_id = {p.id: p for p in self._prompts}
-        requeued: deque[Prompt] = deque()
-        for pid, p_epoch, requeues in state["requeued"]:
-            if pid not in by_id:
-                raise ValueError(f"cannot resume the prompt source: requeued prompt id {pid} is not in the data")
-            requeued.append(dataclasses.replace(by_id[pid], epoch=int(p_epoch), requeues=int(requeues)))
-        self._epoch = epoch
-        self._order = self._epoch_order(epoch)
-        self._cursor = cursor
-        self._requeued = requeued
-        self.taken_total = int(state["taken_total"])
-
     # -- internals ---------------------------------------------------------------------
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self._prompts)))
         if self.shuffle:
             random.Random(f"asyncgrpo:prompt-order:{self.seed}:{epoch}").shuffle(order)
-        return order
+        done = self._done.get(epoch, frozenset())
+        return [i for i in order if self._prompts[i].id not in done]
