@@ -1,4 +1,4 @@
-"""`asyncgrpo train|simulate|check RECIPE [dotted.key=value ...]`: argument parsing and exit codes only.
+"""`asyncgrpo train|simulate|check RECIPE [dotted.key=value ...]` and `asyncgrpo serve MODEL`: argument parsing and exit codes only.
 
 Exit codes: 0 completed, 1 failed (the run's diagnostic is printed), 2 stalled,
 3 bad config (reported before any model loads), 130/143 interrupted by SIGINT/SIGTERM.
@@ -36,12 +36,30 @@ def _parser() -> argparse.ArgumentParser:
     sim = recipe_command("simulate", "Run the recipe's pipeline on virtual time with a scripted backend and a stub trainer.")
     sim.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     recipe_command("check", "Validate a recipe and the files it names, then exit.")
+    serve = sub.add_parser(
+        "serve",
+        help="Serve a model over an OpenAI-compatible HTTP API (vLLM's subset that generation.backend: http uses).",
+        description="Serve a model over an OpenAI-compatible HTTP API (vLLM's subset that generation.backend: http "
+        "uses), with the in-process engine. Stops on SIGINT/SIGTERM.",
+    )
+    serve.add_argument("model", help="a local Hugging Face model directory, or builtin:tiny")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; /collective_rpc loads any readable path, keep it private)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 picks a free one)")
+    serve.add_argument("--max-batch-size", type=int, default=64, help="most sequences decoded together (default 64)")
+    serve.add_argument("--served-model-name", default=None, help="model name clients must send (default: MODEL as given)")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype (default float32)")
+    serve.add_argument("--seed", type=int, default=0, help="initialisation seed of builtin models (default 0)")
+    serve.add_argument("--debug-step-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow decoding down
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.command == "serve":
+        from asyncgrpo.serve import serve_cli
+
+        return serve_cli(args)
     try:
         cfg = load_config(args.recipe, args.overrides)
         for warning in tolerance_warnings(cfg):

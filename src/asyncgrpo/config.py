@@ -186,6 +186,7 @@ class EvalConfig(_Section):
 class CheckpointConfig(_Section):
     every_steps: int = Field(50, ge=0, description="Save every N steps (0 = only the final checkpoint).")
     keep_last: int = Field(2, ge=1)
+    resume: str = Field("auto", min_length=1, description="auto: continue from the newest complete checkpoint of the run directory; never: refuse a used run directory; or the path of a checkpoint.")
 
 
 class LoggingConfig(_Section):

@@ -141,7 +141,7 @@ async def run_pipeline(
             error=failure,
             staleness_max=staleness_max,
         )
-    if step == start_step:
+    if step == 0:
         diagnostic = Diagnostic(
             kind="no_steps",
             message=(

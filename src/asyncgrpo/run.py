@@ -38,6 +38,9 @@ from asyncgrpo.errors import ConfigError, Diagnostic
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rollout.accounting import Accounting
+from asyncgrpo.rollout.ledger import PromptLedger
+from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import GenerationRequest, Group, Prompt, SamplingParams
 
 log = logging.getLogger("asyncgrpo")
@@ -46,8 +49,8 @@ EXIT_CODES = {"completed": 0, "failed": 1, "stalled": 2}
 SIGNAL_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
-def preflight(cfg: Config) -> None:
-    """Raise ConfigError for any recipe mistake that can be found without loading a model."""
+def preflight(cfg: Config) -> ResumePlan:
+    """Raise ConfigError for any recipe mistake that can be found without loading a model; say what to resume."""
     if cfg.generation.backend != "local" or cfg.train.backend != "torch":
         raise ConfigError(
             f"train needs generation.backend: local and train.backend: torch (got {cfg.generation.backend!r} and "
@@ -61,11 +64,7 @@ def preflight(cfg: Config) -> None:
     run_dir = cfg.run.directory
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.output_dir = {str(run_dir)!r} is a file, not a directory. Fix: choose another run.output_dir.")
-    if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
-        raise ConfigError(
-            f"run directory {run_dir} already holds a run (metrics.jsonl). Fix: pick a new run.name, or pass "
-            f"run.overwrite=true to replace it."
-        )
+    return plan_resume(cfg)
 
 
 @dataclass
@@ -109,6 +108,8 @@ class RunSummary:
         lines.append(f"  max staleness trained: {r.staleness_max}")
         if self.final_checkpoint is not None:
             lines.append(f"  checkpoint: {self.final_checkpoint} (loads with transformers' from_pretrained)")
+            if self.interrupted_by is not None or r.outcome != "completed":
+                lines.append("  to continue: run the same command again (checkpoint.resume=auto continues from the newest checkpoint)")
         if r.diagnostic is not None:
             lines.append(f"  error ({r.diagnostic.kind}): {r.diagnostic.render()}")
             if r.diagnostic.traceback:
@@ -158,18 +159,21 @@ async def _train_until_signal(cfg: Config) -> RunSummary:
 
 async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSummary:
     """Run one training to its end (see the module docstring). Config problems raise ConfigError first."""
-    preflight(cfg)
+    plan = preflight(cfg)
     import torch  # heavy imports only after the recipe is known to be sound
 
     from asyncgrpo.generation.local import LocalEngine
     from asyncgrpo.models.loading import load_model_and_tokenizer
-    from asyncgrpo.telemetry.metrics import MetricsWriter, SamplesWriter, metric_keys, step_metrics
-    from asyncgrpo.training.checkpoint import save_checkpoint
+    from asyncgrpo.rollout.collector import Collector
+    from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, metric_keys, step_metrics, write_samples
+    from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
     from asyncgrpo.training.trainer import TorchTrainer
 
     run_dir = cfg.run.directory
-    if run_dir.exists() and cfg.run.overwrite:
-        shutil.rmtree(run_dir)
+    for note in plan.notes:
+        log.warning("warning: %s", note)
+    if run_dir.exists() and (cfg.run.overwrite or plan.checkpoint is None):
+        shutil.rmtree(run_dir)  # a fresh start: nothing of an earlier run may mix into this one
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
@@ -180,30 +184,28 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, cfg.run.seed)
     train_rows, eval_rows = _split_rows(cfg)
-    prompts, report = build_prompts(
-        train_rows,
-        prompt_key=cfg.data.prompt_key,
-        tokenizer=tokenizer,
-        max_prompt_tokens=cfg.data.max_prompt_tokens,
-    )
-    warnings = list(report.warnings())
-    warnings += step_budget_warnings(cfg, len(prompts))
-    for warning in warnings:
+    prompts, report = build_prompts(train_rows, prompt_key=cfg.data.prompt_key, tokenizer=tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens)
+    warnings = [*plan.notes, *report.warnings(), *step_budget_warnings(cfg, len(prompts))]
+    for warning in warnings[len(plan.notes):]:
         log.warning("warning: %s", warning)
     eval_prompts: list[Prompt] = []
     if eval_rows:
-        eval_prompts, _ = build_prompts(
-            eval_rows,
-            prompt_key=cfg.data.prompt_key,
-            tokenizer=tokenizer,
-            max_prompt_tokens=cfg.data.max_prompt_tokens,
-            key="eval.source" if cfg.eval.source else "data.prompt_key",
-        )
+        key = "eval.source" if cfg.eval.source else "data.prompt_key"
+        eval_prompts, _ = build_prompts(eval_rows, prompt_key=cfg.data.prompt_key, tokenizer=tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens, key=key)
 
-    source = PromptSource(prompts, num_epochs=cfg.data.num_epochs, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
-    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), cfg.reward.weights, cfg.reward.timeout_s, sync_in_thread=True)
-    engine = LocalEngine(copy.deepcopy(model), tokenizer, max_batch_size=cfg.generation.local.max_batch_size)
     trainer = TorchTrainer(model, tokenizer, cfg)
+    saved: dict[str, Any] = {}
+    if plan.checkpoint is not None:
+        saved = load_checkpoint(plan.checkpoint, trainer)["extra"]
+        log.warning("resuming from %s (step %d)", plan.checkpoint, plan.step)
+        for change in plan.changed:
+            log.warning("  changed since the checkpoint: %s", change)
+    offsets = saved.get("offsets", {})
+    outcomes = JsonlFile(run_dir / "outcomes.jsonl", offsets.get("outcomes.jsonl"))
+    ledger = PromptLedger(saved.get("done"), sink=outcomes.append)
+    source = PromptSource(prompts, num_epochs=cfg.data.num_epochs, shuffle=cfg.data.shuffle, seed=cfg.run.seed, done=ledger.done_by_epoch())
+    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), cfg.reward.weights, cfg.reward.timeout_s, sync_in_thread=True)
+    engine = LocalEngine(copy.deepcopy(trainer.model), tokenizer, max_batch_size=cfg.generation.local.max_batch_size, version=trainer.version)
     stop_ids = tuple(dict.fromkeys([*cfg.generation.stop_token_ids, tokenizer.eos_token_id]))
     sampling = SamplingParams(
         max_new_tokens=cfg.generation.max_new_tokens,
@@ -211,19 +213,21 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
         top_p=cfg.generation.top_p,
         stop_token_ids=stop_ids,
     )
-
-    from asyncgrpo.rollout.collector import Collector  # after torch: keeps `check` and config errors fast
-
-    collector = Collector(cfg, source=source, generator=engine, scorer=scorer, sampling=sampling)
+    start_step = plan.step
+    collector = Collector(cfg, source=source, generator=engine, scorer=scorer, sampling=sampling, start_step=start_step, ledger=ledger)
+    if saved:
+        collector.accounting = Accounting.resumed(saved["accounting"])
+        collector.counters.update(saved["counters"])
     trainer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncgrpo-trainer")
     loop = asyncio.get_running_loop()
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", metric_keys(scorer.names))
-    samples = SamplesWriter(run_dir / "samples.jsonl", cfg.logging.samples_per_step)
-    progress = _Progress(cfg)
+    metrics_file = JsonlFile(run_dir / "metrics.jsonl", offsets.get("metrics.jsonl"))
+    samples_file = JsonlFile(run_dir / "samples.jsonl", offsets.get("samples.jsonl"))
+    metrics = MetricsWriter(metrics_file, metric_keys(scorer.names))
+    progress = _Progress(cfg, start_step)
     rewards_by_step: list[float] = []
     eval_state: dict[str, float | None] = {"eval/reward_mean": None, "eval/pass_rate": None}
     started = time.perf_counter()
-    last = {"time": started, "tokens": 0}
+    last = {"time": started, "tokens": collector.counters["rollout/generated_tokens_total"]}
 
     class ThreadedTrainer:
         async def train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -232,9 +236,14 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
         def generation_weights(self) -> dict[str, Any]:
             return trainer.generation_weights()
 
-    async def checkpoint(step: int) -> Path:
-        extra = {"accounting": collector.accounting.to_json(), "counters": dict(collector.counters)}
-        return await loop.run_in_executor(trainer_thread, save_checkpoint, run_dir, step, trainer, cfg.to_yaml(), extra)
+    def checkpoint_extra() -> dict[str, Any]:
+        """Taken in one synchronous moment, so the ledger, counters and file offsets agree."""
+        return {
+            "done": ledger.done_by_epoch(),
+            "accounting": collector.accounting.to_json(),
+            "counters": dict(collector.counters),
+            "offsets": {f.path.name: f.offset() for f in (metrics_file, samples_file, outcomes)},
+        }
 
     async def evaluate() -> None:
         eval_state.update(await _evaluate(cfg, engine, scorer, eval_prompts, stop_ids))
@@ -255,19 +264,20 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
         )
         last.update(time=now, tokens=tokens)
         metrics.write(values)
-        samples.write(record)
+        write_samples(samples_file, record, cfg.logging.samples_per_step)
         rewards_by_step.append(values["reward/mean"])
         progress.update(values)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.max_steps:
-            await checkpoint(step)
+            extra = checkpoint_extra()
+            await loop.run_in_executor(trainer_thread, save_checkpoint, run_dir, step, trainer, cfg.to_yaml(), extra)
 
     final_checkpoint: Path | None = None
     result: PipelineResult | None = None
     try:
         await engine.start()
         if eval_prompts:
-            await evaluate()  # the untrained baseline, so eval/* is never empty
-        result = await run_pipeline(cfg, collector=collector, backend=ThreadedTrainer(), generator=engine, on_step=on_step)
+            await evaluate()  # the baseline, so eval/* is never empty
+        result = await run_pipeline(cfg, collector=collector, backend=ThreadedTrainer(), generator=engine, start_step=start_step, on_step=on_step)
     except asyncio.CancelledError:
         if not interrupted:
             raise
@@ -275,14 +285,13 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
     finally:
         progress.close()
         await engine.aclose()
-        # The step in progress (if any) finishes before the thread is released; the shutdown
-        # is bounded by the step itself, which has no I/O to wait on.
+        # A step in progress finishes before the thread is released (the pipeline completes a
+        # started step even when cancelled), so the weights match the accounting saved below.
         await loop.run_in_executor(None, trainer_thread.shutdown, True)
-        metrics.close()
-        samples.close()
-    steps_trained = trainer.version
-    if steps_trained > 0:
-        final_checkpoint = save_checkpoint(run_dir, steps_trained, trainer, cfg.to_yaml(), {"accounting": collector.accounting.to_json(), "counters": dict(collector.counters)})
+    if trainer.version > 0:
+        final_checkpoint = save_checkpoint(run_dir, trainer.version, trainer, cfg.to_yaml(), checkpoint_extra())
+    for file in (metrics_file, samples_file, outcomes):
+        file.close()
     if result.diagnostic is not None and result.diagnostic.traceback:
         (run_dir / "error.txt").write_text(_error_report(result.diagnostic))
     tenth = max(1, len(rewards_by_step) // 10)
@@ -356,13 +365,13 @@ def _error_report(diagnostic: Diagnostic) -> str:
 class _Progress:
     """A progress bar on stderr (step, reward, ETA), or a line every 10 steps when `logging.progress` is off."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, start_step: int) -> None:
         self.every = max(1, cfg.train.max_steps // 10)
         self.bar = None
         if cfg.logging.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=cfg.train.max_steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
 
     def update(self, values: dict[str, Any]) -> None:
         if self.bar is not None:

@@ -27,6 +27,18 @@ class Accounting:
     in_flight: int = 0
     buffered: int = 0
 
+    @classmethod
+    def resumed(cls, saved: dict[str, object]) -> Accounting:
+        """Continue a checkpoint's accounting: what was in flight or buffered then is generated again
+        after the resume, so those takes ended as requeued."""
+        dropped = dict(saved["dropped"])  # type: ignore[call-overload]
+        return cls(
+            taken=int(saved["taken"]),  # type: ignore[call-overload]
+            trained=int(saved["trained"]),  # type: ignore[call-overload]
+            requeued=int(saved["requeued"]) + int(saved["in_flight"]) + int(saved["buffered"]),  # type: ignore[call-overload]
+            dropped={reason: int(dropped.get(reason, 0)) for reason in DROP_REASONS},
+        )
+
     def take(self) -> None:
         self.taken += 1
         self.in_flight += 1

@@ -45,6 +45,7 @@ from asyncgrpo.rollout.admission import is_doomed, is_trainable, may_admit_group
 from asyncgrpo.rollout.buffer import ReplayBuffer
 from asyncgrpo.rollout.failures import FailurePolicy, GroupOutcome
 from asyncgrpo.rollout.health import Health, format_traceback
+from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.signal import StateSignal
 from asyncgrpo.training.advantages import group_advantages
 from asyncgrpo.types import DROP_REASONS, Completion, DropReason, GenerationRequest, Group, Prompt, Rollout, SamplingParams
@@ -122,6 +123,7 @@ class Collector:
         scorer: ScorerLike,
         sampling: SamplingParams,
         start_step: int = 0,
+        ledger: PromptLedger | None = None,
     ) -> None:
         self.cfg = cfg
         self.source = source
@@ -141,6 +143,7 @@ class Collector:
             max_filtered_fraction=r.max_filtered_fraction,
         )
         self.health = Health()
+        self.ledger = ledger if ledger is not None else PromptLedger()
         self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
         self.steps_taken = start_step
         self.in_training: list[Group] = []
@@ -371,7 +374,7 @@ class Collector:
     def _end_dropped(self, group: _InFlightGroup, reason: DropReason, error: BaseException | None) -> None:
         del self._in_flight[group.key]
         self.accounting.drop_in_flight(reason)
-        self._count_drop(reason)
+        self._count_drop(reason, group.prompt)
         self._record_outcome(reason, error)  # type: ignore[arg-type]
         self._signal.notify()
 
@@ -391,12 +394,13 @@ class Collector:
             self.source.requeue(prompt)
         else:
             self.accounting.drop_in_flight("stale")
-            self._count_drop("stale")
+            self._count_drop("stale", prompt)
         self._signal.notify()
 
-    def _count_drop(self, reason: DropReason) -> None:
+    def _count_drop(self, reason: DropReason, prompt: Prompt) -> None:
         self.counters["rollout/dropped_groups_total"] += 1
         self.counters[f"rollout/dropped/{reason}"] += 1
+        self.ledger.dropped(prompt, reason, self.steps_taken)
 
     def _record_outcome(self, outcome: GroupOutcome, error: BaseException | None) -> None:
         verdict = self.policy.record(outcome, error)
@@ -434,7 +438,7 @@ class Collector:
     def _expire_buffered(self, step: int) -> None:
         for group in self.buffer.remove_untrainable(step):
             self.accounting.drop_buffered("stale")
-            self._count_drop("stale")
+            self._count_drop("stale", group.prompt)
             self.counters["rollout/stale_groups_total"] += 1
             self.counters["rollout/stale_samples_total"] += len(group.rollouts)
             self.counters["rollout/wasted_tokens_total"] += sum(len(r.completion.token_ids) for r in group.rollouts)
@@ -488,6 +492,8 @@ class Collector:
     def step_trained(self) -> None:
         """The step that took `in_training` has completed and its weights are published."""
         self.accounting.train_buffered(len(self.in_training))
+        for group in self.in_training:
+            self.ledger.trained(group.prompt, self.steps_taken - 1)
         self.in_training = []
         self._last_progress = self._now()
         self._signal.notify()

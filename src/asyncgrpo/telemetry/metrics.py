@@ -69,60 +69,59 @@ def step_metrics(
     return values
 
 
+class JsonlFile:
+    """An append-only JSON-lines file, flushed per line. `truncate_to` cuts it back to a checkpoint's
+    offset first, so a resumed run continues the file exactly where its checkpoint was taken."""
+
+    def __init__(self, path: Path, truncate_to: int | None = None) -> None:
+        self.path = path
+        self._file: IO[str] = path.open("a", encoding="utf-8")
+        if truncate_to is not None:
+            self._file.truncate(truncate_to)
+            self._file.seek(truncate_to)
+
+    def append(self, line: dict[str, Any]) -> None:
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+
+    def offset(self) -> int:
+        return self._file.tell()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class MetricsWriter:
     """Appends step metrics to `metrics.jsonl`, checking the key set on every line."""
 
-    def __init__(self, path: Path, keys: tuple[str, ...]) -> None:
-        self.path = path
+    def __init__(self, file: JsonlFile, keys: tuple[str, ...]) -> None:
+        self.file = file
         self.keys = keys
-        self._file: IO[str] = path.open("a", encoding="utf-8")
 
     def write(self, values: dict[str, Any]) -> None:
         missing = [k for k in self.keys if k not in values]
         extra = [k for k in values if k not in self.keys]
         if missing or extra:
             raise AssertionError(f"metrics line for step {values.get('step')}: missing {missing}, unexpected {extra}")
-        line = {k: _finite_or_none(values[k]) for k in self.keys}
-        self._file.write(json.dumps(line) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
+        self.file.append({k: _finite_or_none(values[k]) for k in self.keys})
 
 
-class SamplesWriter:
-    """Writes a few completions per step to `samples.jsonl` (prompt, completion, reward, advantage, version)."""
-
-    def __init__(self, path: Path, per_step: int) -> None:
-        self.per_step = per_step
-        self._file: IO[str] = path.open("a", encoding="utf-8")
-
-    def write(self, record: StepRecord) -> None:
-        written = 0
-        for group in record.batch:
-            for rollout in group.rollouts:
-                if written >= self.per_step:
-                    break
-                self._file.write(
-                    json.dumps(
-                        {
-                            "step": record.step,
-                            "prompt_id": group.prompt.id,
-                            "prompt": group.prompt.text,
-                            "completion": rollout.completion.text,
-                            "reward": rollout.reward,
-                            "advantage": rollout.advantage,
-                            "generation_version": rollout.completion.generation_version,
-                            "finish_reason": rollout.completion.finish_reason,
-                        }
-                    )
-                    + "\n"
-                )
-                written += 1
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
+def write_samples(file: JsonlFile, record: StepRecord, per_step: int) -> None:
+    """A few completions of the step (prompt, completion, reward, advantage, version) to `samples.jsonl`."""
+    rollouts = [(group, rollout) for group in record.batch for rollout in group.rollouts][:per_step]
+    for group, rollout in rollouts:
+        file.append(
+            {
+                "step": record.step,
+                "prompt_id": group.prompt.id,
+                "prompt": group.prompt.text,
+                "completion": rollout.completion.text,
+                "reward": rollout.reward,
+                "advantage": rollout.advantage,
+                "generation_version": rollout.completion.generation_version,
+                "finish_reason": rollout.completion.finish_reason,
+            }
+        )
 
 
 def _mean(values: list[float | None]) -> float | None:

@@ -25,13 +25,15 @@ import json
 import os
 import re
 import shutil
+import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used, so listing checkpoints stays fast
+    import torch
 
-if TYPE_CHECKING:
     from asyncgrpo.training.trainer import TorchTrainer
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -40,6 +42,9 @@ STATE_FILE = "state.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "run_config.yaml"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+PAUSE_FOR_TESTS_ENV = "ASYNCGRPO_TEST_PAUSE_CHECKPOINT_AT_STEP"
+"""Test-only hook: when set to a step, the writer of that step's checkpoint stops for good right
+before the rename (after announcing it on stderr), so a test can kill the process mid-write."""
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -62,6 +67,8 @@ def save_checkpoint(
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+    import torch
+
     keep = trainer.cfg.checkpoint.keep_last if keep_last is None else keep_last
     if keep < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep}")
@@ -82,6 +89,7 @@ def save_checkpoint(
         state = {"step": step, "version": version, "extra": extra}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
         _fsync_tree(tmp)
+        _pause_for_tests(step, tmp)
         if final.exists():
             trash = parent / f"{TEMP_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}"
             os.rename(final, trash)
@@ -102,6 +110,8 @@ def load_checkpoint(path: Path, trainer: TorchTrainer) -> dict[str, Any]:
 
     Returns the checkpoint's `state.json` (step, version, extra).
     """
+    import torch
+
     path = Path(path)
     state = _read_state(path)
     if state is None:
@@ -165,6 +175,7 @@ def _read_state(path: Path) -> dict[str, Any] | None:
 
 def _load_weights(path: Path, model: torch.nn.Module) -> None:
     """Load safetensors weights (single file or sharded index) written by save_pretrained."""
+    import torch
     from safetensors.torch import load_file
 
     index = path / "model.safetensors.index.json"
@@ -202,6 +213,12 @@ def _load_weights(path: Path, model: torch.nn.Module) -> None:
     with torch.no_grad():
         for name, tensor in loaded.items():
             expected[name].copy_(tensor.to(expected[name].dtype))
+
+
+def _pause_for_tests(step: int, tmp: Path) -> None:
+    if os.environ.get(PAUSE_FOR_TESTS_ENV) == str(step):
+        print(f"asyncgrpo-test: checkpoint writer paused before renaming {tmp}", file=sys.stderr, flush=True)
+        threading.Event().wait()  # until the test kills the process
 
 
 @contextlib.contextmanager

@@ -1,0 +1,485 @@
+"""`asyncgrpo serve MODEL`: an OpenAI-compatible completion server over the in-process `LocalEngine`.
+
+Job: speak the subset of vLLM's HTTP API that asyncgrpo's `HttpGenerator` uses, with vLLM's
+request and response shapes, so one client drives both a vLLM server and this one (tests,
+CPU machines, and a reference for what the client expects).
+
+Endpoints:
+- ``POST /v1/completions``: ``model``, ``prompt`` (token ids, or a string that is tokenized),
+  ``max_tokens`` (default: the rest of the context, as vLLM), ``temperature``, ``top_p``, ``seed``,
+  ``logprobs`` (0 or null: the sampled tokens' logprobs), ``return_token_ids``,
+  ``stop_token_ids``, ``ignore_eos``, ``n`` (1 only). Fields this server does not implement are
+  accepted only at their neutral value (``stream: false``, ``top_k: -1``, ...); any other value
+  is a 422 naming the field, since silently ignoring a sampling setting would change results.
+  Logprobs are of the distribution actually sampled (``log_softmax(logits / T)``, before top-p),
+  like vLLM with ``--logprobs-mode processed_logprobs`` (top-p aside); T = 0 is greedy with
+  logprobs at T = 1.
+- ``GET /health``, ``GET /v1/models`` (``data[0].id`` and ``max_model_len``).
+- ``POST /pause?mode=keep|wait|abort`` (vLLM's default is ``abort``): new requests wait until
+  ``POST /resume``. ``keep``: requests already generating keep running (vLLM freezes them; the
+  client sees no difference); ``wait``: returns once they have finished; ``abort``: they end at
+  once with ``finish_reason: "abort"``.
+- ``POST /collective_rpc`` with ``{"method": "reload_weights", "kwargs": {"weights_path": DIR}}``:
+  loads every ``*.safetensors`` file of DIR into the engine and bumps the serving version (to the
+  version in DIR/asyncgrpo_version.json when the publisher wrote one and it is not older, else
+  by one). Like vLLM's dev-mode endpoint, it reads any path this process can read: bind to
+  loopback or a private network only.
+- ``GET /stats`` (asyncgrpo extension, for tests and operators): serving version, request
+  counters (total, active, waiting on a pause, completed, aborted, rejected), reloads, pause
+  state, and the engine's own counters under ``engine``.
+
+Errors use vLLM's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a malformed
+body or a prompt the model cannot take (the message says "maximum context length" / "longer
+than the maximum model length", as vLLM's does), 404 for a model name this server does not
+serve, 422 for an unsupported field value, 500/503 when the engine failed or is closed.
+
+Invariants:
+- A client that disconnects cancels its handler (aiohttp ``handler_cancellation``), which
+  cancels the engine request: the engine drops it at the next decoding step and ``/stats``
+  counts it under ``requests_aborted``. Nothing keeps generating for a client that left.
+- Every request ends in exactly one counter: completed, aborted or rejected.
+- Shutdown (SIGINT/SIGTERM) closes connections (cancelling handlers), then the engine; bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from asyncgrpo.errors import GenerationError, PromptRejectedError
+from asyncgrpo.rollout.signal import StateSignal
+from asyncgrpo.types import GenerationRequest, SamplingParams
+
+log = logging.getLogger("asyncgrpo.serve")
+
+VERSION_FILE = "asyncgrpo_version.json"
+
+# Fields a client may send only at these neutral values (what vLLM would do by default).
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "stream": (False, None),
+    "echo": (False, None),
+    "best_of": (1, None),
+    "top_k": (-1, 0, None),
+    "min_p": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "logit_bias": (None,),
+    "suffix": (None,),
+    "stop": (None,),
+    "skip_special_tokens": (True, None),
+    "include_stop_str_in_output": (False, None),
+    "min_tokens": (0, None),
+    "stream_options": (None,),
+}
+_IGNORED = ("user", "request_id", "priority")
+_SUPPORTED = ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "logprobs", "return_token_ids",
+              "stop_token_ids", "ignore_eos", "n")
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "UnprocessableEntityError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    """vLLM's error body: {"error": {"message", "type", "param", "code"}}."""
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+class ServerState:
+    """Everything the handlers share; lives on the server's event loop."""
+
+    def __init__(self, engine: Any, tokenizer: Any, *, model_name: str, max_model_len: int, model_dir: str | None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.model_dir = model_dir
+        self.vocab_size = engine._vocab_size  # noqa: SLF001 - the engine's own bound on token ids
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.paused = False
+        self.signal = StateSignal()
+        self.generating: set[asyncio.Task] = set()  # engine calls in progress
+        self.reload_lock = asyncio.Lock()
+        self.counters = {"requests_total": 0, "requests_completed": 0, "requests_aborted": 0, "requests_rejected": 0,
+                         "requests_waiting": 0, "reloads": 0, "reload_failures": 0}
+
+    def stats(self) -> dict[str, Any]:
+        engine = self.engine.stats()
+        return {
+            "model": self.model_name,
+            "serving_version": engine["serving_version"],
+            "paused": self.paused,
+            "requests_active": len(self.generating),
+            **self.counters,
+            "engine": engine,
+        }
+
+
+def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: int, model_dir: str | None = None) -> web.Application:
+    """The aiohttp application; run it with `handler_cancellation=True` so disconnects abort requests."""
+    state = ServerState(engine, tokenizer, model_name=model_name, max_model_len=max_model_len, model_dir=model_dir)
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app["state"] = state
+
+    async def health(_: web.Request) -> web.Response:
+        if engine.failure is not None:
+            return error_response(503, f"the engine failed: {engine.failure!r}")
+        return web.Response(status=200)
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "asyncgrpo",
+            "root": model_dir or model_name, "parent": None, "max_model_len": max_model_len}]})
+
+    async def stats(_: web.Request) -> web.Response:
+        return web.json_response(state.stats())
+
+    async def pause(request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        if mode not in ("keep", "wait", "abort"):
+            return web.json_response({"error": f"mode must be one of keep, wait, abort; got {mode!r}"}, status=400)
+        state.paused = True
+        state.signal.notify()
+        if mode == "abort":
+            for task in list(state.generating):
+                task.cancel()
+        elif mode == "wait":
+            await state.signal.wait_for(lambda: not state.generating)
+        return web.json_response({"status": "paused"})
+
+    async def resume(_: web.Request) -> web.Response:
+        state.paused = False
+        state.signal.notify()
+        return web.json_response({"status": "resumed"})
+
+    async def is_paused(_: web.Request) -> web.Response:
+        return web.json_response({"is_paused": state.paused})
+
+    async def collective_rpc(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(400, f"JSON decode error: {exc}")
+        if not isinstance(body, dict) or body.get("method") is None:
+            return error_response(400, "Missing 'method' in request body")
+        if body["method"] != "reload_weights":
+            return error_response(400, f"method {body['method']!r} is not supported by asyncgrpo serve; it supports reload_weights")
+        kwargs = body.get("kwargs") or {}
+        path = kwargs.get("weights_path") or model_dir
+        if not path:
+            return error_response(400, "reload_weights needs kwargs.weights_path (this server was not started from a directory)")
+        async with state.reload_lock:
+            try:
+                weights, file_version = await asyncio.to_thread(read_weights_dir, Path(path))
+                current = engine.serving_version
+                version = file_version if file_version is not None and file_version >= current else current + 1
+                await engine.load_weights(weights, version)
+            except (OSError, ValueError) as exc:
+                state.counters["reload_failures"] += 1
+                return error_response(400, f"reload_weights from {path}: {exc}")
+            except GenerationError as exc:
+                state.counters["reload_failures"] += 1
+                return error_response(503, f"reload_weights from {path}: {exc}")
+        state.counters["reloads"] += 1
+        log.info("asyncgrpo serve: loaded weights from %s as version %d", path, version)
+        return web.json_response({"results": [None]})
+
+    async def completions(request: web.Request) -> web.Response:
+        state.counters["requests_total"] += 1
+        try:
+            body = await _read_json(request)
+            gen_request, want_ids, want_logprobs = _parse_completion(state, body)
+        except _BadRequest as exc:
+            state.counters["requests_rejected"] += 1
+            return error_response(exc.status, str(exc), exc.param)
+        try:
+            if state.paused:
+                state.counters["requests_waiting"] += 1
+                try:
+                    await state.signal.wait_for(lambda: not state.paused)
+                finally:
+                    state.counters["requests_waiting"] -= 1
+            task = asyncio.ensure_future(engine.generate(gen_request))
+            state.generating.add(task)
+            state.signal.notify()
+            try:
+                completion = await task
+            finally:
+                state.generating.discard(task)
+                task.cancel()  # no-op when done; a cancelled handler cancels its engine call
+                state.signal.notify()
+        except asyncio.CancelledError:
+            state.counters["requests_aborted"] += 1
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # the client went away (or the server is shutting down)
+            return web.json_response(_abort_body(state, gen_request))  # /pause?mode=abort
+        except PromptRejectedError as exc:
+            state.counters["requests_rejected"] += 1
+            return error_response(400, str(exc), "prompt")
+        except GenerationError as exc:
+            state.counters["requests_rejected"] += 1
+            return error_response(503 if engine.failure is None else 500, str(exc))
+        state.counters["requests_completed"] += 1
+        return web.json_response(_completion_body(state, gen_request, completion, want_ids, want_logprobs))
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/stats", stats)
+    app.router.add_post("/pause", pause)
+    app.router.add_post("/resume", resume)
+    app.router.add_get("/is_paused", is_paused)
+    app.router.add_post("/collective_rpc", collective_rpc)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _BadRequest(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _BadRequest(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _parse_completion(state: ServerState, body: dict[str, Any]) -> tuple[GenerationRequest, bool, bool]:
+    """Validate a /v1/completions body like vLLM does (the subset we serve); raise _BadRequest."""
+    for key, value in body.items():
+        if key in _SUPPORTED or key in _IGNORED:
+            continue
+        if key in _NEUTRAL:
+            if value not in _NEUTRAL[key]:
+                raise _BadRequest(422, f"{key}={value!r} is not supported by asyncgrpo serve (only {_NEUTRAL[key][0]!r})", key)
+            continue
+        raise _BadRequest(422, f"unsupported field {key!r}; asyncgrpo serve supports {', '.join(_SUPPORTED)}", key)
+
+    model = body.get("model")
+    if model is not None and model != state.model_name:
+        raise _BadRequest(404, f"The model `{model}` does not exist.", "model")
+
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _BadRequest(400, "The prompt cannot be empty", "prompt")
+        prompt_ids = list(state.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompt_ids = list(prompt)
+    elif isinstance(prompt, list) and not prompt:
+        raise _BadRequest(400, "The prompt cannot be empty", "prompt")
+    else:
+        raise _BadRequest(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+    if not prompt_ids:
+        raise _BadRequest(400, "The prompt cannot be empty", "prompt")
+    bad = [t for t in prompt_ids if not 0 <= t < state.vocab_size]
+    if bad:
+        raise _BadRequest(400, f"Token id {bad[0]} is out of vocabulary (vocab size {state.vocab_size})", "prompt")
+
+    n = body.get("n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise _BadRequest(400, f"n={n!r} is not supported by asyncgrpo serve: send one request per completion (n=1)", "n")
+
+    max_len = state.max_model_len
+    if len(prompt_ids) > max_len:
+        raise _BadRequest(400, f"The decoder prompt (length {len(prompt_ids)}) is longer than the maximum model length of "
+                               f"{max_len}. Make sure that `max_model_len` is no smaller than the number of text tokens.", "prompt")
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = max_len - len(prompt_ids)
+        if max_tokens < 1:
+            raise _BadRequest(400, f"The decoder prompt (length {len(prompt_ids)}) is longer than the maximum model length of "
+                                   f"{max_len - 1} (one token must be left to generate).", "prompt")
+    elif not _is_int(max_tokens) or max_tokens < 1:
+        raise _BadRequest(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
+    if len(prompt_ids) + max_tokens > max_len:
+        raise _BadRequest(400, f"This model's maximum context length is {max_len} tokens. However, you requested "
+                               f"{max_tokens} output tokens and your prompt contains {len(prompt_ids)} input tokens, for a "
+                               f"total of {len(prompt_ids) + max_tokens} tokens. Please reduce the length of the input "
+                               f"prompt or the number of requested output tokens.", "prompt")
+
+    temperature = body.get("temperature")
+    temperature = 1.0 if temperature is None else temperature
+    if not _is_number(temperature) or temperature < 0:
+        raise _BadRequest(400, f"temperature must be a number >= 0, got {temperature!r}", "temperature")
+    top_p = body.get("top_p")
+    top_p = 1.0 if top_p is None else top_p
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise _BadRequest(400, f"top_p must be in (0, 1], got {top_p!r}", "top_p")
+    seed = body.get("seed")
+    if seed is None:
+        seed = random.getrandbits(63)
+    elif not _is_int(seed) or not -(2**63) <= seed < 2**63:
+        raise _BadRequest(400, f"seed must be a 64-bit integer, got {seed!r}", "seed")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
+        raise _BadRequest(400, f"logprobs must be an integer >= 0, got {logprobs!r}", "logprobs")
+    if logprobs is not None and logprobs > 0:
+        raise _BadRequest(422, "asyncgrpo serve returns only the sampled tokens' logprobs: send logprobs=0", "logprobs")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+        raise _BadRequest(400, f"stop_token_ids must be a list of token ids, got {stop_ids!r}", "stop_token_ids")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _BadRequest(400, f"ignore_eos must be a boolean, got {ignore_eos!r}", "ignore_eos")
+    return_ids = body.get("return_token_ids", False)
+    if not isinstance(return_ids, bool) and return_ids is not None:
+        raise _BadRequest(400, f"return_token_ids must be a boolean, got {return_ids!r}", "return_token_ids")
+    stops = list(stop_ids)
+    if not ignore_eos and state.eos_token_id is not None:
+        stops.append(state.eos_token_id)
+    sampling = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                              stop_token_ids=tuple(dict.fromkeys(stops)))
+    request = GenerationRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_id=-1, prompt_token_ids=tuple(prompt_ids),
+                                sampling=sampling, seed=seed & 0x7FFF_FFFF_FFFF_FFFF)
+    return request, bool(return_ids), logprobs is not None
+
+
+def _completion_body(state: ServerState, request: GenerationRequest, completion: Any, want_ids: bool, want_logprobs: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": completion.text,
+        "logprobs": None,
+        "finish_reason": completion.finish_reason,
+        "stop_reason": completion.token_ids[-1] if completion.finish_reason == "stop" and completion.token_ids else None,
+    }
+    if want_logprobs:
+        tokens = state.tokenizer.convert_ids_to_tokens(list(completion.token_ids)) if state.tokenizer is not None else [
+            str(t) for t in completion.token_ids]
+        choice["logprobs"] = {
+            "text_offset": [],
+            "token_logprobs": list(completion.logprobs),
+            "tokens": tokens,
+            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, completion.logprobs)],
+        }
+    if want_ids:
+        choice["prompt_token_ids"] = list(request.prompt_token_ids)
+        choice["token_ids"] = list(completion.token_ids)
+    prompt_tokens, completion_tokens = len(request.prompt_token_ids), len(completion.token_ids)
+    return {
+        "id": request.request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": [choice],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
+
+
+def _abort_body(state: ServerState, request: GenerationRequest) -> dict[str, Any]:
+    prompt_tokens = len(request.prompt_token_ids)
+    return {
+        "id": request.request_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
+        "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "abort", "stop_reason": None, "token_ids": []}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens},
+    }
+
+
+def read_weights_dir(directory: Path) -> tuple[dict[str, Any], int | None]:
+    """Every tensor of every *.safetensors file in `directory`, and the publisher's version (None if absent)."""
+    from safetensors.torch import load_file
+
+    if not directory.is_dir():
+        raise FileNotFoundError(f"weights_path {directory} is not a directory")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"weights_path {directory} holds no .safetensors file")
+    weights: dict[str, Any] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    version = None
+    marker = directory / VERSION_FILE
+    if marker.is_file():
+        version = int(json.loads(marker.read_text())["version"])
+    return weights, version
+
+
+# ---------------------------------------------------------------------------------------
+# The process
+
+
+async def run_server(model: str, *, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 64,
+                     served_model_name: str | None = None, dtype: str = "float32", seed: int = 0,
+                     debug_step_delay_s: float = 0.0, stop: asyncio.Future | None = None) -> None:
+    """Load `model` (anything `model.path` accepts), serve it until `stop` resolves (default: SIGINT/SIGTERM)."""
+    from asyncgrpo.generation.local import LocalEngine
+    from asyncgrpo.models.loading import load_model_and_tokenizer
+
+    net, tokenizer = load_model_and_tokenizer(model, dtype, seed)
+    max_model_len = int(getattr(net.config, "max_position_embeddings", 0) or 0) or 2048
+    hook = None
+    if debug_step_delay_s > 0:
+        def hook(_: dict[str, int]) -> None:  # engine thread: makes every decoding step slow (tests only)
+            time.sleep(debug_step_delay_s)
+    name = served_model_name or model
+    engine = LocalEngine(net, tokenizer, name=f"serve:{name}", max_batch_size=max_batch_size, step_hook=hook)
+    model_dir = model if Path(model).is_dir() else None
+    app = create_app(engine, tokenizer, model_name=name, max_model_len=max_model_len, model_dir=model_dir)
+    loop = asyncio.get_running_loop()
+    own_signals = stop is None
+    if stop is None:
+        stop = loop.create_future()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, lambda: stop.done() or stop.set_result(None))
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
+    await engine.start()
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, shutdown_timeout=2.0)
+        await site.start()
+        bound = runner.addresses[0][1] if runner.addresses else port
+        print(f"asyncgrpo serve: serving {name!r} (max_model_len {max_model_len}) on http://{host}:{bound}",
+              file=sys.stderr, flush=True)
+        await stop
+    finally:
+        await runner.cleanup()  # closes connections: their handlers are cancelled, so are their engine requests
+        await engine.aclose()
+        if own_signals:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
+
+
+def serve_cli(args: Any) -> int:
+    """The `asyncgrpo serve` command (arguments parsed by cli.py)."""
+    from asyncgrpo.errors import ConfigError
+
+    try:
+        asyncio.run(run_server(args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
+                               served_model_name=args.served_model_name, dtype=args.dtype, seed=args.seed,
+                               debug_step_delay_s=args.debug_step_delay_s))
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 3
+    except OSError as exc:
+        print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0

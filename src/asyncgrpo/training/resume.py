@@ -1,0 +1,125 @@
+"""Which checkpoint a run continues from, and whether this recipe may continue it. No torch: runs in preflight.
+
+`checkpoint.resume`:
+- `auto` (default): continue from the newest complete checkpoint of the run directory;
+  incomplete or corrupt ones are skipped with a warning naming them. With none, start over.
+- `never`: refuse a run directory that already holds a run (unless `run.overwrite=true`).
+- a path: continue from exactly that checkpoint; it must be complete.
+
+A resumed run must keep what decides the data, the groups and the model; other changes
+(learning rate, max_steps, logging...) are allowed and reported.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from asyncgrpo.config import Config
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.training.checkpoint import CHECKPOINTS_DIR, CONFIG_FILE, STATE_FILE, TRAINER_STATE_FILE
+
+INCOMPATIBLE_KEYS = (
+    "run.seed",
+    "model.path",
+    "model.dtype",
+    "data.source",
+    "data.prompt_key",
+    "data.builtin_size",
+    "data.shuffle",
+    "data.max_prompt_tokens",
+    "rollout.group_size",
+)
+IGNORED_KEYS = ("run.overwrite", "checkpoint.resume")
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    checkpoint: Path | None = None
+    state: dict[str, Any] = field(default_factory=dict)  # the checkpoint's state.json
+    changed: list[str] = field(default_factory=list)  # compatible changes, reported
+    notes: list[str] = field(default_factory=list)  # skipped checkpoints, starting over
+
+    @property
+    def step(self) -> int:
+        return int(self.state.get("step", 0))
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `path` is not a checkpoint a run can continue from, or None if it is."""
+    if not path.is_dir():
+        return "no such directory"
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except FileNotFoundError:
+        return f"{STATE_FILE} is missing (the write did not finish)"
+    except (OSError, ValueError) as exc:
+        return f"{STATE_FILE} is unreadable ({exc})"
+    if not isinstance(state, dict) or not {"step", "version", "extra"} <= set(state):
+        return f"{STATE_FILE} lacks step, version or extra"
+    missing = [name for name in (CONFIG_FILE, TRAINER_STATE_FILE, "config.json") if not (path / name).is_file()]
+    if not ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()):
+        missing.append("model.safetensors")
+    if missing:
+        return f"missing {', '.join(missing)}"
+    return None
+
+
+def plan_resume(cfg: Config) -> ResumePlan:
+    run_dir = cfg.run.directory
+    mode = cfg.checkpoint.resume
+    if cfg.run.overwrite:
+        return ResumePlan()
+    if mode == "never":
+        if run_dir.is_dir() and any(run_dir.iterdir()):
+            raise ConfigError(
+                f"checkpoint.resume = 'never' but run directory {run_dir} already holds a run. Fix: pass "
+                f"run.overwrite=true to replace it, checkpoint.resume=auto to continue it, or pick a new run.name."
+            )
+        return ResumePlan()
+    if mode != "auto":
+        path = Path(mode)
+        problem = checkpoint_problem(path)
+        if problem:
+            raise ConfigError(f"checkpoint.resume = {mode!r} is not a checkpoint to continue from: {problem}. Fix: give a complete checkpoint directory (runs/<name>/checkpoints/step_NNNNNN) or checkpoint.resume=auto.")
+        return _checked(cfg, path, [])
+    notes = []
+    parent = run_dir / CHECKPOINTS_DIR
+    candidates = sorted((p for p in parent.glob("step_*") if p.is_dir()), reverse=True) if parent.is_dir() else []
+    for path in candidates:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return _checked(cfg, path, notes)
+        notes.append(f"skipping checkpoint {path}: {problem}")
+    if (run_dir / "metrics.jsonl").exists():
+        notes.append(f"no complete checkpoint in {run_dir}: starting this run over from step 0")
+    return ResumePlan(notes=notes)
+
+
+def _checked(cfg: Config, path: Path, notes: list[str]) -> ResumePlan:
+    saved = yaml.safe_load((path / CONFIG_FILE).read_text())
+    before, now = _flatten(saved), _flatten(cfg.model_dump(mode="json"))
+    differences = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k not in IGNORED_KEYS)
+    incompatible = [k for k in differences if k in INCOMPATIBLE_KEYS]
+    if incompatible:
+        lines = "\n".join(f"  - {k}: {before.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in incompatible)
+        raise ConfigError(
+            f"cannot continue {path} with this recipe: these keys decide the model, the data or the groups and must "
+            f"not change on resume:\n{lines}\nFix: restore them, or start a new run (run.name=... or run.overwrite=true)."
+        )
+    changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in differences]
+    state = json.loads((path / STATE_FILE).read_text())
+    return ResumePlan(checkpoint=path, state=state, changed=changed, notes=notes)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix.rstrip("."): tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return flat

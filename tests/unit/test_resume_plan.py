@@ -1,0 +1,77 @@
+"""Which checkpoint a run continues from, and which recipe changes a resume accepts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.config import load_config
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.training.resume import plan_resume
+
+
+def make_checkpoint(run_dir: Path, step: int, overrides: list[str] = ()) -> Path:
+    """The files a complete checkpoint has (contents are not read by the planner, except the config and state)."""
+    path = run_dir / "checkpoints" / f"step_{step:06d}"
+    path.mkdir(parents=True)
+    cfg = load_config(None, [f"run.output_dir={run_dir}", *overrides])
+    (path / "run_config.yaml").write_text(cfg.to_yaml())
+    for name in ("config.json", "model.safetensors", "trainer_state.pt"):
+        (path / name).write_text("x")
+    (path / "state.json").write_text(json.dumps({"step": step, "version": step, "extra": {}}))
+    return path
+
+
+def config(run_dir: Path, *overrides: str):
+    return load_config(None, [f"run.output_dir={run_dir}", *overrides])
+
+
+def test_a_new_run_directory_starts_from_scratch(tmp_path):
+    plan = plan_resume(config(tmp_path / "run"))
+    assert plan.checkpoint is None and plan.step == 0 and plan.notes == []
+
+
+def test_auto_takes_the_newest_complete_checkpoint_and_names_the_ones_it_skips(tmp_path):
+    make_checkpoint(tmp_path, 3)
+    make_checkpoint(tmp_path, 6)
+    (make_checkpoint(tmp_path, 9) / "state.json").write_text("{not json")
+    partial = make_checkpoint(tmp_path, 12)
+    (partial / "trainer_state.pt").unlink()
+    (tmp_path / "checkpoints" / ".tmp-step_000015-1-abc").mkdir()  # a write that was killed
+    plan = plan_resume(config(tmp_path))
+    assert plan.checkpoint == tmp_path / "checkpoints" / "step_000006" and plan.step == 6
+    assert any("step_000012" in n and "trainer_state.pt" in n for n in plan.notes)
+    assert any("step_000009" in n and "unreadable" in n for n in plan.notes)
+
+
+def test_a_changed_key_that_decides_the_data_is_refused_with_its_name(tmp_path):
+    make_checkpoint(tmp_path, 3)
+    with pytest.raises(ConfigError) as info:
+        plan_resume(config(tmp_path, "rollout.group_size=4", "data.source=builtin:addition"))
+    message = str(info.value)
+    assert "rollout.group_size: 8 in the checkpoint, 4 now" in message
+    assert "data.source" in message and "run.overwrite=true" in message
+
+
+def test_compatible_changes_are_allowed_and_reported(tmp_path):
+    make_checkpoint(tmp_path, 3)
+    plan = plan_resume(config(tmp_path, "train.lr=0.001", "train.max_steps=500"))
+    assert plan.checkpoint is not None
+    assert "train.lr: 0.0001 -> 0.001" in plan.changed and "train.max_steps: 200 -> 500" in plan.changed
+
+
+def test_never_refuses_a_used_run_directory_unless_told_to_overwrite(tmp_path):
+    make_checkpoint(tmp_path, 3)
+    with pytest.raises(ConfigError, match="run.overwrite=true"):
+        plan_resume(config(tmp_path, "checkpoint.resume=never"))
+    assert plan_resume(config(tmp_path, "checkpoint.resume=never", "run.overwrite=true")).checkpoint is None
+
+
+def test_an_explicit_checkpoint_path_must_be_complete(tmp_path):
+    good = make_checkpoint(tmp_path / "a", 3)
+    assert plan_resume(config(tmp_path / "b", f"checkpoint.resume={good}")).checkpoint == good
+    (good / "state.json").unlink()
+    with pytest.raises(ConfigError, match="state.json is missing"):
+        plan_resume(config(tmp_path / "b", f"checkpoint.resume={good}"))
