@@ -112,7 +112,6 @@ class HttpConfig(_Section):
     model: str | None = Field(None, description="Model name the servers serve (default: the one /v1/models lists).")
     api_key: str | None = Field(None, description="Sent as a Bearer token when set.")
     weights_dir: str | None = Field(None, description="Directory the servers can read, where new weights are written (default <run dir>/weights).")
-    weight_sync_timeout_s: float = Field(120.0, gt=0, description="Deadline of one server's pause, reload and resume.")
     startup_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start for the servers to answer.")
 
 
@@ -130,6 +129,7 @@ class GenerationConfig(_Section):
     health_probe_interval_s: float = Field(5.0, gt=0)
     backend_dead_after_s: float = Field(60.0, gt=0)
     weight_sync_every: int = Field(1, ge=1, description="Publish weights to the generators every N optimizer steps (<= rollout.max_staleness + 1).")
+    weight_sync_timeout_s: float = Field(300.0, gt=0, description="Deadline for publishing one version of the weights to every generator.")
     local: LocalEngineConfig = Field(default_factory=LocalEngineConfig)
     scripted: ScriptedConfig = Field(default_factory=ScriptedConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
@@ -148,7 +148,7 @@ class RolloutConfig(_Section):
     max_filtered_fraction: float = Field(0.9, gt=0, le=1)
     filter_zero_variance: bool = False
     mask_truncated: bool = Field(False, description="Mask completions cut at max_new_tokens out of the loss.")
-    stall_timeout_s: float | None = Field(None, gt=0, description="No rollout finished and no step trained for this long raises StallError (default: rollout deadline + probe interval + 60 s).")
+    stall_timeout_s: float | None = Field(None, gt=0, description="No rollout finished and no step trained for this long raises StallError (default: rollout deadline + reward time limit of every function + probe interval + 60 s).")
 
 
 class LossConfig(_Section):
@@ -219,7 +219,8 @@ class Config(_Section):
         g = self.generation
         if self.rollout.stall_timeout_s is not None:
             return self.rollout.stall_timeout_s
-        return g.rollout_deadline_s + g.health_probe_interval_s + 60.0
+        scoring = self.reward.timeout_s * len(self.reward.functions)
+        return g.rollout_deadline_s + scoring + g.health_probe_interval_s + 60.0
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -82,6 +82,9 @@ DIAGNOSTIC_KINDS = (
     "reward_error",
     "stall",
     "no_steps",
+    "step_error",
+    "weight_sync",
+    "backend_error",
 )
 
 

@@ -29,6 +29,7 @@ from asyncgrpo.config import Config
 from asyncgrpo.errors import Diagnostic, PipelineError, StallError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rollout.collector import Collector
+from asyncgrpo.rollout.health import format_traceback
 from asyncgrpo.types import Group
 
 Outcome = Literal["completed", "failed", "stalled"]
@@ -84,16 +85,33 @@ async def run_pipeline(
     failure: PipelineError | None = None
 
     async def complete_step(step: int, batch: list[Group], waited_s: float) -> StepRecord:
-        """Train, publish, account and report one step: all of it or (if the trainer fails) none."""
+        """Train, account, publish and report one step."""
         started = loop.time()
         metrics = await backend.train_step(batch)
         trained = loop.time()
+        collector.step_trained()
         version = step + 1
         if version % sync_every == 0:
-            await generator.load_weights(backend.generation_weights(), version)
-            collector.weights_published()
+            try:
+                async with asyncio.timeout(cfg.generation.weight_sync_timeout_s):
+                    await generator.load_weights(backend.generation_weights(), version)
+            except TimeoutError as exc:
+                raise PipelineError(
+                    Diagnostic(
+                        kind="weight_sync",
+                        message=(
+                            f"Publishing the weights of version {version} to {generator.name} took longer than "
+                            f"generation.weight_sync_timeout_s = {cfg.generation.weight_sync_timeout_s:g} s. "
+                            f"Check that the generation backend is alive, or raise the timeout for very large models."
+                        ),
+                        backend=generator.name,
+                        generation_version=generator.serving_version,
+                        trainer_step=step,
+                        threshold=cfg.generation.weight_sync_timeout_s,
+                    )
+                ) from exc
+            collector.weights_published()  # the only wake-up for admission waiting on the new version
         synced = loop.time()
-        collector.step_trained()
         record = StepRecord(
             step=step,
             batch=batch,
@@ -118,13 +136,18 @@ async def run_pipeline(
                     break
                 # A step that started is finished even if the run is cancelled meanwhile (Ctrl-C):
                 # the weights, the accounting and the metrics then agree on which steps happened.
-                step_task = task_group.create_task(complete_step(step, batch, loop.time() - waited_from), name=f"step-{step}")
+                # Owned here: every path below awaits it to its end.
+                step_task = asyncio.create_task(complete_step(step, batch, loop.time() - waited_from), name=f"step-{step}")
                 try:
                     record = await asyncio.shield(step_task)
                 except asyncio.CancelledError:
                     if not step_task.done():
                         await step_task
                     raise
+                except PipelineError:
+                    raise
+                except Exception as exc:  # the trainer, the weight publication or the step's report failed
+                    raise PipelineError(step_diagnostic(step, exc)) from exc
                 staleness_max = max(staleness_max, *record.staleness)
                 step += 1
                 collector.check_health()
@@ -166,3 +189,16 @@ def step_budget_warnings(cfg: Config, num_prompts: int) -> list[str]:
         f"({num_prompts} prompts x {cfg.data.num_epochs} epochs / rollout.groups_per_step = {per_step}); "
         f"the run will stop when the data runs out. Raise data.num_epochs for more."
     ]
+
+
+def step_diagnostic(step: int, exc: BaseException) -> Diagnostic:
+    return Diagnostic(
+        kind="step_error",
+        message=(
+            f"Training step {step} failed: {exc}. The weights are those of the last completed step; a checkpoint of "
+            f"them is saved, and the traceback below shows where the step failed."
+        ),
+        trainer_step=step,
+        original=exc,
+        traceback=format_traceback(exc),
+    )

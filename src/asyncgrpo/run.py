@@ -40,6 +40,7 @@ from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline, step_bu
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.ledger import PromptLedger
+from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import GenerationRequest, Group, Prompt, SamplingParams
 
@@ -125,41 +126,56 @@ def train_cli(cfg: Config) -> int:
     return summary.exit_code
 
 
+@dataclass
+class Stop:
+    """A stop request from SIGINT/SIGTERM: which signal, and the pipeline task it cancels.
+
+    Only the pipeline is cancelled, never the cleanup after it (closing the engine, the final
+    checkpoint, the summary), which must run to its end for the checkpoint to be saved.
+    """
+
+    received: list[int] = field(default_factory=list)
+    pipeline: asyncio.Task[Any] | None = None
+
+    def request(self, signum: int) -> None:
+        self.received.append(signum)
+        if self.pipeline is not None and not self.pipeline.done():
+            self.pipeline.cancel()
+
+
 async def _train_until_signal(cfg: Config) -> RunSummary:
     loop = asyncio.get_running_loop()
-    received: list[int] = []
-    main = asyncio.current_task()
-    assert main is not None
+    stop = Stop()
 
     def exit_now(signum: int, why: str) -> None:
         log.warning("%s: exiting at once; the last checkpoint on disk is intact (checkpoints are written atomically)", why)
         os._exit(SIGNAL_EXIT_CODES[signum])
 
     def on_signal(signum: int) -> None:
-        if received:
+        if stop.received:
             exit_now(signum, f"second {signal.Signals(signum).name}")
-        received.append(signum)
         log.warning(
             "received %s: stopping (cancelling in-flight rollouts, saving a checkpoint) within run.shutdown_timeout_s = %gs; "
             "press Ctrl-C again to exit at once",
             signal.Signals(signum).name,
             cfg.run.shutdown_timeout_s,
         )
-        main.cancel()
+        stop.request(signum)
         loop.call_later(cfg.run.shutdown_timeout_s, exit_now, signum, "shutdown took longer than run.shutdown_timeout_s")
 
     for signum in SIGNAL_EXIT_CODES:
         loop.add_signal_handler(signum, on_signal, signum)
     try:
-        return await train(cfg, interrupted=received)
+        return await train(cfg, stop=stop)
     finally:
         for signum in SIGNAL_EXIT_CODES:
             loop.remove_signal_handler(signum)
 
 
-async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSummary:
+async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
     """Run one training to its end (see the module docstring). Config problems raise ConfigError first."""
     plan = preflight(cfg)
+    stop = stop if stop is not None else Stop()
     import torch  # heavy imports only after the recipe is known to be sound
 
     from asyncgrpo.generation.local import LocalEngine
@@ -250,7 +266,7 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
 
     async def on_step(record: StepRecord) -> None:
         step = record.step + 1  # steps completed
-        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
+        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and not stop.received:
             await evaluate()
         now = time.perf_counter()
         tokens = collector.counters["rollout/generated_tokens_total"]
@@ -277,9 +293,14 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
         await engine.start()
         if eval_prompts:
             await evaluate()  # the baseline, so eval/* is never empty
-        result = await run_pipeline(cfg, collector=collector, backend=ThreadedTrainer(), generator=engine, start_step=start_step, on_step=on_step)
+        stop.pipeline = asyncio.create_task(
+            run_pipeline(cfg, collector=collector, backend=ThreadedTrainer(), generator=engine, start_step=start_step, on_step=on_step)
+        )
+        if stop.received:  # a signal arrived while loading
+            stop.pipeline.cancel()
+        result = await stop.pipeline
     except asyncio.CancelledError:
-        if not interrupted:
+        if not (stop.received and stop.pipeline is not None and stop.pipeline.cancelled()):
             raise
         result = PipelineResult("failed", "signal", trainer.version)
     finally:
@@ -287,7 +308,7 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
         await engine.aclose()
         # A step in progress finishes before the thread is released (the pipeline completes a
         # started step even when cancelled), so the weights match the accounting saved below.
-        await loop.run_in_executor(None, trainer_thread.shutdown, True)
+        await run_in_daemon_thread(lambda: trainer_thread.shutdown(wait=True), name="asyncgrpo-trainer-shutdown")
     if trainer.version > 0:
         final_checkpoint = save_checkpoint(run_dir, trainer.version, trainer, cfg.to_yaml(), checkpoint_extra())
     for file in (metrics_file, samples_file, outcomes):
@@ -302,7 +323,7 @@ async def train(cfg: Config, *, interrupted: list[int] | None = None) -> RunSumm
         first_rewards=rewards_by_step[:tenth],
         last_rewards=rewards_by_step[-tenth:],
         final_checkpoint=final_checkpoint,
-        interrupted_by=interrupted[0] if interrupted else None,
+        interrupted_by=stop.received[0] if stop.received else None,
         warnings=warnings,
     )
 

@@ -92,11 +92,11 @@ def check_simulatable(cfg: Config) -> None:
         raise ConfigError("simulate runs on virtual time with a scripted generator and a stub trainer:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def simulate(cfg: Config, generator: Generator | None = None) -> Simulation:
+def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrainer | None = None) -> Simulation:
     """Run one simulation to its end; config errors raise ConfigError, invariant breaks InvariantViolation.
 
-    `generator` replaces the scripted backend (tests drive exact request fates with it); it
-    must read time only through the event loop.
+    `generator` and `trainer` replace the scripted backend and the stub trainer (tests drive
+    exact fates with them); they must read time only through the event loop.
     """
     check_simulatable(cfg)
     rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)
@@ -107,7 +107,7 @@ def simulate(cfg: Config, generator: Generator | None = None) -> Simulation:
     scorer = RewardScorer(resolve_rewards(cfg.reward.functions), cfg.reward.weights, cfg.reward.timeout_s, sync_in_thread=False)
     if generator is None:
         generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
-    trainer = StubTrainer(cfg.train.step_time_s)
+    trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s)
     sampling = SamplingParams(
         max_new_tokens=cfg.generation.max_new_tokens,
         temperature=cfg.generation.temperature,

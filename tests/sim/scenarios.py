@@ -7,10 +7,13 @@ hangs, per-prompt exceptions, staleness 0-4 and random tolerances.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
-FAULT_KINDS = ("http_500", "http_429", "connection_refused", "http_400", "prompt_too_long", "hang", "exception")
+from asyncgrpo.data.tasks import coin_reward
+
+FAULT_KINDS = ("http_500", "http_429", "connection_refused", "http_400", "prompt_too_long", "hang", "exception", "http_404")
 
 
 def scenario(seed: int) -> dict[str, Any]:
@@ -21,6 +24,8 @@ def scenario(seed: int) -> dict[str, Any]:
     for _ in range(rng.choice((0, 0, 1, 2, 3))):
         kind = rng.choice(FAULT_KINDS)
         fault: dict[str, Any] = {"error": kind, "rate": rng.choice((0.05, 0.2, 0.5, 1.0))}
+        if kind == "http_404":  # misconfiguration is fatal at once: keep it rare so other paths run too
+            fault["rate"] = 0.02
         if rng.random() < 0.4:
             start = rng.uniform(0, 20)
             fault.update(from_s=round(start, 3), until_s=round(start + rng.uniform(1, 30), 3))
@@ -42,7 +47,10 @@ def scenario(seed: int) -> dict[str, Any]:
             "num_epochs": rng.randint(1, 2),
             "drop_last": rng.random() < 0.3,
         },
-        "reward": {"functions": ["builtin:coin"], "on_error": rng.choice(("fail", "drop"))},
+        "reward": {
+            "functions": ["tests.sim.scenarios:flaky_reward" if rng.random() < 0.3 else "builtin:coin"],
+            "on_error": rng.choice(("fail", "drop")),
+        },
         "generation": {
             "backend": "scripted",
             "max_new_tokens": 64,
@@ -74,3 +82,12 @@ def scenario(seed: int) -> dict[str, Any]:
         },
         "train": {"backend": "stub", "step_time_s": round(rng.uniform(0.1, 4), 3), "max_steps": rng.randint(1, 6)},
     }
+
+
+def flaky_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+    """The coin reward, except that it raises for about one completion in 30 (deterministically), so the
+    chaos suite drives the reward_error paths (fatal, or a dropped group with reward.on_error: drop)."""
+    for completion in completions:
+        if hashlib.blake2b(completion.encode(), digest_size=2).digest()[0] < 9:
+            raise ValueError(f"flaky reward refuses {completion!r}")
+    return coin_reward(prompts, completions, **columns)

@@ -92,5 +92,6 @@ def test_chaos_scenarios_keep_every_invariant(chaos_seeds: list[int]) -> None:
         outcomes[f"{sim.result.outcome}:{kind}"] += 1
     if len(chaos_seeds) >= 500:
         # The sweep must exercise the interesting paths, not only happy runs.
-        for expected in ("completed:max_steps", "completed:data_exhausted", "failed:generation_failures", "failed:drop_fraction"):
+        for expected in ("completed:max_steps", "completed:data_exhausted", "failed:generation_failures", "failed:drop_fraction",
+                         "failed:reward_error", "failed:misconfigured_backend", "failed:filtered_fraction"):
             assert outcomes[expected] > 0, f"no scenario reached {expected}: {outcomes}"

@@ -217,3 +217,61 @@ def test_shutdown_with_requests_in_flight_is_bounded_and_leaves_no_task_or_threa
     assert gen.in_progress == 0 and collector.open_requests == 0
     assert collector.accounting.balanced() and collector.accounting.in_flight > 0
     assert set(threading.enumerate()) == threads_before
+
+
+def test_a_failing_training_step_becomes_the_runs_diagnostic_not_a_raw_traceback():
+    from asyncgrpo.training.stub import StubTrainer
+
+    class Exploding(StubTrainer):
+        async def train_step(self, groups):
+            if len(self.trained_groups) >= 2:
+                raise FloatingPointError("loss is nan")
+            return await super().train_step(groups)
+
+    cfg = recipe()
+    sim = simulate(cfg, ProgrammedGenerator(), trainer=Exploding(cfg.train.step_time_s))
+    d = sim.result.diagnostic
+    assert sim.result.outcome == "failed" and d.kind == "step_error" and d.trainer_step == 2
+    assert isinstance(d.original, FloatingPointError) and "loss is nan" in d.traceback
+
+
+def test_a_weight_sync_that_never_returns_ends_at_its_deadline():
+    class StuckSync(ProgrammedGenerator):
+        async def load_weights(self, state, version):
+            if version == 2:
+                await asyncio.get_running_loop().create_future()
+            await super().load_weights(state, version)
+
+    cfg = recipe(generation={"weight_sync_timeout_s": 50.0})
+    sim = simulate(cfg, StuckSync())
+    d = sim.result.diagnostic
+    assert sim.result.outcome == "failed" and d.kind == "weight_sync" and d.trainer_step == 1
+    assert sim.virtual_time_s < 50 + 30
+
+
+def test_a_backend_that_raises_cancelled_error_by_itself_fails_that_rollout_only():
+    def fate(request, attempt):
+        return Fate(after_s=0.2, error=asyncio.CancelledError()) if request.request_id == "0-0-0-1" else OK
+
+    cfg = recipe(rollout={"group_size": 3})
+    sim = simulate(cfg, ProgrammedGenerator(fate))
+    assert sim.result.outcome == "completed"
+    assert sim.collector.counters["rollout/failed_total"] == 1
+    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.buffer.groups()}
+    assert finished[0].failed_rollouts == 1 and len(finished[0].rollouts) == 2
+
+
+def test_a_slow_reward_is_progress_not_a_stall():
+    # Every group's reward takes 200 s (within reward.timeout_s); the derived stall deadline allows it.
+    cfg = recipe(
+        reward={"functions": ["tests.sim.test_regressions:slow_reward"], "timeout_s": 600.0},
+        rollout={"stall_timeout_s": None},
+        train={"max_steps": 3},
+    )
+    sim = simulate(cfg, ProgrammedGenerator())
+    assert sim.result.outcome == "completed", sim.result.diagnostic
+
+
+async def slow_reward(prompts, completions, **columns):
+    await asyncio.sleep(200.0)
+    return [float(len(c) % 2) for c in completions]

@@ -81,3 +81,14 @@ def test_fraction_one_turns_the_trickle_rules_off():
     p = policy(max_generation_failures=10**6, drop_window=3, max_drop_fraction=1.0, max_filtered_fraction=1.0)
     for outcome in ("failed", "filtered", "too_few_survivors") * 10:
         assert p.record(outcome) is None
+
+
+def test_the_diagnostic_carries_the_breaking_groups_error_not_an_old_one():
+    p = policy(max_generation_failures=1, drop_window=3)
+    p.record("failed", RuntimeError("an old blip"))
+    p.record("success")
+    p.record("too_few_survivors", ValueError("one survivor"))
+    assert p.record("failed", RuntimeError("outage 1")) is None
+    verdict = p.record("failed", RuntimeError("outage 2"))
+    assert str(verdict.original) == "outage 2"
+    assert "an old blip" not in {str(e) for e in verdict.examples.values()}  # out of the window by now

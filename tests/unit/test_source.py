@@ -171,3 +171,12 @@ def test_every_prompt_exactly_once_per_epoch_under_requeues(n, num_epochs, seed,
     expected = {(i, e): 1 + requeue_count[(i, e)] for i in range(n) for e in range(num_epochs)}
     assert dict(handed) == expected
     assert source.taken_total == sum(handed.values())
+
+
+def test_exhausted_agrees_with_take_when_later_epochs_are_done():
+    # At the checkpoint one prompt of epoch 0 was still requeued and all of epoch 1 was done.
+    prompts = make_prompts(3)
+    source = PromptSource(prompts, num_epochs=2, shuffle=False, seed=0, done={0: {1, 2}, 1: {0, 1, 2}})
+    assert not source.exhausted and source.remaining == 1
+    assert source.take().id == 0
+    assert source.exhausted and source.take() is None

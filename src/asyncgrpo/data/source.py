@@ -53,6 +53,7 @@ class PromptSource:
         self.shuffle = shuffle
         self.seed = seed
         self._done = {int(epoch): frozenset(ids) for epoch, ids in (done or {}).items()}
+        self._epoch_sizes = [len(self._epoch_order(e)) for e in range(num_epochs)]
         self._epoch = 0
         self._order: list[int] = self._epoch_order(0)
         self._cursor = 0
@@ -83,7 +84,7 @@ class PromptSource:
     def remaining(self) -> int:
         """How many more takes can succeed right now (requeued prompts included)."""
         rest_of_epoch = len(self._order) - self._cursor
-        later_epochs = (self.num_epochs - 1 - self._epoch) * len(self._prompts)
+        later_epochs = sum(self._epoch_sizes[self._epoch + 1 :])
         return len(self._requeued) + rest_of_epoch + later_epochs
 
     @property

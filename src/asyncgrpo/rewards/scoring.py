@@ -22,9 +22,10 @@ Invariants:
 - Cancelling `score` propagates as cancellation, never as a `RewardError`.
 - Functions are called one after another, in config order, once per group.
 
-Threads: with ``sync_in_thread`` (real runs) a sync function runs in the loop's default
-executor, so a slow one blocks neither generation nor training; a call that times out is
-abandoned, but Python cannot stop its thread, which runs on to its end. With
+Threads: with ``sync_in_thread`` (real runs) a sync function runs on a daemon thread of its
+own (asyncgrpo.threads), so a slow one blocks neither generation nor training; a call that
+times out is abandoned (Python cannot stop a thread), but it holds no executor worker and
+does not keep the process from exiting. With
 ``sync_in_thread=False`` (the simulator, on virtual time, no threads) sync functions run
 inline and the timeout can only catch async functions.
 """
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from asyncgrpo.data.tasks import REWARDS
+from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.errors import ConfigError, RewardError
 from asyncgrpo.types import Prompt
 
@@ -269,7 +271,7 @@ class RewardScorer:
                 if entry.is_async:
                     result = await entry.fn(**kwargs)
                 elif self.sync_in_thread:
-                    result = await asyncio.to_thread(functools.partial(entry.fn, **kwargs))
+                    result = await run_in_daemon_thread(functools.partial(entry.fn, **kwargs), name=f"asyncgrpo-reward-{entry.name}")
                 else:
                     result = entry.fn(**kwargs)
                 if inspect.isawaitable(result):

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from asyncgrpo.config import Config
 from asyncgrpo.errors import (
     Diagnostic,
+    GenerationError,
     FatalBackendError,
     PromptRejectedError,
     RequestTimeoutError,
@@ -95,11 +96,12 @@ class _InFlightGroup:
         self.errors = [None] * self.size
 
     def version_floor(self) -> int | None:
-        """Lowest version any of its tokens has or can have; None while nothing is dispatched."""
+        """Lowest version any of its surviving tokens has or can have (a member being retried counts with
+        its current attempt's version); None while nothing live is dispatched."""
         versions = [
             c.generation_version if c is not None else v
-            for c, v in zip(self.completions, self.dispatch_versions)
-            if c is not None or v is not None
+            for c, v, e in zip(self.completions, self.dispatch_versions, self.errors)
+            if e is None and (c is not None or v is not None)
         ]
         return min(versions, default=None)
 
@@ -150,6 +152,7 @@ class Collector:
         self._signal = StateSignal()
         self._in_flight: dict[int, _InFlightGroup] = {}
         self._open_requests = 0
+        self._scoring = 0  # groups whose reward functions are running
         self._takes = 0
         self._seq = 0
         self._stopping = False
@@ -211,8 +214,9 @@ class Collector:
                 if self._stopping or self.health.failed:
                     break
                 prompt = self.source.take()
-                if prompt is None:  # exhausted between the check and the take cannot happen on one loop
-                    raise AssertionError("prompt source reported data but returned none")
+                if prompt is None:  # the source's own word for the end of data
+                    self._signal.notify()
+                    continue
                 self._admit(prompt)
             for group in list(self._in_flight.values()):
                 if group.task is not None:
@@ -240,7 +244,6 @@ class Collector:
                 await self._signal.wait_for(lambda: self._open_requests < self.cfg.generation.max_inflight)
                 self._open_requests += 1
                 group.dispatched += 1
-                group.dispatch_versions[member] = self.generator.serving_version
                 members.create_task(self._run_rollout(group, member), name=f"rollout-{group.prompt.id}-{member}")
         await self._finish_group(group)
 
@@ -254,7 +257,16 @@ class Collector:
             seed=request_seed(self.cfg.run.seed, prompt, member),
         )
         try:
-            completion = await self._generate_with_retries(request)
+            completion = await self._generate_with_retries(request, group, member)
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # we were cancelled (stale, shutdown): not a failure
+            # The backend raised CancelledError on its own (some clients do): a failed rollout.
+            error = GenerationError(f"the backend cancelled request {request.request_id} by itself", backend=self.generator.name)
+            error.__cause__ = exc
+            group.errors[member] = error
+            self.counters["rollout/failed_total"] += 1
         except FatalBackendError as exc:
             group.errors[member] = exc
             self.counters["rollout/failed_total"] += 1
@@ -281,13 +293,14 @@ class Collector:
             self._signal.notify()
         self._last_progress = self._now()  # a rollout finished (a cancelled one never gets here)
 
-    async def _generate_with_retries(self, request: GenerationRequest) -> Completion:
+    async def _generate_with_retries(self, request: GenerationRequest, group: _InFlightGroup, member: int) -> Completion:
         """One rollout: transient errors retried with jittered exponential backoff, every attempt under
         `request_timeout_s`, all of them under `rollout_deadline_s`. Anything else propagates at once."""
         g = self.cfg.generation
         deadline = self._now() + g.rollout_deadline_s
         attempt = 0
         while True:
+            group.dispatch_versions[member] = self.generator.serving_version
             remaining = deadline - self._now()
             try:
                 async with asyncio.timeout(min(g.request_timeout_s, remaining)):
@@ -315,18 +328,23 @@ class Collector:
     async def _finish_group(self, group: _InFlightGroup) -> None:
         survivors = [(m, c) for m, c in enumerate(group.completions) if c is not None]
         errors = [e for e in group.errors if e is not None]
+        if len(survivors) + len(errors) != group.size:
+            raise AssertionError(f"group of prompt {group.prompt.id}: {len(survivors)} survivors + {len(errors)} errors != {group.size}")
         if not survivors:
-            if all(isinstance(e, PromptRejectedError) for e in errors):
-                self._end_dropped(group, "invalid_prompt", errors[0])
+            rejected = [e for e in errors if isinstance(e, PromptRejectedError)]
+            if len(rejected) == len(errors):
+                self._end_dropped(group, "invalid_prompt", rejected[0])
             else:
-                self._end_dropped(group, "failed", errors[0])
+                self._end_dropped(group, "failed", next(e for e in errors if not isinstance(e, PromptRejectedError)))
             return
         if len(survivors) < self.cfg.rollout.min_group_survivors:
             self._end_dropped(group, "too_few_survivors", errors[0] if errors else None)
             return
+        self._scoring += 1
         try:
             scored = await self.scorer.score(group.prompt, [c.text for _, c in survivors])
         except RewardError as exc:
+            self._last_progress = self._now()
             if self.cfg.reward.on_error == "fail":
                 self._fail_run(
                     Diagnostic(
@@ -341,6 +359,9 @@ class Collector:
                 )
             self._end_dropped(group, "reward_error", exc)
             return
+        finally:
+            self._scoring -= 1
+        self._last_progress = self._now()  # scoring a group is progress, however long the reward took
         kept = [(c, s) for (_, c), s in zip(survivors, scored) if s.reward is not None]
         if len(kept) < self.cfg.rollout.min_group_survivors:
             self._end_dropped(group, "too_few_survivors", None)
@@ -366,7 +387,7 @@ class Collector:
         del self._in_flight[group.key]
         self.accounting.buffer()
         self.buffer.put(finished)
-        self._record_outcome("success", None)
+        self._record_outcome(group, "success", None)
         self._signal.notify()
 
     # ------------------------------------------------------------------ outcomes
@@ -375,7 +396,7 @@ class Collector:
         del self._in_flight[group.key]
         self.accounting.drop_in_flight(reason)
         self._count_drop(reason, group.prompt)
-        self._record_outcome(reason, error)  # type: ignore[arg-type]
+        self._record_outcome(group, reason, error)  # type: ignore[arg-type]
         self._signal.notify()
 
     def _end_stale(self, group: _InFlightGroup) -> None:
@@ -402,22 +423,21 @@ class Collector:
         self.counters[f"rollout/dropped/{reason}"] += 1
         self.ledger.dropped(prompt, reason, self.steps_taken)
 
-    def _record_outcome(self, outcome: GroupOutcome, error: BaseException | None) -> None:
+    def _record_outcome(self, group: _InFlightGroup, outcome: GroupOutcome, error: BaseException | None) -> None:
         verdict = self.policy.record(outcome, error)
         if verdict is None:
             return
-        first = next(iter(verdict.examples.values()), None)
         self._fail_run(
             Diagnostic(
                 kind=verdict.kind,
                 message=verdict.message,
                 backend=self.generator.name,
-                generation_version=self.generator.serving_version,
+                generation_version=min((v for v in group.dispatch_versions if v is not None), default=None),
                 trainer_step=self.steps_taken,
                 count=verdict.count,
                 threshold=verdict.threshold,
-                original=first,
-                traceback=format_traceback(first),
+                original=verdict.original,
+                traceback=format_traceback(verdict.original),
                 details={
                     "by_reason": verdict.by_reason,
                     "examples": {reason: repr(e) for reason, e in verdict.examples.items()},
@@ -509,7 +529,7 @@ class Collector:
                 f"The pipeline stalled: no rollout finished and no step trained for {stall_timeout_s:g} s "
                 f"(rollout.stall_timeout_s) while step {step} waited for {self.groups_per_step} groups. "
                 f"State: {len(self.buffer)} buffered, {len(self._in_flight)} groups in flight with "
-                f"{self._open_requests} requests open, source exhausted: {self.source.exhausted}, "
+                f"{self._open_requests} requests open and {self._scoring} being scored, source exhausted: {self.source.exhausted}, "
                 f"serving version {self.generator.serving_version}. Check that the generation backend answers."
             ),
             backend=self.generator.name,

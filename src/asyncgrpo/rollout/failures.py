@@ -12,7 +12,8 @@ Rules (DESIGN.md §3 "Failures"):
 - Cancellation (stale, shutdown, end of data) is not an outcome here and never counts.
 
 `record` returns a `Verdict` the first time a rule is broken and keeps returning it (the
-caller keeps the first one; the policy does not need to know).
+caller keeps the first one; the policy does not need to know). Examples of errors come only
+from the groups in the current window, so a long-gone error never stands for a new outage.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ WINDOW_DROP_REASONS: tuple[GroupOutcome, ...] = ("failed", "too_few_survivors", 
 
 @dataclass(frozen=True)
 class Verdict:
-    """A broken rule: which, the count against its threshold, and the first error of each drop reason."""
+    """A broken rule: which, the count against its threshold, the error that stands for it (`original`:
+    the breaking group's for the consecutive budget, else the first of the most frequent reason in the
+    window), and the first error of each drop reason in the window."""
 
     kind: Literal["generation_failures", "drop_fraction", "filtered_fraction"]
     message: str
     count: int
     threshold: float
+    original: BaseException | None = None
     examples: dict[str, BaseException] = field(default_factory=dict)
     by_reason: dict[str, int] = field(default_factory=dict)
 
@@ -51,19 +55,16 @@ class FailurePolicy:
         self.max_drop_fraction = max_drop_fraction
         self.max_filtered_fraction = max_filtered_fraction
         self.streak = 0
-        self._window: deque[GroupOutcome] = deque(maxlen=drop_window)
+        self._window: deque[tuple[GroupOutcome, BaseException | None]] = deque(maxlen=drop_window)
         self._finished = 0
-        self._examples: dict[str, BaseException] = {}
 
     def record(self, outcome: GroupOutcome, error: BaseException | None = None) -> Verdict | None:
         """Account one finished group; return a Verdict if a rule is now broken."""
-        if error is not None:
-            self._examples.setdefault(outcome, error)
         if outcome == "success":
             self.streak = 0
         elif outcome == "failed":
             self.streak += 1
-        self._window.append(outcome)
+        self._window.append((outcome, error))
         self._finished += 1
 
         if self.streak > self.max_generation_failures:
@@ -72,19 +73,22 @@ class FailurePolicy:
                 message=(
                     f"{self.streak} consecutive groups had every rollout fail, more than "
                     f"rollout.max_generation_failures = {self.max_generation_failures}. Generation is not working: "
-                    f"check the backend (the first error is below). Raise rollout.max_generation_failures only if "
-                    f"such failures are expected and transient."
+                    f"check the backend (the error of the last failed group is below). Raise "
+                    f"rollout.max_generation_failures only if such failures are expected and transient."
                 ),
                 count=self.streak,
                 threshold=self.max_generation_failures,
-                examples=dict(self._examples),
+                original=error,
+                examples=self._examples(),
             )
         if self._finished < self.drop_window:
             return None
-        counts = Counter(self._window)
+        counts = Counter(outcome for outcome, _ in self._window)
         dropped = sum(counts[r] for r in WINDOW_DROP_REASONS)
         if dropped > self.max_drop_fraction * self.drop_window:
             by_reason = {r: counts[r] for r in WINDOW_DROP_REASONS if counts[r]}
+            examples = {r: e for r, e in self._examples().items() if r in by_reason}
+            top = max(by_reason, key=lambda r: by_reason[r])
             return Verdict(
                 kind="drop_fraction",
                 message=(
@@ -94,7 +98,8 @@ class FailurePolicy:
                 ),
                 count=dropped,
                 threshold=self.max_drop_fraction,
-                examples={r: e for r, e in self._examples.items() if r in by_reason},
+                original=examples.get(top, next(iter(examples.values()), None)),
+                examples=examples,
                 by_reason=by_reason,
             )
         if counts["filtered"] > self.max_filtered_fraction * self.drop_window:
@@ -110,6 +115,14 @@ class FailurePolicy:
                 by_reason={"filtered": counts["filtered"]},
             )
         return None
+
+    def _examples(self) -> dict[str, BaseException]:
+        """The first error of each outcome among the groups in the window."""
+        examples: dict[str, BaseException] = {}
+        for outcome, error in self._window:
+            if error is not None:
+                examples.setdefault(outcome, error)
+        return examples
 
 
 def _format(by_reason: dict[str, int]) -> str:
