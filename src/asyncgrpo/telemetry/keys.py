@@ -28,4 +28,5 @@ PIPELINE_KEYS = (
     "throughput/gen_tokens_per_s",
     "reward/mean",
     "reward/std",
+    "rollout/stale_len_mean",
 )

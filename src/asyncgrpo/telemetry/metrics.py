@@ -59,6 +59,9 @@ def step_metrics(
         "time/weight_sync_s": record.weight_sync_s,
         "time/elapsed_s": elapsed_s,
         "throughput/gen_tokens_per_s": gen_tokens_per_s,
+        # Mean length of the finished completions thrown away as stale, to compare with
+        # completion/len_mean: stale cancellation must not quietly favour short answers.
+        "rollout/stale_len_mean": _ratio(collector.counters["rollout/wasted_tokens_total"], collector.counters["rollout/stale_samples_total"]),
         "reward/mean": statistics.fmean(rewards),
         "reward/std": statistics.pstdev(rewards),
         **per_function,
@@ -122,6 +125,10 @@ def write_samples(file: JsonlFile, record: StepRecord, per_step: int) -> None:
                 "finish_reason": rollout.completion.finish_reason,
             }
         )
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
 
 
 def _mean(values: list[float | None]) -> float | None:
