@@ -49,7 +49,6 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model name clients must send (default: MODEL as given)")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype (default float32)")
     serve.add_argument("--seed", type=int, default=0, help="initialisation seed of builtin models (default 0)")
-    serve.add_argument("--debug-step-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow decoding down
     return parser
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from asyncgrpo.config import Config
-from asyncgrpo.errors import Diagnostic, PipelineError, StallError
+from asyncgrpo.errors import Diagnostic, FatalBackendError, PipelineError, StallError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.rollout.health import format_traceback
@@ -192,8 +192,10 @@ def step_budget_warnings(cfg: Config, num_prompts: int) -> list[str]:
 
 
 def step_diagnostic(step: int, exc: BaseException) -> Diagnostic:
+    fatal = isinstance(exc, FatalBackendError)  # e.g. no server took the new weights
     return Diagnostic(
-        kind="step_error",
+        kind=exc.kind if fatal else "step_error",
+        backend=getattr(exc, "backend", "") if fatal else "",
         message=(
             f"Training step {step} failed: {exc}. The weights are those of the last completed step; a checkpoint of "
             f"them is saved, and the traceback below shows where the step failed."

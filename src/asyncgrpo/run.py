@@ -52,9 +52,9 @@ SIGNAL_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 def preflight(cfg: Config) -> ResumePlan:
     """Raise ConfigError for any recipe mistake that can be found without loading a model; say what to resume."""
-    if cfg.generation.backend != "local" or cfg.train.backend != "torch":
+    if cfg.generation.backend not in ("local", "http") or cfg.train.backend != "torch":
         raise ConfigError(
-            f"train needs generation.backend: local and train.backend: torch (got {cfg.generation.backend!r} and "
+            f"train needs generation.backend: local or http, and train.backend: torch (got {cfg.generation.backend!r} and "
             f"{cfg.train.backend!r}); the scripted backend and the stub trainer are for `asyncgrpo simulate`."
         )
     check_model_path(cfg.model.path)
@@ -178,7 +178,6 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
     stop = stop if stop is not None else Stop()
     import torch  # heavy imports only after the recipe is known to be sound
 
-    from asyncgrpo.generation.local import LocalEngine
     from asyncgrpo.models.loading import load_model_and_tokenizer
     from asyncgrpo.rollout.collector import Collector
     from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, metric_keys, step_metrics, write_samples
@@ -194,7 +193,7 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
     torch.manual_seed(cfg.run.seed)
-    if cfg.rollout.max_staleness > 0:
+    if cfg.rollout.max_staleness > 0 and cfg.generation.backend == "local":
         # The engine and the trainer run at the same time: give each a share of the cores, since
         # oversubscribed OpenMP threads spin and slow both down many times over.
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
@@ -221,7 +220,7 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
     ledger = PromptLedger(saved.get("done"), sink=outcomes.append)
     source = PromptSource(prompts, num_epochs=cfg.data.num_epochs, shuffle=cfg.data.shuffle, seed=cfg.run.seed, done=ledger.done_by_epoch())
     scorer = RewardScorer(resolve_rewards(cfg.reward.functions), cfg.reward.weights, cfg.reward.timeout_s, sync_in_thread=True)
-    engine = LocalEngine(copy.deepcopy(trainer.model), tokenizer, max_batch_size=cfg.generation.local.max_batch_size, version=trainer.version)
+    engine = _generator(cfg, trainer, tokenizer, run_dir)
     stop_ids = tuple(dict.fromkeys([*cfg.generation.stop_token_ids, tokenizer.eos_token_id]))
     sampling = SamplingParams(
         max_new_tokens=cfg.generation.max_new_tokens,
@@ -291,6 +290,10 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
     result: PipelineResult | None = None
     try:
         await engine.start()
+        if cfg.generation.backend == "http":
+            # Cold sync: the servers serve exactly the trainer's weights (a fresh run's, or the checkpoint's).
+            async with asyncio.timeout(cfg.generation.weight_sync_timeout_s):
+                await engine.load_weights(trainer.generation_weights(), trainer.version)
         if eval_prompts:
             await evaluate()  # the baseline, so eval/* is never empty
         stop.pipeline = asyncio.create_task(
@@ -326,6 +329,24 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
         interrupted_by=stop.received[0] if stop.received else None,
         warnings=warnings,
     )
+
+
+def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Any:
+    """The generation backend: the in-process engine on its own copy of the weights, or HTTP servers."""
+    if cfg.generation.backend == "http":
+        from asyncgrpo.generation.http import HttpGenerator
+
+        model_dir = Path(cfg.model.path).expanduser()
+        http = cfg.generation.http
+        return HttpGenerator(
+            cfg.generation,
+            weights_dir=Path(http.weights_dir) if http.weights_dir else run_dir / "weights",
+            model_config=model_dir if model_dir.is_dir() else trainer.model.config.to_dict(),
+            initial_version=trainer.version,
+        )
+    from asyncgrpo.generation.local import LocalEngine
+
+    return LocalEngine(copy.deepcopy(trainer.model), tokenizer, max_batch_size=cfg.generation.local.max_batch_size, version=trainer.version)
 
 
 def _split_rows(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -365,7 +386,10 @@ async def _evaluate(cfg: Config, engine: Any, scorer: RewardScorer, prompts: lis
             GenerationRequest(f"eval-{prompt.id}-{i}", prompt.id, prompt.token_ids, sampling, seed=cfg.run.seed + i)
             for i in range(k)
         ]
-        completions = [await engine.generate(request) for request in requests]
+        completions = []
+        for request in requests:  # bounded: a hung server must not hang the evaluation
+            async with asyncio.timeout(cfg.generation.request_timeout_s):
+                completions.append(await engine.generate(request))
         return [s.reward for s in await scorer.score(prompt, [c.text for c in completions])]
 
     async with asyncio.TaskGroup() as task_group:

@@ -116,13 +116,14 @@ def _is_number(value: Any) -> bool:
 class ServerState:
     """Everything the handlers share; lives on the server's event loop."""
 
-    def __init__(self, engine: Any, tokenizer: Any, *, model_name: str, max_model_len: int, model_dir: str | None) -> None:
+    def __init__(self, engine: Any, tokenizer: Any, *, model_name: str, max_model_len: int, vocab_size: int,
+                 model_dir: str | None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.model_dir = model_dir
-        self.vocab_size = engine._vocab_size  # noqa: SLF001 - the engine's own bound on token ids
+        self.vocab_size = vocab_size
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.paused = False
         self.signal = StateSignal()
@@ -143,9 +144,12 @@ class ServerState:
         }
 
 
-def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: int, model_dir: str | None = None) -> web.Application:
-    """The aiohttp application; run it with `handler_cancellation=True` so disconnects abort requests."""
-    state = ServerState(engine, tokenizer, model_name=model_name, max_model_len=max_model_len, model_dir=model_dir)
+def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: int, vocab_size: int,
+               model_dir: str | None = None) -> web.Application:
+    """The aiohttp application over a started `LocalEngine`; run it with `handler_cancellation=True`
+    (as `run_server` does) so that a client disconnecting aborts its request."""
+    state = ServerState(engine, tokenizer, model_name=model_name, max_model_len=max_model_len, vocab_size=vocab_size,
+                        model_dir=model_dir)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app["state"] = state
 
@@ -202,12 +206,13 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
                 current = engine.serving_version
                 version = file_version if file_version is not None and file_version >= current else current + 1
                 await engine.load_weights(weights, version)
-            except (OSError, ValueError) as exc:
-                state.counters["reload_failures"] += 1
-                return error_response(400, f"reload_weights from {path}: {exc}")
-            except GenerationError as exc:
+            except GenerationError as exc:  # the engine is closed or failed
                 state.counters["reload_failures"] += 1
                 return error_response(503, f"reload_weights from {path}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - unreadable files, wrong keys or shapes: told to the caller
+                state.counters["reload_failures"] += 1
+                log.warning("asyncgrpo serve: reload_weights from %s failed: %s", path, exc)
+                return error_response(400, f"reload_weights from {path}: {type(exc).__name__}: {exc}")
         state.counters["reloads"] += 1
         log.info("asyncgrpo serve: loaded weights from %s as version %d", path, version)
         return web.json_response({"results": [None]})
@@ -429,21 +434,18 @@ def read_weights_dir(directory: Path) -> tuple[dict[str, Any], int | None]:
 
 async def run_server(model: str, *, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 64,
                      served_model_name: str | None = None, dtype: str = "float32", seed: int = 0,
-                     debug_step_delay_s: float = 0.0, stop: asyncio.Future | None = None) -> None:
+                     stop: asyncio.Future | None = None) -> None:
     """Load `model` (anything `model.path` accepts), serve it until `stop` resolves (default: SIGINT/SIGTERM)."""
     from asyncgrpo.generation.local import LocalEngine
     from asyncgrpo.models.loading import load_model_and_tokenizer
 
     net, tokenizer = load_model_and_tokenizer(model, dtype, seed)
     max_model_len = int(getattr(net.config, "max_position_embeddings", 0) or 0) or 2048
-    hook = None
-    if debug_step_delay_s > 0:
-        def hook(_: dict[str, int]) -> None:  # engine thread: makes every decoding step slow (tests only)
-            time.sleep(debug_step_delay_s)
     name = served_model_name or model
-    engine = LocalEngine(net, tokenizer, name=f"serve:{name}", max_batch_size=max_batch_size, step_hook=hook)
+    engine = LocalEngine(net, tokenizer, name=f"serve:{name}", max_batch_size=max_batch_size)
     model_dir = model if Path(model).is_dir() else None
-    app = create_app(engine, tokenizer, model_name=name, max_model_len=max_model_len, model_dir=model_dir)
+    app = create_app(engine, tokenizer, model_name=name, max_model_len=max_model_len,
+                     vocab_size=net.get_input_embeddings().num_embeddings, model_dir=model_dir)
     loop = asyncio.get_running_loop()
     own_signals = stop is None
     if stop is None:
@@ -474,8 +476,7 @@ def serve_cli(args: Any) -> int:
 
     try:
         asyncio.run(run_server(args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
-                               served_model_name=args.served_model_name, dtype=args.dtype, seed=args.seed,
-                               debug_step_delay_s=args.debug_step_delay_s))
+                               served_model_name=args.served_model_name, dtype=args.dtype, seed=args.seed))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 3

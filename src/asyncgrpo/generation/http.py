@@ -1,0 +1,643 @@
+"""`HttpGenerator`: the `Generator` protocol over one or more OpenAI-compatible completion servers (vLLM, `asyncgrpo serve`).
+
+Job: send each rollout as one ``POST /v1/completions`` (token-id prompt, ``return_token_ids``,
+``logprobs: 0``, the request's seed and sampling settings) to a healthy server, turn the answer
+into a `Completion`, classify every failure into errors.py's classes, keep track of which server
+is alive and which weights each one serves, and publish new weights to all of them.
+
+Wire format, per request (what vLLM >= 0.10.2 and `asyncgrpo serve` accept)::
+
+    {"model": M, "prompt": [ids], "max_tokens": N, "temperature": T, "top_p": P, "seed": S,
+     "n": 1, "logprobs": 0, "return_token_ids": true, "stop_token_ids": [ids]}
+
+read back: ``choices[0].token_ids``, ``choices[0].logprobs.token_logprobs``, ``choices[0].text``,
+``choices[0].finish_reason``. For logprobs of the distribution actually sampled, start vLLM with
+``--logprobs-mode processed_logprobs`` (its default returns the raw model's logprobs, before
+temperature).
+
+Error classes (DESIGN.md §3), from what the server or the connection did:
+
+    connection refused/reset/closed, connect timeout   -> TransientGenerationError (server marked unhealthy)
+    HTTP 408, 429, 5xx; finish_reason "abort"           -> TransientGenerationError
+    HTTP 413; HTTP 400 saying the prompt is too long    -> PromptRejectedError
+    HTTP 401, 403, 404, 422; a 200 without token_ids    -> MisconfiguredBackendError (fatal, server's message)
+    any other 4xx; a 200 that is not a completion       -> GenerationError (the rollout fails, not retried)
+    no usable server for backend_dead_after_s           -> BackendDeadError (fatal, names every server)
+
+Invariants:
+- Deadlines are the caller's: the collector bounds every attempt. Cancelling `generate` closes
+  its HTTP connection at once (aiohttp closes a connection whose response was not read to the
+  end), so the server aborts the request. Cancellation is never converted into an error.
+- Health. `start()` checks ``/v1/models`` on every server (model name present) and then starts one
+  probe loop per server (``GET /health`` every ``health_probe_interval_s``), owned by a task that
+  `aclose()` cancels and awaits. A server that fails a probe, or a request with a connection
+  error (which also triggers an immediate probe), is unhealthy until a probe succeeds. A server
+  that comes back is first given the latest published weights (it may have restarted with its
+  original ones) and only then takes work again.
+- Waiting. With no usable server (healthy and serving the published weights), `generate` and
+  `load_weights` wait on a `StateSignal` predicate (woken by every health or weight change,
+  nothing polls) and raise `BackendDeadError` once no server has been usable for
+  ``backend_dead_after_s``; the message names each server and its last error.
+- Weights. `load_weights(state, version)` stages the state once through a `WeightPublisher`
+  (default: `DiskWeightPublisher` under `weights_dir`) and installs it on every healthy server
+  concurrently, one install per server at a time (a per-server lock), each step under
+  ``generation.weight_sync_timeout_s``. A server whose install fails takes no work until a later install
+  succeeds (counted in `stats()["weight_sync_failures"]`); if no server got the version,
+  `WeightSyncError` (fatal) names them. `state=None` means "same weights": versions advance with no
+  transfer.
+- Versions. A server's version is the version it is known to have loaded; a completion's
+  `versions` are the version of its server when the request was dispatched (a request held by a
+  paused server may finish under newer weights: the stamp is the conservative, older one).
+  `serving_version` is the lowest version among servers that can take work (the latest published
+  version while none can).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import aiohttp
+
+from asyncgrpo.config import GenerationConfig
+from asyncgrpo.errors import (
+    BackendDeadError,
+    GenerationError,
+    MisconfiguredBackendError,
+    PromptRejectedError,
+    TransientGenerationError,
+)
+from asyncgrpo.generation.weight_sync import (
+    RESUME_AFTER_FAILURE_S,
+    DiskWeightPublisher,
+    StagedWeights,
+    WeightPublisher,
+    WeightSyncError,
+    WeightSyncStepError,
+)
+from asyncgrpo.rollout.signal import StateSignal
+from asyncgrpo.types import Completion, GenerationRequest
+
+log = logging.getLogger("asyncgrpo")
+
+# vLLM: "This model's maximum context length is N tokens. However, your prompt contains M input tokens...",
+# "The decoder prompt (length N) is longer than the maximum model length of M"; others: "prompt is too long",
+# "context length exceeded". Not "max_tokens=N cannot be greater than max_model_len" (a setting, not the prompt).
+PROMPT_TOO_LONG = re.compile(
+    r"maximum context length|maximum model length|longer than the maximum|prompt.{0,40}too long|too long.{0,40}prompt"
+    r"|input.{0,40}too long|context length exceeded|context_length_exceeded", re.I)
+_STARTUP_RETRY_S = (0.05, 1.0)
+INSTALL_SHARE = 0.8  # of generation.weight_sync_timeout_s: server installs end before the pipeline's deadline  # first and largest delay between /v1/models attempts while a server starts
+
+
+def server_message(text: str) -> str:
+    """The human message of an error body: vLLM's {"error": {"message"}}, {"message"}, FastAPI's {"detail"}, or the text."""
+    try:
+        body = json.loads(text)
+    except (ValueError, TypeError):
+        return text.strip()[:500]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        for key in ("message", "detail"):
+            if body.get(key):
+                value = body[key]
+                return value if isinstance(value, str) else json.dumps(value)[:500]
+    return text.strip()[:500]
+
+
+@dataclass(eq=False)
+class _Server:
+    url: str
+    version: int
+    healthy: bool = True
+    loaded: StagedWeights | None = None  # the staged weights it has loaded (None: its own, or unknown after an outage)
+    excluded: str | None = None  # why it takes no work although it answers (a failed weight install)
+    last_error: str = ""
+    outstanding: int = 0
+    dispatched: int = 0
+    failed_installs: int = 0
+    last_status: int | None = None  # HTTP status of its last failed install step, if it answered
+    epoch: int = 0  # bumped when it is marked unhealthy: a probe that overlapped the change probes again
+    models: list[str] = field(default_factory=list)
+    max_model_len: int | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    waker: asyncio.Future | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and self.excluded is None
+
+    def describe(self) -> str:
+        if not self.healthy:
+            state = "unreachable"
+        elif self.excluded is not None:
+            state = f"takes no work ({self.excluded})"
+        else:
+            state = "healthy"
+        last = f"; last error: {self.last_error}" if self.last_error else ""
+        return f"{self.url}: {state}{last}"
+
+
+class _Control:
+    """A `ControlClient` for one server, over the generator's session."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str) -> None:
+        self._session = session
+        self.url = url
+
+    async def post(self, path: str, *, json_body: Any = None, params: Mapping[str, str] | None = None,
+                   timeout_s: float) -> Any:
+        target = f"{self.url}{path}"
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._session.post(target, json=json_body, params=params) as resp:
+                    status, text = resp.status, await resp.text()
+        except TimeoutError:
+            raise WeightSyncStepError(f"POST {target} got no answer within {timeout_s:g} s "
+                                      f"(generation.weight_sync_timeout_s)") from None
+        except aiohttp.ClientError as exc:
+            raise WeightSyncStepError(f"POST {target} failed: {type(exc).__name__}: {exc}") from exc
+        if not 200 <= status < 300:
+            hint = ""
+            if status == 404 and path in ("/pause", "/resume", "/collective_rpc"):
+                hint = " (a vLLM server needs VLLM_SERVER_DEV_MODE=1 for this endpoint)"
+            raise WeightSyncStepError(f"POST {target} answered HTTP {status}: {server_message(text)}{hint}", status=status)
+        return text
+
+
+class HttpGenerator:
+    """`Generator` over the servers of `cfg.http.base_urls`; see the module docstring.
+
+    `weights_dir`: where `DiskWeightPublisher` writes versions (the servers must read it);
+    `model_config`: the model directory, config.json path or config mapping copied next to the
+    weights. `publisher` replaces the disk publisher. `initial_version`: the version the servers
+    serve when started (0 for a fresh run; a resumed run passes its step and should publish its
+    weights before generating).
+    """
+
+    def __init__(self, cfg: GenerationConfig, *, weights_dir: str | Path | None = None,
+                 model_config: str | Path | Mapping[str, Any] | None = None, publisher: WeightPublisher | None = None,
+                 name: str = "http", initial_version: int = 0) -> None:
+        if not cfg.http.base_urls:
+            raise ValueError("HttpGenerator needs at least one server in generation.http.base_urls")
+        self.name = name
+        self.cfg = cfg
+        self.http = cfg.http
+        if publisher is None and weights_dir is not None:
+            publisher = DiskWeightPublisher(weights_dir, model_config=model_config)
+        self._publisher = publisher
+        self._servers = [_Server(url=url.rstrip("/"), version=initial_version) for url in cfg.http.base_urls]
+        self._published_version = initial_version
+        self._latest: StagedWeights | None = None
+        self.model: str | None = cfg.http.model
+        self._signal = StateSignal()
+        self._session: aiohttp.ClientSession | None = None
+        self._control_session: aiohttp.ClientSession | None = None
+        self._probe_task: asyncio.Task | None = None
+        self._probe_failure: BaseException | None = None
+        self._none_usable_since: float | None = None
+        self._started = False
+        self._closed = False
+        self.counters = {"weight_sync_failures": 0, "unhealthy_marks": 0, "recoveries": 0}
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def serving_version(self) -> int:
+        usable = [s.version for s in self._servers if s.usable]
+        return min(usable) if usable else self._published_version
+
+    @property
+    def servers(self) -> list[str]:
+        return [s.url for s in self._servers]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counters,
+            "serving_version": self.serving_version,
+            "published_version": self._published_version,
+            "servers": [{"url": s.url, "healthy": s.healthy, "excluded": s.excluded, "version": s.version,
+                         "outstanding": s.outstanding, "dispatched": s.dispatched, "failed_installs": s.failed_installs,
+                         "last_error": s.last_error} for s in self._servers],
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Check every server's /v1/models (within http.startup_timeout_s), then start the health probes."""
+        if self._closed:
+            raise GenerationError(f"HTTP generator {self.name!r} is closed; create a new one.", backend=self.name)
+        if self._started:
+            return
+        headers = {"Authorization": f"Bearer {self.http.api_key}"} if self.http.api_key else None
+        connect_s = min(10.0, self.cfg.request_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
+        # Completions reuse connections; idle ones close before a server's keep-alive does (uvicorn: 5 s).
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0), timeout=timeout, headers=headers)
+        # Probes and weight-sync calls each open a fresh connection: a pooled one the server has just
+        # closed (idle, or after an error it answered) would fail them although the server is fine, and
+        # a failed /resume leaves a server paused.
+        self._control_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=timeout, headers=headers)
+        try:
+            await self._discover_all()
+        except BaseException:
+            await self._close_sessions()
+            raise
+        self._started = True
+        self._changed()
+        self._probe_task = asyncio.create_task(self._probe_all(), name=f"{self.name}-health-probes")
+        self._probe_task.add_done_callback(self._probe_ended)
+
+    async def aclose(self) -> None:
+        """Stop the probes and close every connection (requests still open fail: cancel them first). Idempotent."""
+        self._closed = True
+        self._signal.notify()
+        task, self._probe_task = self._probe_task, None
+        try:
+            if task is not None:
+                task.cancel()
+                await asyncio.wait([task])  # its outcome is recorded by _probe_ended
+        finally:
+            await self._close_sessions()
+
+    async def _close_sessions(self) -> None:
+        for session in (self._session, self._control_session):
+            if session is not None:
+                await session.close()
+        self._session = self._control_session = None
+
+    async def _discover_all(self) -> None:
+        assert self._session is not None
+        timeout = self.http.startup_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                async with asyncio.TaskGroup() as group:
+                    for server in self._servers:
+                        group.create_task(self._discover(server))
+        except BaseExceptionGroup as errors:  # the first server that failed the check; the others were cancelled
+            raise errors.exceptions[0] from None
+        except TimeoutError:
+            missing = [s for s in self._servers if not s.models]
+            raise BackendDeadError(
+                f"{len(missing)} of {len(self._servers)} generation servers did not answer GET /v1/models within "
+                f"generation.http.startup_timeout_s = {timeout:g} s: "
+                + "; ".join(f"{s.url} (last error: {s.last_error or 'no answer'})" for s in missing)
+                + ". Check that they are started and the URLs in generation.http.base_urls are right, or raise "
+                "generation.http.startup_timeout_s for slow starts.", backend=self.name) from None
+        if self.model is None:
+            self.model = self._servers[0].models[0]
+        for server in self._servers:
+            if server.max_model_len is not None and self.cfg.max_new_tokens >= server.max_model_len:
+                raise MisconfiguredBackendError(
+                    f"generation.max_new_tokens = {self.cfg.max_new_tokens} leaves no room for a prompt in the "
+                    f"max_model_len = {server.max_model_len} of server {server.url}. Fix: lower generation.max_new_tokens "
+                    f"(prompts take up to data.max_prompt_tokens more), or serve a longer context.", backend=self.name)
+        for server in self._servers:
+            if self.model not in server.models:
+                asked = "generation.http.model" if self.http.model else f"the model of {self._servers[0].url}"
+                raise MisconfiguredBackendError(
+                    f"server {server.url} does not serve model {self.model!r} ({asked}); it serves {server.models}. "
+                    f"Fix: set generation.http.model to the name the servers serve, or start every server with "
+                    f"--served-model-name {self.model}.", backend=self.name)
+
+    async def _discover(self, server: _Server) -> None:
+        """GET /v1/models until it answers; retried while the server is not up yet (the caller bounds it)."""
+        assert self._control_session is not None
+        delay = _STARTUP_RETRY_S[0]
+        while True:
+            try:
+                async with self._control_session.get(f"{server.url}/v1/models") as resp:
+                    status, text = resp.status, await resp.text()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                server.last_error = f"GET /v1/models: {type(exc).__name__}: {exc}"
+            else:
+                if status == 200:
+                    try:
+                        entries = json.loads(text)["data"]
+                        server.models = [str(entry["id"]) for entry in entries]
+                        lengths = [entry.get("max_model_len") for entry in entries if entry.get("max_model_len")]
+                        server.max_model_len = int(lengths[0]) if lengths else None
+                    except (ValueError, KeyError, TypeError) as exc:
+                        raise MisconfiguredBackendError(
+                            f"server {server.url} answered GET /v1/models with something that is not a model list "
+                            f"({text[:200]!r}): is it an OpenAI-compatible server?", backend=self.name) from exc
+                    if not server.models:
+                        raise MisconfiguredBackendError(f"server {server.url} serves no model (GET /v1/models is empty).",
+                                                        backend=self.name)
+                    server.last_error = ""
+                    return
+                if status in (401, 403, 404):
+                    what = {401: "refused the credentials (check generation.http.api_key)",
+                            403: "refused the credentials (check generation.http.api_key)",
+                            404: "has no /v1/models: is the URL an OpenAI-compatible server's base URL (without /v1)?"}[status]
+                    raise MisconfiguredBackendError(f"server {server.url} {what}; it answered HTTP {status}: "
+                                                    f"{server_message(text)}", backend=self.name)
+                server.last_error = f"GET /v1/models answered HTTP {status}: {server_message(text)}"
+            await asyncio.sleep(delay)  # the server is starting: nothing to wait on but time
+            delay = min(delay * 2, _STARTUP_RETRY_S[1])
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        server = await self._acquire(lambda: any(s.usable for s in self._servers), "generate")
+        assert self._session is not None
+        version = server.version
+        s = request.sampling
+        payload = {
+            "model": self.model,
+            "prompt": list(request.prompt_token_ids),
+            "max_tokens": s.max_new_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "seed": request.seed,
+            "n": 1,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "stop_token_ids": list(s.stop_token_ids),
+        }
+        server.outstanding += 1
+        server.dispatched += 1
+        try:
+            async with self._session.post(f"{server.url}/v1/completions", json=payload) as resp:
+                status, text = resp.status, await resp.text()
+        except aiohttp.ClientConnectionError as exc:  # refused, reset, closed, connect timeout
+            self._mark_unhealthy(server, f"request {request.request_id}: {type(exc).__name__}: {exc}")
+            raise TransientGenerationError(
+                f"request {request.request_id} to {server.url} failed: {type(exc).__name__}: {exc}",
+                backend=self.name) from exc
+        except aiohttp.ClientError as exc:  # a broken response body
+            raise TransientGenerationError(
+                f"request {request.request_id} to {server.url} failed: {type(exc).__name__}: {exc}",
+                backend=self.name) from exc
+        finally:
+            server.outstanding -= 1
+        return self._completion(server, version, status, text, request)
+
+    def _completion(self, server: _Server, version: int, status: int, text: str, request: GenerationRequest) -> Completion:
+        if status != 200:
+            raise self._http_error(server, status, text, request)
+        where = f"{server.url} (request {request.request_id})"
+        try:
+            choice = json.loads(text)["choices"][0]
+            finish = choice.get("finish_reason")
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            raise GenerationError(f"{where} answered 200 with a body that is not a completion: {text[:300]!r}",
+                                  backend=self.name) from None
+        if finish == "abort":
+            raise TransientGenerationError(f"{where} aborted the request (finish_reason 'abort': the server was paused "
+                                           f"with mode=abort, or is shutting down)", backend=self.name)
+        token_ids = choice.get("token_ids")
+        if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
+            raise MisconfiguredBackendError(
+                f"{where} returned no choices[0].token_ids: the server must support return_token_ids "
+                f"(vLLM >= 0.10.2, or asyncgrpo serve).", backend=self.name)
+        logprobs = choice["logprobs"].get("token_logprobs") if isinstance(choice.get("logprobs"), dict) else None
+        if (not isinstance(logprobs, list) or len(logprobs) != len(token_ids)
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x) for x in logprobs)):
+            raise MisconfiguredBackendError(
+                f"{where} returned no usable choices[0].logprobs.token_logprobs ({len(token_ids)} tokens, logprobs "
+                f"{str(logprobs)[:120]}): the server must return the sampled tokens' logprobs for logprobs=0.",
+                backend=self.name)
+        if finish not in ("stop", "length"):
+            raise GenerationError(f"{where} finished with finish_reason {finish!r}; expected 'stop' or 'length'.",
+                                  backend=self.name)
+        return Completion(
+            token_ids=tuple(token_ids),
+            logprobs=tuple(float(x) for x in logprobs),
+            versions=(version,) * len(token_ids),
+            finish_reason=finish,
+            dispatch_version=version,
+            text=str(choice.get("text") or ""),
+        )
+
+    def _http_error(self, server: _Server, status: int, text: str, request: GenerationRequest) -> GenerationError:
+        message = server_message(text)
+        what = f"{server.url} answered HTTP {status} to request {request.request_id}: {message}"
+        if status in (408, 429) or status >= 500:
+            return TransientGenerationError(what, backend=self.name)
+        if status == 413 or (status == 400 and PROMPT_TOO_LONG.search(message)):
+            return PromptRejectedError(f"{what}. The prompt ({len(request.prompt_token_ids)} tokens) plus max_new_tokens "
+                                       f"({request.sampling.max_new_tokens}) does not fit the server's model.",
+                                       backend=self.name)
+        if status in (401, 403):
+            return MisconfiguredBackendError(f"{what}. Fix: check generation.http.api_key.", backend=self.name)
+        if status == 404:
+            return MisconfiguredBackendError(f"{what}. Fix: check generation.http.model ({self.model!r}) and the URL.",
+                                             backend=self.name)
+        if status == 422:
+            return MisconfiguredBackendError(f"{what}. The server rejects a request field asyncgrpo sends: check its "
+                                             f"version (vLLM >= 0.10.2).", backend=self.name)
+        return GenerationError(what, backend=self.name)
+
+    # ------------------------------------------------------------------ weights
+
+    async def load_weights(self, state: Mapping[str, Any] | None, version: int) -> None:
+        """Publish `state` as `version` to every healthy server; returns once at least one serves it (see module docstring)."""
+        self._check_open()
+        if version < self._published_version:
+            raise ValueError(f"load_weights: version {version} is older than the published version "
+                             f"{self._published_version}; versions must not decrease.")
+        if state is None:  # the same weights under a new version number: nothing to transfer
+            self._published_version = version
+            for server in self._servers:
+                if server.excluded is None and server.loaded is self._latest:
+                    server.version = version
+            self._changed()
+            return
+        if self._publisher is None:
+            raise GenerationError(f"HTTP generator {self.name!r} has no weights_dir (or publisher), so it cannot "
+                                  f"publish weights: set generation.http.weights_dir.", backend=self.name)
+        # Installs end well inside the pipeline's own deadline for the whole publication, so that a slow
+        # server is excluded (and the others go on) rather than failing the run.
+        deadline = asyncio.get_running_loop().time() + INSTALL_SHARE * self.cfg.weight_sync_timeout_s
+        staged = await self._publisher.stage(state, version)
+        self._latest = staged
+        self._published_version = version
+        await self._acquire(lambda: any(s.healthy for s in self._servers), f"publish weights v{version}")
+        targets = [s for s in self._servers if s.healthy]
+        async with asyncio.TaskGroup() as group:
+            results = [group.create_task(self._sync_server(s, deadline)) for s in targets]
+        ok = [s for s, r in zip(targets, results) if r.result()]
+        self._changed()
+        if ok:
+            return
+        misconfigured = all(s.last_status is not None and 400 <= s.last_status < 500 for s in targets)
+        raise WeightSyncError(
+            f"no generation server loaded weights v{version}: " + "; ".join(s.describe() for s in targets)
+            + f". The servers must read {staged.path} and accept /pause, /collective_rpc reload_weights and /resume "
+            "(vLLM: VLLM_SERVER_DEV_MODE=1).", backend=self.name, misconfigured=misconfigured)
+
+    async def _sync_server(self, server: _Server, deadline: float) -> bool:
+        """Install the latest staged weights on `server` (again, if newer ones were staged meanwhile), by the
+        loop time `deadline`. True on success."""
+        assert self._control_session is not None and self._publisher is not None
+        loop = asyncio.get_running_loop()
+        async with server.lock:
+            while self._latest is not None and server.loaded is not self._latest:  # identity: one object per stage()
+                target = self._latest
+                try:
+                    budget = deadline - loop.time()
+                    if budget <= 0:
+                        raise WeightSyncStepError(f"no time left to load weights v{target.version} on {server.url} "
+                                                  f"within generation.weight_sync_timeout_s")
+                    async with asyncio.timeout(budget + RESUME_AFTER_FAILURE_S):  # the publisher's own bound, enforced
+                        await self._publisher.install(_Control(self._control_session, server.url), target, budget)
+                except TimeoutError:
+                    exc = WeightSyncStepError(f"loading weights v{target.version} on {server.url} did not finish "
+                                              f"within {budget:g} s (generation.weight_sync_timeout_s)")
+                    self._install_failed(server, target, exc)
+                    return False
+                except (WeightSyncStepError, aiohttp.ClientError, OSError) as exc:
+                    self._install_failed(server, target, exc)
+                    return False
+                server.loaded = target
+                server.last_status = None
+                server.version = self._published_version if self._latest is target else target.version
+                server.excluded = None
+                self._changed()
+            if self._latest is None:  # nothing ever staged: its own weights are the published ones
+                server.version = self._published_version
+                server.excluded = None
+                self._changed()
+            return True
+
+    def _install_failed(self, server: _Server, target: StagedWeights, exc: BaseException) -> None:
+        server.failed_installs += 1
+        self.counters["weight_sync_failures"] += 1
+        server.excluded = f"loading weights v{target.version} failed"
+        server.last_error = str(exc)
+        server.last_status = getattr(exc, "status", None)
+        log.warning("%s: %s could not load weights v%d and takes no work until a later load succeeds "
+                    "(a failed reload can leave a vLLM server unable to generate: restart it if it does "
+                    "not recover): %s", self.name, server.url, target.version, exc)
+        self._changed()
+
+    # ------------------------------------------------------------------ health
+
+    async def _acquire(self, predicate: Callable[[], bool], purpose: str) -> _Server:
+        """Wait until `predicate()` (some server can serve `purpose`); return the usable server with least work.
+
+        Raises BackendDeadError once no server has been usable for backend_dead_after_s.
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            self._check_open()
+            if predicate():
+                usable = [s for s in self._servers if s.usable] or [s for s in self._servers if s.healthy]
+                return min(usable, key=lambda s: s.outstanding)
+            since = self._none_usable_since if self._none_usable_since is not None else loop.time()
+            deadline = since + self.cfg.backend_dead_after_s
+            if loop.time() >= deadline:
+                raise BackendDeadError(
+                    f"no generation server could take work for {loop.time() - since:.1f} s "
+                    f"(generation.backend_dead_after_s = {self.cfg.backend_dead_after_s:g}) while trying to {purpose}: "
+                    + "; ".join(s.describe() for s in self._servers)
+                    + ". Check that the servers are running and reachable, or raise generation.backend_dead_after_s "
+                    "to wait longer for restarts.", backend=self.name)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._signal.wait_for(lambda: predicate() or self._closed or self._probe_failure is not None)
+            except TimeoutError:
+                pass  # re-checked above: raises unless a server came back at the deadline
+
+    def _check_open(self) -> None:
+        if self._probe_failure is not None:
+            raise BackendDeadError(f"the health probes of {self.name!r} stopped with "
+                                   f"{type(self._probe_failure).__name__}: {self._probe_failure}; server health is "
+                                   f"unknown, so no work can be routed.", backend=self.name) from self._probe_failure
+        if self._closed:
+            raise GenerationError(f"HTTP generator {self.name!r} is closed; the request was not sent.", backend=self.name)
+        if not self._started:
+            raise GenerationError(f"HTTP generator {self.name!r} is not started: await start() first.", backend=self.name)
+
+    def _changed(self) -> None:
+        """Every change of health, exclusion or version ends here: keep the dead-since clock, wake waiters."""
+        if any(s.usable for s in self._servers):
+            self._none_usable_since = None
+        elif self._none_usable_since is None:
+            self._none_usable_since = asyncio.get_running_loop().time()
+        self._signal.notify()
+
+    def _mark_unhealthy(self, server: _Server, error: str) -> None:
+        server.last_error = error
+        server.epoch += 1
+        if server.healthy:
+            server.healthy = False
+            self.counters["unhealthy_marks"] += 1
+            log.warning("%s: server %s is unhealthy: %s", self.name, server.url, error)
+        if self._latest is not None:
+            server.loaded = None  # it may restart with its original weights: reinstall when it is back
+        if server.waker is not None and not server.waker.done():
+            server.waker.set_result(None)  # probe now rather than at the next interval
+        self._changed()
+
+    async def _probe_all(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            for server in self._servers:
+                group.create_task(self._probe_loop(server), name=f"{self.name}-probe-{server.url}")
+
+    def _probe_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._probe_failure = task.exception()
+            log.error("%s: health probes stopped: %r", self.name, self._probe_failure)
+            self._signal.notify()
+
+    async def _probe_loop(self, server: _Server) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.cfg.health_probe_interval_s
+        while True:
+            epoch = server.epoch
+            error = await self._probe(server)
+            if server.epoch != epoch:
+                continue  # marked unhealthy while the probe ran: its answer may predate that; probe again
+            if error is not None:
+                self._mark_unhealthy(server, error)
+            elif not server.healthy:
+                await self._recover(server)
+            server.waker = loop.create_future()
+            try:
+                async with asyncio.timeout(interval):
+                    await server.waker
+            except TimeoutError:
+                pass
+            finally:
+                server.waker = None
+
+    async def _probe(self, server: _Server) -> str | None:
+        """None if GET /health answered 200 in time, else what went wrong."""
+        assert self._control_session is not None
+        timeout_s = min(max(1.0, self.cfg.health_probe_interval_s), 10.0)
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._control_session.get(f"{server.url}/health") as resp:
+                    await resp.read()
+                    status = resp.status
+        except TimeoutError:
+            return f"health probe: no answer within {timeout_s:g} s"
+        except aiohttp.ClientError as exc:
+            return f"health probe: {type(exc).__name__}: {exc}"
+        return None if status == 200 else f"health probe: HTTP {status}"
+
+    async def _recover(self, server: _Server) -> None:
+        """A probe succeeded after an outage: reinstall the latest weights, then let it take work."""
+        epoch = server.epoch
+        server.healthy = True  # installs go only to healthy servers; it stays excluded until they succeed
+        server.excluded = "back after an outage, reloading the latest weights" if self._latest is not None else None
+        self._changed()
+        if self._latest is not None:
+            await self._sync_server(server, asyncio.get_running_loop().time() + INSTALL_SHARE * self.cfg.weight_sync_timeout_s)
+        if server.epoch == epoch and server.usable:
+            self.counters["recoveries"] += 1
+            log.warning("%s: server %s is healthy again (serving version %d)", self.name, server.url, server.version)

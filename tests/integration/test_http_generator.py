@@ -1,0 +1,500 @@
+"""`HttpGenerator` against real `asyncgrpo serve` processes and in-process fake servers.
+
+Real processes: generation and version stamps, weight publication through disk, a 400 that the
+collector does not retry, cancellation reaching the server, and a server killed mid-run (restarted:
+the run recovers; not restarted: the run fails with `backend_dead`). In-process fakes (on the test's
+loop): a hung server, the error classes, failover between servers and a failed weight install.
+Every wait is on an observable condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncgrpo.config import validate_config
+from asyncgrpo.data.loading import build_prompts, read_rows
+from asyncgrpo.data.source import PromptSource
+from asyncgrpo.errors import (
+    BackendDeadError,
+    GenerationError,
+    MisconfiguredBackendError,
+    PromptRejectedError,
+    TransientGenerationError,
+)
+from asyncgrpo.generation.http import HttpGenerator
+from asyncgrpo.generation.weight_sync import WeightSyncError
+from asyncgrpo.models.loading import load_model_and_tokenizer, save_model
+from asyncgrpo.models.tiny import build_tiny
+from asyncgrpo.pipeline import run_pipeline
+from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rollout.collector import Collector
+from asyncgrpo.training.stub import StubTrainer
+from asyncgrpo.types import GenerationRequest, Prompt, SamplingParams
+from tests.integration.servers import FakeServer, ServeProcess, free_port, http
+
+pytestmark = pytest.mark.timeout(120)
+
+EOS = 2
+
+
+def run(coro, timeout_s: float = 90.0):
+    async def bounded():
+        async with asyncio.timeout(timeout_s):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+async def until(predicate, deadline_s: float, what: str, poll_s: float = 0.02):
+    """Await predicate() (sync, may call a server) becoming truthy; fail naming `what` at the deadline."""
+    end = time.monotonic() + deadline_s
+    while not (value := await asyncio.to_thread(predicate)):
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline_s:g} s waiting for {what}")
+        await asyncio.sleep(poll_s)
+    return value
+
+
+def recipe(urls: list[str], **sections):
+    base = {
+        "run": {"name": "http-test", "seed": 0},
+        "data": {"source": "builtin:repeat_letter", "builtin_size": 40, "shuffle": False},
+        "reward": {"functions": ["builtin:repeat_letter"]},
+        "generation": {"backend": "http", "max_new_tokens": 8, "health_probe_interval_s": 0.2,
+                       "request_timeout_s": 10.0, "rollout_deadline_s": 30.0, "retry_backoff_s": 0.05,
+                       "retry_backoff_max_s": 0.5, "backend_dead_after_s": 30.0,
+                       "http": {"base_urls": urls, "startup_timeout_s": 60.0}},
+        "rollout": {"group_size": 2, "groups_per_step": 2, "max_staleness": 1, "stall_timeout_s": 120.0},
+        "train": {"backend": "stub", "max_steps": 4, "step_time_s": 0.01},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return validate_config(base)
+
+
+def tiny_prompts(n: int = 40) -> list[Prompt]:
+    prompts, _ = build_prompts(read_rows("builtin:repeat_letter", builtin_size=n, seed=0), prompt_key="prompt",
+                               tokenizer=build_tiny(0)[1], max_prompt_tokens=256)
+    return prompts
+
+
+def make_collector(cfg, generator, prompts: list[Prompt]) -> Collector:
+    source = PromptSource(prompts, num_epochs=1, shuffle=False, seed=0)
+    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), None, 30.0, sync_in_thread=False)
+    sampling = SamplingParams(max_new_tokens=cfg.generation.max_new_tokens, temperature=1.0, stop_token_ids=(EOS,))
+    return Collector(cfg, source=source, generator=generator, scorer=scorer, sampling=sampling)
+
+
+def request(rid: int = 0, prompt=(5, 6, 7), max_new_tokens: int = 6, **sampling) -> GenerationRequest:
+    return GenerationRequest(f"r{rid}", rid, tuple(prompt), SamplingParams(max_new_tokens=max_new_tokens, **sampling),
+                             seed=rid)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_model(*build_tiny(0), tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory):
+    """Two `asyncgrpo serve` processes, started together: `main` for most tests, `crash` to be killed."""
+    logs = tmp_path_factory.mktemp("logs")
+    main = ServeProcess(model_dir, logs, extra=("--served-model-name", "tiny")).start()
+    crash = ServeProcess(model_dir, logs, extra=("--served-model-name", "tiny")).start()
+    try:
+        main.wait_healthy()
+        crash.wait_healthy()
+        yield {"main": main, "crash": crash}
+    finally:
+        for proc in (main, crash):
+            proc.kill()
+
+
+# ----------------------------------------------------------------------------- real servers
+
+
+def test_generate_stamps_the_serving_version_and_load_weights_publishes_through_disk(servers, model_dir, tmp_path):
+    server = servers["main"]
+    cfg = recipe([server.url]).generation
+
+    async def main():
+        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights", model_config=model_dir)
+        await gen.start()
+        try:
+            assert gen.model == "tiny" and gen.serving_version == 0
+            first = await gen.generate(request(1, stop_token_ids=(EOS,)))
+            assert first.versions == (0,) * len(first.token_ids) and first.dispatch_version == 0
+            assert 1 <= len(first.token_ids) <= 6 and len(first.logprobs) == len(first.token_ids)
+            for version in (1, 2, 3):
+                await gen.load_weights(build_tiny(version)[0].state_dict(), version)
+                assert gen.serving_version == version
+                assert server.stats()["serving_version"] == version  # what the server itself reports
+                later = await gen.generate(request(1, stop_token_ids=(EOS,)))
+                assert later.versions == (version,) * len(later.token_ids) and later.dispatch_version == version
+            assert gen.stats()["weight_sync_failures"] == 0
+            await gen.load_weights(build_tiny(0)[0].state_dict(), 4)  # the original weights, for the next tests
+            assert server.stats()["serving_version"] == 4
+        finally:
+            await gen.aclose()
+
+    run(main())
+    kept = sorted(p.name for p in (tmp_path / "weights").iterdir())
+    assert kept == ["v000003", "v000004"]  # the last two versions only, no temp directories
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "weights" / "v000003", local_files_only=True)
+    for name, tensor in build_tiny(3)[0].state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+
+
+def test_start_refuses_a_wrong_model_name_and_an_unreachable_server(servers):
+    server = servers["main"]
+
+    async def main():
+        gen = HttpGenerator(recipe([server.url], generation={"http": {"base_urls": [server.url], "model": "nope"}}).generation)
+        with pytest.raises(MisconfiguredBackendError) as wrong:
+            await gen.start()
+        await gen.aclose()
+        nowhere = f"http://127.0.0.1:{free_port()}"
+        gen = HttpGenerator(recipe([nowhere], generation={"http": {"base_urls": [nowhere], "startup_timeout_s": 0.5}}).generation)
+        with pytest.raises(BackendDeadError) as dead:
+            await gen.start()
+        await gen.aclose()
+        return wrong.value, dead.value
+
+    wrong, dead = run(main())
+    assert server.url in str(wrong) and "'nope'" in str(wrong) and "['tiny']" in str(wrong)
+    assert wrong.kind == "misconfigured_backend"
+    assert "127.0.0.1" in str(dead) and "startup_timeout_s" in str(dead) and dead.kind == "backend_dead"
+
+
+def test_cancelling_generate_closes_the_request_and_the_server_aborts_it(servers):
+    server = servers["main"]
+
+    async def main():
+        gen = HttpGenerator(recipe([server.url]).generation)
+        await gen.start()
+        base = server.stats()
+        assert http("POST", f"{server.url}/pause?mode=keep")[0] == 200  # the request will be held at the server
+        try:
+            task = asyncio.create_task(gen.generate(request(2)))
+            await until(lambda: server.stats()["requests_waiting"] == 1, 30, "the request to reach the server")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            stats = await until(lambda: (s := server.stats())["requests_aborted"] > base["requests_aborted"] and s,
+                                30, "the server to see the request aborted")
+            assert stats["requests_waiting"] == 0 and stats["requests_completed"] == base["requests_completed"]
+            state = gen.stats()
+            assert state["servers"][0]["healthy"] and state["servers"][0]["outstanding"] == 0
+            assert state["unhealthy_marks"] == 0  # cancellation is not a failure
+        finally:
+            http("POST", f"{server.url}/resume")
+            await gen.aclose()
+
+    run(main())
+
+
+def test_a_400_is_not_retried_and_a_too_long_prompt_is_an_invalid_prompt(servers):
+    server = servers["main"]
+    ok = tiny_prompts(8)
+    too_long = Prompt(id=100, text="long", token_ids=(5,) * 505)  # 505 + 8 new tokens > 512
+    out_of_vocab = Prompt(id=101, text="oov", token_ids=(5, 10_000))
+
+    def run_once(prompts, **rollout):
+        cfg = recipe([server.url], rollout=rollout, train={"max_steps": 100})
+        gen = HttpGenerator(cfg.generation)
+        collector = make_collector(cfg, gen, prompts)
+
+        async def main():
+            await gen.start()
+            try:
+                return await run_pipeline(cfg, collector=collector, backend=StubTrainer(0.01), generator=gen)
+            finally:
+                await gen.aclose()
+
+        before = server.stats()["requests_rejected"]
+        result = run(main())
+        return result, collector, server.stats()["requests_rejected"] - before
+
+    # Tolerant: both bad groups are dropped, each rollout was sent exactly once, the data runs out.
+    result, collector, rejected = run_once([too_long, out_of_vocab, *ok], max_generation_failures=5, max_drop_fraction=1.0)
+    assert result.outcome == "completed" and result.stop_reason == "data_exhausted", result.diagnostic
+    assert collector.accounting.dropped["invalid_prompt"] == 1 and collector.accounting.dropped["failed"] == 1
+    assert collector.counters["rollout/retries_total"] == 0 and rejected == 4
+    assert collector.accounting.trained == len(ok)
+
+    # Intolerant: the first all-failed group fails the run, with the server's message.
+    result, collector, rejected = run_once([out_of_vocab, *ok], max_generation_failures=0)
+    d = result.diagnostic
+    assert result.outcome == "failed" and d.kind == "generation_failures"
+    assert isinstance(d.original, GenerationError) and not isinstance(d.original, TransientGenerationError)
+    assert "HTTP 400" in str(d.original) and "out of vocabulary" in str(d.original)
+    assert rejected == 2 and collector.counters["rollout/retries_total"] == 0
+
+
+class ThreadedTorchTrainer:
+    """The real trainer, its steps on a worker thread (as run.py does)."""
+
+    def __init__(self, model_dir: Path, cfg) -> None:
+        from asyncgrpo.training.trainer import TorchTrainer
+
+        model, tokenizer = load_model_and_tokenizer(str(model_dir))
+        self.trainer = TorchTrainer(model, tokenizer, cfg)
+
+    async def train_step(self, groups):
+        return await asyncio.to_thread(self.trainer.train_step, groups)
+
+    def generation_weights(self):
+        return self.trainer.generation_weights()
+
+
+def test_a_killed_server_restarted_on_the_same_port_gets_the_latest_weights_and_the_run_recovers(servers, model_dir, tmp_path):
+    server = servers["crash"]
+    cfg = recipe([server.url], train={"backend": "torch", "max_steps": 6},
+                 generation={"backend_dead_after_s": 90.0, "request_timeout_s": 5.0, "rollout_deadline_s": 90.0})
+    gen = HttpGenerator(cfg.generation, weights_dir=tmp_path / "weights", model_config=model_dir)
+    trainer = ThreadedTorchTrainer(model_dir, cfg)
+    collector = make_collector(cfg, gen, tiny_prompts(40))
+    records = []
+
+    async def on_step(record):
+        records.append(record)
+        if record.step == 1:  # weights v2 are published: crash now, restart with the original weights
+            server.kill()
+            server.start()
+
+    async def main():
+        await gen.start()
+        try:
+            await gen.load_weights(trainer.generation_weights(), 0)  # cold sync: the servers serve the trainer's weights
+            return await run_pipeline(cfg, collector=collector, backend=trainer, generator=gen, on_step=on_step)
+        finally:
+            await gen.aclose()
+
+    result = run(main(), timeout_s=110)
+    assert result.outcome == "completed" and result.steps == 6, result.diagnostic
+    assert collector.counters["rollout/failed_total"] == 0  # the outage cost retries and waiting, no rollout
+    assert all(max(r.staleness) <= 1 for r in records)
+    state = gen.stats()
+    assert state["unhealthy_marks"] >= 1 and state["recoveries"] >= 1 and state["weight_sync_failures"] == 0
+    restarted = server.stats()
+    assert restarted["reloads"] >= 2  # the latest weights when it came back, then every later version
+    assert restarted["serving_version"] == 6 and state["serving_version"] == 6
+    assert collector.accounting.balanced()
+
+
+def test_a_killed_server_that_stays_dead_fails_the_run_with_backend_dead(servers):
+    server = servers["crash"]
+    if not server.alive():
+        server.start()
+    server.wait_healthy()
+    cfg = recipe([server.url], train={"max_steps": 50},
+                 generation={"backend_dead_after_s": 2.0, "request_timeout_s": 3.0, "rollout_deadline_s": 30.0})
+    gen = HttpGenerator(cfg.generation)
+    collector = make_collector(cfg, gen, tiny_prompts(40))
+    killed_at: list[float] = []
+
+    async def on_step(record):
+        if record.step == 1:
+            server.kill()
+            killed_at.append(time.monotonic())
+
+    async def main():
+        await gen.start()
+        try:
+            return await run_pipeline(cfg, collector=collector, backend=StubTrainer(0.01), generator=gen, on_step=on_step)
+        finally:
+            await gen.aclose()
+
+    result = run(main())
+    elapsed = time.monotonic() - killed_at[0]
+    d = result.diagnostic
+    assert result.outcome == "failed" and d.kind == "backend_dead", d
+    assert server.url in d.message and "unreachable" in d.message and "last error" in d.message
+    assert isinstance(d.original, BackendDeadError)
+    assert elapsed < 2.0 + 3.0 + 5.0, f"the run took {elapsed:.1f} s after the kill to fail"
+    assert collector.accounting.balanced()
+
+
+# ----------------------------------------------------------------------------- in-process fakes
+
+
+def test_a_hung_server_ends_at_the_collectors_deadline_and_every_attempt_is_closed():
+    async def main():
+        hung = await FakeServer().start()
+        hung.completion = "hang"
+        cfg = recipe([hung.url], generation={"request_timeout_s": 0.4, "rollout_deadline_s": 1.0,
+                                             "retry_backoff_s": 0.05, "retry_backoff_max_s": 0.1},
+                     rollout={"max_generation_failures": 0})
+        gen = HttpGenerator(cfg.generation)
+        collector = make_collector(cfg, gen, tiny_prompts(8))
+        await gen.start()
+        try:
+            started = time.monotonic()
+            result = await run_pipeline(cfg, collector=collector, backend=StubTrainer(0.01), generator=gen)
+            elapsed = time.monotonic() - started
+            deadline = time.monotonic() + 10
+            while hung.cancelled < hung.started:  # each attempt's connection is closed by the collector's timeout
+                assert time.monotonic() < deadline, f"{hung.started - hung.cancelled} requests still open at the server"
+                await asyncio.sleep(0.02)
+            return result, elapsed, hung.started
+        finally:
+            await gen.aclose()
+            await hung.stop()
+
+    result, elapsed, attempts = run(main())
+    d = result.diagnostic
+    assert result.outcome == "failed" and d.kind == "generation_failures"
+    assert "rollout_deadline_s" in str(d.original) and "no answer within" in str(d.original.__cause__)
+    assert elapsed < 1.0 + 3.0
+    assert attempts >= 4  # 2 rollouts of the first group, each retried at least once
+
+
+@pytest.mark.parametrize(
+    ("answer", "error", "words"),
+    [
+        ((429, {"error": {"message": "slow down"}}), TransientGenerationError, "slow down"),
+        ((503, {"detail": "overloaded"}), TransientGenerationError, "overloaded"),
+        ((408, "timeout"), TransientGenerationError, "408"),
+        ((400, {"error": {"message": "This model's maximum context length is 512 tokens."}}), PromptRejectedError, "maximum context"),
+        ((400, {"object": "error", "message": "The decoder prompt (length 600) is longer than the maximum model length of 512."}),
+         PromptRejectedError, "longer than"),
+        ((413, "too large"), PromptRejectedError, "413"),
+        ((401, {"error": {"message": "bad key"}}), MisconfiguredBackendError, "api_key"),
+        ((404, {"error": {"message": "The model `x` does not exist."}}), MisconfiguredBackendError, "does not exist"),
+        ((422, {"detail": [{"loc": ["body", "n"], "msg": "bad"}]}), MisconfiguredBackendError, "422"),
+        ((400, {"error": {"message": "temperature must be non-negative"}}), GenerationError, "temperature"),
+        ((418, "teapot"), GenerationError, "418"),
+        ((200, {"choices": [{"text": "abc", "finish_reason": "length"}]}), MisconfiguredBackendError, "token_ids"),
+        ((200, "not json"), GenerationError, "not a completion"),
+        ("abort", TransientGenerationError, "abort"),
+    ],
+)
+def test_each_server_answer_maps_to_its_error_class(answer, error, words):
+    async def main():
+        fake = await FakeServer().start()
+        if answer == "abort":
+            fake.finish_reason = "abort"
+        else:
+            fake.completion = answer
+        gen = HttpGenerator(recipe([fake.url]).generation)
+        await gen.start()
+        try:
+            with pytest.raises(GenerationError) as caught:
+                await gen.generate(request(3))
+            return caught.value, fake
+        finally:
+            await gen.aclose()
+            await fake.stop()
+
+    caught, fake = run(main())
+    assert type(caught) is error, caught
+    assert words in str(caught) and fake.url in str(caught)
+    assert fake.started == 1  # the generator itself never retries: that is the collector's policy
+    sent = fake.requests[0]
+    assert sent["prompt"] == [5, 6, 7] and sent["return_token_ids"] is True and sent["logprobs"] == 0
+    assert sent["seed"] == 3 and sent["model"] == "fake" and sent["n"] == 1
+
+
+def test_requests_fail_over_to_the_healthy_server_and_a_returning_server_takes_work_again():
+    async def main():
+        a, b = await FakeServer().start(), await FakeServer().start()
+        gen = HttpGenerator(recipe([a.url, b.url]).generation)
+        await gen.start()
+        try:
+            await asyncio.gather(*(gen.generate(request(i)) for i in range(8)))
+            assert a.answered > 0 and b.answered > 0  # least outstanding spreads concurrent requests
+            port = a.port
+            await a.stop()
+            for i in range(4):  # a's refusals mark it unhealthy; nothing waits, b answers
+                completion = await retrying(gen, request(10 + i))
+                assert completion.token_ids == (7, 8, 9)
+            assert not gen.stats()["servers"][0]["healthy"]
+            answered_by_b = b.answered
+            await gen.generate(request(20))
+            assert b.answered == answered_by_b + 1
+            a2 = await FakeServer(port=port).start()  # the same address comes back
+            deadline = time.monotonic() + 10
+            while not gen.stats()["servers"][0]["healthy"]:
+                assert time.monotonic() < deadline, "the probe did not see the server come back"
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*(gen.generate(request(30 + i)) for i in range(8)))
+            assert a2.answered > 0 and gen.stats()["recoveries"] == 1
+            await a2.stop()
+        finally:
+            await gen.aclose()
+            await b.stop()
+
+    run(main())
+
+
+async def retrying(gen, req):
+    """What the collector does with a transient error, minus the backoff."""
+    for _ in range(3):
+        try:
+            return await gen.generate(req)
+        except TransientGenerationError:
+            continue
+    raise AssertionError("still failing after 3 attempts")
+
+
+def test_a_server_whose_weight_install_fails_takes_no_work_until_a_later_install_succeeds(tmp_path):
+    state = {"w": torch.zeros(2)}
+
+    async def main():
+        good, bad = await FakeServer().start(), await FakeServer().start()
+        bad.reload_status = 500
+        gen = HttpGenerator(recipe([good.url, bad.url]).generation, weights_dir=tmp_path / "weights")
+        await gen.start()
+        try:
+            await gen.load_weights(state, 1)
+            assert gen.serving_version == 1 and gen.stats()["weight_sync_failures"] == 1
+            assert bad.control == ["/pause", f"reload {tmp_path / 'weights' / 'v000001'}", "/resume"]  # resumed anyway
+            bad.started = 0
+            await asyncio.gather(*(gen.generate(request(i)) for i in range(6)))
+            assert bad.started == 0 and good.answered == 6  # the stale server gets nothing
+            bad.reload_status = 200
+            await gen.load_weights(state, 2)
+            assert [s["version"] for s in gen.stats()["servers"]] == [2, 2] and gen.serving_version == 2
+            await asyncio.gather(*(gen.generate(request(i)) for i in range(6)))
+            assert bad.answered > 0
+            good.reload_status = bad.reload_status = 404
+            with pytest.raises(WeightSyncError) as caught:
+                await gen.load_weights(state, 3)
+            return caught.value
+        finally:
+            await gen.aclose()
+            await good.stop()
+            await bad.stop()
+
+    error = run(main())
+    assert error.kind == "misconfigured_backend" and "VLLM_SERVER_DEV_MODE=1" in str(error)
+
+
+def test_a_server_whose_reload_hangs_is_left_behind_within_the_weight_sync_budget(tmp_path):
+    async def main():
+        good, slow = await FakeServer().start(), await FakeServer().start()
+        slow.reload_status = "hang"
+        cfg = recipe([good.url, slow.url], generation={"weight_sync_timeout_s": 1.0}).generation
+        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights")
+        await gen.start()
+        try:
+            started = time.monotonic()
+            await gen.load_weights({"w": torch.zeros(2)}, 1)  # the pipeline would give up after 1.0 s
+            elapsed = time.monotonic() - started
+            assert elapsed < 1.0, f"load_weights took {elapsed:.2f} s, past the pipeline's deadline"
+            servers = gen.stats()["servers"]
+            assert gen.serving_version == 1 and servers[0]["version"] == 1
+            assert servers[1]["excluded"] and "collective_rpc got no answer" in servers[1]["last_error"]
+            assert slow.control[0] == "/pause" and slow.control[-1] == "/resume"  # not left paused
+        finally:
+            await gen.aclose()
+            await good.stop()
+            await slow.stop()
+
+    run(main())

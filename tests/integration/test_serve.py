@@ -1,0 +1,200 @@
+"""`asyncgrpo serve` as a real process: vLLM's completion shapes, logprobs, errors, pause/resume, reload, disconnects.
+
+One server (builtin:tiny saved to disk) serves the whole module; tests that change its weights
+put the original ones back. Waits poll the server's /stats with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import aiohttp
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncgrpo.generation.weight_sync import write_weights
+from asyncgrpo.models.loading import save_model
+from asyncgrpo.models.tiny import build_tiny
+from tests.integration.servers import ServeProcess, http, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_model(*build_tiny(0), tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    proc = ServeProcess(model_dir, tmp_path_factory.mktemp("logs"), extra=("--served-model-name", "tiny")).start()
+    try:
+        yield proc.wait_healthy()
+    finally:
+        code = proc.stop()
+    assert code == 0, f"SIGTERM should stop the server cleanly, got exit code {code}:\n{proc.log()}"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return build_tiny(0)[1]
+
+
+def complete(server: ServeProcess, **body):
+    body.setdefault("model", "tiny")
+    return http("POST", f"{server.url}/v1/completions", body)
+
+
+def teacher_forced(model, prompt_ids, token_ids, temperature: float) -> torch.Tensor:
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    p = len(prompt_ids)
+    return logp[p - 1 : -1].gather(1, torch.tensor(token_ids)[:, None]).squeeze(1)
+
+
+def test_completion_has_vllms_shape_and_the_sampled_distributions_logprobs(server, model_dir, tokenizer):
+    status, models = http("GET", f"{server.url}/v1/models")
+    assert status == 200 and models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512
+    prompt = tokenizer("say c: ")["input_ids"]
+    body = dict(prompt=prompt, max_tokens=16, temperature=0.7, top_p=1.0, seed=5, logprobs=0, return_token_ids=True,
+                stop_token_ids=[tokenizer.eos_token_id])
+    status, out = complete(server, **body)
+    assert status == 200, out
+    assert out["object"] == "text_completion" and out["model"] == "tiny" and out["id"]
+    choice = out["choices"][0]
+    ids, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    assert choice["index"] == 0 and choice["finish_reason"] in ("stop", "length")
+    assert 1 <= len(ids) <= 16 and len(logprobs) == len(ids) == len(choice["logprobs"]["tokens"])
+    assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
+    body_ids = ids[:-1] if choice["finish_reason"] == "stop" else ids
+    assert choice["text"] == tokenizer.decode(body_ids, skip_special_tokens=True)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    expected = teacher_forced(model, prompt, ids, temperature=0.7)
+    torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
+
+    # A seed reproduces the completion; a text prompt is tokenized like the ids.
+    assert complete(server, **body)[1]["choices"][0]["token_ids"] == ids
+    assert complete(server, **{**body, "prompt": "say c: "})[1]["choices"][0]["token_ids"] == ids
+    # Without return_token_ids / logprobs, vLLM leaves them out.
+    plain = complete(server, prompt=prompt, max_tokens=4, seed=1)[1]["choices"][0]
+    assert "token_ids" not in plain and plain["logprobs"] is None
+
+
+def test_errors_have_vllms_status_codes_and_wording(server):
+    before = server.stats()
+    cases = [
+        ({"prompt": [5] * 600, "max_tokens": 4}, 400, "longer than the maximum model length"),
+        ({"prompt": [5] * 500, "max_tokens": 20}, 400, "maximum context length is 512"),
+        ({"prompt": [5, 6], "max_tokens": 4, "model": "not-served"}, 404, "does not exist"),
+        ({"prompt": [5, 6], "max_tokens": 4, "n": 2}, 400, "n=2"),
+        ({"prompt": [5, 6], "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": [], "max_tokens": 4}, 400, "empty"),
+        ({"prompt": [5, 10_000], "max_tokens": 4}, 400, "out of vocabulary"),
+        ({"prompt": [5, 6], "max_tokens": 4, "top_k": 5}, 422, "top_k"),
+        ({"prompt": [5, 6], "max_tokens": 4, "logprobs": 5}, 422, "logprobs=0"),
+        ({"prompt": [5, 6], "max_tokens": 4, "frobnicate": 1}, 422, "frobnicate"),
+    ]
+    for body, status, words in cases:
+        got, out = complete(server, **body)
+        assert got == status, (body, out)
+        assert words in out["error"]["message"] and out["error"]["code"] == status, (body, out)
+    got, out = http("POST", f"{server.url}/v1/completions", b"{not json")
+    assert got == 400 and "not valid JSON" in out["error"]["message"]
+    after = server.stats()
+    assert after["requests_rejected"] - before["requests_rejected"] == len(cases) + 1
+    assert after["engine"]["steps"] == before["engine"]["steps"]  # nothing reached the engine
+
+
+def test_pause_keep_lets_running_requests_finish_and_holds_new_ones_until_resume(server):
+    results: dict[str, tuple[int, dict]] = {}
+
+    def send(key: str, **body) -> threading.Thread:
+        thread = threading.Thread(target=lambda: results.__setitem__(key, complete(server, **body)))
+        thread.start()
+        return thread
+
+    base = server.stats()
+    running = send("running", prompt=[5, 6, 7], max_tokens=60, ignore_eos=True, seed=1, return_token_ids=True)
+    wait_until(lambda: server.stats()["engine"]["active"] == 1, 30, "the first request to be generating")
+    assert http("POST", f"{server.url}/pause?mode=keep")[1] == {"status": "paused"}
+    held = send("held", prompt=[5, 6, 7], max_tokens=4, seed=2, return_token_ids=True)
+    wait_until(lambda: server.stats()["requests_waiting"] == 1, 30, "the second request to wait on the pause")
+    running.join(timeout=60)
+    assert results["running"][0] == 200 and len(results["running"][1]["choices"][0]["token_ids"]) == 60
+    assert "held" not in results and server.stats()["paused"] is True  # still held although the engine is idle
+    assert http("POST", f"{server.url}/resume")[1] == {"status": "resumed"}
+    held.join(timeout=60)
+    assert results["held"][0] == 200
+    stats = server.stats()
+    assert stats["requests_completed"] - base["requests_completed"] == 2 and stats["requests_waiting"] == 0
+
+
+def test_pause_abort_ends_running_requests_with_finish_reason_abort(server):
+    results: dict[str, tuple[int, dict]] = {}
+    base = server.stats()
+    thread = threading.Thread(target=lambda: results.__setitem__("r", complete(
+        server, prompt=[5, 6, 7], max_tokens=500, ignore_eos=True, return_token_ids=True)))
+    thread.start()
+    try:
+        wait_until(lambda: server.stats()["engine"]["active"] == 1, 30, "the request to be generating")
+        assert http("POST", f"{server.url}/pause?mode=abort")[1] == {"status": "paused"}
+        thread.join(timeout=30)
+        status, out = results["r"]
+        assert status == 200 and out["choices"][0]["finish_reason"] == "abort" and out["choices"][0]["token_ids"] == []
+        stats = wait_until(lambda: (s := server.stats())["engine"]["active"] == 0 and s, 30, "the engine to drop it")
+        assert stats["requests_aborted"] - base["requests_aborted"] == 1
+    finally:
+        http("POST", f"{server.url}/resume")
+
+
+def test_a_client_that_disconnects_aborts_its_generation(server):
+    base = server.stats()
+
+    async def disconnect_mid_generation():
+        async with aiohttp.ClientSession() as session:
+            request = asyncio.ensure_future(session.post(f"{server.url}/v1/completions", json={
+                "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "seed": 3}))
+            while server.stats()["engine"]["active"] == 0:  # the test's own loop has nothing else to do
+                assert not request.done(), "the request finished before it was seen generating"
+                await asyncio.sleep(0.02)
+            request.cancel()  # closes the connection
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(disconnect_mid_generation())
+    stats = wait_until(lambda: (s := server.stats())["requests_aborted"] > base["requests_aborted"]
+                       and s["engine"]["active"] == 0 and s["requests_active"] == 0 and s, 30, "the server to abort")
+    assert stats["requests_aborted"] - base["requests_aborted"] == 1
+    assert stats["engine"]["queued"] == 0
+    generated = stats["engine"]["tokens_generated"] - base["engine"]["tokens_generated"]
+    assert generated < 500, "the engine kept generating for a client that left"
+    assert stats["requests_completed"] == base["requests_completed"]
+
+
+def test_reload_weights_changes_the_outputs_and_the_served_version(server, model_dir, tmp_path):
+    greedy = dict(prompt=[5, 6, 7, 8], max_tokens=12, temperature=0, ignore_eos=True, return_token_ids=True)
+    original = complete(server, **greedy)[1]["choices"][0]["token_ids"]
+    version = server.stats()["serving_version"]
+
+    other = build_tiny(1)[0].state_dict()
+    path = write_weights(other, tmp_path / "weights", version + 5, model_config=model_dir)
+    assert http("POST", f"{server.url}/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}) == (200, {"results": [None]})
+    assert server.stats()["serving_version"] == version + 5  # the publisher's version file
+    changed = complete(server, **greedy)[1]["choices"][0]["token_ids"]
+    assert changed != original
+
+    status, out = http("POST", f"{server.url}/collective_rpc",
+                       {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "missing")}})
+    assert status == 400 and "missing" in out["error"]["message"]
+    assert server.stats()["serving_version"] == version + 5 and server.stats()["reload_failures"] == 1
+
+    # Back to the original weights (from the model directory itself: a version bump by one).
+    assert http("POST", f"{server.url}/collective_rpc", {"method": "reload_weights", "kwargs": {}})[0] == 200
+    assert server.stats()["serving_version"] == version + 6
+    assert complete(server, **greedy)[1]["choices"][0]["token_ids"] == original
