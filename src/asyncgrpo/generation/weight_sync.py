@@ -38,17 +38,16 @@ import json
 import os
 import re
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
+from asyncgrpo.atomic import TEMP_PREFIX, atomic_directory
 from asyncgrpo.errors import FatalBackendError
 
 VERSION_FILE = "asyncgrpo_version.json"  # read by `asyncgrpo serve` to report the version it serves
 WEIGHTS_FILE = "model.safetensors"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
-_TEMP_PREFIX = ".tmp-"
 RESUME_AFTER_FAILURE_S = 10.0
 
 
@@ -161,24 +160,11 @@ def write_weights(state: Mapping[str, Any], weights_dir: Path, version: int, *,
     weights_dir = Path(weights_dir)
     weights_dir.mkdir(parents=True, exist_ok=True)
     final = version_dir(weights_dir, version)
-    tmp = weights_dir / f"{_TEMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_directory(final) as tmp:
         config = _write_config(model_config, tmp)
         tied = bool(config.get("tie_word_embeddings")) if config else False
         save_file(_plain_tensors(state, tied_embeddings=tied), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / VERSION_FILE).write_text(json.dumps({"version": version}))
-        _fsync_tree(tmp)
-        if final.exists():
-            trash = weights_dir / f"{_TEMP_PREFIX}old-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, trash)
-            os.rename(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     _prune(weights_dir, version, keep_last)
     return final
 
@@ -225,16 +211,6 @@ def _write_config(model_config: str | Path | Mapping[str, Any] | None, target: P
     return json.loads((target / "config.json").read_text())
 
 
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.iterdir():
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def _prune(weights_dir: Path, written: int, keep_last: int) -> None:
     """Keep `written` and the newest versions below it, `keep_last` in all. Versions above `written`
@@ -247,5 +223,5 @@ def _prune(weights_dir: Path, written: int, keep_last: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
     mine = f"-{os.getpid()}-"
     for path in weights_dir.iterdir():  # leftovers of writes interrupted in an earlier process
-        if path.name.startswith(_TEMP_PREFIX) and mine not in path.name:
+        if path.name.startswith(TEMP_PREFIX) and mine not in path.name:
             shutil.rmtree(path, ignore_errors=True)

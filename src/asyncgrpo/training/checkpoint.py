@@ -27,9 +27,10 @@ import re
 import shutil
 import sys
 import threading
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
+
+from asyncgrpo.atomic import TEMP_PREFIX, atomic_directory
 
 if TYPE_CHECKING:  # torch is imported where it is used, so listing checkpoints stays fast
     import torch
@@ -37,7 +38,6 @@ if TYPE_CHECKING:  # torch is imported where it is used, so listing checkpoints 
     from asyncgrpo.training.trainer import TorchTrainer
 
 CHECKPOINTS_DIR = "checkpoints"
-TEMP_PREFIX = ".tmp-"
 STATE_FILE = "state.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "run_config.yaml"
@@ -73,11 +73,7 @@ def save_checkpoint(
     if keep < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep}")
     final = checkpoint_dir(run_dir, step)
-    parent = final.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f"{TEMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
+    with atomic_directory(final) as tmp:
         with trainer.lock:  # weights, optimizer and version from the same moment
             with _quiet_transformers():
                 trainer.model.save_pretrained(tmp)
@@ -88,19 +84,7 @@ def save_checkpoint(
         (tmp / CONFIG_FILE).write_text(config_yaml)
         state = {"step": step, "version": version, "extra": extra}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
-        _fsync_tree(tmp)
         _pause_for_tests(step, tmp)
-        if final.exists():
-            trash = parent / f"{TEMP_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, trash)
-            os.rename(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     prune_checkpoints(run_dir, keep, protect=final)
     return final
 
@@ -233,27 +217,3 @@ def _quiet_transformers() -> Iterator[None]:
     finally:
         if enabled:
             hf_logging.enable_progress_bar()
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -1,0 +1,65 @@
+"""Atomic directories: write everything into a temporary sibling, fsync it, then rename it into place.
+
+A kill at any moment leaves either the complete directory (the old one, or the new one) or a
+temporary directory named `TEMP_PREFIX...`, which readers ignore and writers clean up. Used
+for checkpoints and for the weights published to generation servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+TEMP_PREFIX = ".tmp-"
+
+
+@contextlib.contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """Yield an empty temporary directory beside `final`; when the block succeeds, its files are
+    fsynced and it replaces `final`. When the block raises, it is removed and `final` is untouched."""
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f"{TEMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        if final.exists():
+            trash = parent / f"{TEMP_PREFIX}old-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, trash)
+            os.rename(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
