@@ -124,7 +124,7 @@ class GenerationConfig(_Section):
     max_inflight: int = Field(64, ge=1, description="Most completion requests open at once.")
     request_timeout_s: float = Field(60.0, gt=0, description="Deadline of one request attempt.")
     rollout_deadline_s: float = Field(180.0, gt=0, description="Deadline of one rollout, all retries included.")
-    retry_backoff_s: float = Field(0.5, gt=0, description="First retry delay; doubles per attempt, with jitter.")
+    retry_backoff_s: float = Field(0.02, gt=0, description="First retry delay; doubles per attempt (with jitter) up to retry_backoff_max_s. Short, so a one-off 500 costs about one service time; an outage still backs off within a few attempts.")
     retry_backoff_max_s: float = Field(10.0, gt=0, description="Cap on one retry delay.")
     health_probe_interval_s: float = Field(5.0, gt=0)
     backend_dead_after_s: float = Field(60.0, gt=0)

@@ -92,8 +92,8 @@ log = logging.getLogger("asyncgrpo")
 PROMPT_TOO_LONG = re.compile(
     r"maximum context length|maximum model length|longer than the maximum|prompt.{0,40}too long|too long.{0,40}prompt"
     r"|input.{0,40}too long|context length exceeded|context_length_exceeded", re.I)
-_STARTUP_RETRY_S = (0.05, 1.0)
-INSTALL_SHARE = 0.8  # of generation.weight_sync_timeout_s: server installs end before the pipeline's deadline  # first and largest delay between /v1/models attempts while a server starts
+_STARTUP_RETRY_S = (0.05, 1.0)  # first and largest delay between /v1/models attempts while a server starts
+INSTALL_SHARE = 0.8  # of generation.weight_sync_timeout_s: server installs end before the pipeline's deadline
 
 
 def server_message(text: str) -> str:

@@ -132,7 +132,10 @@ class DiskWeightPublisher:
             return max(0.001, deadline - loop.time())
 
         try:
-            await server.post("/pause", params={"mode": "keep"}, timeout_s=left())
+            # clear_cache: no KV computed under the old weights may be reused (a prefix-cache hit after the
+            # reload would serve it). vLLM 0.32 defaults it to true, also for mode=keep, where its docs call it
+            # deprecated; said explicitly so a changed default cannot go unnoticed (tests/integration/test_vllm.py).
+            await server.post("/pause", params={"mode": "keep", "clear_cache": "true"}, timeout_s=left())
             await server.post("/collective_rpc", timeout_s=left(), json_body={
                 "method": "reload_weights", "kwargs": {"weights_path": str(staged.path.resolve())}})
             await server.post("/resume", timeout_s=left())

@@ -323,7 +323,14 @@ class Collector:
                     backend=self.generator.name,
                 ) from error
             self.counters["rollout/retries_total"] += 1
-            await asyncio.sleep(delay)
+            # Waiting to retry holds no request open at the server: the slot serves other rollouts meanwhile.
+            self._open_requests -= 1
+            self._signal.notify()
+            try:
+                await asyncio.sleep(delay)
+                await self._signal.wait_for(lambda: self._open_requests < g.max_inflight)
+            finally:
+                self._open_requests += 1  # the caller's `finally` gives it back, whatever happens
 
     async def _finish_group(self, group: _InFlightGroup) -> None:
         survivors = [(m, c) for m, c in enumerate(group.completions) if c is not None]
