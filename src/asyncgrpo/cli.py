@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "simulate":
             return _simulate(cfg, as_json=args.json)
         if args.command == "check":
-            from asyncgrpo.run import preflight
+            if cfg.generation.backend == "scripted":  # a simulate recipe
+                from asyncgrpo.simulate import preflight_simulation as preflight
+            else:
+                from asyncgrpo.run import preflight  # type: ignore[assignment]
 
             preflight(cfg)
             print(f"{args.recipe}: ok")

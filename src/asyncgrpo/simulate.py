@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo.config import Config
-from asyncgrpo.data.loading import build_prompts, read_rows
+from asyncgrpo.data.loading import build_prompts, check_data_source, read_rows
 from asyncgrpo.data.source import PromptSource
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.base import Generator
@@ -80,6 +80,13 @@ class Simulation:
     @property
     def exit_code(self) -> int:
         return EXIT_CODES[self.result.outcome]
+
+
+def preflight_simulation(cfg: Config) -> None:
+    """Raise ConfigError for any mistake in a simulate recipe: backends, data source, reward functions."""
+    check_simulatable(cfg)
+    check_data_source(cfg.data.source, key="data.source")
+    resolve_rewards(cfg.reward.functions)
 
 
 def check_simulatable(cfg: Config) -> None:

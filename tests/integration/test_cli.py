@@ -45,7 +45,7 @@ def test_debug_shows_the_traceback():
 
 
 def test_check_accepts_the_shipped_recipes():
-    for recipe in ("recipes/demo.yaml",):
+    for recipe in ("recipes/demo.yaml", "recipes/simulate.yaml"):
         result = cli("check", recipe)
         assert result.returncode == 0, result.stderr
 
