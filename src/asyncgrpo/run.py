@@ -185,8 +185,6 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
     from asyncgrpo.training.trainer import TorchTrainer
 
     run_dir = cfg.run.directory
-    for note in plan.notes:
-        log.warning("warning: %s", note)
     if run_dir.exists() and (cfg.run.overwrite or plan.checkpoint is None):
         shutil.rmtree(run_dir)  # a fresh start: nothing of an earlier run may mix into this one
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -201,7 +199,7 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
     train_rows, eval_rows = _split_rows(cfg)
     prompts, report = build_prompts(train_rows, prompt_key=cfg.data.prompt_key, tokenizer=tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens)
     warnings = [*plan.notes, *report.warnings(), *step_budget_warnings(cfg, len(prompts))]
-    for warning in warnings[len(plan.notes):]:
+    for warning in warnings:
         log.warning("warning: %s", warning)
     eval_prompts: list[Prompt] = []
     if eval_rows:

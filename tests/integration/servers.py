@@ -8,6 +8,7 @@ observe it; every poll loop here has a deadline.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -54,6 +55,16 @@ def wait_until(predicate: Callable[[], Any], deadline_s: float, what: str, poll_
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {deadline_s:g} s waiting for {what}")
         time.sleep(poll_s)
+
+
+async def until(predicate, deadline_s: float, what: str, poll_s: float = 0.02):
+    """Await predicate() (sync, may call a server) becoming truthy; fail naming `what` at the deadline."""
+    end = time.monotonic() + deadline_s
+    while not (value := await asyncio.to_thread(predicate)):
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline_s:g} s waiting for {what}")
+        await asyncio.sleep(poll_s)
+    return value
 
 
 class ServeProcess:

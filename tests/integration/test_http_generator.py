@@ -36,7 +36,7 @@ from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.training.stub import StubTrainer
 from asyncgrpo.types import GenerationRequest, Prompt, SamplingParams
-from tests.integration.servers import FakeServer, ServeProcess, free_port, http
+from tests.integration.servers import FakeServer, ServeProcess, free_port, http, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,15 +50,6 @@ def run(coro, timeout_s: float = 90.0):
 
     return asyncio.run(bounded())
 
-
-async def until(predicate, deadline_s: float, what: str, poll_s: float = 0.02):
-    """Await predicate() (sync, may call a server) becoming truthy; fail naming `what` at the deadline."""
-    end = time.monotonic() + deadline_s
-    while not (value := await asyncio.to_thread(predicate)):
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline_s:g} s waiting for {what}")
-        await asyncio.sleep(poll_s)
-    return value
 
 
 def recipe(urls: list[str], **sections):

@@ -4,11 +4,8 @@ of every epoch was trained exactly once (or dropped once, with its reason) and t
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -17,37 +14,26 @@ import pytest
 from asyncgrpo.config import load_config
 from asyncgrpo.run import train
 from asyncgrpo.training.checkpoint import PAUSE_FOR_TESTS_ENV
+from tests.integration.train_process import read_until, records, start_train
 
-ROOT = Path(__file__).resolve().parents[2]
 # 40 prompts x 2 epochs / 4 groups per step = 20 steps; a checkpoint every 2 steps.
-RECIPE = [
-    "recipes/demo.yaml", "logging.progress=false", "data.builtin_size=40", "data.num_epochs=2",
-    "rollout.groups_per_step=4", "rollout.group_size=4", "train.max_steps=20", "eval.every_steps=0",
-    "checkpoint.every_steps=2", "checkpoint.keep_last=2",
-]
+RECIPE = (
+    "data.builtin_size=40", "data.num_epochs=2", "rollout.groups_per_step=4", "rollout.group_size=4",
+    "train.max_steps=20", "eval.every_steps=0", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
+)
 
 
 def start(run_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "asyncgrpo.cli", "train", *RECIPE, f"run.output_dir={run_dir}"],
-        cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env={**os.environ, **(env or {})},
-    )
+    return start_train(run_dir, *RECIPE, env=env)
 
 
 def kill_when(proc: subprocess.Popen[str], marker: str) -> bool:
     """SIGKILL the process once a stderr line starts with `marker`; False if it ended first."""
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if line.startswith(marker):
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=60)
-            return True
+    seen = read_until(proc, marker)
+    if seen:
+        proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    return False
-
-
-def records(run_dir: Path, name: str) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+    return seen
 
 
 @pytest.mark.timeout(600)
@@ -83,11 +69,8 @@ def test_sigkill_at_many_points_then_resume_trains_every_prompt_exactly_once(tmp
 def test_sigterm_saves_a_checkpoint_and_the_same_command_continues(tmp_path):
     run_dir = tmp_path / "run"
     with start(run_dir) as proc:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            if line.startswith("step "):
-                proc.send_signal(signal.SIGTERM)
-                break
+        assert read_until(proc, "step ")
+        proc.send_signal(signal.SIGTERM)
         rest = proc.stderr.read()
         assert proc.wait(timeout=120) == 143
     assert "to continue: run the same command again" in rest

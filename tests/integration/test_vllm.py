@@ -43,7 +43,7 @@ from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.run import train
 from asyncgrpo.training.loss import token_logprobs
 from asyncgrpo.types import GenerationRequest, SamplingParams
-from tests.integration.servers import http
+from tests.integration.servers import http, until
 from tests.integration.vllm_server import VllmServerProcess, start_vllm_server, vllm_available
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -112,15 +112,6 @@ def server_metrics(url: str) -> dict[str, float]:
             out["aborted" if 'finished_reason="abort"' in labels else "finished"] += float(value)
     return out
 
-
-async def until(predicate, deadline_s: float, what: str, poll_s: float = 0.01):
-    """Await predicate() (sync, may call the server) becoming truthy; fail naming `what` at the deadline."""
-    end = time.monotonic() + deadline_s
-    while not (value := await asyncio.to_thread(predicate)):
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline_s:g} s waiting for {what}")
-        await asyncio.sleep(poll_s)
-    return value
 
 
 def generation_cfg(url: str, **generation: Any):

@@ -256,41 +256,40 @@ class Collector:
             sampling=self.sampling,
             seed=request_seed(self.cfg.run.seed, prompt, member),
         )
+        outcome: Completion | Exception
         try:
-            completion = await self._generate_with_retries(request, group, member)
+            outcome = await self._generate_with_retries(request, group, member)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # we were cancelled (stale, shutdown): not a failure
             # The backend raised CancelledError on its own (some clients do): a failed rollout.
-            error = GenerationError(f"the backend cancelled request {request.request_id} by itself", backend=self.generator.name)
-            error.__cause__ = exc
-            group.errors[member] = error
-            self.counters["rollout/failed_total"] += 1
-        except FatalBackendError as exc:
-            group.errors[member] = exc
-            self.counters["rollout/failed_total"] += 1
-            self._fail_run(
-                Diagnostic(
-                    kind=exc.kind,
-                    message=f"The generation backend cannot serve this run: {exc}. Retrying cannot fix this; "
-                    f"check the servers, the model name, the URLs and the credentials.",
-                    backend=exc.backend or self.generator.name,
-                    generation_version=group.dispatch_versions[member],
-                    trainer_step=self.steps_taken,
-                    original=exc,
-                    traceback=format_traceback(exc),
-                )
-            )
-        except Exception as exc:  # noqa: BLE001 - classified: retries are exhausted or the error is not retryable
-            group.errors[member] = exc
-            self.counters["rollout/failed_total"] += 1
-        else:
-            group.completions[member] = completion
-            self.counters["rollout/generated_tokens_total"] += len(completion.token_ids)
+            outcome = GenerationError(f"the backend cancelled request {request.request_id} by itself", backend=self.generator.name)
+            outcome.__cause__ = exc
+        except Exception as exc:  # noqa: BLE001 - classified: retries are exhausted, or not retryable, or fatal
+            outcome = exc
         finally:
             self._open_requests -= 1
             self._signal.notify()
+        if isinstance(outcome, Completion):
+            group.completions[member] = outcome
+            self.counters["rollout/generated_tokens_total"] += len(outcome.token_ids)
+        else:
+            group.errors[member] = outcome
+            self.counters["rollout/failed_total"] += 1
+            if isinstance(outcome, FatalBackendError):
+                self._fail_run(
+                    Diagnostic(
+                        kind=outcome.kind,
+                        message=f"The generation backend cannot serve this run: {outcome}. Retrying cannot fix this; "
+                        f"check the servers, the model name, the URLs and the credentials.",
+                        backend=outcome.backend or self.generator.name,
+                        generation_version=group.dispatch_versions[member],
+                        trainer_step=self.steps_taken,
+                        original=outcome,
+                        traceback=format_traceback(outcome),
+                    )
+                )
         self._last_progress = self._now()  # a rollout finished (a cancelled one never gets here)
 
     async def _generate_with_retries(self, request: GenerationRequest, group: _InFlightGroup, member: int) -> Completion:
