@@ -1,4 +1,4 @@
-"""Atomic directories: write everything into a temporary sibling, fsync it, then rename it into place.
+"""Atomic directories and files: write everything into a temporary sibling, fsync it, then rename it into place.
 
 A kill at any moment leaves either the complete directory (the old one, or the new one) or a
 temporary directory named `TEMP_PREFIX...`, which readers ignore and writers clean up. Used
@@ -39,6 +39,21 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary sibling, fsync it, and rename it over `path`."""
+    tmp = path.parent / f"{TEMP_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with tmp.open("wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def fsync_tree(root: Path) -> None:

@@ -55,34 +55,45 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    if args.command == "serve":
-        from asyncgrpo.serve import serve_cli
-
-        return serve_cli(args)
     try:
-        cfg = load_config(args.recipe, args.overrides)
-        for warning in tolerance_warnings(cfg):
-            log.warning("warning: %s", warning)
-        if args.command == "simulate":
-            return _simulate(cfg, as_json=args.json)
-        if args.command == "check":
-            if cfg.generation.backend == "scripted":  # a simulate recipe
-                from asyncgrpo.simulate import preflight_simulation as preflight
-            else:
-                from asyncgrpo.run import preflight  # type: ignore[assignment]
-
-            preflight(cfg)
-            print(f"{args.recipe}: ok")
-            return 0
-        from asyncgrpo.run import train_cli
-
-        return train_cli(cfg)
+        return _run_command(args)
     except ConfigError as exc:
         _report(exc, args.debug, prefix="config error: ")
         return EXIT_CONFIG
     except AsyncGRPOError as exc:
         _report(exc, args.debug, prefix="error: ")
         return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - no command ends in a raw traceback
+        hint = "" if args.debug else " Run the same command with --debug to see the traceback, and please report it."
+        _report(exc, args.debug, prefix=f"error: unexpected {type(exc).__name__}: ", suffix=hint)
+        return 1
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        from asyncgrpo.serve import serve_cli
+
+        return serve_cli(args)
+    cfg = load_config(args.recipe, args.overrides)
+    for warning in tolerance_warnings(cfg):
+        log.warning("warning: %s", warning)
+    if args.command == "simulate":
+        return _simulate(cfg, as_json=args.json)
+    if args.command == "check":
+        if cfg.generation.backend == "scripted":  # a simulate recipe
+            from asyncgrpo.simulate import preflight_simulation as preflight
+        else:
+            from asyncgrpo.run import preflight  # type: ignore[assignment]
+
+        preflight(cfg)
+        print(f"{args.recipe}: ok")
+        return 0
+    from asyncgrpo.run import train_cli
+
+    return train_cli(cfg)
 
 
 def _simulate(cfg: Config, *, as_json: bool) -> int:
@@ -114,10 +125,10 @@ def _format_simulation(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _report(exc: BaseException, debug: bool, prefix: str) -> None:
+def _report(exc: BaseException, debug: bool, prefix: str, suffix: str = "") -> None:
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
-    print(f"{prefix}{exc}", file=sys.stderr)
+    print(f"{prefix}{exc}{suffix}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

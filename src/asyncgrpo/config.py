@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from asyncgrpo.errors import ConfigError
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):
@@ -31,7 +31,17 @@ class RunConfig(_Section):
     output_dir: str | None = Field(None, description="Run directory (default runs/<run.name>).")
     seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
     shutdown_timeout_s: float = Field(30.0, gt=0, description="Bound on a clean shutdown after Ctrl-C, SIGTERM or a fatal error.")
-    overwrite: bool = Field(False, description="Replace a run directory that already holds a run.")
+    overwrite: bool = Field(False, description="Start over in a run directory that already holds an asyncgrpo run (only what asyncgrpo wrote is removed).")
+
+    @field_validator("name")
+    @classmethod
+    def _a_name_not_a_path(cls, name: str) -> str:
+        if "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+            raise ValueError(
+                f"{name!r} is a path, not a name: the run directory is runs/<run.name>. Fix: give a plain name "
+                f"(no '/', not '.' or '..'), or set run.output_dir to choose the directory itself"
+            )
+        return name
 
     @property
     def directory(self) -> Path:

@@ -29,6 +29,23 @@ class ConfigError(AsyncGRPOError):
     """A recipe, override or referenced file is wrong. Raised before any model loads."""
 
 
+class RunDirectoryBusyError(ConfigError):
+    """Another process holds the run directory's lock (exit 3, like a config error: nothing was started)."""
+
+    def __init__(self, run_dir: Any, pid: int | None) -> None:
+        holder = f"process {pid}" if pid is not None else "another process"
+        super().__init__(
+            f"run directory {run_dir} is in use by {holder}, which holds its lock: two trainers on one run directory "
+            f"would overwrite each other's checkpoints and records. Fix: wait for that run to end (or stop it), or "
+            f"train into another directory with run.name=... or run.output_dir=..."
+        )
+        self.pid = pid
+
+
+class DiskError(AsyncGRPOError):
+    """A file of the run could not be written (disk full, unwritable, read-only): names the path, the free space and the fix."""
+
+
 class GenerationError(AsyncGRPOError):
     """A generator could not produce a completion. `backend` names the generator."""
 
@@ -85,6 +102,10 @@ DIAGNOSTIC_KINDS = (
     "step_error",
     "weight_sync",
     "backend_error",
+    "disk",
+    "eval",
+    "internal",
+    "step_report",
 )
 
 

@@ -79,50 +79,70 @@ async def run_pipeline(
 ) -> PipelineResult:
     loop = asyncio.get_running_loop()
     step = start_step
+    trained_steps = start_step  # steps whose optimizer update happened, whatever came after it
     staleness_max = 0
     stop_reason: StopReason = "max_steps"
     sync_every = cfg.generation.weight_sync_every
     failure: PipelineError | None = None
+    stopping = False  # set when the run is cancelled: a weight sync not yet done is abandoned
+    sync_task: asyncio.Task[None] | None = None
+
+    async def publish(step: int) -> PipelineError | None:
+        """Publish the weights of version step + 1 when due. Returns the failure, if any; None when
+        published, not due, or abandoned because the run is stopping (the checkpoint needs no sync)."""
+        nonlocal sync_task
+        version = step + 1
+        if version % sync_every or stopping:
+            return None
+        sync_task = asyncio.create_task(generator.load_weights(backend.generation_weights(), version), name=f"weight-sync-{version}")
+        try:
+            async with asyncio.timeout(cfg.generation.weight_sync_timeout_s):
+                await sync_task
+        except TimeoutError as exc:
+            return _chained(weight_sync_timeout(cfg, generator, step), exc)
+        except asyncio.CancelledError:
+            if not stopping:
+                raise
+            return None
+        except Exception as exc:  # noqa: BLE001 - the run's diagnostic, after the step's metrics are written
+            return _chained(step_diagnostic(step, exc, phase="publishing its weights"), exc)
+        finally:
+            sync_task = None
+        collector.weights_published()  # the only wake-up for admission waiting on the new version
+        return None
 
     async def complete_step(step: int, batch: list[Group], waited_s: float) -> StepRecord:
-        """Train, account, publish and report one step."""
+        """Train, account, publish and report one step. A trained step is always reported (its
+        metrics line), even when publishing its weights failed, so the records match the weights."""
+        nonlocal trained_steps, staleness_max
         started = loop.time()
-        metrics = await backend.train_step(batch)
+        try:
+            metrics = await backend.train_step(batch)
+        except Exception as exc:
+            raise _chained(step_diagnostic(step, exc), exc) from exc
         trained = loop.time()
+        trained_steps = step + 1
         collector.step_trained()
-        version = step + 1
-        if version % sync_every == 0:
-            try:
-                async with asyncio.timeout(cfg.generation.weight_sync_timeout_s):
-                    await generator.load_weights(backend.generation_weights(), version)
-            except TimeoutError as exc:
-                raise PipelineError(
-                    Diagnostic(
-                        kind="weight_sync",
-                        message=(
-                            f"Publishing the weights of version {version} to {generator.name} took longer than "
-                            f"generation.weight_sync_timeout_s = {cfg.generation.weight_sync_timeout_s:g} s. "
-                            f"Check that the generation backend is alive, or raise the timeout for very large models."
-                        ),
-                        backend=generator.name,
-                        generation_version=generator.serving_version,
-                        trainer_step=step,
-                        threshold=cfg.generation.weight_sync_timeout_s,
-                    )
-                ) from exc
-            collector.weights_published()  # the only wake-up for admission waiting on the new version
-        synced = loop.time()
+        sync_failure = await publish(step)
         record = StepRecord(
             step=step,
             batch=batch,
             train_metrics=metrics,
             wait_s=waited_s,
             step_s=trained - started,
-            weight_sync_s=synced - trained,
+            weight_sync_s=loop.time() - trained,
             staleness=[group.staleness_at(step) for group in batch],
         )
+        staleness_max = max(staleness_max, *record.staleness)
         if on_step is not None:
-            await on_step(record)
+            try:
+                await on_step(record)
+            except PipelineError:
+                raise
+            except Exception as exc:
+                raise _chained(step_diagnostic(step, exc, phase="reporting it (metrics, evaluation or checkpoint)"), exc) from exc
+        if sync_failure is not None:
+            raise sync_failure
         return record
 
     async with asyncio.TaskGroup() as task_group:
@@ -136,19 +156,18 @@ async def run_pipeline(
                     break
                 # A step that started is finished even if the run is cancelled meanwhile (Ctrl-C):
                 # the weights, the accounting and the metrics then agree on which steps happened.
-                # Owned here: every path below awaits it to its end.
+                # Owned here: every path below awaits it to its end. Only its weight sync is
+                # abandoned on cancellation: a hung server must not hold up the checkpoint.
                 step_task = asyncio.create_task(complete_step(step, batch, loop.time() - waited_from), name=f"step-{step}")
                 try:
-                    record = await asyncio.shield(step_task)
+                    await asyncio.shield(step_task)
                 except asyncio.CancelledError:
+                    stopping = True
+                    if sync_task is not None:
+                        sync_task.cancel()
                     if not step_task.done():
                         await step_task
                     raise
-                except PipelineError:
-                    raise
-                except Exception as exc:  # the trainer, the weight publication or the step's report failed
-                    raise PipelineError(step_diagnostic(step, exc)) from exc
-                staleness_max = max(staleness_max, *record.staleness)
                 step += 1
                 collector.check_health()
         except PipelineError as exc:  # the run's diagnostic: reported in the result, not raised
@@ -159,7 +178,7 @@ async def run_pipeline(
         return PipelineResult(
             outcome="stalled" if isinstance(failure, StallError) else "failed",
             stop_reason="error",
-            steps=step,
+            steps=trained_steps,
             diagnostic=failure.diagnostic,
             error=failure,
             staleness_max=staleness_max,
@@ -177,6 +196,28 @@ async def run_pipeline(
     return PipelineResult("completed", stop_reason, step, staleness_max=staleness_max)
 
 
+def _chained(diagnostic: Diagnostic, cause: BaseException) -> PipelineError:
+    error = PipelineError(diagnostic)
+    error.__cause__ = cause
+    return error
+
+
+def weight_sync_timeout(cfg: Config, generator: Generator, step: int) -> Diagnostic:
+    version = step + 1
+    return Diagnostic(
+        kind="weight_sync",
+        message=(
+            f"Publishing the weights of version {version} to {generator.name} took longer than "
+            f"generation.weight_sync_timeout_s = {cfg.generation.weight_sync_timeout_s:g} s. "
+            f"Check that the generation backend is alive, or raise the timeout for very large models."
+        ),
+        backend=generator.name,
+        generation_version=generator.serving_version,
+        trainer_step=step,
+        threshold=cfg.generation.weight_sync_timeout_s,
+    )
+
+
 def step_budget_warnings(cfg: Config, num_prompts: int) -> list[str]:
     """Say so at start when train.max_steps asks for more steps than the data can give."""
     groups = num_prompts * cfg.data.num_epochs
@@ -191,15 +232,19 @@ def step_budget_warnings(cfg: Config, num_prompts: int) -> list[str]:
     ]
 
 
-def step_diagnostic(step: int, exc: BaseException) -> Diagnostic:
+def step_diagnostic(step: int, exc: BaseException, *, phase: str = "") -> Diagnostic:
+    """The diagnostic of an error in step `step`: in training it (no phase), or after it trained (`phase` says where)."""
     fatal = isinstance(exc, FatalBackendError)  # e.g. no server took the new weights
+    if phase:
+        kind = exc.kind if fatal else "weight_sync" if phase.startswith("publishing") else "step_report"
+        what = f"Step {step} trained, then failed while {phase}: {exc}. Its metrics are written and a checkpoint of its weights is saved"
+    else:
+        kind = exc.kind if fatal else "step_error"
+        what = f"Training step {step} failed: {exc}. The weights are those of the last completed step; a checkpoint of them is saved"
     return Diagnostic(
-        kind=exc.kind if fatal else "step_error",
+        kind=kind,
         backend=getattr(exc, "backend", "") if fatal else "",
-        message=(
-            f"Training step {step} failed: {exc}. The weights are those of the last completed step; a checkpoint of "
-            f"them is saved, and the traceback below shows where the step failed."
-        ),
+        message=f"{what}, and the traceback below shows where it failed.",
         trainer_step=step,
         original=exc,
         traceback=format_traceback(exc),

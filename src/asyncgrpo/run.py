@@ -3,16 +3,25 @@
 Order of a run:
 1. `preflight(cfg)`: every name and path in the recipe is checked (model, data, eval data,
    reward functions, backends, run directory) before anything heavy is imported or loaded.
-2. Load the model and tokenizer; the trainer trains one copy, the engine serves another.
-3. `run_pipeline`: the shared loop of pipeline.py, with an `on_step` that writes metrics and
-   samples, evaluates every `eval.every_steps`, and checkpoints every `checkpoint.every_steps`.
-4. A final checkpoint and a summary.
+2. The run directory is claimed (rundir.py): refused unless asyncgrpo made it, locked for this
+   process, and on a fresh start cleared of what an earlier run wrote (nothing else).
+3. Load the model and tokenizer; the trainer trains one copy, the engine serves another. On
+   resume, the checkpoint's weights, optimizer state and record files are restored.
+4. `run_pipeline`: the shared loop of pipeline.py, with an `on_step` that evaluates every
+   `eval.every_steps`, writes metrics and samples, and checkpoints every `checkpoint.every_steps`.
+5. A final checkpoint and a summary.
+
+Invariants:
+- Every trained step has its metrics line; metrics.jsonl, outcomes.jsonl and the newest
+  checkpoint describe the same steps after any ending (a resume restores the records that the
+  checkpoint copied, so damaged live files are replaced, never padded or silently shortened).
+- Any error, at any stage, ends as one paragraph (`train_cli`), with error.txt in the run
+  directory when there is one and a checkpoint when a step completed.
 
 Threads: the engine owns its decode thread; the trainer's steps and checkpoint writes run on
-one dedicated thread owned by this module, shut down on every exit path. On SIGINT/SIGTERM
-the pipeline is cancelled (no failure counted), the step in progress finishes, a checkpoint
-is saved, and the process exits 130/143; a second signal exits at once (checkpoints are
-written atomically, so the last one stays intact).
+one dedicated thread owned by this module, shut down on every exit path. Signals: see
+signals.py (a stop cancels the pipeline, the step in progress finishes, a checkpoint is saved,
+exit 130/143).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import errno
 import logging
 import os
 import shutil
@@ -27,6 +37,7 @@ import signal
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,12 +45,15 @@ from typing import Any
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_rows, read_rows
 from asyncgrpo.data.source import PromptSource
-from asyncgrpo.errors import ConfigError, Diagnostic
+from asyncgrpo.errors import AsyncGRPOError, ConfigError, Diagnostic, DiskError, PipelineError
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.ledger import PromptLedger
+from asyncgrpo.rundir import ERROR_FILE, METRICS_FILE, OUTCOMES_FILE, SAMPLES_FILE, check_run_directory, claim, clear_run, is_foreign
+from asyncgrpo.signals import EXIT_CODES as SIGNAL_EXIT_CODES
+from asyncgrpo.signals import StopSignals
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import GenerationRequest, Group, Prompt, SamplingParams
@@ -47,7 +61,6 @@ from asyncgrpo.types import GenerationRequest, Group, Prompt, SamplingParams
 log = logging.getLogger("asyncgrpo")
 
 EXIT_CODES = {"completed": 0, "failed": 1, "stalled": 2}
-SIGNAL_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 def preflight(cfg: Config) -> ResumePlan:
@@ -62,9 +75,7 @@ def preflight(cfg: Config) -> ResumePlan:
     if cfg.eval.source is not None:
         check_data_source(cfg.eval.source, key="eval.source")
     resolve_rewards(cfg.reward.functions)
-    run_dir = cfg.run.directory
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"run.output_dir = {str(run_dir)!r} is a file, not a directory. Fix: choose another run.output_dir.")
+    check_run_directory(cfg.run.directory)
     return plan_resume(cfg)
 
 
@@ -119,16 +130,49 @@ class RunSummary:
 
 
 def train_cli(cfg: Config) -> int:
-    """The `asyncgrpo train` command: preflight, run with signal handling, print the summary."""
+    """The `asyncgrpo train` command: preflight, run with signal handling, print the summary.
+
+    Config mistakes and asyncgrpo's own errors propagate to the CLI as one paragraph; anything
+    else (a bug, a library's error) is turned into one here, with the traceback in error.txt."""
     preflight(cfg)
-    summary = asyncio.run(_train_until_signal(cfg))
+    try:
+        summary = asyncio.run(_train_until_signal(cfg))
+    except AsyncGRPOError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every command ends in a paragraph, never a raw traceback
+        raise AsyncGRPOError(_unexpected_error(cfg.run.directory, exc)) from exc
     print(summary.render(), file=sys.stderr)
     return summary.exit_code
 
 
+def _unexpected_error(run_dir: Path, exc: BaseException) -> str:
+    where = "run with --debug to see the traceback"
+    report = "".join(traceback.format_exception(exc))
+    if run_dir.is_dir() and not is_foreign(run_dir):
+        try:
+            (run_dir / ERROR_FILE).write_text(report)
+            where = f"the traceback is in {run_dir / ERROR_FILE}"
+        except OSError:
+            pass
+    return (
+        f"the run stopped on an unexpected {type(exc).__name__}: {exc}. This is not a recipe mistake asyncgrpo knows "
+        f"how to name; {where}. {describe_last_checkpoint(run_dir)} Please report it with that file."
+    )
+
+
+def describe_last_checkpoint(run_dir: Path) -> str:
+    """One true sentence about the newest complete checkpoint on disk."""
+    from asyncgrpo.training.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    if latest is None:
+        return "No checkpoint of this run is on disk yet."
+    return f"The newest checkpoint on disk, {latest}, is complete (checkpoints are written atomically)."
+
+
 @dataclass
 class Stop:
-    """A stop request from SIGINT/SIGTERM: which signal, and the pipeline task it cancels.
+    """The stop requests of a run, and the pipeline task a stop cancels.
 
     Only the pipeline is cancelled, never the cleanup after it (closing the engine, the final
     checkpoint, the summary), which must run to its end for the checkpoint to be saved.
@@ -144,52 +188,40 @@ class Stop:
 
 
 async def _train_until_signal(cfg: Config) -> RunSummary:
-    loop = asyncio.get_running_loop()
     stop = Stop()
-
-    def exit_now(signum: int, why: str) -> None:
-        log.warning("%s: exiting at once; the last checkpoint on disk is intact (checkpoints are written atomically)", why)
-        os._exit(SIGNAL_EXIT_CODES[signum])
-
-    def on_signal(signum: int) -> None:
-        if stop.received:
-            exit_now(signum, f"second {signal.Signals(signum).name}")
-        log.warning(
-            "received %s: stopping (cancelling in-flight rollouts, saving a checkpoint) within run.shutdown_timeout_s = %gs; "
-            "press Ctrl-C again to exit at once",
-            signal.Signals(signum).name,
-            cfg.run.shutdown_timeout_s,
-        )
-        stop.request(signum)
-        loop.call_later(cfg.run.shutdown_timeout_s, exit_now, signum, "shutdown took longer than run.shutdown_timeout_s")
-
-    for signum in SIGNAL_EXIT_CODES:
-        loop.add_signal_handler(signum, on_signal, signum)
-    try:
+    signals = StopSignals(
+        asyncio.get_running_loop(),
+        shutdown_timeout_s=cfg.run.shutdown_timeout_s,
+        on_stop=stop.request,
+        describe_checkpoint=lambda: describe_last_checkpoint(cfg.run.directory),
+    )
+    with signals.installed():
         return await train(cfg, stop=stop)
-    finally:
-        for signum in SIGNAL_EXIT_CODES:
-            loop.remove_signal_handler(signum)
 
 
 async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
     """Run one training to its end (see the module docstring). Config problems raise ConfigError first."""
-    plan = preflight(cfg)
-    stop = stop if stop is not None else Stop()
+    preflight(cfg)
+    with claim(cfg.run.directory) as run_dir:
+        plan = plan_resume(cfg)  # again, now that no other process can change the directory
+        if plan.checkpoint is None:
+            try:
+                clear_run(run_dir)  # a fresh start: nothing an earlier run wrote may mix into this one
+            except OSError as exc:
+                raise DiskError(disk_problem(Path(exc.filename or run_dir), exc)) from exc
+        return await _train_claimed(cfg, plan, stop if stop is not None else Stop(), run_dir)
+
+
+async def _train_claimed(cfg: Config, plan: ResumePlan, stop: Stop, run_dir: Path) -> RunSummary:
     import torch  # heavy imports only after the recipe is known to be sound
 
     from asyncgrpo.models.loading import load_model_and_tokenizer
     from asyncgrpo.rollout.collector import Collector
-    from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, metric_keys, step_metrics, write_samples
-    from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
+    from asyncgrpo.telemetry.metrics import MetricsWriter, metric_keys, step_metrics, write_samples
+    from asyncgrpo.training.checkpoint import save_checkpoint
     from asyncgrpo.training.trainer import TorchTrainer
 
-    run_dir = cfg.run.directory
-    if run_dir.exists() and (cfg.run.overwrite or plan.checkpoint is None):
-        shutil.rmtree(run_dir)  # a fresh start: nothing of an earlier run may mix into this one
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
-
+    _write_or_disk_error(run_dir / "config.yaml", cfg.to_yaml())
     torch.manual_seed(cfg.run.seed)
     if cfg.rollout.max_staleness > 0 and cfg.generation.backend == "local":
         # The engine and the trainer run at the same time: give each a share of the cores, since
@@ -199,8 +231,6 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
     train_rows, eval_rows = _split_rows(cfg)
     prompts, report = build_prompts(train_rows, prompt_key=cfg.data.prompt_key, tokenizer=tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens)
     warnings = [*plan.notes, *report.warnings(), *step_budget_warnings(cfg, len(prompts))]
-    for warning in warnings:
-        log.warning("warning: %s", warning)
     eval_prompts: list[Prompt] = []
     if eval_rows:
         key = "eval.source" if cfg.eval.source else "data.prompt_key"
@@ -209,12 +239,14 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
     trainer = TorchTrainer(model, tokenizer, cfg)
     saved: dict[str, Any] = {}
     if plan.checkpoint is not None:
-        saved = load_checkpoint(plan.checkpoint, trainer)["extra"]
+        saved = _resume(plan, trainer, run_dir)
         log.warning("resuming from %s (step %d)", plan.checkpoint, plan.step)
         for change in plan.changed:
-            log.warning("  changed since the checkpoint: %s", change)
+            log.warning("  changed since the checkpoint (applied from this step on): %s", change)
+    for warning in warnings:
+        log.warning("warning: %s", warning)
     offsets = saved.get("offsets", {})
-    outcomes = JsonlFile(run_dir / "outcomes.jsonl", offsets.get("outcomes.jsonl"))
+    outcomes = _open_record(run_dir / OUTCOMES_FILE, offsets)
     ledger = PromptLedger(saved.get("done"), sink=outcomes.append)
     source = PromptSource(prompts, num_epochs=cfg.data.num_epochs, shuffle=cfg.data.shuffle, seed=cfg.run.seed, done=ledger.done_by_epoch())
     scorer = RewardScorer(resolve_rewards(cfg.reward.functions), cfg.reward.weights, cfg.reward.timeout_s, sync_in_thread=True)
@@ -233,8 +265,8 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
         collector.counters.update(saved["counters"])
     trainer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncgrpo-trainer")
     loop = asyncio.get_running_loop()
-    metrics_file = JsonlFile(run_dir / "metrics.jsonl", offsets.get("metrics.jsonl"))
-    samples_file = JsonlFile(run_dir / "samples.jsonl", offsets.get("samples.jsonl"))
+    metrics_file = _open_record(run_dir / METRICS_FILE, offsets)
+    samples_file = _open_record(run_dir / SAMPLES_FILE, offsets, warnings)
     metrics = MetricsWriter(metrics_file, metric_keys(scorer.names))
     progress = _Progress(cfg, start_step)
     rewards_by_step: list[float] = []
@@ -249,14 +281,23 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
         def generation_weights(self) -> dict[str, Any]:
             return trainer.generation_weights()
 
-    def checkpoint_extra() -> dict[str, Any]:
-        """Taken in one synchronous moment, so the ledger, counters and file offsets agree."""
-        return {
+    def checkpoint_state() -> tuple[dict[str, Any], dict[str, int]]:
+        """Taken in one synchronous moment, so the ledger, counters and record files agree."""
+        sizes = {f.path.name: f.offset() for f in (metrics_file, samples_file, outcomes)}
+        extra = {
             "done": ledger.done_by_epoch(),
             "accounting": collector.accounting.to_json(),
             "counters": dict(collector.counters),
-            "offsets": {f.path.name: f.offset() for f in (metrics_file, samples_file, outcomes)},
+            "offsets": sizes,
         }
+        return extra, {name: sizes[name] for name in (METRICS_FILE, OUTCOMES_FILE)}
+
+    async def checkpoint(step: int) -> Path:
+        extra, records = checkpoint_state()
+        try:
+            return await loop.run_in_executor(trainer_thread, lambda: save_checkpoint(run_dir, step, trainer, cfg.to_yaml(), extra, records=records))
+        except OSError as exc:
+            raise PipelineError(disk_diagnostic(exc, run_dir, run_dir / "checkpoints", step)) from exc
 
     async def evaluate() -> None:
         eval_state.update(await _evaluate(cfg, engine, scorer, eval_prompts, stop_ids))
@@ -276,13 +317,15 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
             eval_metrics=eval_state,
         )
         last.update(time=now, tokens=tokens)
-        metrics.write(values)
-        write_samples(samples_file, record, cfg.logging.samples_per_step)
+        try:
+            metrics.write(values)
+            write_samples(samples_file, record, cfg.logging.samples_per_step)
+        except OSError as exc:
+            raise PipelineError(disk_diagnostic(exc, run_dir, run_dir / METRICS_FILE, record.step + 1)) from exc
         rewards_by_step.append(values["reward/mean"])
         progress.update(values)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.max_steps:
-            extra = checkpoint_extra()
-            await loop.run_in_executor(trainer_thread, save_checkpoint, run_dir, step, trainer, cfg.to_yaml(), extra)
+            await checkpoint(step)
 
     final_checkpoint: Path | None = None
     result: PipelineResult | None = None
@@ -311,11 +354,18 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
         # started step even when cancelled), so the weights match the accounting saved below.
         await run_in_daemon_thread(lambda: trainer_thread.shutdown(wait=True), name="asyncgrpo-trainer-shutdown")
     if trainer.version > 0:
-        final_checkpoint = save_checkpoint(run_dir, trainer.version, trainer, cfg.to_yaml(), checkpoint_extra())
+        extra, records = checkpoint_state()
+        try:
+            final_checkpoint = save_checkpoint(run_dir, trainer.version, trainer, cfg.to_yaml(), extra, records=records)
+        except OSError as exc:
+            result = _with_failure(result, disk_diagnostic(exc, run_dir, run_dir / "checkpoints", trainer.version))
     for file in (metrics_file, samples_file, outcomes):
         file.close()
     if result.diagnostic is not None and result.diagnostic.traceback:
-        (run_dir / "error.txt").write_text(_error_report(result.diagnostic))
+        try:
+            (run_dir / ERROR_FILE).write_text(_error_report(result.diagnostic))
+        except OSError as exc:
+            log.warning("warning: could not write %s (%s)", run_dir / ERROR_FILE, exc.strerror)
     tenth = max(1, len(rewards_by_step) // 10)
     return RunSummary(
         run_dir=run_dir,
@@ -327,6 +377,93 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
         interrupted_by=stop.received[0] if stop.received else None,
         warnings=warnings,
     )
+
+
+def _resume(plan: ResumePlan, trainer: Any, run_dir: Path) -> dict[str, Any]:
+    """Load the checkpoint into `trainer` and restore the run's records from it. Returns the checkpoint's extra."""
+    from asyncgrpo.training.checkpoint import load_checkpoint, restore_records
+
+    assert plan.checkpoint is not None
+    try:
+        saved = load_checkpoint(plan.checkpoint, trainer)["extra"]
+    except Exception as exc:  # noqa: BLE001 - damage the cheap checks could not see (tensor bytes)
+        raise ConfigError(
+            f"checkpoint {plan.checkpoint} passed the integrity checks but could not be loaded ({type(exc).__name__}: {exc}). "
+            f"Fix: continue from an older checkpoint with checkpoint.resume=PATH, or start over with run.overwrite=true."
+        ) from exc
+    try:
+        restore_records(plan.checkpoint, run_dir)
+    except OSError as exc:
+        raise DiskError(disk_problem(run_dir, exc)) from exc
+    return saved
+
+
+def _open_record(path: Path, offsets: dict[str, int], warnings: list[str] | None = None) -> Any:
+    """Open one of the run's append-only records, cut back to the checkpoint's offset when resuming.
+
+    A file shorter than its offset was damaged: with `warnings` (samples, kept for reading only)
+    it is continued as it is and a warning says so; otherwise the run is refused by name. A
+    file restored from the checkpoint's copy is exactly as long as its offset."""
+    from asyncgrpo.telemetry.metrics import JsonlFile
+
+    offset = offsets.get(path.name)
+    try:
+        size = path.stat().st_size if path.exists() else 0
+        if offset is not None and size < offset:
+            if warnings is None:
+                raise ConfigError(
+                    f"{path} has {size} bytes, fewer than the {offset} its checkpoint recorded: it was truncated or "
+                    f"replaced, and the checkpoint holds no copy of it to restore. Fix: restore the file from a copy, "
+                    f"or start over with run.overwrite=true."
+                )
+            warnings.append(f"{path} has {size} bytes, fewer than the {offset} its checkpoint recorded: earlier entries are lost")
+            offset = size
+        return JsonlFile(path, offset)
+    except OSError as exc:
+        raise DiskError(disk_problem(path, exc)) from exc
+
+
+def _write_or_disk_error(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise DiskError(disk_problem(path, exc)) from exc
+
+
+def disk_problem(path: Path, exc: OSError) -> str:
+    """One paragraph: what could not be written, why, the free space there, and the fix."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        free = f"{shutil.disk_usage(existing).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        free = "free space unknown"
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    fix = "free some disk space" if full else f"make {existing} writable"
+    return (
+        f"cannot write {path}: {exc.strerror or exc} ({free}). Fix: {fix}, or choose another run.output_dir, then run "
+        f"the same command again: it continues from the newest complete checkpoint."
+    )
+
+
+def disk_diagnostic(exc: OSError, run_dir: Path, path: Path, step: int) -> Diagnostic:
+    """The run's diagnostic for a failed write of `path` (or the file the error names) after `step` steps."""
+    target = Path(exc.filename) if exc.filename else path
+    return Diagnostic(
+        kind="disk",
+        message=f"After step {step}, {disk_problem(target, exc)} {describe_last_checkpoint(run_dir)}",
+        trainer_step=step,
+        original=exc,
+    )
+
+
+def _with_failure(result: PipelineResult, diagnostic: Diagnostic) -> PipelineResult:
+    """`result` failed with `diagnostic`, unless it already carries a first diagnostic (which stays: sticky)."""
+    if result.diagnostic is not None:
+        log.warning("warning: after the run's error, also: %s", diagnostic.render())
+        return result
+    return PipelineResult("failed", "error", result.steps, diagnostic, PipelineError(diagnostic), result.staleness_max)
 
 
 def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Any:

@@ -7,6 +7,9 @@ import time
 
 import pytest
 
+from asyncgrpo.signals import REPEAT_WINDOW_S
+from asyncgrpo.training.checkpoint import PAUSE_FOR_TESTS_ENV
+from asyncgrpo.training.integrity import checkpoint_problem
 from tests.integration.train_process import read_until, records, start_train
 
 
@@ -31,16 +34,45 @@ def test_a_signal_mid_run_stops_within_the_shutdown_bound_and_saves_a_checkpoint
 
 
 @pytest.mark.timeout(300)
-def test_a_second_ctrl_c_exits_at_once_and_leaves_every_checkpoint_complete(tmp_path):
-    from asyncgrpo.training.resume import checkpoint_problem
-
-    with start_train(tmp_path, "train.max_steps=40", "eval.every_steps=0", "checkpoint.every_steps=1") as proc:
-        assert read_until(proc, "step ")
+@pytest.mark.parametrize(("paused_at", "said"), [(3, "The newest checkpoint on disk, "), (1, "No checkpoint of this run is on disk yet.")])
+def test_a_second_ctrl_c_exits_at_once_and_says_truthfully_what_is_on_disk(tmp_path, paused_at, said):
+    """The stop is held up by a checkpoint write that never ends (the test hook pauses the writer of step
+    `paused_at`), so only the second Ctrl-C, sent after the repeat window, can end the process."""
+    env = {PAUSE_FOR_TESTS_ENV: str(paused_at)}
+    with start_train(tmp_path, "train.max_steps=40", "eval.every_steps=0", "checkpoint.every_steps=1", env=env) as proc:
+        assert read_until(proc, "asyncgrpo-test: checkpoint writer paused")
         proc.send_signal(signal.SIGINT)
         assert read_until(proc, "received SIGINT")
+        time.sleep(REPEAT_WINDOW_S + 0.2)  # a later Ctrl-C, not the same one delivered twice
         proc.send_signal(signal.SIGINT)
         rest = proc.stderr.read()
         assert proc.wait(timeout=60) == 130, rest
-    assert "second SIGINT: exiting at once" in rest
-    checkpoints = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_")]
-    assert checkpoints and all(checkpoint_problem(p) is None for p in checkpoints)
+    assert "second signal (SIGINT): exiting at once" in rest and said in rest
+    checkpoints = sorted(p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert [p.name for p in checkpoints] == [f"step_{s:06d}" for s in range(1, paused_at)][-2:]
+    assert all(checkpoint_problem(p) is None for p in checkpoints)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_delivered_twice_10_ms_apart_is_one_request_the_final_checkpoint_is_saved(tmp_path):
+    """`timeout` signals the process, then its process group: the two copies are one request."""
+    with start_train(tmp_path, "train.max_steps=40", "eval.every_steps=0", "checkpoint.every_steps=0") as proc:
+        assert read_until(proc, "step ")
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == 143, rest
+    assert "exiting at once" not in rest and "interrupted by SIGTERM" in rest
+    steps = len(records(tmp_path, "metrics.jsonl"))
+    assert checkpoint_problem(tmp_path / "checkpoints" / f"step_{steps:06d}") is None
+
+
+@pytest.mark.timeout(300)
+def test_the_stop_message_names_the_signal_received(tmp_path):
+    with start_train(tmp_path, "train.max_steps=40", "eval.every_steps=0", "checkpoint.every_steps=0") as proc:
+        assert read_until(proc, "step ")
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        proc.wait(timeout=120)
+    assert "received SIGTERM" in rest and "send SIGTERM again to exit at once" in rest and "Ctrl-C" not in rest

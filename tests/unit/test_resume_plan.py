@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -13,14 +14,17 @@ from asyncgrpo.training.resume import plan_resume
 
 
 def make_checkpoint(run_dir: Path, step: int, overrides: list[str] = ()) -> Path:
-    """The files a complete checkpoint has (contents are not read by the planner, except the config and state)."""
+    """The files a complete checkpoint has, each well-formed and tiny (the planner reads headers, not tensors)."""
     path = run_dir / "checkpoints" / f"step_{step:06d}"
     path.mkdir(parents=True)
     cfg = load_config(None, [f"run.output_dir={run_dir}", *overrides])
     (path / "run_config.yaml").write_text(cfg.to_yaml())
-    for name in ("config.json", "model.safetensors", "trainer_state.pt"):
-        (path / name).write_text("x")
-    (path / "state.json").write_text(json.dumps({"step": step, "version": step, "extra": {}}))
+    (path / "config.json").write_text("{}")
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with zipfile.ZipFile(path / "trainer_state.pt", "w") as archive:
+        archive.writestr("archive/data.pkl", b"state")
+    (path / "state.json").write_text(json.dumps({"step": step, "version": step, "extra": {"done": {"0": [1, 2]}}}))
     return path
 
 
@@ -75,3 +79,38 @@ def test_an_explicit_checkpoint_path_must_be_complete(tmp_path):
     (good / "state.json").unlink()
     with pytest.raises(ConfigError, match="state.json is missing"):
         plan_resume(config(tmp_path / "b", f"checkpoint.resume={good}"))
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda p: (p / "model.safetensors").write_bytes(b""), "too short for a safetensors header"),
+        (lambda p: _truncate(p / "model.safetensors", 20), "its header claims"),
+        (lambda p: _truncate(p / "model.safetensors", -3), "truncated or padded"),
+        (lambda p: _truncate(p / "trainer_state.pt", -10), "trainer_state.pt is not a whole archive"),
+        (lambda p: (p / "trainer_state.pt").write_bytes(b""), "trainer_state.pt is not a whole archive"),
+        (lambda p: (p / "state.json").write_text(json.dumps({"step": 6, "version": 6, "extra": {"done": [1]}})), "ledger"),
+    ],
+)
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_older_intact_one(tmp_path, damage, reason):
+    make_checkpoint(tmp_path, 3)
+    damage(make_checkpoint(tmp_path, 6))
+    plan = plan_resume(config(tmp_path))
+    assert plan.checkpoint == tmp_path / "checkpoints" / "step_000003"
+    assert len(plan.notes) == 1 and "step_000006" in plan.notes[0] and reason in plan.notes[0]
+
+
+def test_checkpoints_none_of_which_is_intact_are_refused_naming_each(tmp_path):
+    (make_checkpoint(tmp_path, 3) / "model.safetensors").write_bytes(b"")
+    _truncate(make_checkpoint(tmp_path, 6) / "trainer_state.pt", -4)
+    with pytest.raises(ConfigError) as info:
+        plan_resume(config(tmp_path))
+    message = str(info.value)
+    assert "none is intact" in message and "step_000003" in message and "step_000006" in message
+    assert "run.overwrite=true" in message
+
+
+def _truncate(file: Path, keep: int) -> None:
+    """Keep the first `keep` bytes (or all but the last -keep)."""
+    data = file.read_bytes()
+    file.write_bytes(data[:keep])

@@ -12,6 +12,8 @@ Invariants:
   (research/cpu-environment.md §2, the qwen2 trap).
 - The returned tokenizer always has an EOS token (else ConfigError) and a pad token (EOS
   when the directory defines none).
+- A directory whose weight files provide fewer than half of the architecture's tensors is
+  refused (transformers would initialise the rest at random and say nothing that stops a run).
 - `save_model` writes the standard `save_pretrained` layout; `load_model_and_tokenizer` on it
   gives bit-identical weights and the same tokenization.
 """
@@ -75,12 +77,13 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32", seed: int = 0) -
 
     directory = Path(path).expanduser()
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch_dtype)
+        model, info = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch_dtype, output_loading_info=True)
     except Exception as exc:
         raise ConfigError(
             f"model.path = {path!r}: could not load a causal LM from this directory ({type(exc).__name__}: {exc}). "
             f"Fix: check that config.json describes a causal LM and the weight files are complete."
         ) from exc
+    check_weights_matched(path, model, info)
     try:
         if (directory / "tokenizer.json").is_file():
             tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
@@ -99,6 +102,25 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32", seed: int = 0) -
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def check_weights_matched(path: str, model: Any, info: dict[str, Any]) -> None:
+    """Refuse a model most of whose parameters the weight files did not provide.
+
+    transformers initialises missing tensors at random and only logs it: a config.json of one
+    architecture next to the weights of another would then train noise and exit 0."""
+    missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
+    total = len(model.state_dict())
+    if len(missing) * 2 <= total:
+        return
+    architecture = ", ".join(getattr(model.config, "architectures", None) or [type(model).__name__])
+    raise ConfigError(
+        f"model.path = {path!r}: the weight files provide almost none of the tensors that config.json's architecture "
+        f"({architecture}, model_type {model.config.model_type!r}) needs: {len(missing)} of {total} are missing "
+        f"(e.g. {', '.join(missing[:3])}) and {len(unexpected)} tensors in the files match nothing "
+        f"(e.g. {', '.join(unexpected[:3]) or 'none'}). Training would start from random weights. Fix: put the "
+        f"config.json that was saved with these weights next to them, or point model.path at the right directory."
+    )
 
 
 def save_model(model: Any, tokenizer: Any, directory: str | Path) -> Path:

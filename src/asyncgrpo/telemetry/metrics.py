@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
@@ -80,6 +81,10 @@ class JsonlFile:
         self.path = path
         self._file: IO[str] = path.open("a", encoding="utf-8")
         if truncate_to is not None:
+            size = self._file.seek(0, os.SEEK_END)
+            if truncate_to > size:  # truncate() would pad the file with NUL bytes
+                self._file.close()
+                raise ValueError(f"{path} has {size} bytes, fewer than the offset {truncate_to} to continue from")
             self._file.truncate(truncate_to)
             self._file.seek(truncate_to)
 

@@ -6,6 +6,9 @@ Layout of `run_dir/checkpoints/step_{step:06d}/`:
   transformers does (`AutoModelForCausalLM.from_pretrained(path)`);
 - `trainer_state.pt`: optimizer, LR scheduler, policy version, torch RNG state;
 - `run_config.yaml`: the run's resolved config;
+- `records/`: copies of the run's record files (metrics.jsonl, outcomes.jsonl) as they were
+  when the checkpoint's state was taken, so a resume restores records that agree with it
+  even when the live files were damaged;
 - `state.json`: step, version and the caller's `extra` (counters, data cursor), written last.
 
 Invariants:
@@ -27,10 +30,12 @@ import re
 import shutil
 import sys
 import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
-from asyncgrpo.atomic import TEMP_PREFIX, atomic_directory
+from asyncgrpo.atomic import TEMP_PREFIX, atomic_directory, replace_file
+from asyncgrpo.training.integrity import CONFIG_FILE, RECORDS_DIR, STATE_FILE, TRAINER_STATE_FILE
 
 if TYPE_CHECKING:  # torch is imported where it is used, so listing checkpoints stays fast
     import torch
@@ -38,9 +43,6 @@ if TYPE_CHECKING:  # torch is imported where it is used, so listing checkpoints 
     from asyncgrpo.training.trainer import TorchTrainer
 
 CHECKPOINTS_DIR = "checkpoints"
-STATE_FILE = "state.json"
-TRAINER_STATE_FILE = "trainer_state.pt"
-CONFIG_FILE = "run_config.yaml"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 PAUSE_FOR_TESTS_ENV = "ASYNCGRPO_TEST_PAUSE_CHECKPOINT_AT_STEP"
 """Test-only hook: when set to a step, the writer of that step's checkpoint stops for good right
@@ -58,12 +60,14 @@ def save_checkpoint(
     config_yaml: str,
     extra: dict[str, Any],
     *,
+    records: Mapping[str, int] | None = None,
     keep_last: int | None = None,
 ) -> Path:
     """Write the checkpoint of `step` atomically and prune to `keep_last` (default
     `checkpoint.keep_last` of the trainer's config). Returns the checkpoint directory.
 
-    Saving a step that already exists replaces it.
+    `records` names files of `run_dir` (append-only) and how many of their bytes belong to this
+    checkpoint: that prefix is copied into `records/`. Saving a step that already exists replaces it.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -82,6 +86,10 @@ def save_checkpoint(
         if trainer.tokenizer is not None and hasattr(trainer.tokenizer, "save_pretrained"):
             trainer.tokenizer.save_pretrained(tmp)
         (tmp / CONFIG_FILE).write_text(config_yaml)
+        if records:
+            (tmp / RECORDS_DIR).mkdir()
+            for name, size in records.items():
+                _copy_prefix(Path(run_dir) / name, tmp / RECORDS_DIR / name, size)
         state = {"step": step, "version": version, "extra": extra}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
         _pause_for_tests(step, tmp)
@@ -105,6 +113,19 @@ def load_checkpoint(path: Path, trainer: TorchTrainer) -> dict[str, Any]:
         _load_weights(path, trainer.model)
         trainer.load_state_dict(trainer_state)
     return state
+
+
+def restore_records(path: Path, run_dir: Path) -> list[str]:
+    """Replace the run's record files with the copies in checkpoint `path` (each atomically).
+
+    Returns the names restored; none for a checkpoint written before records were copied."""
+    records = Path(path) / RECORDS_DIR
+    if not records.is_dir():
+        return []
+    names = sorted(p.name for p in records.iterdir())
+    for name in names:
+        replace_file(Path(run_dir) / name, (records / name).read_bytes())
+    return names
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -197,6 +218,15 @@ def _load_weights(path: Path, model: torch.nn.Module) -> None:
     with torch.no_grad():
         for name, tensor in loaded.items():
             expected[name].copy_(tensor.to(expected[name].dtype))
+
+
+def _copy_prefix(source: Path, target: Path, size: int) -> None:
+    """Copy the first `size` bytes of the append-only `source` (a writer may be appending meanwhile)."""
+    with source.open("rb") as handle:
+        data = handle.read(size)
+    if len(data) != size:
+        raise OSError(f"{source} has {len(data)} bytes, fewer than the {size} the checkpoint's state counts")
+    target.write_bytes(data)
 
 
 def _pause_for_tests(step: int, tmp: Path) -> None:

@@ -1,13 +1,15 @@
 """Which checkpoint a run continues from, and whether this recipe may continue it. No torch: runs in preflight.
 
 `checkpoint.resume`:
-- `auto` (default): continue from the newest complete checkpoint of the run directory;
-  incomplete or corrupt ones are skipped with a warning naming them. With none, start over.
+- `auto` (default): continue from the newest intact checkpoint of the run directory
+  (training/integrity.py); damaged or incomplete ones are skipped with a warning naming each
+  and why. With no checkpoint at all, start over; with checkpoints but none intact, refuse.
 - `never`: refuse a run directory that already holds a run (unless `run.overwrite=true`).
 - a path: continue from exactly that checkpoint; it must be complete.
 
 A resumed run must keep what decides the data, the groups and the model; other changes
-(learning rate, max_steps, logging...) are allowed and reported.
+(learning rate, weight decay, warm-up, max_steps, logging...) are reported and take effect from
+the first resumed step (the trainer re-applies the optimizer's hyperparameters after loading its state).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import yaml
 
 from asyncgrpo.config import Config
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.training.checkpoint import CHECKPOINTS_DIR, CONFIG_FILE, STATE_FILE, TRAINER_STATE_FILE
+from asyncgrpo.rundir import CHECKPOINTS_DIR, OWNED_ENTRIES
+from asyncgrpo.training.integrity import CONFIG_FILE, STATE_FILE, checkpoint_problem
 
 INCOMPATIBLE_KEYS = (
     "run.seed",
@@ -49,33 +52,13 @@ class ResumePlan:
         return int(self.state.get("step", 0))
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why `path` is not a checkpoint a run can continue from, or None if it is."""
-    if not path.is_dir():
-        return "no such directory"
-    try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except FileNotFoundError:
-        return f"{STATE_FILE} is missing (the write did not finish)"
-    except (OSError, ValueError) as exc:
-        return f"{STATE_FILE} is unreadable ({exc})"
-    if not isinstance(state, dict) or not {"step", "version", "extra"} <= set(state):
-        return f"{STATE_FILE} lacks step, version or extra"
-    missing = [name for name in (CONFIG_FILE, TRAINER_STATE_FILE, "config.json") if not (path / name).is_file()]
-    if not ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()):
-        missing.append("model.safetensors")
-    if missing:
-        return f"missing {', '.join(missing)}"
-    return None
-
-
 def plan_resume(cfg: Config) -> ResumePlan:
     run_dir = cfg.run.directory
     mode = cfg.checkpoint.resume
     if cfg.run.overwrite:
         return ResumePlan()
     if mode == "never":
-        if run_dir.is_dir() and any(run_dir.iterdir()):
+        if any((run_dir / name).exists() for name in OWNED_ENTRIES):
             raise ConfigError(
                 f"checkpoint.resume = 'never' but run directory {run_dir} already holds a run. Fix: pass "
                 f"run.overwrite=true to replace it, checkpoint.resume=auto to continue it, or pick a new run.name."
@@ -95,8 +78,15 @@ def plan_resume(cfg: Config) -> ResumePlan:
         if problem is None:
             return _checked(cfg, path, notes)
         notes.append(f"skipping checkpoint {path}: {problem}")
+    if candidates:
+        listed = "\n".join(f"  - {note.removeprefix('skipping checkpoint ')}" for note in notes)
+        raise ConfigError(
+            f"run directory {run_dir} holds checkpoints, but none is intact, so this run cannot continue:\n{listed}\n"
+            f"Fix: restore a checkpoint from a copy, pass checkpoint.resume=PATH to continue from another one, or "
+            f"start this run over with run.overwrite=true (which removes the damaged checkpoints)."
+        )
     if (run_dir / "metrics.jsonl").exists():
-        notes.append(f"no complete checkpoint in {run_dir}: starting this run over from step 0")
+        notes.append(f"no checkpoint in {run_dir} yet: starting this run over from step 0")
     return ResumePlan(notes=notes)
 
 

@@ -127,12 +127,7 @@ class TorchTrainer:
         if not self._params:
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
         self.optimizer = torch.optim.AdamW(self._params, lr=t.lr, weight_decay=t.weight_decay)
-        warmup = t.warmup_steps
-
-        def lr_factor(step: int) -> float:
-            return min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.reference: torch.nn.Module | None = None
         if t.loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval()
@@ -182,12 +177,30 @@ class TorchTrainer:
         with self.lock:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
+            self._apply_hyperparameters()
             self.version = int(state["version"])
             rng = state.get("rng", {})
             if "torch" in rng:
                 torch.set_rng_state(rng["torch"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
+
+    def _lr_factor(self, update: int) -> float:
+        """The schedule: linear warm-up over `train.warmup_steps` updates, then constant."""
+        warmup = self.cfg.train.warmup_steps
+        return min(1.0, (update + 1) / warmup) if warmup > 0 else 1.0
+
+    def _apply_hyperparameters(self) -> None:
+        """Make a loaded optimizer follow this run's train.lr, weight_decay and warm-up from the next update on.
+
+        A saved optimizer and scheduler carry the values of the run that saved them; a resumed
+        run with changed values reports the change, so it must also train with it."""
+        t = self.cfg.train
+        self.scheduler.base_lrs = [t.lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = t.lr
+            group["weight_decay"] = t.weight_decay
+            group["lr"] = t.lr * self._lr_factor(self.scheduler.last_epoch)
 
     # ---------------------------------------------------------------------------------
     # The step
