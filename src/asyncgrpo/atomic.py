@@ -8,7 +8,9 @@ for checkpoints and for the weights published to generation servers.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -54,6 +56,23 @@ def replace_file(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def library_write_errors_as_os_errors(target: Path) -> Iterator[None]:
+    """Make a library's failed write an OSError naming `target`, so disk faults are handled in one place.
+
+    Libraries report them in their own words: safetensors raises SafetensorError "... I/O error:
+    No space left on device (os error 28)", torch.save a RuntimeError ("unexpected pos 64 vs 0")."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as exc:
+        code = re.search(r"os error (\d+)", str(exc))
+        number = int(code.group(1)) if code else errno.EIO
+        why = os.strerror(number) if code else f"{type(exc).__name__}: {exc}"
+        raise OSError(number, why, str(target)) from exc
 
 
 def fsync_tree(root: Path) -> None:

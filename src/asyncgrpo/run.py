@@ -361,7 +361,7 @@ async def _train_claimed(cfg: Config, plan: ResumePlan, stop: Stop, run_dir: Pat
             result = _with_failure(result, disk_diagnostic(exc, run_dir, run_dir / "checkpoints", trainer.version))
     for file in (metrics_file, samples_file, outcomes):
         file.close()
-    if result.diagnostic is not None and result.diagnostic.traceback:
+    if result.diagnostic is not None:
         try:
             (run_dir / ERROR_FILE).write_text(_error_report(result.diagnostic))
         except OSError as exc:
@@ -539,7 +539,7 @@ async def _evaluate(cfg: Config, engine: Any, scorer: RewardScorer, prompts: lis
 
 
 def _error_report(diagnostic: Diagnostic) -> str:
-    return f"{diagnostic.render()}\n\n{diagnostic.traceback}"
+    return f"{diagnostic.render()}\n\n{diagnostic.traceback}".rstrip() + "\n"
 
 
 class _Progress:

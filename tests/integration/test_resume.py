@@ -111,3 +111,36 @@ def test_a_resumed_run_repeats_the_next_step_of_the_uninterrupted_one(tmp_path):
     assert resumed[3]["reward/mean"] == pytest.approx(straight[3]["reward/mean"], abs=0.05)
     assert resumed[3]["loss"] == pytest.approx(straight[3]["loss"], abs=0.05)
     assert resumed[3]["lr"] == straight[3]["lr"]
+
+
+def _train(run_dir: Path, *overrides: str):
+    cfg = load_config("recipes/demo.yaml", ["logging.progress=false", "eval.every_steps=0", "rollout.groups_per_step=2",
+                                           "rollout.group_size=2", f"run.output_dir={run_dir}", *overrides])
+    return asyncio.run(train(cfg))
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_applies_a_changed_learning_rate_weight_decay_and_warm_up_from_its_first_step(tmp_path):
+    _train(tmp_path, "train.max_steps=3", "train.lr=0.001", "train.warmup_steps=0")
+    summary = _train(tmp_path, "train.max_steps=5", "train.lr=0.05", "train.warmup_steps=10", "train.weight_decay=0.1")
+    assert summary.result.steps == 5
+    lrs = [m["lr"] for m in records(tmp_path, "metrics.jsonl")]
+    assert lrs[:3] == [0.001] * 3
+    # warm-up over 10 updates, 3 already taken: the 4th update uses 4/10 of the new rate
+    assert lrs[3:] == pytest.approx([0.05 * 4 / 10, 0.05 * 5 / 10])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("damage", ["emptied", "deleted", "garbled"])
+def test_damaged_records_are_restored_from_the_checkpoint_never_padded_or_shortened(tmp_path, damage):
+    _train(tmp_path, "train.max_steps=4", "checkpoint.every_steps=2")
+    for name in ("outcomes.jsonl", "metrics.jsonl"):
+        path = tmp_path / name
+        {"emptied": lambda: path.write_text(""), "deleted": path.unlink, "garbled": lambda: path.write_text("x" * 100_000)}[damage]()
+    summary = _train(tmp_path, "train.max_steps=6", "checkpoint.every_steps=2")
+    assert summary.result.steps == 6
+    for name in ("outcomes.jsonl", "metrics.jsonl"):
+        assert b"\0" not in (tmp_path / name).read_bytes()
+    assert [m["step"] for m in records(tmp_path, "metrics.jsonl")] == list(range(6))
+    trained = Counter(o["prompt_id"] for o in records(tmp_path, "outcomes.jsonl") if o["outcome"] == "trained")
+    assert sum(trained.values()) == 6 * 2 and set(trained.values()) == {1}

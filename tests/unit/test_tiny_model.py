@@ -109,3 +109,16 @@ def test_check_model_path_imports_no_torch():
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_weights_that_match_nothing_in_the_architecture_are_refused_naming_both(tmp_path):
+    from transformers import GPT2Config
+
+    model, tokenizer = build_tiny(0)
+    save_model(model, tokenizer, tmp_path)  # Llama weights ...
+    GPT2Config(vocab_size=len(VOCAB), n_embd=32, n_layer=2, n_head=2).save_pretrained(tmp_path)  # ... under a GPT-2 config
+    with pytest.raises(ConfigError) as info:
+        load_model_and_tokenizer(str(tmp_path))
+    message = str(info.value)
+    assert "GPT2LMHeadModel" in message and "'gpt2'" in message
+    assert "model.layers.0" in message and "are missing" in message and "Fix:" in message

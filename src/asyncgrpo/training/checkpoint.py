@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncgrpo.atomic import TEMP_PREFIX, atomic_directory, replace_file
+from asyncgrpo.atomic import TEMP_PREFIX, atomic_directory, library_write_errors_as_os_errors, replace_file
 from asyncgrpo.training.integrity import CONFIG_FILE, RECORDS_DIR, STATE_FILE, TRAINER_STATE_FILE
 
 if TYPE_CHECKING:  # torch is imported where it is used, so listing checkpoints stays fast
@@ -79,9 +79,9 @@ def save_checkpoint(
     final = checkpoint_dir(run_dir, step)
     with atomic_directory(final) as tmp:
         with trainer.lock:  # weights, optimizer and version from the same moment
-            with _quiet_transformers():
+            with _quiet_transformers(), library_write_errors_as_os_errors(final):
                 trainer.model.save_pretrained(tmp)
-            torch.save(trainer.state_dict(), tmp / TRAINER_STATE_FILE)
+                torch.save(trainer.state_dict(), tmp / TRAINER_STATE_FILE)
             version = trainer.version
         if trainer.tokenizer is not None and hasattr(trainer.tokenizer, "save_pretrained"):
             trainer.tokenizer.save_pretrained(tmp)
