@@ -350,3 +350,31 @@ def test_cancellation_is_not_a_reward_error():
             await task
 
     run(main())
+
+
+def _exit_3(prompts, completions, **kw):
+    raise SystemExit(3)
+
+
+def _interrupt(prompts, completions, **kw):
+    raise KeyboardInterrupt
+
+
+async def _async_exit_3(prompts, completions, **kw):
+    raise SystemExit(3)
+
+
+async def _async_interrupt(prompts, completions, **kw):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("sync_in_thread", [True, False])
+@pytest.mark.parametrize(
+    ("fn", "raised"),
+    [(_exit_3, "SystemExit: 3"), (_interrupt, "KeyboardInterrupt"), (_async_exit_3, "SystemExit: 3"), (_async_interrupt, "KeyboardInterrupt")],
+)
+def test_system_exit_and_keyboard_interrupt_are_reward_errors(fn, raised, sync_in_thread):
+    with pytest.raises(RewardError) as err:
+        run(RewardScorer([("quits", fn)], timeout_s=5, sync_in_thread=sync_in_thread).score(PROMPT, ["a"]))
+    assert f"'quits' raised {raised}" in str(err.value)
+    assert isinstance(err.value.__cause__, (SystemExit, KeyboardInterrupt))

@@ -14,7 +14,7 @@ Invariants:
 - `resolve_reward` imports nothing heavy for ``builtin:<name>``; every failure is a
   `ConfigError` naming ``reward.functions[i]``, the value, what is wrong and the fix.
 - `RewardScorer.score` returns exactly one `ScoredCompletion` per completion, or raises
-  `RewardError`. A function that raises, outlives ``reward.timeout_s``, returns the wrong
+  `RewardError`. A function that raises (SystemExit and KeyboardInterrupt included), outlives ``reward.timeout_s``, returns the wrong
   number of values, or a value that is not a finite real number is an error, reported with
   the function's name and one offending input, chained to the original exception. An error
   never becomes a 0.0 reward; what to do with it (fail or drop the group) is the caller's
@@ -52,6 +52,10 @@ from asyncgrpo.errors import ConfigError, RewardError
 from asyncgrpo.types import Prompt
 
 BUILTIN_PREFIX = "builtin:"
+# What a reward function may raise: any exception, and also SystemExit and KeyboardInterrupt, which
+# a library may raise from inside a call (sys.exit in a grader): a reward error, never a process exit.
+# CancelledError is not among them: cancelling a call stays a cancellation.
+REWARD_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
 RESERVED_ARGUMENTS = ("prompts", "completions")
 
 
@@ -276,7 +280,7 @@ class RewardScorer:
                     result = entry.fn(**kwargs)
                 if inspect.isawaitable(result):
                     result = await result
-        except Exception as exc:
+        except REWARD_FAILURES as exc:
             if deadline.expired():
                 raise self._error(
                     entry,
@@ -289,7 +293,7 @@ class RewardScorer:
                 entry,
                 prompt,
                 completions[0],
-                f"raised {type(exc).__name__}: {_truncate(str(exc), 300)}",
+                f"raised {_describe(exc)}",
                 "fix the function (the original traceback is chained below), or set reward.on_error: drop to drop "
                 "such groups as reward_error",
             ) from exc
@@ -383,6 +387,11 @@ def _clip(text: str, limit: int = 200) -> str:
 
 def _short_repr(value: Any, limit: int = 80) -> str:
     return _truncate(repr(value), limit)
+
+
+def _describe(exc: BaseException) -> str:
+    message = _truncate(str(exc), 300)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def _truncate(text: str, limit: int) -> str:
