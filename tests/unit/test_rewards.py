@@ -13,7 +13,7 @@ import pytest
 
 from asyncgrpo.data.tasks import REWARDS
 from asyncgrpo.errors import ConfigError, RewardError
-from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion, resolve_reward, resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion, resolve_reward, resolve_rewards, unscored_group_error
 from asyncgrpo.types import Prompt
 
 pytestmark = pytest.mark.timeout(30)
@@ -378,3 +378,17 @@ def test_system_exit_and_keyboard_interrupt_are_reward_errors(fn, raised, sync_i
         run(RewardScorer([("quits", fn)], timeout_s=5, sync_in_thread=sync_in_thread).score(PROMPT, ["a"]))
     assert f"'quits' raised {raised}" in str(err.value)
     assert isinstance(err.value.__cause__, (SystemExit, KeyboardInterrupt))
+
+
+def test_unscored_group_error_names_the_functions_that_returned_none():
+    def judge(prompts, completions, **kw):
+        return [None] * len(completions)
+
+    def partial(prompts, completions, **kw):
+        return [1.0, None, None]
+
+    scored = run(RewardScorer([("judge", judge), ("partial", partial)], timeout_s=5).score(PROMPT, ["a", "b", "c"]))
+    msg = str(unscored_group_error(PROMPT, scored, needed=2))
+    assert "only 1 of 3 completions" in msg and "rollout.min_group_survivors = 2" in msg
+    assert "'judge' returned None for all 3 completions" in msg and "'partial' returned None for 2 of 3 completions" in msg
+    assert "None means no score (TRL's semantics)" in msg and "Fix" in msg

@@ -347,6 +347,27 @@ class RewardScorer:
         )
 
 
+class UnscoredGroupError(RewardError):
+    """Too few completions of a group got a score; the message names the functions that returned None.
+
+    Not raised: it is the cause a `too_few_survivors` drop carries into the run's diagnostic."""
+
+
+def unscored_group_error(prompt: Prompt, scored: Sequence[ScoredCompletion], needed: int) -> UnscoredGroupError:
+    """Why fewer than `needed` of `scored` have a reward: each function's count of None, by name."""
+    n = len(scored)
+    names = list(scored[0].terms) if scored else []
+    nones = {name: sum(s.terms[name] is None for s in scored) for name in names}
+    parts = [f"{name!r} returned None for {'all ' + str(n) if count == n else f'{count} of {n}'} completions" for name, count in nones.items() if count]
+    have = sum(s.reward is not None for s in scored)
+    return UnscoredGroupError(
+        f"only {have} of {n} completions of prompt {_clip(prompt.text)} (id {prompt.id}) got a reward, fewer than "
+        f"rollout.min_group_survivors = {needed}: reward function {', '.join(parts)}. None means no score (TRL's semantics): "
+        f"a completion that no function scores is left out of training. Fix: return a number where the "
+        f"function can judge (e.g. 0.0 for a wrong answer), or check why it cannot judge these completions."
+    )
+
+
 def _is_async(fn: Callable[..., Any]) -> bool:
     if inspect.iscoroutinefunction(fn):
         return True
