@@ -217,7 +217,7 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
     outcomes = JsonlFile(run_dir / "outcomes.jsonl", offsets.get("outcomes.jsonl"))
     ledger = PromptLedger(saved.get("done"), sink=outcomes.append)
     source = PromptSource(prompts, num_epochs=cfg.data.num_epochs, shuffle=cfg.data.shuffle, seed=cfg.run.seed, done=ledger.done_by_epoch())
-    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), cfg.reward.weights, cfg.reward.timeout_s, sync_in_thread=True)
+    scorer = RewardScorer.from_config(cfg.reward)
     engine = _generator(cfg, trainer, tokenizer, run_dir)
     stop_ids = tuple(dict.fromkeys([*cfg.generation.stop_token_ids, tokenizer.eos_token_id]))
     sampling = SamplingParams(
@@ -306,6 +306,7 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
         result = PipelineResult("failed", "signal", trainer.version)
     finally:
         progress.close()
+        await scorer.aclose()
         await engine.aclose()
         # A step in progress finishes before the thread is released (the pipeline completes a
         # started step even when cancelled), so the weights match the accounting saved below.

@@ -226,8 +226,8 @@ def test_sync_inline_runs_on_the_loop_thread():
         threads.append(threading.get_ident())
         return [0.0] * len(completions)
 
-    run(RewardScorer([("f", f)], timeout_s=5, sync_in_thread=False).score(PROMPT, ["a"]))
-    run(RewardScorer([("f", f)], timeout_s=5, sync_in_thread=True).score(PROMPT, ["a"]))
+    run(RewardScorer([("f", f)], timeout_s=5, isolation="inline").score(PROMPT, ["a"]))
+    run(RewardScorer([("f", f)], timeout_s=5, isolation="thread").score(PROMPT, ["a"]))
     assert threads[0] == threading.get_ident() and threads[1] != threading.get_ident()
 
 
@@ -368,14 +368,14 @@ async def _async_interrupt(prompts, completions, **kw):
     raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("sync_in_thread", [True, False])
+@pytest.mark.parametrize("isolation", ["thread", "inline"])
 @pytest.mark.parametrize(
     ("fn", "raised"),
     [(_exit_3, "SystemExit: 3"), (_interrupt, "KeyboardInterrupt"), (_async_exit_3, "SystemExit: 3"), (_async_interrupt, "KeyboardInterrupt")],
 )
-def test_system_exit_and_keyboard_interrupt_are_reward_errors(fn, raised, sync_in_thread):
+def test_system_exit_and_keyboard_interrupt_are_reward_errors(fn, raised, isolation):
     with pytest.raises(RewardError) as err:
-        run(RewardScorer([("quits", fn)], timeout_s=5, sync_in_thread=sync_in_thread).score(PROMPT, ["a"]))
+        run(RewardScorer([("quits", fn)], timeout_s=5, isolation=isolation).score(PROMPT, ["a"]))
     assert f"'quits' raised {raised}" in str(err.value)
     assert isinstance(err.value.__cause__, (SystemExit, KeyboardInterrupt))
 

@@ -22,12 +22,17 @@ Invariants:
 - Cancelling `score` propagates as cancellation, never as a `RewardError`.
 - Functions are called one after another, in config order, once per group.
 
-Threads: with ``sync_in_thread`` (real runs) a sync function runs on a daemon thread of its
-own (asyncgrpo.threads), so a slow one blocks neither generation nor training; a call that
-times out is abandoned (Python cannot stop a thread), but it holds no executor worker and
-does not keep the process from exiting. With
-``sync_in_thread=False`` (the simulator, on virtual time, no threads) sync functions run
-inline and the timeout can only catch async functions.
+Isolation of sync functions (``reward.isolation``; async functions always run on the loop):
+- ``thread`` (real runs): each call on a daemon thread of its own (asyncgrpo.threads), so a slow
+  one blocks neither generation nor training. A call that times out is abandoned (Python cannot
+  stop a thread); it holds no executor worker and does not keep the process from exiting, but
+  one stuck in C code that holds the GIL (a catastrophic regex) starves the event loop for good.
+- ``process``: each call in a worker process (rewards/pool.py) that re-resolves the functions by
+  name. A call that times out has its worker killed (SIGKILL) and replaced; a worker that dies
+  (segfault, os._exit) is a `RewardError` naming the function and the exit code. `aclose` ends
+  the workers; the owner calls it on every exit path.
+- ``inline`` (the simulator, on virtual time, no threads): sync functions run on the loop and
+  the timeout can only catch async functions.
 """
 
 from __future__ import annotations
@@ -44,12 +49,16 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
 from asyncgrpo.data.tasks import REWARDS
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.errors import ConfigError, RewardError
+from asyncgrpo.rewards.pool import RewardWorkerPool, WorkerCrashed, WorkerStartError
 from asyncgrpo.types import Prompt
+
+if TYPE_CHECKING:
+    from asyncgrpo.config import RewardConfig
 
 BUILTIN_PREFIX = "builtin:"
 # What a reward function may raise: any exception, and also SystemExit and KeyboardInterrupt, which
@@ -57,6 +66,7 @@ BUILTIN_PREFIX = "builtin:"
 # CancelledError is not among them: cancelling a call stays a cancellation.
 REWARD_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
 RESERVED_ARGUMENTS = ("prompts", "completions")
+Isolation = Literal["inline", "thread", "process"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -202,6 +212,7 @@ class RewardFunctionError(RewardError):
 
 @dataclass(frozen=True)
 class _Entry:
+    index: int  # position in reward.functions, by which a worker process finds the function
     name: str
     fn: Callable[..., Any]
     weight: float
@@ -217,8 +228,12 @@ class RewardScorer:
         functions: Sequence[tuple[str, Callable[..., Any]]],
         weights: Sequence[float] | None = None,
         timeout_s: float = 30.0,
-        sync_in_thread: bool = True,
+        isolation: Isolation = "thread",
+        specs: Sequence[str] | None = None,
+        workers: int = 4,
     ) -> None:
+        """`specs` (the ``reward.functions`` entries `functions` were resolved from) and `workers` (the most
+        worker processes) are used by ``isolation="process"`` only."""
         if not functions:
             raise ValueError("RewardScorer needs at least one reward function")
         if weights is None:
@@ -232,15 +247,43 @@ class RewardScorer:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         entries = []
         seen: dict[str, int] = {}
-        for (name, fn), weight in zip(functions, weights):
+        for index, ((name, fn), weight) in enumerate(zip(functions, weights)):
             if not math.isfinite(float(weight)):
                 raise ConfigError(f"reward.weights: weight {weight!r} of {name!r} is not a finite number.")
             seen[name] = seen.get(name, 0) + 1
             unique = name if seen[name] == 1 else f"{name}_{seen[name]}"
-            entries.append(_Entry(unique, fn, float(weight), _is_async(fn), _accepted_keywords(fn)))
+            entries.append(_Entry(index, unique, fn, float(weight), _is_async(fn), _accepted_keywords(fn)))
         self._entries: tuple[_Entry, ...] = tuple(entries)
         self.timeout_s = float(timeout_s)
-        self.sync_in_thread = sync_in_thread
+        self.isolation = isolation
+        self._pool: RewardWorkerPool | None = None
+        if isolation == "process" and not all(e.is_async for e in entries):
+            if specs is None or len(specs) != len(functions):
+                raise ValueError("isolation='process' needs `specs`, one per function, for the workers to resolve them by")
+            self._pool = RewardWorkerPool(specs, workers)
+
+    @classmethod
+    def from_config(cls, reward: RewardConfig, *, isolation: Isolation | None = None) -> RewardScorer:
+        """The scorer of a ``reward`` config section; `isolation` overrides ``reward.isolation`` (the simulator's inline)."""
+        return cls(
+            resolve_rewards(reward.functions),
+            reward.weights,
+            reward.timeout_s,
+            isolation=isolation or reward.isolation,
+            specs=reward.functions,
+            workers=reward.workers,
+        )
+
+    async def aclose(self) -> None:
+        """End the worker processes, if any (bounded); a later `score` raises RewardError."""
+        if self._pool is not None:
+            await self._pool.aclose()
+
+    async def __aenter__(self) -> RewardScorer:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
     @property
     def names(self) -> list[str]:
@@ -271,15 +314,15 @@ class RewardScorer:
         kwargs["completions"] = list(completions)
         deadline = asyncio.timeout(self.timeout_s)
         try:
-            async with deadline:
-                if entry.is_async:
-                    result = await entry.fn(**kwargs)
-                elif self.sync_in_thread:
-                    result = await run_in_daemon_thread(functools.partial(entry.fn, **kwargs), name=f"asyncgrpo-reward-{entry.name}")
-                else:
-                    result = entry.fn(**kwargs)
-                if inspect.isawaitable(result):
-                    result = await result
+            if self._pool is not None and not entry.is_async:
+                async with self._pool.worker() as worker:  # waiting for a worker is not part of the deadline
+                    async with deadline:
+                        result = await worker.call(entry.index, kwargs)
+            else:
+                async with deadline:
+                    result = await self._run(entry, kwargs)
+        except WorkerStartError:
+            raise
         except REWARD_FAILURES as exc:
             if deadline.expired():
                 raise self._error(
@@ -288,6 +331,15 @@ class RewardScorer:
                     completions[0],
                     f"did not return within reward.timeout_s = {self.timeout_s:g} s for a group of {n} completions",
                     "make the function faster, or raise reward.timeout_s",
+                ) from exc
+            if isinstance(exc, WorkerCrashed):
+                raise self._error(
+                    entry,
+                    prompt,
+                    completions[0],
+                    f"crashed its worker process: it {exc}",
+                    "the function, or a library it calls, ended the process (a segfault, os._exit); call it on this "
+                    "input outside asyncgrpo to see why. The worker was replaced; reward.on_error: drop drops such groups",
                 ) from exc
             raise self._error(
                 entry,
@@ -298,6 +350,18 @@ class RewardScorer:
                 "such groups as reward_error",
             ) from exc
         return self._check(entry, prompt, completions, result)
+
+    async def _run(self, entry: _Entry, kwargs: dict[str, Any]) -> Any:
+        """One call in this process: awaited, on a daemon thread, or inline."""
+        if entry.is_async:
+            result = await entry.fn(**kwargs)
+        elif self.isolation == "inline":
+            result = entry.fn(**kwargs)
+        else:
+            result = await run_in_daemon_thread(functools.partial(entry.fn, **kwargs), name=f"asyncgrpo-reward-{entry.name}")
+        if inspect.isawaitable(result):
+            result = await result
+        return result
 
     def _check(self, entry: _Entry, prompt: Prompt, completions: list[str], result: Any) -> list[float | None]:
         n = len(completions)
@@ -411,8 +475,9 @@ def _short_repr(value: Any, limit: int = 80) -> str:
 
 
 def _describe(exc: BaseException) -> str:
+    name = getattr(exc, "remote_type", type(exc).__name__)  # a worker's exception that could not be pickled
     message = _truncate(str(exc), 300)
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    return f"{name}: {message}" if message else name
 
 
 def _truncate(text: str, limit: int) -> str:
