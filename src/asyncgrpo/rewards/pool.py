@@ -15,8 +15,9 @@ Invariants:
   by the calls ahead of it, each bounded by the caller's deadline. Starting a worker is bounded
   by `WORKER_START_TIMEOUT_S` and is not part of the caller's deadline.
 - A worker is reused only after a call that ended with a complete reply. One whose call was
-  cancelled or timed out, or that died, is killed with SIGKILL and retired; a new one is
-  started when next needed.
+  cancelled or timed out, or that died, is killed with SIGKILL and reaped (bounded by
+  `REAP_TIMEOUT_S`) before the call's error reaches the caller; a new one is started when next
+  needed.
 - `aclose` ends every worker: it closes each socket (an idle worker then exits 0), waits up
   to `CLOSE_GRACE_S`, then kills what is left and reaps it; every wait is bounded. Workers that
   outlive the pool (never closed, or the parent killed) are killed by a finalizer at garbage
@@ -182,9 +183,9 @@ class RewardWorkerPool:
         finally:
             if worker.reusable and not self._closed:
                 self._idle.append(worker)
+                self._signal.notify()
             else:
-                self._retire(worker)
-            self._signal.notify()
+                await self._retire(worker)
 
     async def _acquire(self) -> _Worker:
         while True:
@@ -196,7 +197,7 @@ class RewardWorkerPool:
             worker = self._idle.pop()
             if worker.proc.returncode is None:
                 return worker
-            self._retire(worker)  # died while idle (killed from outside): never hand it out
+            await self._retire(worker)  # died while idle (killed from outside): never hand it out
         self._count += 1
         try:
             return await self._start()
@@ -205,10 +206,11 @@ class RewardWorkerPool:
             self._signal.notify()
             raise
 
-    def _retire(self, worker: _Worker) -> None:
-        """Kill a worker that may not serve again; the loop's child watcher reaps it, `aclose` waits for it."""
-        worker.kill()
+    async def _retire(self, worker: _Worker) -> None:
+        """Kill a worker that may not serve again, and reap it (bounded), so it is gone when the call's error is seen."""
         self._count -= 1
+        self._signal.notify()
+        await worker.stop()
         self._procs.difference_update([p for p in self._procs if p.returncode is not None])
 
     async def _start(self) -> _Worker:
@@ -227,6 +229,8 @@ class RewardWorkerPool:
         reader, writer = await asyncio.open_connection(sock=parent)
         worker = _Worker(proc, reader, writer)
         try:
+            if self._closed:  # closed while this one was being started
+                raise WorkerStartError("reward.isolation: process: the reward worker pool is closed (the run is ending).")
             async with asyncio.timeout(WORKER_START_TIMEOUT_S):
                 writer.write(encode({"specs": self.specs, "sys_path": list(sys.path), "parent_pid": os.getpid()}))
                 await writer.drain()
