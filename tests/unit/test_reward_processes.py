@@ -200,6 +200,26 @@ def test_close_leaves_no_process_behind_and_later_calls_fail():
     assert len(started) == 2 and not any(alive(pid) for pid in started)
 
 
+def test_starting_a_worker_is_not_part_of_the_deadline(tmp_path, monkeypatch):
+    (tmp_path / "ag_slow_import_rewards.py").write_text(
+        "import sys, time\n"
+        "if sys.argv[0] == '-c':  # in a worker only: its import takes twice the deadline\n"
+        "    time.sleep(1.0)\n"
+        "def score(prompts, completions, **kw):\n"
+        "    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import ag_slow_import_rewards
+
+    s = RewardScorer([("score", ag_slow_import_rewards.score)], timeout_s=0.5, isolation="process", specs=["ag_slow_import_rewards:score"])
+
+    async def main():
+        async with s:
+            return await s.score(PROMPT, ["a"])
+
+    assert [r.reward for r in run(main())] == [1.0]
+
+
 def test_a_worker_that_cannot_load_the_function_says_so():
     parent_only = types.ModuleType("ag_parent_only_rewards")
     exec("def score(prompts, completions, **kw):\n    return [1.0] * len(completions)\n", parent_only.__dict__)

@@ -312,19 +312,19 @@ class RewardScorer:
         }
         kwargs["prompts"] = [prompt.text] * n
         kwargs["completions"] = list(completions)
-        deadline = asyncio.timeout(self.timeout_s)
+        deadline: asyncio.Timeout | None = None  # made when the call starts: asyncio.timeout fixes its deadline then
         try:
             if self._pool is not None and not entry.is_async:
-                async with self._pool.worker() as worker:  # waiting for a worker is not part of the deadline
-                    async with deadline:
+                async with self._pool.worker() as worker:  # waiting for or starting a worker is not part of the deadline
+                    async with (deadline := asyncio.timeout(self.timeout_s)):
                         result = await worker.call(entry.index, kwargs)
             else:
-                async with deadline:
+                async with (deadline := asyncio.timeout(self.timeout_s)):
                     result = await self._run(entry, kwargs)
         except WorkerStartError:
             raise
         except REWARD_FAILURES as exc:
-            if deadline.expired():
+            if deadline is not None and deadline.expired():
                 raise self._error(
                     entry,
                     prompt,
