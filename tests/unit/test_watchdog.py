@@ -35,7 +35,7 @@ def test_a_block_that_lasts_is_reported_again_at_doubling_intervals_then_a_new_b
 
     def on_blocked(report):
         reports.append(report)
-        if len(reports) in (2, 3):
+        if len(reports) in (3, 4):
             enough.set()
 
     def blocker():
@@ -44,14 +44,14 @@ def test_a_block_that_lasts_is_reported_again_at_doubling_intervals_then_a_new_b
 
     async def main():
         with LoopWatchdog(asyncio.get_running_loop(), threshold_s=0.1, on_blocked=on_blocked):
-            blocker()  # two reports
+            blocker()  # three reports
             await asyncio.sleep(0.05)  # the loop turns
             blocker()  # a new block: reported from the threshold again
 
     asyncio.run(main())
-    assert len(reports) == 3
-    assert reports[1].blocked_s >= 2 * reports[0].blocked_s
-    assert reports[2].blocked_s < reports[1].blocked_s and reports[2].blocked_s >= 0.1
+    assert len(reports) == 4
+    assert reports[1].blocked_s >= 2 * reports[0].blocked_s and reports[2].blocked_s >= 4 * reports[0].blocked_s
+    assert 0.1 <= reports[3].blocked_s < reports[2].blocked_s
     assert all(r.frames and any("blocker" in f for f in r.frames) for r in reports)
 
 
