@@ -157,7 +157,7 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
     def length_reward(completions, **_):
         return [float(len(c)) for c in completions]
 
-    scorer = RewardScorer([("length", length_reward)], None, 30.0, sync_in_thread=False)
+    scorer = RewardScorer([("length", length_reward)], None, 30.0, isolation="inline")
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=(2,))
     generator = HttpGenerator(cfg.generation)
     collector = Collector(cfg, source=source, generator=generator, scorer=scorer, sampling=sampling)

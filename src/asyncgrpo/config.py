@@ -68,6 +68,8 @@ class RewardConfig(_Section):
     weights: list[float] | None = Field(None, description="One weight per function (default 1.0 each).")
     timeout_s: float = Field(30.0, gt=0, description="Deadline for one reward call on one group.")
     on_error: Literal["fail", "drop"] = Field("fail", description="fail: a reward exception is fatal; drop: the group is dropped as reward_error.")
+    isolation: Literal["thread", "process"] = Field("process", description="Where sync functions run: thread (a daemon thread per call) or process (worker processes, killed and replaced on timeout; needs functions importable by name).")
+    workers: int = Field(4, ge=1, description="reward.isolation: process: worker processes, i.e. sync reward calls at once; more wait for a free worker.")
 
 
 class Distribution(_Section):

@@ -249,7 +249,7 @@ async def _train_claimed(cfg: Config, plan: ResumePlan, stop: Stop, run_dir: Pat
     outcomes = _open_record(run_dir / OUTCOMES_FILE, offsets)
     ledger = PromptLedger(saved.get("done"), sink=outcomes.append)
     source = PromptSource(prompts, num_epochs=cfg.data.num_epochs, shuffle=cfg.data.shuffle, seed=cfg.run.seed, done=ledger.done_by_epoch())
-    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), cfg.reward.weights, cfg.reward.timeout_s, sync_in_thread=True)
+    scorer = RewardScorer.from_config(cfg.reward)
     engine = _generator(cfg, trainer, tokenizer, run_dir)
     stop_ids = tuple(dict.fromkeys([*cfg.generation.stop_token_ids, tokenizer.eos_token_id]))
     sampling = SamplingParams(
@@ -349,6 +349,7 @@ async def _train_claimed(cfg: Config, plan: ResumePlan, stop: Stop, run_dir: Pat
         result = PipelineResult("failed", "signal", trainer.version)
     finally:
         progress.close()
+        await scorer.aclose()
         await engine.aclose()
         # A step in progress finishes before the thread is released (the pipeline completes a
         # started step even when cancelled), so the weights match the accounting saved below.

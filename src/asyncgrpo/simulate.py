@@ -111,7 +111,7 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     for warning in step_budget_warnings(cfg, len(prompts)):
         log.warning("warning: %s", warning)
     source = PromptSource(prompts, num_epochs=cfg.data.num_epochs, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
-    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), cfg.reward.weights, cfg.reward.timeout_s, sync_in_thread=False)
+    scorer = RewardScorer.from_config(cfg.reward, isolation="inline")
     if generator is None:
         generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
     trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s)

@@ -77,7 +77,7 @@ def tiny_prompts(n: int = 40) -> list[Prompt]:
 
 def make_collector(cfg, generator, prompts: list[Prompt]) -> Collector:
     source = PromptSource(prompts, num_epochs=1, shuffle=False, seed=0)
-    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), None, 30.0, sync_in_thread=False)
+    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), None, 30.0, isolation="inline")
     sampling = SamplingParams(max_new_tokens=cfg.generation.max_new_tokens, temperature=1.0, stop_token_ids=(EOS,))
     return Collector(cfg, source=source, generator=generator, scorer=scorer, sampling=sampling)
 

@@ -197,7 +197,7 @@ def test_shutdown_with_requests_in_flight_is_bounded_and_leaves_no_task_or_threa
     gen = ProgrammedGenerator(lambda r, a: Fate(hang=True) if r.prompt_id >= 3 else OK)
     prompts, _ = build_prompts(read_rows(cfg.data.source, builtin_size=40, seed=0), prompt_key="prompt", tokenizer=None, max_prompt_tokens=256)
     source = PromptSource(prompts, num_epochs=1, shuffle=False, seed=0)
-    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), None, 30.0, sync_in_thread=False)
+    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), None, 30.0, isolation="inline")
     collector = Collector(cfg, source=source, generator=gen, scorer=scorer, sampling=SamplingParams(max_new_tokens=8))
     threads_before = set(threading.enumerate())
 

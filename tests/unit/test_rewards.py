@@ -13,7 +13,7 @@ import pytest
 
 from asyncgrpo.data.tasks import REWARDS
 from asyncgrpo.errors import ConfigError, RewardError
-from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion, resolve_reward, resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion, resolve_reward, resolve_rewards, unscored_group_error
 from asyncgrpo.types import Prompt
 
 pytestmark = pytest.mark.timeout(30)
@@ -226,8 +226,8 @@ def test_sync_inline_runs_on_the_loop_thread():
         threads.append(threading.get_ident())
         return [0.0] * len(completions)
 
-    run(RewardScorer([("f", f)], timeout_s=5, sync_in_thread=False).score(PROMPT, ["a"]))
-    run(RewardScorer([("f", f)], timeout_s=5, sync_in_thread=True).score(PROMPT, ["a"]))
+    run(RewardScorer([("f", f)], timeout_s=5, isolation="inline").score(PROMPT, ["a"]))
+    run(RewardScorer([("f", f)], timeout_s=5, isolation="thread").score(PROMPT, ["a"]))
     assert threads[0] == threading.get_ident() and threads[1] != threading.get_ident()
 
 
@@ -350,3 +350,45 @@ def test_cancellation_is_not_a_reward_error():
             await task
 
     run(main())
+
+
+def _exit_3(prompts, completions, **kw):
+    raise SystemExit(3)
+
+
+def _interrupt(prompts, completions, **kw):
+    raise KeyboardInterrupt
+
+
+async def _async_exit_3(prompts, completions, **kw):
+    raise SystemExit(3)
+
+
+async def _async_interrupt(prompts, completions, **kw):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("isolation", ["thread", "inline"])
+@pytest.mark.parametrize(
+    ("fn", "raised"),
+    [(_exit_3, "SystemExit: 3"), (_interrupt, "KeyboardInterrupt"), (_async_exit_3, "SystemExit: 3"), (_async_interrupt, "KeyboardInterrupt")],
+)
+def test_system_exit_and_keyboard_interrupt_are_reward_errors(fn, raised, isolation):
+    with pytest.raises(RewardError) as err:
+        run(RewardScorer([("quits", fn)], timeout_s=5, isolation=isolation).score(PROMPT, ["a"]))
+    assert f"'quits' raised {raised}" in str(err.value)
+    assert isinstance(err.value.__cause__, (SystemExit, KeyboardInterrupt))
+
+
+def test_unscored_group_error_names_the_functions_that_returned_none():
+    def judge(prompts, completions, **kw):
+        return [None] * len(completions)
+
+    def partial(prompts, completions, **kw):
+        return [1.0, None, None]
+
+    scored = run(RewardScorer([("judge", judge), ("partial", partial)], timeout_s=5).score(PROMPT, ["a", "b", "c"]))
+    msg = str(unscored_group_error(PROMPT, scored, needed=2))
+    assert "only 1 of 3 completions" in msg and "rollout.min_group_survivors = 2" in msg
+    assert "'judge' returned None for all 3 completions" in msg and "'partial' returned None for 2 of 3 completions" in msg
+    assert "None means no score (TRL's semantics)" in msg and "Fix" in msg

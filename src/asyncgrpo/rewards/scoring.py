@@ -14,7 +14,7 @@ Invariants:
 - `resolve_reward` imports nothing heavy for ``builtin:<name>``; every failure is a
   `ConfigError` naming ``reward.functions[i]``, the value, what is wrong and the fix.
 - `RewardScorer.score` returns exactly one `ScoredCompletion` per completion, or raises
-  `RewardError`. A function that raises, outlives ``reward.timeout_s``, returns the wrong
+  `RewardError`. A function that raises (SystemExit and KeyboardInterrupt included), outlives ``reward.timeout_s``, returns the wrong
   number of values, or a value that is not a finite real number is an error, reported with
   the function's name and one offending input, chained to the original exception. An error
   never becomes a 0.0 reward; what to do with it (fail or drop the group) is the caller's
@@ -22,12 +22,17 @@ Invariants:
 - Cancelling `score` propagates as cancellation, never as a `RewardError`.
 - Functions are called one after another, in config order, once per group.
 
-Threads: with ``sync_in_thread`` (real runs) a sync function runs on a daemon thread of its
-own (asyncgrpo.threads), so a slow one blocks neither generation nor training; a call that
-times out is abandoned (Python cannot stop a thread), but it holds no executor worker and
-does not keep the process from exiting. With
-``sync_in_thread=False`` (the simulator, on virtual time, no threads) sync functions run
-inline and the timeout can only catch async functions.
+Isolation of sync functions (``reward.isolation``; async functions always run on the loop):
+- ``thread`` (real runs): each call on a daemon thread of its own (asyncgrpo.threads), so a slow
+  one blocks neither generation nor training. A call that times out is abandoned (Python cannot
+  stop a thread); it holds no executor worker and does not keep the process from exiting, but
+  one stuck in C code that holds the GIL (a catastrophic regex) starves the event loop for good.
+- ``process``: each call in a worker process (rewards/pool.py) that re-resolves the functions by
+  name. A call that times out has its worker killed (SIGKILL) and replaced; a worker that dies
+  (segfault, os._exit) is a `RewardError` naming the function and the exit code. `aclose` ends
+  the workers; the owner calls it on every exit path.
+- ``inline`` (the simulator, on virtual time, no threads): sync functions run on the loop and
+  the timeout can only catch async functions.
 """
 
 from __future__ import annotations
@@ -44,15 +49,24 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
 from asyncgrpo.data.tasks import REWARDS
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.errors import ConfigError, RewardError
+from asyncgrpo.rewards.pool import RewardWorkerPool, WorkerCrashed, WorkerStartError
 from asyncgrpo.types import Prompt
 
+if TYPE_CHECKING:
+    from asyncgrpo.config import RewardConfig
+
 BUILTIN_PREFIX = "builtin:"
+# What a reward function may raise: any exception, and also SystemExit and KeyboardInterrupt, which
+# a library may raise from inside a call (sys.exit in a grader): a reward error, never a process exit.
+# CancelledError is not among them: cancelling a call stays a cancellation.
+REWARD_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
 RESERVED_ARGUMENTS = ("prompts", "completions")
+Isolation = Literal["inline", "thread", "process"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -198,6 +212,7 @@ class RewardFunctionError(RewardError):
 
 @dataclass(frozen=True)
 class _Entry:
+    index: int  # position in reward.functions, by which a worker process finds the function
     name: str
     fn: Callable[..., Any]
     weight: float
@@ -213,8 +228,12 @@ class RewardScorer:
         functions: Sequence[tuple[str, Callable[..., Any]]],
         weights: Sequence[float] | None = None,
         timeout_s: float = 30.0,
-        sync_in_thread: bool = True,
+        isolation: Isolation = "thread",
+        specs: Sequence[str] | None = None,
+        workers: int = 4,
     ) -> None:
+        """`specs` (the ``reward.functions`` entries `functions` were resolved from) and `workers` (the most
+        worker processes) are used by ``isolation="process"`` only."""
         if not functions:
             raise ValueError("RewardScorer needs at least one reward function")
         if weights is None:
@@ -228,15 +247,43 @@ class RewardScorer:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         entries = []
         seen: dict[str, int] = {}
-        for (name, fn), weight in zip(functions, weights):
+        for index, ((name, fn), weight) in enumerate(zip(functions, weights)):
             if not math.isfinite(float(weight)):
                 raise ConfigError(f"reward.weights: weight {weight!r} of {name!r} is not a finite number.")
             seen[name] = seen.get(name, 0) + 1
             unique = name if seen[name] == 1 else f"{name}_{seen[name]}"
-            entries.append(_Entry(unique, fn, float(weight), _is_async(fn), _accepted_keywords(fn)))
+            entries.append(_Entry(index, unique, fn, float(weight), _is_async(fn), _accepted_keywords(fn)))
         self._entries: tuple[_Entry, ...] = tuple(entries)
         self.timeout_s = float(timeout_s)
-        self.sync_in_thread = sync_in_thread
+        self.isolation = isolation
+        self._pool: RewardWorkerPool | None = None
+        if isolation == "process" and not all(e.is_async for e in entries):
+            if specs is None or len(specs) != len(functions):
+                raise ValueError("isolation='process' needs `specs`, one per function, for the workers to resolve them by")
+            self._pool = RewardWorkerPool(specs, workers)
+
+    @classmethod
+    def from_config(cls, reward: RewardConfig, *, isolation: Isolation | None = None) -> RewardScorer:
+        """The scorer of a ``reward`` config section; `isolation` overrides ``reward.isolation`` (the simulator's inline)."""
+        return cls(
+            resolve_rewards(reward.functions),
+            reward.weights,
+            reward.timeout_s,
+            isolation=isolation or reward.isolation,
+            specs=reward.functions,
+            workers=reward.workers,
+        )
+
+    async def aclose(self) -> None:
+        """End the worker processes, if any (bounded); a later `score` raises RewardError."""
+        if self._pool is not None:
+            await self._pool.aclose()
+
+    async def __aenter__(self) -> RewardScorer:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
     @property
     def names(self) -> list[str]:
@@ -265,19 +312,19 @@ class RewardScorer:
         }
         kwargs["prompts"] = [prompt.text] * n
         kwargs["completions"] = list(completions)
-        deadline = asyncio.timeout(self.timeout_s)
+        deadline: asyncio.Timeout | None = None  # made when the call starts: asyncio.timeout fixes its deadline then
         try:
-            async with deadline:
-                if entry.is_async:
-                    result = await entry.fn(**kwargs)
-                elif self.sync_in_thread:
-                    result = await run_in_daemon_thread(functools.partial(entry.fn, **kwargs), name=f"asyncgrpo-reward-{entry.name}")
-                else:
-                    result = entry.fn(**kwargs)
-                if inspect.isawaitable(result):
-                    result = await result
-        except Exception as exc:
-            if deadline.expired():
+            if self._pool is not None and not entry.is_async:
+                async with self._pool.worker() as worker:  # waiting for or starting a worker is not part of the deadline
+                    async with (deadline := asyncio.timeout(self.timeout_s)):
+                        result = await worker.call(entry.index, kwargs)
+            else:
+                async with (deadline := asyncio.timeout(self.timeout_s)):
+                    result = await self._run(entry, kwargs)
+        except WorkerStartError:
+            raise
+        except REWARD_FAILURES as exc:
+            if deadline is not None and deadline.expired():
                 raise self._error(
                     entry,
                     prompt,
@@ -285,15 +332,36 @@ class RewardScorer:
                     f"did not return within reward.timeout_s = {self.timeout_s:g} s for a group of {n} completions",
                     "make the function faster, or raise reward.timeout_s",
                 ) from exc
+            if isinstance(exc, WorkerCrashed):
+                raise self._error(
+                    entry,
+                    prompt,
+                    completions[0],
+                    f"crashed its worker process: it {exc}",
+                    "the function, or a library it calls, ended the process (a segfault, os._exit); call it on this "
+                    "input outside asyncgrpo to see why. The worker was replaced; reward.on_error: drop drops such groups",
+                ) from exc
             raise self._error(
                 entry,
                 prompt,
                 completions[0],
-                f"raised {type(exc).__name__}: {_truncate(str(exc), 300)}",
+                f"raised {_describe(exc)}",
                 "fix the function (the original traceback is chained below), or set reward.on_error: drop to drop "
                 "such groups as reward_error",
             ) from exc
         return self._check(entry, prompt, completions, result)
+
+    async def _run(self, entry: _Entry, kwargs: dict[str, Any]) -> Any:
+        """One call in this process: awaited, on a daemon thread, or inline."""
+        if entry.is_async:
+            result = await entry.fn(**kwargs)
+        elif self.isolation == "inline":
+            result = entry.fn(**kwargs)
+        else:
+            result = await run_in_daemon_thread(functools.partial(entry.fn, **kwargs), name=f"asyncgrpo-reward-{entry.name}")
+        if inspect.isawaitable(result):
+            result = await result
+        return result
 
     def _check(self, entry: _Entry, prompt: Prompt, completions: list[str], result: Any) -> list[float | None]:
         n = len(completions)
@@ -343,6 +411,27 @@ class RewardScorer:
         )
 
 
+class UnscoredGroupError(RewardError):
+    """Too few completions of a group got a score; the message names the functions that returned None.
+
+    Not raised: it is the cause a `too_few_survivors` drop carries into the run's diagnostic."""
+
+
+def unscored_group_error(prompt: Prompt, scored: Sequence[ScoredCompletion], needed: int) -> UnscoredGroupError:
+    """Why fewer than `needed` of `scored` have a reward: each function's count of None, by name."""
+    n = len(scored)
+    names = list(scored[0].terms) if scored else []
+    nones = {name: sum(s.terms[name] is None for s in scored) for name in names}
+    parts = [f"{name!r} returned None for {'all ' + str(n) if count == n else f'{count} of {n}'} completions" for name, count in nones.items() if count]
+    have = sum(s.reward is not None for s in scored)
+    return UnscoredGroupError(
+        f"only {have} of {n} completions of prompt {_clip(prompt.text)} (id {prompt.id}) got a reward, fewer than "
+        f"rollout.min_group_survivors = {needed}: reward function {', '.join(parts)}. None means no score (TRL's semantics): "
+        f"a completion that no function scores is left out of training. Fix: return a number where the "
+        f"function can judge (e.g. 0.0 for a wrong answer), or check why it cannot judge these completions."
+    )
+
+
 def _is_async(fn: Callable[..., Any]) -> bool:
     if inspect.iscoroutinefunction(fn):
         return True
@@ -383,6 +472,12 @@ def _clip(text: str, limit: int = 200) -> str:
 
 def _short_repr(value: Any, limit: int = 80) -> str:
     return _truncate(repr(value), limit)
+
+
+def _describe(exc: BaseException) -> str:
+    name = getattr(exc, "remote_type", type(exc).__name__)  # a worker's exception that could not be pickled
+    message = _truncate(str(exc), 300)
+    return f"{name}: {message}" if message else name
 
 
 def _truncate(text: str, limit: int) -> str:

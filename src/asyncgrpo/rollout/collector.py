@@ -41,6 +41,7 @@ from asyncgrpo.errors import (
     TransientGenerationError,
 )
 from asyncgrpo.generation.base import Generator
+from asyncgrpo.rewards.scoring import unscored_group_error
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.admission import is_doomed, is_trainable, may_admit_group
 from asyncgrpo.rollout.buffer import ReplayBuffer
@@ -370,7 +371,7 @@ class Collector:
         self._last_progress = self._now()  # scoring a group is progress, however long the reward took
         kept = [(c, s) for (_, c), s in zip(survivors, scored) if s.reward is not None]
         if len(kept) < self.cfg.rollout.min_group_survivors:
-            self._end_dropped(group, "too_few_survivors", None)
+            self._end_dropped(group, "too_few_survivors", unscored_group_error(group.prompt, scored, self.cfg.rollout.min_group_survivors))
             return
         rewards = [float(s.reward) for _, s in kept]
         if self.cfg.rollout.filter_zero_variance and max(rewards) == min(rewards):

@@ -1,0 +1,134 @@
+"""The child side of ``reward.isolation: process``: one worker process calling sync reward functions.
+
+Started by `asyncgrpo.rewards.pool` as a fresh interpreter (never a fork of the trainer: a
+fork after torch's and asyncio's threads are up can inherit a lock held by a thread that does
+not exist in the child). It talks to its parent over one socket (file descriptor in argv[1]),
+in frames of an 8-byte big-endian length and a pickle:
+
+    parent -> worker  {"specs": [...], "sys_path": [...], "parent_pid": int}   once
+    worker -> parent  ("ready",) | ("config_error", message)                    once
+    parent -> worker  (index, kwargs)                                            per call
+    worker -> parent  ("ok", result) | ("raised", exception, traceback_text)     per call
+
+The worker re-resolves ``reward.functions`` by name (`resolve_reward`), so it needs nothing
+pickled but the inputs. It serves one call at a time until the socket closes, then exits 0.
+
+Invariants:
+- It dies with its parent: on Linux the kernel sends it SIGKILL when the parent goes
+  (PR_SET_PDEATHSIG), even while it is stuck in C code holding the GIL; and it exits when the
+  socket reaches end of file. Terminal signals do not reach it (own session; SIGINT ignored):
+  the parent alone decides when it stops.
+- Anything a function raises, SystemExit and KeyboardInterrupt included, goes back to the
+  parent as the exception (or `RemoteError` if it cannot be pickled); the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import inspect
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import traceback
+from typing import Any, BinaryIO
+
+HEADER = struct.Struct("!Q")
+PR_SET_PDEATHSIG = 1
+
+
+class RemoteError(Exception):
+    """Stands for an exception raised in a worker that cannot be pickled: its type's name and message."""
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(type_name, message)
+        self.remote_type = type_name
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def encode(obj: Any) -> bytes:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return HEADER.pack(len(data)) + data
+
+
+def _read_frame(stream: BinaryIO) -> Any | None:
+    """The next message, or None at end of file."""
+    header = stream.read(HEADER.size)
+    if len(header) < HEADER.size:
+        return None
+    (size,) = HEADER.unpack(header)
+    data = stream.read(size)
+    return pickle.loads(data) if len(data) == size else None
+
+
+def _send(stream: BinaryIO, obj: Any) -> None:
+    stream.write(encode(obj))
+    stream.flush()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent went before the line above took effect
+        os._exit(0)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """`exc` if it survives a pickle round trip, else a `RemoteError` with its type's name and message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RemoteError(type(exc).__name__, str(exc))
+
+
+async def _settle(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _call(fn: Any, kwargs: dict[str, Any]) -> bytes:
+    try:
+        result = fn(**kwargs)
+        if inspect.isawaitable(result):
+            result = asyncio.run(_settle(result))
+    except BaseException as exc:  # noqa: BLE001 - every failure of the function goes back to the parent
+        return encode(("raised", _portable(exc), "".join(traceback.format_exception(exc))))
+    try:
+        return encode(("ok", result))
+    except Exception as exc:  # noqa: BLE001
+        error = RemoteError(type(exc).__name__, f"its {type(result).__name__} result cannot be sent back from the worker process: {exc}")
+        return encode(("raised", error, ""))
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with socket.socket(fileno=int(sys.argv[1])) as sock, sock.makefile("rwb") as stream:
+        init = _read_frame(stream)
+        if init is None:
+            return
+        _die_with_parent(init["parent_pid"])
+        sys.path[:] = init["sys_path"]
+        from asyncgrpo.errors import ConfigError
+        from asyncgrpo.rewards.scoring import resolve_reward
+
+        try:
+            functions = [resolve_reward(spec, i)[1] for i, spec in enumerate(init["specs"])]
+        except ConfigError as exc:
+            _send(stream, ("config_error", str(exc)))
+            return
+        _send(stream, ("ready",))
+        while (message := _read_frame(stream)) is not None:
+            index, kwargs = message
+            stream.write(_call(functions[index], kwargs))
+            stream.flush()
+
+
+if __name__ == "__main__":
+    main()
