@@ -118,5 +118,5 @@ def make_collector(cfg, generator):
     rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=0)
     prompts, _ = build_prompts(rows, prompt_key="prompt", tokenizer=None, max_prompt_tokens=256)
     source = PromptSource(prompts, num_epochs=1, shuffle=False, seed=0)
-    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), None, 30.0, sync_in_thread=False)
+    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), None, 30.0, isolation="inline")
     return Collector(cfg, source=source, generator=generator, scorer=scorer, sampling=SamplingParams(max_new_tokens=8))
