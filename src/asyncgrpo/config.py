@@ -204,6 +204,7 @@ class CheckpointConfig(_Section):
 class LoggingConfig(_Section):
     progress: bool = True
     samples_per_step: int = Field(2, ge=0, description="Completions per step written to samples.jsonl.")
+    blocked_loop_warn_s: float = Field(10.0, gt=0, description="Warn (with where its thread is) when the event loop has not turned for this long: user code blocking it stops rollouts, timeouts and stop requests.")
 
 
 class Config(_Section):

@@ -57,6 +57,7 @@ from asyncgrpo.signals import StopSignals
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import GenerationRequest, Group, Prompt, SamplingParams
+from asyncgrpo.watchdog import LoopWatchdog
 
 log = logging.getLogger("asyncgrpo")
 
@@ -329,7 +330,7 @@ async def _train_claimed(cfg: Config, plan: ResumePlan, stop: Stop, run_dir: Pat
 
     final_checkpoint: Path | None = None
     result: PipelineResult | None = None
-    try:
+    async def run_stages() -> PipelineResult:
         await engine.start()
         if cfg.generation.backend == "http":
             # Cold sync: the servers serve exactly the trainer's weights (a fresh run's, or the checkpoint's).
@@ -342,7 +343,11 @@ async def _train_claimed(cfg: Config, plan: ResumePlan, stop: Stop, run_dir: Pat
         )
         if stop.received:  # a signal arrived while loading
             stop.pipeline.cancel()
-        result = await stop.pipeline
+        return await stop.pipeline
+
+    try:
+        with LoopWatchdog(loop, threshold_s=cfg.logging.blocked_loop_warn_s):  # from here on, nothing may block the loop
+            result = await run_stages()
     except asyncio.CancelledError:
         if not (stop.received and stop.pipeline is not None and stop.pipeline.cancelled()):
             raise

@@ -9,12 +9,14 @@
 - Every message names the signal received and says truthfully whether a checkpoint is on disk
   (`describe_checkpoint()` is asked at that moment).
 
-The handlers are Python signal handlers (`signal.signal`), not `loop.add_signal_handler`: the
-latter runs its callback on the loop, so a reward function that blocks the loop (an `async def`
-calling `time.sleep`) would make every signal wait for it. A Python handler runs in the main
-thread at the next bytecode or interrupted system call, and the timer is a thread of its own,
-so both act while the loop is blocked. (Code that holds the GIL without returning, such as a
-catastrophic regex, blocks every thread: sync reward functions run isolated for that reason.)
+Signals are received on a thread of their own, not on the event loop and not in the main thread:
+`loop.add_signal_handler` runs its callback on the loop, and a Python signal handler runs in the
+main thread, so either would wait for a reward function that blocks the loop (an `async def`
+calling `time.sleep`). Instead the signals get a no-op Python handler and `signal.set_wakeup_fd`
+points at a pipe: the interpreter's C-level handler writes each signal's number there, whichever
+thread the kernel interrupted, and a daemon thread reading the pipe acts on it at once. The
+shutdown timer is a thread too. (Code that holds the GIL without returning, such as a
+catastrophic regex, stops every thread: sync reward functions run in processes for that reason.)
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ log = logging.getLogger("asyncgrpo")
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 REPEAT_WINDOW_S = 1.0
+
+
+def _deliver_through_wakeup_fd(_signum: int, _frame: FrameType | None) -> None:
+    """The Python-level handler does nothing: the signal's number already went to the wakeup fd."""
 
 
 class StopSignals:
@@ -56,16 +62,34 @@ class StopSignals:
 
     @contextmanager
     def installed(self) -> Iterator[StopSignals]:
-        previous = {signum: signal.signal(signum, self._handle) for signum in EXIT_CODES}
+        """Route SIGINT and SIGTERM to this object's reader thread; must be entered on the main thread."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # the C-level handler must never block
+        reader = threading.Thread(target=self._read, args=(read_fd,), name="asyncgrpo-signals", daemon=True)
+        previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        previous = {signum: signal.signal(signum, _deliver_through_wakeup_fd) for signum in EXIT_CODES}
+        reader.start()
         try:
             yield self
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            signal.set_wakeup_fd(previous_fd)
+            os.close(write_fd)  # the reader sees end of file and returns
+            reader.join(timeout=5.0)
             if self._timer is not None:
                 self._timer.cancel()
 
-    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+    def _read(self, read_fd: int) -> None:
+        try:
+            while data := os.read(read_fd, 64):
+                for signum in data:
+                    if signum in EXIT_CODES:
+                        self._handle(signum)
+        finally:
+            os.close(read_fd)
+
+    def _handle(self, signum: int) -> None:
         name = signal.Signals(signum).name
         now = time.monotonic()
         if self.received:

@@ -76,3 +76,19 @@ def test_the_stop_message_names_the_signal_received(tmp_path):
         rest = proc.stderr.read()
         proc.wait(timeout=120)
     assert "received SIGTERM" in rest and "send SIGTERM again to exit at once" in rest and "Ctrl-C" not in rest
+
+
+@pytest.mark.timeout(300)
+def test_a_reward_that_blocks_the_event_loop_is_reported_and_a_stop_still_ends_the_process(tmp_path):
+    """`reward.timeout_s` cannot fire on a blocked loop; the watchdog says where it is blocked, and the
+    shutdown timer (a thread) ends the process after run.shutdown_timeout_s."""
+    with start_train(tmp_path, "reward.functions=[tests.integration.blocking_rewards:sleeps_on_the_loop]", "reward.timeout_s=1",
+                     "logging.blocked_loop_warn_s=2", "run.shutdown_timeout_s=3", "eval.every_steps=0") as proc:
+        assert read_until(proc, "warning: the event loop has not turned for")
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=60) == 143, rest
+    assert time.monotonic() - signalled < 30
+    assert "received SIGTERM" in rest and "the shutdown took longer than run.shutdown_timeout_s: exiting at once" in rest
+    assert "No checkpoint of this run is on disk yet." in rest

@@ -1,0 +1,11 @@
+"""Reward functions that misbehave, for the tests that check a run survives them (by name: module:function)."""
+
+from __future__ import annotations
+
+import time
+
+
+async def sleeps_on_the_loop(prompts, completions, **kwargs):
+    """An async reward that calls time.sleep: the event loop stops turning for an hour."""
+    time.sleep(3600)
+    return [0.0 for _ in completions]
