@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -266,16 +267,35 @@ def consistency_problems(cfg: Config) -> list[str]:
 
 
 def tolerance_warnings(cfg: Config) -> list[str]:
-    """Settings that are valid but will not do what they suggest."""
+    """Settings that are valid but will not do what they suggest.
+
+    The failure policy (rollout/failures.py) checks the consecutive budget first, at a streak of
+    `max_generation_failures + 1`, and the drop-fraction rule only once `drop_window` groups have
+    finished, at more than `max_drop_fraction * drop_window` drops in the window. So a streak of
+    `floor(f * W) + 1` failed groups in a full window breaks the drop-fraction rule, and a budget at
+    or above the window can never be spent.
+    """
     r = cfg.rollout
-    warnings = []
-    if r.max_drop_fraction < 1.0 and r.max_generation_failures >= r.drop_window * r.max_drop_fraction:
-        warnings.append(
-            f"rollout.max_generation_failures = {r.max_generation_failures} can never be reached: the drop-fraction "
-            f"rule (rollout.max_drop_fraction = {r.max_drop_fraction:g} of rollout.drop_window = {r.drop_window}) "
-            f"fails the run first. Set rollout.max_drop_fraction: 1.0 to turn that rule off."
-        )
-    return warnings
+    if r.max_drop_fraction >= 1.0:
+        return []
+    window_streak = math.floor(r.max_drop_fraction * r.drop_window) + 1
+    rule = (
+        f"the drop-fraction rule (more than rollout.max_drop_fraction = {r.max_drop_fraction:g} of rollout.drop_window = "
+        f"{r.drop_window} groups dropped) fails the run after {window_streak} consecutive all-failed groups"
+    )
+    if r.max_generation_failures >= r.drop_window:
+        return [
+            f"rollout.max_generation_failures = {r.max_generation_failures} can never be reached: {rule}, before the "
+            f"streak can exceed {r.max_generation_failures}. Set rollout.max_drop_fraction: 1.0 to turn that rule off, "
+            f"or lower rollout.max_generation_failures below {window_streak}."
+        ]
+    if r.max_generation_failures >= window_streak:
+        return [
+            f"rollout.max_generation_failures = {r.max_generation_failures} applies only until the first {r.drop_window} "
+            f"groups of the run have finished; after that {rule}. Set rollout.max_drop_fraction: 1.0 to turn that rule "
+            f"off, or lower rollout.max_generation_failures below {window_streak}."
+        ]
+    return []
 
 
 # ---------------------------------------------------------------------------------------

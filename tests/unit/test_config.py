@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncgrpo.config import load_config, parse_overrides, tolerance_warnings
+from asyncgrpo.config import load_config, parse_overrides
 from asyncgrpo.errors import ConfigError
 
 
@@ -71,12 +71,6 @@ def test_a_recipe_that_is_not_a_mapping(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("- a\n- b\n")
     assert "must be a mapping" in error_of(path=recipe)
-
-
-def test_high_failure_tolerance_overridden_by_the_window_warns():
-    cfg = load_config(None, ["rollout.max_generation_failures=40", "rollout.drop_window=64", "rollout.max_drop_fraction=0.5"])
-    assert any("can never be reached" in w for w in tolerance_warnings(cfg))
-    assert tolerance_warnings(load_config(None)) == []
 
 
 def test_the_resolved_config_round_trips_through_yaml(tmp_path):

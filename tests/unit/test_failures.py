@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from asyncgrpo.config import load_config, tolerance_warnings
 from asyncgrpo.rollout.failures import FailurePolicy
 
 OUTCOMES = ("success", "failed", "too_few_survivors", "invalid_prompt", "filtered", "reward_error")
@@ -92,3 +94,42 @@ def test_the_diagnostic_carries_the_breaking_groups_error_not_an_old_one():
     verdict = p.record("failed", RuntimeError("outage 2"))
     assert str(verdict.original) == "outage 2"
     assert "an old blip" not in {str(e) for e in verdict.examples.values()}  # out of the window by now
+
+
+# ---------------------------------------------------------------- the tolerance warning tells the policy's truth
+
+
+def first_verdict_kind(p: FailurePolicy, successes_first: int) -> str:
+    """Finish `successes_first` good groups, then failed groups until the policy gives a verdict; its kind."""
+    for _ in range(successes_first):
+        assert p.record("success") is None
+    while (verdict := p.record("failed")) is None:
+        pass
+    return verdict.kind
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.25, 0.5, 0.75, 0.9, 1.0])
+@pytest.mark.parametrize("window", [1, 2, 3, 5, 8, 13])
+@pytest.mark.parametrize("budget", range(0, 15))
+def test_the_tolerance_warning_says_when_the_failure_budget_can_be_reached(budget, window, fraction):
+    cfg = load_config(None, [f"rollout.max_generation_failures={budget}", f"rollout.drop_window={window}", f"rollout.max_drop_fraction={fraction}"])
+    warnings = tolerance_warnings(cfg)
+    tolerances = dict(max_generation_failures=budget, drop_window=window, max_drop_fraction=fraction)
+    at_start = first_verdict_kind(policy(**tolerances), successes_first=0)
+    later = first_verdict_kind(policy(**tolerances), successes_first=window)
+    if not warnings:
+        assert at_start == later == "generation_failures"
+    elif "can never be reached" in warnings[0]:
+        assert at_start == later == "drop_fraction"
+    else:
+        assert f"applies only until the first {window} groups" in warnings[0]
+        assert (at_start, later) == ("generation_failures", "drop_fraction")
+
+
+def test_a_budget_of_40_in_the_default_window_is_reachable_at_the_start_and_the_warning_says_so():
+    # The run the issue saw: warned "can never be reached", then failed with 41 consecutive failures.
+    cfg = load_config(None, ["rollout.max_generation_failures=40"])
+    (warning,) = tolerance_warnings(cfg)
+    assert "can never be reached" not in warning
+    assert "applies only until the first 64 groups" in warning and "after 33 consecutive all-failed groups" in warning
+    assert first_verdict_kind(policy(max_generation_failures=40, max_drop_fraction=0.5), successes_first=0) == "generation_failures"
