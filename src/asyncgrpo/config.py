@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from asyncgrpo.errors import ConfigError
+
+log = logging.getLogger("asyncgrpo")
 
 
 class _Section(BaseModel):
@@ -356,6 +359,15 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"recipe {recipe} must be a mapping of sections (run:, model:, ...), got {type(loaded).__name__}.")
+        if not loaded:
+            # A warning, not an error: a defaults-only run (`check`, or keys given as overrides) is legitimate.
+            rest = "every key not given as an override" if overrides else "every key"
+            log.warning(
+                "warning: recipe %s sets no keys (it is empty or only comments): %s is at its default. "
+                "If you meant to set something, check the path and that the keys are not commented out.",
+                recipe,
+                rest,
+            )
         data = loaded
     if overrides:
         data = merge(data, parse_overrides(overrides))

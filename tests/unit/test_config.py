@@ -78,3 +78,22 @@ def test_the_resolved_config_round_trips_through_yaml(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(cfg.to_yaml())
     assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n# and another\n", "{}\n"])
+def test_an_empty_recipe_warns_that_every_key_is_at_its_default(tmp_path, caplog, text):
+    recipe = tmp_path / "empty.yaml"
+    recipe.write_text(text)
+    with caplog.at_level("WARNING", logger="asyncgrpo"):
+        assert load_config(recipe) == load_config(None)
+    (record,) = caplog.records
+    assert str(recipe) in record.getMessage() and "every key is at its default" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncgrpo"):
+        load_config(recipe, ["train.max_steps=3"])
+    assert "every key not given as an override is at its default" in caplog.records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncgrpo"):
+        recipe.write_text("train: {max_steps: 3}\n")
+        load_config(recipe)
+    assert caplog.records == []
