@@ -196,6 +196,11 @@ class CheckpointConfig(_Section):
 class LoggingConfig(_Section):
     progress: bool = True
     samples_per_step: int = Field(2, ge=0, description="Completions per step written to samples.jsonl.")
+    failure_summary_s: float = Field(
+        30.0, gt=0, allow_inf_nan=False,
+        description="Tolerated failures (retries, failed rollouts, reward errors dropped): the first of each error class "
+        "and source is logged with its message, then a summary of the counts at most this often (seconds of loop time).",
+    )
 
 
 class Config(_Section):

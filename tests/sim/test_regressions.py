@@ -288,3 +288,31 @@ def test_a_pipeline_with_nothing_moving_raises_stall_error_naming_what_it_waited
     assert sim.result.outcome == "stalled" and sim.exit_code == 2 and d.kind == "stall"
     assert "step 0 waited for 2 groups" in d.message and "requests open" in d.message
     assert 50 <= sim.virtual_time_s < 60
+
+
+def test_tolerated_failures_are_logged_first_in_full_then_summarised_on_virtual_time(caplog):
+    # Every first attempt is refused (retried), and prompt 2's rollouts crash (failed, not retried).
+    crash = RuntimeError("worker crashed")
+    cfg = recipe(logging={"failure_summary_s": 5.0}, rollout={"max_drop_fraction": 1.0, "max_generation_failures": 5}, train={"max_steps": 20})
+
+    def fate(request, attempt):
+        if request.prompt_id == 2:
+            return Fate(after_s=0.2, error=crash)
+        return REFUSED if attempt == 1 else OK
+
+    with caplog.at_level("WARNING", logger="asyncgrpo"):
+        sim = simulate(cfg, ProgrammedGenerator(fate))
+    assert sim.result.outcome == "completed"
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncgrpo"]
+    full = [line for line in lines if line.startswith("tolerated failure (")]
+    assert len(full) == 2
+    assert "attempt retried): TransientGenerationError from programmed: connection refused" in full[0]
+    assert "rollout failed): RuntimeError from programmed: worker crashed" in full[1]
+    summaries = [line for line in lines if line.startswith("tolerated failures in the last")]
+    # at most one summary per 5 virtual seconds, and every counted failure appears in one of them
+    assert 2 <= len(summaries) <= sim.virtual_time_s / 5 + 1
+    def total(what):
+        return sum(int(s.split(f" x {what}")[0].rsplit(" ", 1)[1]) for s in summaries if f" x {what}" in s)
+
+    assert total("attempt retried") == sim.collector.counters["rollout/retries_total"] > 10
+    assert total("rollout failed") == sim.collector.counters["rollout/failed_total"] == 2
