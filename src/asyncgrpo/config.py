@@ -99,10 +99,24 @@ class FaultConfig(_Section):
     prompts: list[int] | None = Field(None, description="Only these prompt ids (then `rate` applies to them).")
 
 
+class WeightSyncFaultConfig(_Section):
+    """One injected weight-publication fault: with probability `rate` per publication, inside [from_s, until_s)."""
+
+    error: Literal["fail", "hang"]
+    rate: float = Field(1.0, ge=0, le=1)
+    from_s: float = Field(0.0, ge=0)
+    until_s: float | None = Field(None, gt=0)
+
+
 class ScriptedConfig(_Section):
     latency_s: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=1.0))
     tokens: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=32))
     faults: list[FaultConfig] = Field(default_factory=list)
+    weight_sync_s: Distribution = Field(
+        default_factory=lambda: Distribution(dist="const", value=0.0),
+        description="Virtual time one weight publication takes; the old version is served until it ends.",
+    )
+    weight_sync_faults: list[WeightSyncFaultConfig] = Field(default_factory=list)
 
 
 class LocalEngineConfig(_Section):

@@ -16,6 +16,12 @@ HTTP server would). Fault kinds and the error class each raises:
     http_404                                -> MisconfiguredBackendError (fatal at once)
     exception                               -> RuntimeError (not retried)
     hang                                    -> never answers; the request deadline ends it
+
+A weight publication (`load_weights`) draws from its own stream, seeded by (run seed, version):
+it applies `weight_sync_faults` (`fail` raises WeightSyncError, fatal like an HTTP backend none
+of whose servers took the weights; `hang` never returns, so the pipeline's
+`generation.weight_sync_timeout_s` ends it), then takes `weight_sync_s` of virtual time, serving
+the old version meanwhile, and only then serves the new one.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ import random
 from collections import Counter
 from typing import Any, Mapping
 
-from asyncgrpo.config import Distribution, FaultConfig, ScriptedConfig
+from asyncgrpo.config import Distribution, FaultConfig, ScriptedConfig, WeightSyncFaultConfig
 from asyncgrpo.errors import GenerationError, MisconfiguredBackendError, PromptRejectedError, TransientGenerationError
+from asyncgrpo.generation.weight_sync import WeightSyncError
 from asyncgrpo.types import Completion, GenerationRequest
 
 
@@ -74,6 +81,15 @@ class ScriptedGenerator:
         return None
 
     async def load_weights(self, state: Mapping[str, Any] | None, version: int) -> None:
+        loop = asyncio.get_running_loop()
+        rng = random.Random(_stream_seed(self.seed, "weights", version))
+        now = loop.time()
+        for fault in self.cfg.weight_sync_faults:
+            if _in_window(fault, now) and rng.random() < fault.rate:
+                if fault.error == "fail":
+                    raise WeightSyncError(f"scripted fault: no server loaded weights v{version}", backend=self.name)
+                await loop.create_future()  # hang: the pipeline's weight_sync_timeout_s cancels it
+        await asyncio.sleep(sample(self.cfg.weight_sync_s, rng))
         self._version = version
 
     async def generate(self, request: GenerationRequest) -> Completion:
@@ -123,9 +139,13 @@ class ScriptedGenerator:
 def _applies(fault: FaultConfig, prompt_id: int, now: float) -> bool:
     if fault.prompts is not None and prompt_id not in fault.prompts:
         return False
+    return _in_window(fault, now)
+
+
+def _in_window(fault: FaultConfig | WeightSyncFaultConfig, now: float) -> bool:
     return now >= fault.from_s and (fault.until_s is None or now < fault.until_s)
 
 
-def _stream_seed(seed: int, request_id: str, attempt: int) -> int:
-    digest = hashlib.blake2b(f"{seed}:{request_id}:{attempt}".encode(), digest_size=8).digest()
+def _stream_seed(seed: int, stream: str, index: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{stream}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
