@@ -66,6 +66,29 @@ def test_drop_fraction_counts_only_after_a_full_window_and_names_the_reasons():
     assert set(verdict.examples) == {"failed", "too_few_survivors"}
 
 
+def test_a_drop_fraction_verdict_stands_for_its_most_frequent_reason():
+    # reward_error first in the window, but failed is the most frequent: its first error stands for the verdict.
+    e0, e1, e2 = RuntimeError("reward broke"), RuntimeError("outage 1"), RuntimeError("outage 2")
+    p = policy(max_generation_failures=100, drop_window=3, max_drop_fraction=0.5)
+    assert p.record("reward_error", e0) is None
+    assert p.record("failed", e1) is None
+    verdict = p.record("failed", e2)
+    assert verdict.kind == "drop_fraction" and verdict.count == 3 and verdict.threshold == 0.5
+    assert verdict.original is e1
+    assert verdict.by_reason == {"failed": 2, "reward_error": 1}
+    assert "3 of the last 3 groups were dropped (failed: 2, reward_error: 1), more than rollout.max_drop_fraction = 0.5" in verdict.message
+
+
+def test_a_drop_fraction_verdict_whose_top_reason_has_no_error_falls_back_to_another_example():
+    e0 = RuntimeError("reward broke")
+    p = policy(max_generation_failures=100, drop_window=3, max_drop_fraction=0.5)
+    assert p.record("reward_error", e0) is None
+    assert p.record("too_few_survivors") is None  # dropped after scoring: no error to show
+    verdict = p.record("too_few_survivors")
+    assert verdict.by_reason == {"too_few_survivors": 2, "reward_error": 1}
+    assert verdict.original is e0 and verdict.examples == {"reward_error": e0}
+
+
 def test_drop_fraction_at_the_limit_is_allowed():
     p = policy(max_generation_failures=100, drop_window=4, max_drop_fraction=0.5)
     for outcome in ("failed", "success", "failed", "success", "success"):
@@ -77,6 +100,15 @@ def test_filtered_fraction_says_the_rewards_carry_no_signal():
     assert p.record("filtered") is None
     verdict = p.record("filtered")
     assert verdict.kind == "filtered_fraction" and "no signal" in verdict.message
+    assert verdict.count == 2 and verdict.threshold == 0.5 and verdict.by_reason == {"filtered": 2}
+    assert verdict.message.startswith("2 of the last 2 groups had rewards that were all equal")
+    assert verdict.original is None
+
+
+def test_filtered_fraction_at_the_limit_is_allowed():
+    p = policy(drop_window=4, max_filtered_fraction=0.5)
+    for outcome in ("filtered", "success", "filtered", "success", "success", "filtered"):
+        assert p.record(outcome) is None
 
 
 def test_fraction_one_turns_the_trickle_rules_off():
