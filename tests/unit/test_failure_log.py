@@ -63,5 +63,5 @@ def test_kinds_are_summarised_separately():
 
 @pytest.mark.parametrize("interval", [0.0, -1.0, float("nan")])
 def test_the_interval_must_be_positive(interval):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^summary_interval_s must be > 0, got "):
         FailureLog(interval)

@@ -37,7 +37,7 @@ class FailureLog:
         self.summary_interval_s = summary_interval_s
         self._shown: set[Key] = set()
         self._counts: Counter[Key] = Counter()  # since the last summary
-        self._unshown = 0  # of those, how many were not shown in full
+        self._repeats = False  # whether any of those was not shown in full
         self._period_start: float | None = None
 
     def record(self, what: Tolerated, error_class: str, source: str, message: str, now: float) -> list[str]:
@@ -48,20 +48,20 @@ class FailureLog:
             self._period_start = now
         self._counts[key] += 1
         if key in self._shown:
-            self._unshown += 1
+            self._repeats = True
         else:
             self._shown.add(key)
             lines.append(
                 f"tolerated failure ({_WHAT[what]}): {error_class} from {source}: {message} "
                 f"[first of its kind; later ones are counted every logging.failure_summary_s = {self.summary_interval_s:g} s]"
             )
-        if self._unshown and now - self._period_start >= self.summary_interval_s:
+        if self._repeats and now - self._period_start >= self.summary_interval_s:
             lines.append(self._summary(now))
         return lines
 
     def flush(self, now: float) -> list[str]:
         """The summary of the failures not yet summarised, if any was not shown in full."""
-        return [self._summary(now)] if self._unshown else []
+        return [self._summary(now)] if self._repeats else []
 
     def _summary(self, now: float) -> str:
         assert self._period_start is not None
@@ -73,6 +73,6 @@ class FailureLog:
                 parts.append(f"{sum(counts.values())} x {_WHAT[what]} ({listed})")
         line = f"tolerated failures in the last {now - self._period_start:.0f} s: " + "; ".join(parts)
         self._counts.clear()
-        self._unshown = 0
+        self._repeats = False
         self._period_start = now
         return line
