@@ -13,6 +13,8 @@ Invariants:
 from __future__ import annotations
 
 import difflib
+import logging
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +22,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from asyncgrpo.errors import ConfigError
+
+log = logging.getLogger("asyncgrpo")
 
 
 class _Section(BaseModel):
@@ -107,10 +111,24 @@ class FaultConfig(_Section):
     prompts: list[int] | None = Field(None, description="Only these prompt ids (then `rate` applies to them).")
 
 
+class WeightSyncFaultConfig(_Section):
+    """One injected weight-publication fault: with probability `rate` per publication, inside [from_s, until_s)."""
+
+    error: Literal["fail", "hang"]
+    rate: float = Field(1.0, ge=0, le=1)
+    from_s: float = Field(0.0, ge=0)
+    until_s: float | None = Field(None, gt=0)
+
+
 class ScriptedConfig(_Section):
     latency_s: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=1.0))
     tokens: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=32))
     faults: list[FaultConfig] = Field(default_factory=list)
+    weight_sync_s: Distribution = Field(
+        default_factory=lambda: Distribution(dist="const", value=0.0),
+        description="Virtual time one weight publication takes; the old version is served until it ends.",
+    )
+    weight_sync_faults: list[WeightSyncFaultConfig] = Field(default_factory=list)
 
 
 class LocalEngineConfig(_Section):
@@ -205,6 +223,11 @@ class LoggingConfig(_Section):
     progress: bool = True
     samples_per_step: int = Field(2, ge=0, description="Completions per step written to samples.jsonl.")
     blocked_loop_warn_s: float = Field(10.0, gt=0, description="Warn (with where its thread is) when the event loop has not turned for this long: user code blocking it stops rollouts, timeouts and stop requests.")
+    failure_summary_s: float = Field(
+        30.0, gt=0,
+        description="Tolerated failures (retries, failed rollouts, reward errors dropped): the first of each error class "
+        "and source is logged with its message, then a summary of the counts at most this often (seconds of loop time).",
+    )
 
 
 class Config(_Section):
@@ -279,16 +302,35 @@ def consistency_problems(cfg: Config) -> list[str]:
 
 
 def tolerance_warnings(cfg: Config) -> list[str]:
-    """Settings that are valid but will not do what they suggest."""
+    """Settings that are valid but will not do what they suggest.
+
+    The failure policy (rollout/failures.py) checks the consecutive budget first, at a streak of
+    `max_generation_failures + 1`, and the drop-fraction rule only once `drop_window` groups have
+    finished, at more than `max_drop_fraction * drop_window` drops in the window. So a streak of
+    `floor(f * W) + 1` failed groups in a full window breaks the drop-fraction rule, and a budget at
+    or above the window can never be spent.
+    """
     r = cfg.rollout
-    warnings = []
-    if r.max_drop_fraction < 1.0 and r.max_generation_failures >= r.drop_window * r.max_drop_fraction:
-        warnings.append(
-            f"rollout.max_generation_failures = {r.max_generation_failures} can never be reached: the drop-fraction "
-            f"rule (rollout.max_drop_fraction = {r.max_drop_fraction:g} of rollout.drop_window = {r.drop_window}) "
-            f"fails the run first. Set rollout.max_drop_fraction: 1.0 to turn that rule off."
-        )
-    return warnings
+    if r.max_drop_fraction >= 1.0:
+        return []
+    window_streak = math.floor(r.max_drop_fraction * r.drop_window) + 1
+    rule = (
+        f"the drop-fraction rule (more than rollout.max_drop_fraction = {r.max_drop_fraction:g} of rollout.drop_window = "
+        f"{r.drop_window} groups dropped) fails the run after {window_streak} consecutive all-failed groups"
+    )
+    if r.max_generation_failures >= r.drop_window:
+        return [
+            f"rollout.max_generation_failures = {r.max_generation_failures} can never be reached: {rule}, before the "
+            f"streak can exceed {r.max_generation_failures}. Set rollout.max_drop_fraction: 1.0 to turn that rule off, "
+            f"or lower rollout.max_generation_failures below {window_streak}."
+        ]
+    if r.max_generation_failures >= window_streak:
+        return [
+            f"rollout.max_generation_failures = {r.max_generation_failures} applies only until the first {r.drop_window} "
+            f"groups of the run have finished; after that {rule}. Set rollout.max_drop_fraction: 1.0 to turn that rule "
+            f"off, or lower rollout.max_generation_failures below {window_streak}."
+        ]
+    return []
 
 
 # ---------------------------------------------------------------------------------------
@@ -349,6 +391,15 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"recipe {recipe} must be a mapping of sections (run:, model:, ...), got {type(loaded).__name__}.")
+        if not loaded:
+            # A warning, not an error: a defaults-only run (`check`, or keys given as overrides) is legitimate.
+            rest = "every key not given as an override" if overrides else "every key"
+            log.warning(
+                "warning: recipe %s sets no keys (it is empty or only comments): %s is at its default. "
+                "If you meant to set something, check the path and that the keys are not commented out.",
+                recipe,
+                rest,
+            )
         data = loaded
     if overrides:
         data = merge(data, parse_overrides(overrides))

@@ -2,9 +2,10 @@
 
 The collector, buffer, policies, reward scoring and the training loop are the real ones;
 only generation (seeded latencies, lengths and faults) and the optimizer step (a fixed
-virtual duration) are scripted. A simulated hour takes well under a second, so users can
-tune staleness, concurrency and failure tolerance, and chaos-test a recipe, before
-spending GPU hours; the test suite uses it to check every invariant under faults.
+virtual duration) are scripted. A simulated hour of the shipped recipe takes a few seconds
+(docs/benchmarks.md, "Simulator speed"), so users can tune staleness, concurrency and
+failure tolerance, and chaos-test a recipe, before spending GPU hours; the test suite uses
+it to check every invariant under faults.
 
 Invariants checked on every run (a violation raises `InvariantViolation`, a bug):
 accounting balances; no trained group exceeded the staleness bound; every task the

@@ -2,7 +2,8 @@
 
 `ProgrammedGenerator` decides each request attempt's fate with a function the test writes:
 `fate(request, attempt) -> Fate`. It records every attempt, abort and completion so tests
-can assert what the pipeline did to the backend.
+can assert what the pipeline did to the backend, and when (`started_at`: a request's first
+attempt; `finished_at`: its last attempt's end).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class ProgrammedGenerator:
         self.aborted: list[str] = []
         self.completed: list[str] = []
         self.in_progress = 0
+        self.started_at: dict[str, float] = {}
         self.finished_at: dict[str, float] = {}
 
     @property
@@ -66,6 +68,7 @@ class ProgrammedGenerator:
         fate = self.fate(request, self.attempts[request.request_id])
         dispatch_version = self.version
         loop = asyncio.get_running_loop()
+        self.started_at.setdefault(request.request_id, loop.time())
         self.in_progress += 1
         try:
             if fate.hang:

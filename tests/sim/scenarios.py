@@ -2,7 +2,13 @@
 
 `scenario(seed)` returns a recipe dict: at most 6 steps, at most 4 groups of at most 4 per
 step, random latencies and lengths, transient errors, non-retryable errors, outages,
-hangs, per-prompt exceptions, staleness 0-4 and random tolerances.
+hangs, per-prompt exceptions, staleness 0-4, random tolerances, and weight publications
+that take virtual time and may fail or hang.
+
+A scenario is *fault-free* (`is_fault_free`) when it injects no request fault, no
+weight-publication fault and uses the well-behaved reward; the generator then also keeps
+its data and filter settings such that it must complete (at least one full step of data,
+no zero-variance filtering), so the suite can require zero failures and zero stalls of it.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import hashlib
 import random
 from typing import Any
 
+from asyncgrpo.config import Config
 from asyncgrpo.data.tasks import coin_reward
 
 FAULT_KINDS = ("http_500", "http_429", "connection_refused", "http_400", "prompt_too_long", "hang", "exception", "http_404")
@@ -39,7 +46,7 @@ def scenario(seed: int) -> dict[str, Any]:
             {"dist": "lognormal", "median": round(rng.uniform(0.2, 2), 3), "sigma": round(rng.uniform(0, 1.2), 3), "max": 4.5},
         )
     )
-    return {
+    recipe = {
         "run": {"name": f"chaos-{seed}", "seed": seed},
         "data": {
             "source": "builtin:repeat_letter",
@@ -82,6 +89,35 @@ def scenario(seed: int) -> dict[str, Any]:
         },
         "train": {"backend": "stub", "step_time_s": round(rng.uniform(0.1, 4), 3), "max_steps": rng.randint(1, 6)},
     }
+    # Drawn after the rest, so that adding them left every earlier draw of a seed as it was.
+    generation, scripted = recipe["generation"], recipe["generation"]["scripted"]
+    scripted["weight_sync_s"] = rng.choice(
+        (
+            {"dist": "const", "value": 0.0},
+            {"dist": "const", "value": round(rng.uniform(0.05, 3), 3)},
+            {"dist": "uniform", "low": 0.0, "high": round(rng.uniform(0.1, 4.5), 3)},
+            {"dist": "lognormal", "median": round(rng.uniform(0.1, 1.5), 3), "sigma": round(rng.uniform(0, 1.2), 3), "max": 4.5},
+        )
+    )
+    generation["weight_sync_timeout_s"] = round(rng.uniform(10, 40), 3)
+    if rng.random() < 0.1:
+        fault = {"error": rng.choice(("fail", "hang")), "rate": rng.choice((0.1, 0.3, 1.0))}
+        if rng.random() < 0.5:
+            start = rng.uniform(0, 20)
+            fault.update(from_s=round(start, 3), until_s=round(start + rng.uniform(1, 30), 3))
+        scripted["weight_sync_faults"] = [fault]
+    if not faults and "weight_sync_faults" not in scripted and recipe["reward"]["functions"] == ["builtin:coin"]:
+        # Fault-free: nothing may stop it but its own max_steps or end of data.
+        recipe["rollout"]["filter_zero_variance"] = False
+        data = recipe["data"]
+        if data["builtin_size"] * data["num_epochs"] < recipe["rollout"]["groups_per_step"]:
+            data["drop_last"] = False
+    return recipe
+
+
+def is_fault_free(cfg: Config) -> bool:
+    scripted = cfg.generation.scripted
+    return not scripted.faults and not scripted.weight_sync_faults and cfg.reward.functions == ["builtin:coin"]
 
 
 def flaky_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:

@@ -20,23 +20,28 @@ from tests.sim.fakes import OK, Fate, ProgrammedGenerator, member, recipe
 REFUSED = Fate(after_s=0.1, error=TransientGenerationError("connection refused", backend="programmed"))
 
 
-def test_a_failure_after_the_trainer_reached_its_target_is_gap_filled():
+def test_a_failure_after_the_trainer_reached_its_target_is_gap_filled_at_once():
     # K=1, one group per step. Prompt 1 (generated at version 0, so trainable up to step 1) keeps
-    # getting refused until its rollout deadline, which passes while the trainer already waits at
-    # step 1. Its place is refilled at once and step 1 trains the refill.
+    # getting refused until its rollout deadline, which passes while the trainer waits at step 1
+    # for prompt 2 (slow, due at t=9). Dropping prompt 1 frees its place: the refill (prompt 3) must
+    # start at that very instant, not at the next unrelated event (a lost wake-up after the drop
+    # starts it only when prompt 2 finishes).
     cfg = recipe(
         rollout={"max_generation_failures": 1},
         generation={"request_timeout_s": 7.5, "rollout_deadline_s": 8.0},
         train={"max_steps": 6},
     )
-    slow = Fate(after_s=7.0)  # later groups are slow, so the trainer is still waiting at step 1 when prompt 1 fails
+    slow = Fate(after_s=7.0)
     gen = ProgrammedGenerator(lambda r, a: OK if r.prompt_id == 0 else REFUSED if r.prompt_id == 1 else slow)
     sim = simulate(cfg, gen)
     assert sim.result.outcome == "completed" and sim.result.steps == 6
     assert sim.collector.accounting.dropped["failed"] == 1
     trained = [g.prompt.id for g in sim.trainer.trained_groups]
     assert 1 not in trained and len(trained) == 6
-    assert gen.finished_at["1-0-0-0"] < sim.records[1].wait_s + 2.0  # it failed while step 1 was waiting
+    failed_at = max(gen.finished_at["1-0-0-0"], gen.finished_at["1-0-0-1"])
+    step_1_waited_from = sim.records[0].wait_s + sim.records[0].step_s + sim.records[0].weight_sync_s
+    assert step_1_waited_from < failed_at < step_1_waited_from + sim.records[1].wait_s  # the trainer was waiting
+    assert gen.started_at["3-0-0-0"] == failed_at  # the gap was filled at once
 
 
 def test_dead_generation_with_tolerance_3_fails_on_the_4th_consecutive_failure():
@@ -93,14 +98,33 @@ def test_success_resets_the_failure_streak():
     assert sim.collector.accounting.dropped["failed"] == 3
 
 
+class FailingTogether(ProgrammedGenerator):
+    """Every request waits for one shared moment (t = 0.1), then raises its prompt's error. A future's
+    waiters resume in the order they began waiting, so the groups end in prompt order, within one pass
+    of the loop: the later failures reach the policy after the first one failed the run, before any
+    shutdown could cancel them."""
+
+    def __init__(self, errors: dict[int, BaseException]) -> None:
+        super().__init__()
+        self.errors = errors
+        self._moment: asyncio.Future[None] | None = None
+
+    async def generate(self, request):
+        loop = asyncio.get_running_loop()
+        if self._moment is None:
+            self._moment = loop.create_future()
+            loop.call_later(0.1, self._moment.set_result, None)
+        await self._moment
+        raise self.errors[request.prompt_id]
+
+
 def test_the_diagnostic_stays_the_first_and_each_check_raises_a_fresh_exception():
     first = GenerationError("first cause", backend="programmed")
-    cfg = recipe(rollout={"max_generation_failures": 0})
-
-    def fate(request, attempt):
-        return Fate(after_s=0.1 if request.prompt_id == 0 else 0.2, error=first if request.prompt_id == 0 else RuntimeError("later"))
-
-    sim = simulate(cfg, ProgrammedGenerator(fate))
+    later = RuntimeError("later")
+    cfg = recipe(rollout={"max_generation_failures": 0, "max_staleness": 1, "groups_per_step": 1})  # prompts 0 and 1 in flight
+    sim = simulate(cfg, FailingTogether({0: first, 1: later}))
+    # Both groups failed and were recorded: the second broke the budget again, after the first had.
+    assert sim.collector.accounting.dropped["failed"] == 2 and sim.collector.policy.streak == 2
     errors = []
     for _ in range(2):
         with pytest.raises(PipelineError) as info:
@@ -111,7 +135,7 @@ def test_the_diagnostic_stays_the_first_and_each_check_raises_a_fresh_exception(
         assert error.diagnostic is sim.result.diagnostic
         assert error.__cause__ is first
         assert error.__traceback__ is not None
-    assert "first cause" in sim.result.diagnostic.traceback
+    assert sim.result.diagnostic.count == 1 and "first cause" in sim.result.diagnostic.traceback
 
 
 def test_a_stale_in_flight_group_is_cancelled_its_requests_aborted_and_its_prompt_requeued():
@@ -288,3 +312,31 @@ def test_a_pipeline_with_nothing_moving_raises_stall_error_naming_what_it_waited
     assert sim.result.outcome == "stalled" and sim.exit_code == 2 and d.kind == "stall"
     assert "step 0 waited for 2 groups" in d.message and "requests open" in d.message
     assert 50 <= sim.virtual_time_s < 60
+
+
+def test_tolerated_failures_are_logged_first_in_full_then_summarised_on_virtual_time(caplog):
+    # Every first attempt is refused (retried), and prompt 2's rollouts crash (failed, not retried).
+    crash = RuntimeError("worker crashed")
+    cfg = recipe(logging={"failure_summary_s": 5.0}, rollout={"max_drop_fraction": 1.0, "max_generation_failures": 5}, train={"max_steps": 20})
+
+    def fate(request, attempt):
+        if request.prompt_id == 2:
+            return Fate(after_s=0.2, error=crash)
+        return REFUSED if attempt == 1 else OK
+
+    with caplog.at_level("WARNING", logger="asyncgrpo"):
+        sim = simulate(cfg, ProgrammedGenerator(fate))
+    assert sim.result.outcome == "completed"
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncgrpo"]
+    full = [line for line in lines if line.startswith("tolerated failure (")]
+    assert len(full) == 2
+    assert "attempt retried): TransientGenerationError from programmed: connection refused" in full[0]
+    assert "rollout failed): RuntimeError from programmed: worker crashed" in full[1]
+    summaries = [line for line in lines if line.startswith("tolerated failures in the last")]
+    # at most one summary per 5 virtual seconds, and every counted failure appears in one of them
+    assert 2 <= len(summaries) <= sim.virtual_time_s / 5 + 1
+    def total(what):
+        return sum(int(s.split(f" x {what}")[0].rsplit(" ", 1)[1]) for s in summaries if f" x {what}" in s)
+
+    assert total("attempt retried") == sim.collector.counters["rollout/retries_total"] > 10
+    assert total("rollout failed") == sim.collector.counters["rollout/failed_total"] == 2

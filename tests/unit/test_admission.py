@@ -60,3 +60,8 @@ def test_trainable_and_doomed_exhaustively():
     for k, version, step in itertools.product(range(4), range(6), range(10)):
         assert is_trainable(generation_version=version, step=step, max_staleness=k) == (step - version <= k)
         assert is_doomed(version_floor=version, steps_taken=step, max_staleness=k) == (step > version + k)
+
+
+def test_a_serving_version_ahead_of_the_steps_is_a_bug_and_says_so():
+    with pytest.raises(ValueError, match=r"^serving version 3 is ahead of the steps taken \(2\)$"):
+        group_capacity(max_staleness=1, groups_per_step=1, steps_taken=2, serving_version=3)

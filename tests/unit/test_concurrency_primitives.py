@@ -21,17 +21,61 @@ def test_wait_for_returns_at_once_when_the_predicate_already_holds():
     asyncio.run(main())
 
 
-def test_a_change_made_before_the_waiter_sleeps_is_seen():
-    # The state changes (and notifies) before the waiter runs at all: an Event that the waiter
-    # clears after checking would lose this; the predicate loop cannot.
-    async def main():
-        signal, state = StateSignal(), {"version": 0}
-        waiter = asyncio.create_task(signal.wait_for(lambda: state["version"] >= 1))
-        state["version"] = 1
-        signal.notify()
-        await asyncio.wait_for(waiter, timeout=1)
+def lost_wakeups(make_signal) -> list[tuple[int, int]]:
+    """Every interleaving (within a few loop passes) in which a waiter misses a change that was notified.
 
-    asyncio.run(main())
+    Waiter A waits for `a`, waiter B for `b`; `a` changes (and is notified) after `k_a` passes of the loop,
+    `b` after `k_b` more. Whatever an implementation does between checking its predicate and going to
+    sleep (an Event checked, then cleared after an await), some (k_a, k_b) puts a change into that gap.
+    On virtual time, a waiter that is never woken surfaces as a timeout at once, not as a hang.
+    """
+
+    async def one(k_a: int, k_b: int) -> bool:
+        signal, state = make_signal(), {"a": False, "b": False}
+        waiters = [
+            asyncio.create_task(signal.wait_for(lambda: state["a"])),
+            asyncio.create_task(signal.wait_for(lambda: state["b"])),
+        ]
+        for key, passes in (("a", k_a), ("b", k_b)):
+            for _ in range(passes):
+                await asyncio.sleep(0)
+            state[key] = True
+            signal.notify()
+        try:
+            async with asyncio.timeout(60):
+                await asyncio.gather(*waiters)
+        except TimeoutError:
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+            return True
+        return False
+
+    return [(k_a, k_b) for k_a in range(5) for k_b in range(5) if run_virtual(one(k_a, k_b))]
+
+
+class EventCheckedThenCleared:
+    """The bug class StateSignal exists to prevent: the predicate is checked, the task yields (any await), and
+    only then is the event cleared and waited on, so a notify inside that window is erased."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+
+    async def wait_for(self, predicate) -> None:
+        while not predicate():
+            await asyncio.sleep(0)
+            self._event.clear()
+            await self._event.wait()
+
+
+def test_a_change_made_before_the_waiter_sleeps_is_seen():
+    # The harness finds the lost wake-up of an Event checked then cleared ...
+    assert lost_wakeups(EventCheckedThenCleared)
+    # ... and StateSignal loses none, whichever pass of the loop the changes land in.
+    assert lost_wakeups(StateSignal) == []
 
 
 def test_notify_wakes_every_waiter_and_cancelled_waiters_are_forgotten():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncgrpo.config import load_config, parse_overrides, tolerance_warnings
+from asyncgrpo.config import load_config, parse_overrides
 from asyncgrpo.errors import ConfigError
 
 
@@ -73,14 +73,27 @@ def test_a_recipe_that_is_not_a_mapping(tmp_path):
     assert "must be a mapping" in error_of(path=recipe)
 
 
-def test_high_failure_tolerance_overridden_by_the_window_warns():
-    cfg = load_config(None, ["rollout.max_generation_failures=40", "rollout.drop_window=64", "rollout.max_drop_fraction=0.5"])
-    assert any("can never be reached" in w for w in tolerance_warnings(cfg))
-    assert tolerance_warnings(load_config(None)) == []
-
-
 def test_the_resolved_config_round_trips_through_yaml(tmp_path):
     cfg = load_config(None, ["train.max_steps=7"])
     path = tmp_path / "config.yaml"
     path.write_text(cfg.to_yaml())
     assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n# and another\n", "{}\n"])
+def test_an_empty_recipe_warns_that_every_key_is_at_its_default(tmp_path, caplog, text):
+    recipe = tmp_path / "empty.yaml"
+    recipe.write_text(text)
+    with caplog.at_level("WARNING", logger="asyncgrpo"):
+        assert load_config(recipe) == load_config(None)
+    (record,) = caplog.records
+    assert str(recipe) in record.getMessage() and "every key is at its default" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncgrpo"):
+        load_config(recipe, ["train.max_steps=3"])
+    assert "every key not given as an override is at its default" in caplog.records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncgrpo"):
+        recipe.write_text("train: {max_steps: 3}\n")
+        load_config(recipe)
+    assert caplog.records == []

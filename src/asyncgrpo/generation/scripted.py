@@ -8,7 +8,8 @@ request does not depend on what else is in flight.
 Per attempt it first applies the configured faults, in order (each with its probability,
 inside its time window, for its prompts), then waits the sampled latency and returns a
 completion of the sampled length, stamped with the serving version at dispatch (as an
-HTTP server would). Fault kinds and the error class each raises:
+HTTP server would). Its token ids and logprobs are a slice, at a random offset, of a pool
+drawn once per generator: drawing them per token took three quarters of a simulation's time. Fault kinds and the error class each raises:
 
     http_500, http_429, connection_refused  -> TransientGenerationError (retried)
     http_400                                -> GenerationError (not retried)
@@ -16,6 +17,12 @@ HTTP server would). Fault kinds and the error class each raises:
     http_404                                -> MisconfiguredBackendError (fatal at once)
     exception                               -> RuntimeError (not retried)
     hang                                    -> never answers; the request deadline ends it
+
+A weight publication (`load_weights`) draws from its own stream, seeded by (run seed, version):
+it applies `weight_sync_faults` (`fail` raises WeightSyncError, fatal like an HTTP backend none
+of whose servers took the weights; `hang` never returns, so the pipeline's
+`generation.weight_sync_timeout_s` ends it), then takes `weight_sync_s` of virtual time, serving
+the old version meanwhile, and only then serves the new one.
 """
 
 from __future__ import annotations
@@ -27,9 +34,13 @@ import random
 from collections import Counter
 from typing import Any, Mapping
 
-from asyncgrpo.config import Distribution, FaultConfig, ScriptedConfig
+from asyncgrpo.config import Distribution, FaultConfig, ScriptedConfig, WeightSyncFaultConfig
 from asyncgrpo.errors import GenerationError, MisconfiguredBackendError, PromptRejectedError, TransientGenerationError
+from asyncgrpo.generation.weight_sync import WeightSyncError
 from asyncgrpo.types import Completion, GenerationRequest
+
+
+TOKEN_POOL_SLACK = 4096  # pool positions beyond max_new_tokens: the offsets a completion can start at
 
 
 def sample(dist: Distribution, rng: random.Random) -> float:
@@ -62,6 +73,10 @@ class ScriptedGenerator:
         self.aborted = 0  # requests cancelled while in progress (the server stopped generating them)
         self.completed = 0
         self.in_progress = 0
+        pool_rng = random.Random(_stream_seed(seed, "token-pool", 0))
+        pool_size = max_new_tokens + TOKEN_POOL_SLACK
+        self._token_pool = tuple(pool_rng.randrange(4, 64) for _ in range(pool_size))
+        self._logprob_pool = tuple(-pool_rng.expovariate(1.0) for _ in range(pool_size))
 
     @property
     def serving_version(self) -> int:
@@ -74,6 +89,15 @@ class ScriptedGenerator:
         return None
 
     async def load_weights(self, state: Mapping[str, Any] | None, version: int) -> None:
+        loop = asyncio.get_running_loop()
+        rng = random.Random(_stream_seed(self.seed, "weights", version))
+        now = loop.time()
+        for fault in self.cfg.weight_sync_faults:
+            if _in_window(fault, now) and rng.random() < fault.rate:
+                if fault.error == "fail":
+                    raise WeightSyncError(f"scripted fault: no server loaded weights v{version}", backend=self.name)
+                await loop.create_future()  # hang: the pipeline's weight_sync_timeout_s cancels it
+        await asyncio.sleep(sample(self.cfg.weight_sync_s, rng))
         self._version = version
 
     async def generate(self, request: GenerationRequest) -> Completion:
@@ -94,9 +118,10 @@ class ScriptedGenerator:
             self.in_progress -= 1
         length = max(1, min(self.max_new_tokens, request.sampling.max_new_tokens, round(sample(self.cfg.tokens, rng))))
         self.completed += 1
+        start = rng.randrange(len(self._token_pool) - length + 1)
         return Completion(
-            token_ids=tuple(rng.randrange(4, 64) for _ in range(length)),
-            logprobs=tuple(-rng.expovariate(1.0) for _ in range(length)),
+            token_ids=self._token_pool[start : start + length],
+            logprobs=self._logprob_pool[start : start + length],
             versions=(dispatch_version,) * length,
             finish_reason="length" if length >= request.sampling.max_new_tokens else "stop",
             dispatch_version=dispatch_version,
@@ -123,9 +148,13 @@ class ScriptedGenerator:
 def _applies(fault: FaultConfig, prompt_id: int, now: float) -> bool:
     if fault.prompts is not None and prompt_id not in fault.prompts:
         return False
+    return _in_window(fault, now)
+
+
+def _in_window(fault: FaultConfig | WeightSyncFaultConfig, now: float) -> bool:
     return now >= fault.from_s and (fault.until_s is None or now < fault.until_s)
 
 
-def _stream_seed(seed: int, request_id: str, attempt: int) -> int:
-    digest = hashlib.blake2b(f"{seed}:{request_id}:{attempt}".encode(), digest_size=8).digest()
+def _stream_seed(seed: int, stream: str, index: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{stream}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -45,12 +46,15 @@ from asyncgrpo.rewards.scoring import unscored_group_error
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.admission import is_doomed, is_trainable, may_admit_group
 from asyncgrpo.rollout.buffer import ReplayBuffer
+from asyncgrpo.rollout.failure_log import FailureLog, Tolerated
 from asyncgrpo.rollout.failures import FailurePolicy, GroupOutcome
 from asyncgrpo.rollout.health import Health, format_traceback
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.signal import StateSignal
 from asyncgrpo.training.advantages import group_advantages
 from asyncgrpo.types import DROP_REASONS, Completion, DropReason, GenerationRequest, Group, Prompt, Rollout, SamplingParams
+
+log = logging.getLogger("asyncgrpo")
 
 COUNTER_NAMES: tuple[str, ...] = (
     "rollout/failed_total",
@@ -146,6 +150,7 @@ class Collector:
             max_filtered_fraction=r.max_filtered_fraction,
         )
         self.health = Health()
+        self.failure_log = FailureLog(cfg.logging.failure_summary_s)
         self.ledger = ledger if ledger is not None else PromptLedger()
         self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
         self.steps_taken = start_step
@@ -236,6 +241,8 @@ class Collector:
         """Stop admitting and cancel every in-flight group (not a failure); returns at once, `run()` winds down."""
         self._stopping = True
         self._signal.notify()
+        for line in self.failure_log.flush(self._now()):
+            log.warning(line)
 
     # ------------------------------------------------------------------ one group
 
@@ -291,6 +298,8 @@ class Collector:
                         traceback=format_traceback(outcome),
                     )
                 )
+            else:
+                self._tolerated("failed", outcome)
         self._last_progress = self._now()  # a rollout finished (a cancelled one never gets here)
 
     async def _generate_with_retries(self, request: GenerationRequest, group: _InFlightGroup, member: int) -> Completion:
@@ -323,6 +332,7 @@ class Collector:
                     backend=self.generator.name,
                 ) from error
             self.counters["rollout/retries_total"] += 1
+            self._tolerated("retried", error)
             # Waiting to retry holds no request open at the server: the slot serves other rollouts meanwhile.
             self._open_requests -= 1
             self._signal.notify()
@@ -364,6 +374,8 @@ class Collector:
                         traceback=format_traceback(exc),
                     )
                 )
+            else:
+                self._tolerated("reward_error", exc)
             self._end_dropped(group, "reward_error", exc)
             return
         finally:
@@ -451,6 +463,11 @@ class Collector:
                 },
             )
         )
+
+    def _tolerated(self, what: Tolerated, error: BaseException) -> None:
+        source = "the reward functions" if isinstance(error, RewardError) else getattr(error, "backend", "") or self.generator.name
+        for line in self.failure_log.record(what, type(error).__name__, source, str(error), self._now()):
+            log.warning(line)
 
     def _fail_run(self, diagnostic: Diagnostic) -> None:
         self.health.fail(diagnostic)

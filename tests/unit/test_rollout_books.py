@@ -1,0 +1,95 @@
+"""The collector's books, each on its own: replay buffer expiry, accounting, the prompt ledger, tracebacks.
+
+The pipeline tests reach these only along their happy paths (a buffered group rarely goes
+stale, a ledger sink is a real run's file); these pin the rest (mutation testing found them
+unchecked: docs/benchmarks.md, "Mutation testing").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncgrpo.rollout.accounting import Accounting
+from asyncgrpo.rollout.buffer import ReplayBuffer
+from asyncgrpo.rollout.health import format_traceback
+from asyncgrpo.rollout.ledger import PromptLedger
+from asyncgrpo.types import Completion, Group, Prompt, Rollout
+
+
+def group(prompt_id: int, version: int, seq: int) -> Group:
+    completion = Completion(token_ids=(5,), logprobs=(-1.0,), versions=(version,), finish_reason="stop", dispatch_version=version)
+    rollouts = tuple(Rollout(completion=completion, reward=float(r), advantage=0.0) for r in (0, 1))
+    return Group(prompt=Prompt(id=prompt_id, text="p", token_ids=(1,)), rollouts=rollouts, seq=seq)
+
+
+def test_the_buffer_expires_exactly_the_groups_too_old_for_the_step_and_keeps_the_rest_in_order():
+    buffer = ReplayBuffer(max_staleness=1)
+    for prompt_id, version, seq in ((0, 3, 1), (1, 1, 2), (2, 2, 3), (3, 2, 4), (4, 1, 5)):
+        buffer.put(group(prompt_id, version, seq))
+    assert buffer.remove_untrainable(2) == []  # versions >= 1 are trainable at step 2 with K=1
+    stale = buffer.remove_untrainable(3)  # version 1 is not
+    assert sorted(g.prompt.id for g in stale) == [1, 4] and len(buffer) == 3
+    assert [g.prompt.id for g in buffer.take(3)] == [2, 3, 0]  # still a heap: oldest version, then seq
+
+
+def test_accounting_counts_every_requeue_and_refuses_to_leave_an_empty_bucket():
+    acc = Accounting()
+    for _ in range(3):
+        acc.take()
+    acc.requeue_in_flight()
+    acc.requeue_in_flight()
+    acc.take()
+    acc.buffer()
+    acc.buffer()
+    acc.drop_buffered("stale")
+    acc.drop_buffered("stale")
+    assert acc.requeued == 2 and acc.dropped["stale"] == 2 and acc.in_flight == acc.buffered == 0 and acc.balanced()
+    with pytest.raises(AssertionError, match=r"^accounting: a group left 'in flight' but none was in flight$"):
+        acc.buffer()
+    with pytest.raises(AssertionError, match=r"^accounting: a group left 'buffered' but none was buffered$"):
+        acc.train_buffered(1)
+
+
+def test_a_resumed_accounting_counts_what_was_in_flight_or_buffered_as_requeued():
+    acc = Accounting()
+    for _ in range(6):
+        acc.take()
+    acc.buffer()
+    acc.buffer()
+    acc.train_buffered(1)
+    acc.drop_in_flight("failed")
+    acc.requeue_in_flight()
+    saved = acc.to_json()
+    assert saved == {
+        "taken": 6, "trained": 1, "requeued": 1, "dropped": {**{r: 0 for r in acc.dropped}, "failed": 1},
+        "in_flight": 2, "buffered": 1,
+    }
+    resumed = Accounting.resumed(saved)
+    assert resumed.to_json() == {**saved, "requeued": 1 + 2 + 1, "in_flight": 0, "buffered": 0}
+    assert resumed.balanced()
+    # a checkpoint from before a drop reason existed resumes with 0 of it
+    older = {**saved, "dropped": {"failed": 1}}
+    assert Accounting.resumed(older).dropped == {**{r: 0 for r in acc.dropped}, "failed": 1}
+
+
+def test_the_ledger_records_each_end_once_and_tells_its_sink():
+    records = []
+    ledger = PromptLedger(done={"1": [7]}, sink=records.append)
+    ledger.trained(Prompt(id=3, text="p", token_ids=(1,)), step=4)
+    ledger.dropped(Prompt(id=5, text="p", token_ids=(1,), epoch=1), "stale", step=6)
+    assert records == [
+        {"epoch": 0, "prompt_id": 3, "step": 4, "outcome": "trained"},
+        {"epoch": 1, "prompt_id": 5, "step": 6, "outcome": "dropped", "reason": "stale"},
+    ]
+    assert ledger.done_by_epoch() == {0: [3], 1: [5, 7]}
+    with pytest.raises(AssertionError, match=r"^prompt 7 of epoch 1 ended twice$"):
+        ledger.trained(Prompt(id=7, text="p", token_ids=(1,), epoch=1), step=9)
+
+
+def test_no_exception_formats_as_no_traceback():
+    assert format_traceback(None) == ""
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        lines = format_traceback(exc).splitlines()
+    assert lines[0] == "Traceback (most recent call last):" and lines[1].startswith('  File "') and lines[-1] == "ValueError: boom"
