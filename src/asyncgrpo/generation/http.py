@@ -7,8 +7,8 @@ is alive and which weights each one serves, and publish new weights to all of th
 
 Wire format, per request (what vLLM >= 0.10.2 and `asyncgrpo serve` accept)::
 
-    {"model": M, "prompt": [ids], "max_tokens": N, "temperature": T, "top_p": P, "seed": S,
-     "n": 1, "logprobs": 0, "return_token_ids": true, "stop_token_ids": [ids]}
+    {"model": M, "prompt": [ids], "max_tokens": N, "temperature": T, "top_p": P, "n": 1,
+     "logprobs": 0, "return_token_ids": true, "stop_token_ids": [ids]}   (+ "seed": S with http.seed per_request)
 
 read back: ``choices[0].token_ids``, ``choices[0].logprobs.token_logprobs``, ``choices[0].text``,
 ``choices[0].finish_reason``. For logprobs of the distribution actually sampled, start vLLM with
@@ -25,7 +25,12 @@ Error classes (DESIGN.md §3), from what the server or the connection did:
     no usable server for backend_dead_after_s           -> BackendDeadError (fatal, names every server)
 
 Invariants:
-- Deadlines are the caller's: the collector bounds every attempt. Cancelling `generate` closes
+- Deadlines: the caller bounds every attempt (request_timeout_s); inside that, an attempt unanswered
+  for the adaptive timeout of attempt_timeout.py (from the latencies of answered attempts, doubled per
+  earlier timeout of the same request) is abandoned with `RequestTimeoutError` (transient: the
+  caller retries it). Its clock stands still while its server is paused by our weight install. A
+  server holding open requests that answers none for `LatencyTracker.silence_s` is logged once by
+  name (checked by its probe loop). Cancelling `generate` closes
   its HTTP connection at once (aiohttp closes a connection whose response was not read to the
   end), so the server aborts the request. Cancellation is never converted into an error.
 - Health. `start()` checks ``/v1/models`` on every server (model name present) and then starts one
@@ -41,9 +46,14 @@ Invariants:
 - Weights. `load_weights(state, version)` stages the state once through a `WeightPublisher`
   (default: `DiskWeightPublisher` under `weights_dir`) and installs it on every healthy server
   concurrently, one install per server at a time (a per-server lock), each step under
-  ``generation.weight_sync_timeout_s``. A server whose install fails takes no work until a later install
-  succeeds (counted in `stats()["weight_sync_failures"]`); if no server got the version,
-  `WeightSyncError` (fatal) names them. `state=None` means "same weights": versions advance with no
+  ``generation.weight_sync_timeout_s`` (/pause and /resume under the probe timeout). A server whose
+  install fails takes no work until a later install succeeds (counted in
+  `stats()["weight_sync_failures"]`). An install runs as the server's own task: marking the server
+  unhealthy (a failed probe, a refused connection, /pause or /resume unanswered) cancels it, so no
+  publication waits on a server known to be down; it reloads on return (`_recover`, a task beside
+  its probe loop, which keeps probing). If every target went down, publication waits for a server
+  like `generate` does (`BackendDeadError` after backend_dead_after_s); if servers that answer all
+  failed to install, `WeightSyncError` (fatal) names them. `state=None` means "same weights": versions advance with no
   transfer.
 - Versions. A server's version is the version it is known to have loaded; a completion's
   `versions` are the version of its server when the request was dispatched (a request held by a
