@@ -148,8 +148,8 @@ class FakeServer:
     requests started, cancelled handlers (the client closed the connection), pauses, reloads.
     `reload_status`/`health_status` make /collective_rpc and /health answer with that status
     (`reload_status = "hang"`: /collective_rpc never answers); `reload_delay_s` makes a reload take
-    that long. Between /pause and /resume, completion requests are held (as vLLM's mode=keep
-    does). `freeze()` makes it answer nothing at all until `thaw()` (a SIGSTOPped process: requests
+    that long; `pause_hangs` makes /pause never answer. Between /pause and /resume, completion
+    requests are held (as vLLM's mode=keep does). `freeze()` makes it answer nothing at all until `thaw()` (a SIGSTOPped process: requests
     wait, then are served).
     """
 
@@ -160,6 +160,7 @@ class FakeServer:
         self.finish_reason = "length"
         self.reload_status = 200
         self.reload_delay_s = 0.0
+        self.pause_hangs = False
         self.health_status = 200
         self.hang_requests: set[int] = set()
         self.paused = False
@@ -226,7 +227,7 @@ class FakeServer:
                 if name in ("/pause", "/resume"):
                     self.paused = name == "/pause"
                     self._changed.notify()
-                if name == "/collective_rpc" and self.reload_status == "hang":
+                if (name == "/collective_rpc" and self.reload_status == "hang") or (name == "/pause" and self.pause_hangs):
                     await asyncio.get_running_loop().create_future()
                 if name == "/collective_rpc":
                     await asyncio.sleep(self.reload_delay_s)

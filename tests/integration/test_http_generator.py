@@ -674,3 +674,25 @@ def test_weight_sync_with_every_server_stopped_fails_as_backend_dead_after_backe
     error, a_url, b_url = run(main())
     assert error.kind == "backend_dead" and "publish weights v1" in str(error)
     assert a_url in str(error) and b_url in str(error) and "unreachable" in str(error)
+
+
+def test_a_pause_that_gets_no_answer_counts_as_the_server_being_down_not_as_a_failed_install(tmp_path):
+    """/pause does no work: unanswered within a probe's timeout, the server is treated as down (as a failed
+    probe would), whichever of the probe and the install notices first; the run then fails as backend_dead."""
+    async def main():
+        fake = await FakeServer().start()
+        fake.pause_hangs = True  # /health keeps answering: only the install sees the server silent
+        cfg = recipe([fake.url], generation={"weight_sync_timeout_s": 3000.0, "backend_dead_after_s": 2.0}).generation
+        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights")
+        await gen.start()
+        try:
+            with pytest.raises(BackendDeadError) as caught:
+                await gen.load_weights({"w": torch.zeros(2)}, 1)
+            return caught.value, gen.stats()
+        finally:
+            await gen.aclose()
+            await fake.stop()
+
+    error, stats = run(main())
+    assert error.kind == "backend_dead" and "/pause got no answer" in str(error)
+    assert stats["unhealthy_marks"] >= 1 and stats["weight_sync_failures"] == 0
