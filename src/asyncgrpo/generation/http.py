@@ -455,7 +455,7 @@ class HttpGenerator:
             self.counters["attempt_timeouts"] += 1
             raise RequestTimeoutError(
                 f"request {request.request_id} to {server.url} got no answer within {budget:.3g} s (attempt "
-                f"{timeouts + 1}; the adaptive attempt timeout: {self._latency.describe()}); abandoned and retried",
+                f"{timeouts + 1}; the adaptive attempt timeout: {self._latency.describe()}); abandoned (a transient failure)",
                 backend=self.name) from None
         except aiohttp.ClientError as exc:  # a broken response body
             raise TransientGenerationError(
