@@ -15,6 +15,11 @@ sweeps the backoff to show where the loss under failures comes from.
 
     .venv/bin/python bench/http_throughput.py [--steps 24] [--failure-rate 0.2] [--backoffs 0.1,0.05,0.02]
         [--max-staleness 1] [--max-latency-ms 50] [--repeats 1]
+
+With ``--hang-rate 0.05`` it measures hung requests instead: that fraction of requests is never
+answered (until the client closes the connection), and one table compares hang-free and hung
+throughput per setting of the adaptive attempt timeout (`generation.http.attempt_timeout_factor`,
+and turned off), with ``--group-size`` and ``--groups-per-step`` setting the rollout shape.
 """
 
 from __future__ import annotations
