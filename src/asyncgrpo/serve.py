@@ -22,7 +22,10 @@ Endpoints:
 - ``POST /collective_rpc`` with ``{"method": "reload_weights", "kwargs": {"weights_path": DIR}}``:
   loads every ``*.safetensors`` file of DIR into the engine and bumps the serving version (to the
   version in DIR/asyncgrpo_version.json when the publisher wrote one and it is not older, else
-  by one). Like vLLM's dev-mode endpoint, it reads any path this process can read: bind to
+  by one). Weights holding NaN or inf are refused (HTTP 400 naming the tensors; the weights
+  served stay as they were). If the engine has failed (its decoding thread died), a good reload
+  starts a new engine over the same model with the new weights: the server recovers without a
+  restart. Like vLLM's dev-mode endpoint, it reads any path this process can read: bind to
   loopback or a private network only.
 - ``GET /stats`` (asyncgrpo extension, for tests and operators): serving version, request
   counters (total, active, waiting on a pause, completed, aborted, rejected), reloads, pause
@@ -53,7 +56,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -114,11 +117,13 @@ def _is_number(value: Any) -> bool:
 
 
 class ServerState:
-    """Everything the handlers share; lives on the server's event loop."""
+    """Everything the handlers share; lives on the server's event loop. `engine` is replaced (by
+    `engine_factory(version)`, an engine not yet started) when a reload finds it failed."""
 
     def __init__(self, engine: Any, tokenizer: Any, *, model_name: str, max_model_len: int, vocab_size: int,
-                 model_dir: str | None) -> None:
+                 model_dir: str | None, engine_factory: Callable[[int], Any] | None = None) -> None:
         self.engine = engine
+        self.engine_factory = engine_factory
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -135,6 +140,7 @@ class ServerState:
     def stats(self) -> dict[str, Any]:
         engine = self.engine.stats()
         return {
+            "engine_failure": None if self.engine.failure is None else repr(self.engine.failure),
             "model": self.model_name,
             "serving_version": engine["serving_version"],
             "paused": self.paused,
@@ -144,18 +150,22 @@ class ServerState:
         }
 
 
+STATE = web.AppKey("state", ServerState)
+
+
 def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: int, vocab_size: int,
-               model_dir: str | None = None) -> web.Application:
+               model_dir: str | None = None, engine_factory: Callable[[int], Any] | None = None) -> web.Application:
     """The aiohttp application over a started `LocalEngine`; run it with `handler_cancellation=True`
-    (as `run_server` does) so that a client disconnecting aborts its request."""
+    (as `run_server` does) so that a client disconnecting aborts its request. `engine_factory(version)`
+    builds a replacement engine over the same model (see ServerState); without it a failed engine stays failed."""
     state = ServerState(engine, tokenizer, model_name=model_name, max_model_len=max_model_len, vocab_size=vocab_size,
-                        model_dir=model_dir)
+                        model_dir=model_dir, engine_factory=engine_factory)
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    app["state"] = state
+    app[STATE] = state
 
     async def health(_: web.Request) -> web.Response:
-        if engine.failure is not None:
-            return error_response(503, f"the engine failed: {engine.failure!r}")
+        if state.engine.failure is not None:
+            return error_response(503, f"the engine failed: {state.engine.failure!r}; a good reload_weights restarts it")
         return web.Response(status=200)
 
     async def models(_: web.Request) -> web.Response:
@@ -203,10 +213,10 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
         async with state.reload_lock:
             try:
                 weights, file_version = await asyncio.to_thread(read_weights_dir, Path(path))
-                current = engine.serving_version
+                current = state.engine.serving_version
                 version = file_version if file_version is not None and file_version >= current else current + 1
-                await engine.load_weights(weights, version)
-            except GenerationError as exc:  # the engine is closed or failed
+                await _install(state, weights, version)
+            except GenerationError as exc:  # the engine is closed
                 state.counters["reload_failures"] += 1
                 return error_response(503, f"reload_weights from {path}: {exc}")
             except Exception as exc:  # noqa: BLE001 - unreadable files, wrong keys or shapes: told to the caller
@@ -232,6 +242,7 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
                     await state.signal.wait_for(lambda: not state.paused)
                 finally:
                     state.counters["requests_waiting"] -= 1
+            engine = state.engine  # this request's engine, even if a reload replaces it meanwhile
             task = asyncio.ensure_future(engine.generate(gen_request))
             state.generating.add(task)
             state.signal.notify()
@@ -265,6 +276,21 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
     app.router.add_post("/collective_rpc", collective_rpc)
     app.router.add_post("/v1/completions", completions)
     return app
+
+
+async def _install(state: ServerState, weights: dict[str, Any], version: int) -> None:
+    """Load `weights` as `version` into the engine; a failed engine is replaced by a new one that has them."""
+    failed = state.engine
+    if failed.failure is None or state.engine_factory is None:
+        await failed.load_weights(weights, version)
+        return
+    replacement = state.engine_factory(failed.serving_version)
+    await replacement.load_weights(weights, version)  # not started yet: applied at once, nothing runs on the model
+    await replacement.start()
+    state.engine = replacement
+    log.warning("asyncgrpo serve: the engine had failed (%r); restarted it with the reloaded weights (version %d)",
+                failed.failure, version)
+    await failed.aclose()  # its thread has exited: releases nothing more, idempotent
 
 
 async def _read_json(request: web.Request) -> dict[str, Any]:
@@ -410,7 +436,8 @@ def _abort_body(state: ServerState, request: GenerationRequest) -> dict[str, Any
 
 
 def read_weights_dir(directory: Path) -> tuple[dict[str, Any], int | None]:
-    """Every tensor of every *.safetensors file in `directory`, and the publisher's version (None if absent)."""
+    """Every tensor of every *.safetensors file in `directory`, and the publisher's version (None if absent).
+    Raises ValueError if any floating-point tensor holds NaN or inf."""
     from safetensors.torch import load_file
 
     if not directory.is_dir():
@@ -421,6 +448,11 @@ def read_weights_dir(directory: Path) -> tuple[dict[str, Any], int | None]:
     weights: dict[str, Any] = {}
     for file in files:
         weights.update(load_file(str(file)))
+    bad = [name for name, tensor in weights.items() if tensor.is_floating_point() and not bool(tensor.isfinite().all())]
+    if bad:
+        raise ValueError(f"{len(bad)} of {len(weights)} tensors hold NaN or inf (e.g. {', '.join(bad[:3])}); refused, "
+                         f"the weights being served are unchanged. Check the trainer (learning rate, loss scale) that "
+                         f"produced them")
     version = None
     marker = directory / VERSION_FILE
     if marker.is_file():
@@ -444,8 +476,13 @@ async def run_server(model: str, *, host: str = "127.0.0.1", port: int = 8000, m
     name = served_model_name or model
     engine = LocalEngine(net, tokenizer, name=f"serve:{name}", max_batch_size=max_batch_size)
     model_dir = model if Path(model).is_dir() else None
+
+    def engine_factory(version: int) -> LocalEngine:  # the failed engine's thread has exited: the model is free
+        return LocalEngine(net, tokenizer, name=f"serve:{name}", max_batch_size=max_batch_size, version=version)
+
     app = create_app(engine, tokenizer, model_name=name, max_model_len=max_model_len,
-                     vocab_size=net.get_input_embeddings().num_embeddings, model_dir=model_dir)
+                     vocab_size=net.get_input_embeddings().num_embeddings, model_dir=model_dir,
+                     engine_factory=engine_factory)
     loop = asyncio.get_running_loop()
     own_signals = stop is None
     if stop is None:
@@ -464,7 +501,7 @@ async def run_server(model: str, *, host: str = "127.0.0.1", port: int = 8000, m
         await stop
     finally:
         await runner.cleanup()  # closes connections: their handlers are cancelled, so are their engine requests
-        await engine.aclose()
+        await app[STATE].engine.aclose()  # the engine now serving (a reload may have replaced a failed one)
         if own_signals:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(signum)

@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+from asyncgrpo.rollout.signal import StateSignal
+
 STARTUP_DEADLINE_S = 90.0
 
 
@@ -141,10 +143,14 @@ class FakeServer:
     """An in-process OpenAI-compatible server whose behaviour the test sets, on the test's own event loop.
 
     `completion` is "ok" (a canned 3-token completion), "hang" (never answers), or
-    (status, body) to answer with. Counters record what the server saw: completion requests
-    started, cancelled handlers (the client closed the connection), pauses, reloads.
+    (status, body) to answer with; the completion requests whose 1-based arrival numbers are in
+    `hang_requests` never answer (the others are answered as `completion` says). Counters record what the server saw: completion
+    requests started, cancelled handlers (the client closed the connection), pauses, reloads.
     `reload_status`/`health_status` make /collective_rpc and /health answer with that status
-    (`reload_status = "hang"`: /collective_rpc never answers).
+    (`reload_status = "hang"`: /collective_rpc never answers); `reload_delay_s` makes a reload take
+    that long; `pause_hangs` makes /pause never answer. Between /pause and /resume, completion
+    requests are held (as vLLM's mode=keep does). `freeze()` makes it answer nothing at all until `thaw()` (a SIGSTOPped process: requests
+    wait, then are served).
     """
 
     def __init__(self, model: str = "fake", port: int = 0) -> None:
@@ -153,7 +159,13 @@ class FakeServer:
         self.completion: Any = "ok"
         self.finish_reason = "length"
         self.reload_status = 200
+        self.reload_delay_s = 0.0
+        self.pause_hangs = False
         self.health_status = 200
+        self.hang_requests: set[int] = set()
+        self.paused = False
+        self.frozen = False
+        self._changed = StateSignal()
         self.started = 0
         self.cancelled = 0
         self.answered = 0
@@ -165,8 +177,20 @@ class FakeServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def freeze(self) -> None:
+        self.frozen = True
+
+    def thaw(self) -> None:
+        self.frozen = False
+        self._changed.notify()
+
     async def start(self) -> FakeServer:
         from aiohttp import web
+
+        @web.middleware
+        async def stopped(request, handler):
+            await self._changed.wait_for(lambda: not self.frozen)  # a frozen server answers nothing, until thawed
+            return await handler(request)
 
         async def health(_):
             return web.Response(status=self.health_status)
@@ -181,7 +205,8 @@ class FakeServer:
             self.requests.append(body)
             self.started += 1
             try:
-                if self.completion == "hang":
+                await self._changed.wait_for(lambda: not self.paused)
+                if self.completion == "hang" or self.started in self.hang_requests:
                     await asyncio.get_running_loop().create_future()  # never resolved: only cancellation ends it
                 if self.completion != "ok":
                     status, answer = self.completion
@@ -196,17 +221,22 @@ class FakeServer:
 
         def control(name):
             async def handler(request):
-                self.control.append(name if name != "/collective_rpc" else f"reload {(await request.json())['kwargs']['weights_path']}")
-                if name == "/collective_rpc" and self.reload_status == "hang":
-                    import asyncio
+                import asyncio
 
+                self.control.append(name if name != "/collective_rpc" else f"reload {(await request.json())['kwargs']['weights_path']}")
+                if name in ("/pause", "/resume"):
+                    self.paused = name == "/pause"
+                    self._changed.notify()
+                if (name == "/collective_rpc" and self.reload_status == "hang") or (name == "/pause" and self.pause_hangs):
                     await asyncio.get_running_loop().create_future()
+                if name == "/collective_rpc":
+                    await asyncio.sleep(self.reload_delay_s)
                 if name == "/collective_rpc" and self.reload_status != 200:
                     return web.json_response({"error": {"message": "reload failed"}}, status=self.reload_status)
                 return web.json_response({"status": "ok"})
             return handler
 
-        app = web.Application()
+        app = web.Application(middlewares=[stopped])
         app.router.add_get("/health", health)
         app.router.add_get("/v1/models", models)
         app.router.add_post("/v1/completions", completions)

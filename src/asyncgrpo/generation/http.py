@@ -7,8 +7,8 @@ is alive and which weights each one serves, and publish new weights to all of th
 
 Wire format, per request (what vLLM >= 0.10.2 and `asyncgrpo serve` accept)::
 
-    {"model": M, "prompt": [ids], "max_tokens": N, "temperature": T, "top_p": P, "seed": S,
-     "n": 1, "logprobs": 0, "return_token_ids": true, "stop_token_ids": [ids]}
+    {"model": M, "prompt": [ids], "max_tokens": N, "temperature": T, "top_p": P, "n": 1,
+     "logprobs": 0, "return_token_ids": true, "stop_token_ids": [ids]}   (+ "seed": S with http.seed per_request)
 
 read back: ``choices[0].token_ids``, ``choices[0].logprobs.token_logprobs``, ``choices[0].text``,
 ``choices[0].finish_reason``. For logprobs of the distribution actually sampled, start vLLM with
@@ -25,7 +25,12 @@ Error classes (DESIGN.md §3), from what the server or the connection did:
     no usable server for backend_dead_after_s           -> BackendDeadError (fatal, names every server)
 
 Invariants:
-- Deadlines are the caller's: the collector bounds every attempt. Cancelling `generate` closes
+- Deadlines: the caller bounds every attempt (request_timeout_s); inside that, an attempt unanswered
+  for the adaptive timeout of attempt_timeout.py (from the latencies of answered attempts, doubled per
+  earlier timeout of the same request) is abandoned with `RequestTimeoutError` (transient: the
+  caller retries it). Its clock stands still while its server is paused by our weight install. A
+  server holding open requests that answers none for `LatencyTracker.silence_s` is logged once by
+  name (checked by its probe loop). Cancelling `generate` closes
   its HTTP connection at once (aiohttp closes a connection whose response was not read to the
   end), so the server aborts the request. Cancellation is never converted into an error.
 - Health. `start()` checks ``/v1/models`` on every server (model name present) and then starts one
@@ -41,9 +46,14 @@ Invariants:
 - Weights. `load_weights(state, version)` stages the state once through a `WeightPublisher`
   (default: `DiskWeightPublisher` under `weights_dir`) and installs it on every healthy server
   concurrently, one install per server at a time (a per-server lock), each step under
-  ``generation.weight_sync_timeout_s``. A server whose install fails takes no work until a later install
-  succeeds (counted in `stats()["weight_sync_failures"]`); if no server got the version,
-  `WeightSyncError` (fatal) names them. `state=None` means "same weights": versions advance with no
+  ``generation.weight_sync_timeout_s`` (/pause and /resume under the probe timeout). A server whose
+  install fails takes no work until a later install succeeds (counted in
+  `stats()["weight_sync_failures"]`). An install runs as the server's own task: marking the server
+  unhealthy (a failed probe, a refused connection, /pause or /resume unanswered) cancels it, so no
+  publication waits on a server known to be down; it reloads on return (`_recover`, a task beside
+  its probe loop, which keeps probing). If every target went down, publication waits for a server
+  like `generate` does (`BackendDeadError` after backend_dead_after_s); if servers that answer all
+  failed to install, `WeightSyncError` (fatal) names them. `state=None` means "same weights": versions advance with no
   transfer.
 - Versions. A server's version is the version it is known to have loaded; a completion's
   `versions` are the version of its server when the request was dispatched (a request held by a
@@ -59,6 +69,7 @@ import json
 import logging
 import math
 import re
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -71,8 +82,10 @@ from asyncgrpo.errors import (
     GenerationError,
     MisconfiguredBackendError,
     PromptRejectedError,
+    RequestTimeoutError,
     TransientGenerationError,
 )
+from asyncgrpo.generation.attempt_timeout import LatencyTracker
 from asyncgrpo.generation.weight_sync import (
     RESUME_AFTER_FAILURE_S,
     DiskWeightPublisher,
@@ -94,6 +107,7 @@ PROMPT_TOO_LONG = re.compile(
     r"|input.{0,40}too long|context length exceeded|context_length_exceeded", re.I)
 _STARTUP_RETRY_S = (0.05, 1.0)  # first and largest delay between /v1/models attempts while a server starts
 INSTALL_SHARE = 0.8  # of generation.weight_sync_timeout_s: server installs end before the pipeline's deadline
+QUICK_CONTROL = ("/pause", "/resume")  # control calls that do no work: bounded like a health probe
 
 
 def server_message(text: str) -> str:
@@ -132,6 +146,11 @@ class _Server:
     max_model_len: int | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     waker: asyncio.Future | None = None
+    attempts: set[_AttemptClock] = field(default_factory=set)  # its open completion requests
+    installing: bool = False  # paused by us for a weight install: its attempts' clocks stand still
+    install: asyncio.Task | None = None  # the install in progress; an unhealthy mark cancels it
+    quiet_since: float | None = None  # loop time since which it has held requests open, answered none, not paused by us
+    silence_reported: bool = False  # warned that it answers nothing; reset by its next answer
 
     @property
     def usable(self) -> bool:
@@ -148,23 +167,60 @@ class _Server:
         return f"{self.url}: {state}{last}"
 
 
+class _AttemptClock:
+    """One attempt's deadline (an `asyncio.Timeout`) that stands still while its server is paused for a
+    weight install: requests held by our own /pause are not silent. `active_s()` is the time it ran."""
+
+    def __init__(self, timeout: asyncio.Timeout, budget_s: float | None, now: float, frozen: bool) -> None:
+        self.timeout = timeout
+        self.budget_s = budget_s  # None: no deadline of its own (the caller's applies)
+        self._used = 0.0
+        self._since: float | None = None
+        if not frozen:
+            self.thaw(now)
+
+    def freeze(self, now: float) -> None:
+        if self._since is None:
+            return
+        self._used += now - self._since
+        self._since = None
+        if not self.timeout.expired():
+            self.timeout.reschedule(None)
+
+    def thaw(self, now: float) -> None:
+        if self._since is not None:
+            return
+        self._since = now
+        if self.budget_s is not None and not self.timeout.expired():
+            self.timeout.reschedule(now + self.budget_s - self._used)
+
+    def active_s(self, now: float) -> float:
+        return self._used + (now - self._since if self._since is not None else 0.0)
+
+
 class _Control:
     """A `ControlClient` for one server, over the generator's session."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str) -> None:
+    def __init__(self, session: aiohttp.ClientSession, url: str, quick_s: float) -> None:
         self._session = session
         self.url = url
+        self._quick_s = quick_s
 
     async def post(self, path: str, *, json_body: Any = None, params: Mapping[str, str] | None = None,
                    timeout_s: float) -> Any:
         target = f"{self.url}{path}"
+        bound = "generation.weight_sync_timeout_s"
+        if path in QUICK_CONTROL and timeout_s > self._quick_s:  # a server that takes longer is not answering
+            timeout_s, bound = self._quick_s, "the health probe's timeout, from generation.health_probe_interval_s"
         try:
             async with asyncio.timeout(timeout_s):
                 async with self._session.post(target, json=json_body, params=params) as resp:
                     status, text = resp.status, await resp.text()
+        except aiohttp.ClientConnectionError as exc:  # before TimeoutError: aiohttp's connect timeout is both
+            raise WeightSyncStepError(f"POST {target} failed: {type(exc).__name__}: {exc}", unreachable=True) from exc
         except TimeoutError:
-            raise WeightSyncStepError(f"POST {target} got no answer within {timeout_s:g} s "
-                                      f"(generation.weight_sync_timeout_s)") from None
+            raise WeightSyncStepError(f"POST {target} got no answer within {timeout_s:g} s ({bound})",
+                                      unreachable=path in QUICK_CONTROL) from None
         except aiohttp.ClientError as exc:
             raise WeightSyncStepError(f"POST {target} failed: {type(exc).__name__}: {exc}") from exc
         if not 200 <= status < 300:
@@ -208,7 +264,12 @@ class HttpGenerator:
         self._none_usable_since: float | None = None
         self._started = False
         self._closed = False
-        self.counters = {"weight_sync_failures": 0, "unhealthy_marks": 0, "recoveries": 0}
+        self._latency = LatencyTracker(cap_s=cfg.request_timeout_s, factor=cfg.http.attempt_timeout_factor,
+                                       floor_s=cfg.http.attempt_timeout_min_s)
+        # Per request (the collector reuses one request object for all of a rollout's attempts): how many
+        # of its attempts timed out here. Entries go with the request.
+        self._timeouts: weakref.WeakKeyDictionary[GenerationRequest, int] = weakref.WeakKeyDictionary()
+        self.counters = {"weight_sync_failures": 0, "unhealthy_marks": 0, "recoveries": 0, "attempt_timeouts": 0}
 
     # ------------------------------------------------------------------ views
 
@@ -353,6 +414,7 @@ class HttpGenerator:
     async def generate(self, request: GenerationRequest) -> Completion:
         server = await self._acquire(lambda: any(s.usable for s in self._servers), "generate")
         assert self._session is not None
+        loop = asyncio.get_running_loop()
         version = server.version
         s = request.sampling
         payload = {
@@ -361,29 +423,57 @@ class HttpGenerator:
             "max_tokens": s.max_new_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
-            "seed": request.seed,
             "n": 1,
             "logprobs": 0,
             "return_token_ids": True,
             "stop_token_ids": list(s.stop_token_ids),
         }
+        if self.http.seed == "per_request":
+            payload["seed"] = request.seed
+        timeouts = self._timeouts.get(request, 0)
+        budget = self._latency.timeout_s(timeouts)
+        if server.outstanding == 0:
+            server.quiet_since = loop.time()
         server.outstanding += 1
         server.dispatched += 1
+        clock: _AttemptClock | None = None
         try:
-            async with self._session.post(f"{server.url}/v1/completions", json=payload) as resp:
-                status, text = resp.status, await resp.text()
-        except aiohttp.ClientConnectionError as exc:  # refused, reset, closed, connect timeout
+            # At the cap, the caller's request_timeout_s bounds the attempt alone.
+            async with asyncio.timeout(None) as timeout:
+                clock = _AttemptClock(timeout, budget if budget < self._latency.cap_s else None, loop.time(),
+                                      frozen=server.installing)
+                server.attempts.add(clock)
+                async with self._session.post(f"{server.url}/v1/completions", json=payload) as resp:
+                    status, text = resp.status, await resp.text()
+        except aiohttp.ClientConnectionError as exc:  # refused, reset, closed, connect timeout (before TimeoutError: aiohttp's is both)
             self._mark_unhealthy(server, f"request {request.request_id}: {type(exc).__name__}: {exc}")
             raise TransientGenerationError(
                 f"request {request.request_id} to {server.url} failed: {type(exc).__name__}: {exc}",
                 backend=self.name) from exc
+        except TimeoutError:
+            self._timeouts[request] = timeouts + 1
+            self.counters["attempt_timeouts"] += 1
+            raise RequestTimeoutError(
+                f"request {request.request_id} to {server.url} got no answer within {budget:.3g} s (attempt "
+                f"{timeouts + 1}; the adaptive attempt timeout: {self._latency.describe()}); abandoned (a transient failure)",
+                backend=self.name) from None
         except aiohttp.ClientError as exc:  # a broken response body
             raise TransientGenerationError(
                 f"request {request.request_id} to {server.url} failed: {type(exc).__name__}: {exc}",
                 backend=self.name) from exc
         finally:
+            if clock is not None:
+                server.attempts.discard(clock)
             server.outstanding -= 1
-        return self._completion(server, version, status, text, request)
+            if server.outstanding == 0:
+                server.quiet_since = None
+        if server.outstanding:
+            server.quiet_since = loop.time()
+        server.silence_reported = False
+        completion = self._completion(server, version, status, text, request)
+        self._latency.record(clock.active_s(loop.time()))
+        self._timeouts.pop(request, None)
+        return completion
 
     def _completion(self, server: _Server, version: int, status: int, text: str, request: GenerationRequest) -> Completion:
         if status != 200:
@@ -465,53 +555,96 @@ class HttpGenerator:
         staged = await self._publisher.stage(state, version)
         self._latest = staged
         self._published_version = version
-        await self._acquire(lambda: any(s.healthy for s in self._servers), f"publish weights v{version}")
-        targets = [s for s in self._servers if s.healthy]
-        async with asyncio.TaskGroup() as group:
-            results = [group.create_task(self._sync_server(s, deadline)) for s in targets]
-        ok = [s for s, r in zip(targets, results) if r.result()]
-        self._changed()
-        if ok:
-            return
-        misconfigured = all(s.last_status is not None and 400 <= s.last_status < 500 for s in targets)
+        while True:
+            # Every server known to be down: wait for one to come back (its recovery installs this version)
+            # or raise BackendDeadError after backend_dead_after_s.
+            await self._acquire(lambda: any(s.healthy for s in self._servers), f"publish weights v{version}")
+            targets = [s for s in self._servers if s.healthy]
+            async with asyncio.TaskGroup() as group:
+                results = [group.create_task(self._sync_server(s, deadline)) for s in targets]
+            self._changed()
+            if any(r.result() for r in results):
+                return
+            failed = [s for s in targets if s.healthy]  # answered, yet could not install; the others went down
+            if failed:
+                break
+        misconfigured = all(s.last_status is not None and 400 <= s.last_status < 500 for s in failed)
         raise WeightSyncError(
             f"no generation server loaded weights v{version}: " + "; ".join(s.describe() for s in targets)
             + f". The servers must read {staged.path} and accept /pause, /collective_rpc reload_weights and /resume "
             "(vLLM: VLLM_SERVER_DEV_MODE=1).", backend=self.name, misconfigured=misconfigured)
 
     async def _sync_server(self, server: _Server, deadline: float) -> bool:
-        """Install the latest staged weights on `server` (again, if newer ones were staged meanwhile), by the
-        loop time `deadline`. True on success."""
+        """Install the latest staged weights on `server` by the loop time `deadline`; True on success.
+
+        One install per server at a time (its lock). The install runs as the server's own task, so that
+        marking the server unhealthy cancels it (`_mark_unhealthy`): nobody waits on a server known to be
+        down; it gets the latest weights when it is back (`_recover`)."""
+        async with server.lock:
+            if not server.healthy:
+                return False  # marked while this waited for the lock
+            install = server.install = asyncio.create_task(self._install_latest(server, deadline),
+                                                           name=f"{self.name}-install-{server.url}")
+            try:
+                return await install
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # our caller is cancelled (awaiting the install cancelled it too)
+                return False  # the unhealthy mark cancelled it
+            finally:
+                server.install = None
+
+    async def _install_latest(self, server: _Server, deadline: float) -> bool:
+        """Install the latest staged weights on `server` (again, if newer ones were staged meanwhile). True on success."""
         assert self._control_session is not None and self._publisher is not None
         loop = asyncio.get_running_loop()
-        async with server.lock:
-            while self._latest is not None and server.loaded is not self._latest:  # identity: one object per stage()
-                target = self._latest
-                try:
-                    budget = deadline - loop.time()
-                    if budget <= 0:
-                        raise WeightSyncStepError(f"no time left to load weights v{target.version} on {server.url} "
-                                                  f"within generation.weight_sync_timeout_s")
-                    async with asyncio.timeout(budget + RESUME_AFTER_FAILURE_S):  # the publisher's own bound, enforced
-                        await self._publisher.install(_Control(self._control_session, server.url), target, budget)
-                except TimeoutError:
-                    exc = WeightSyncStepError(f"loading weights v{target.version} on {server.url} did not finish "
-                                              f"within {budget:g} s (generation.weight_sync_timeout_s)")
+        while self._latest is not None and server.loaded is not self._latest:  # identity: one object per stage()
+            target = self._latest
+            self._pause_clocks(server, True)
+            try:
+                budget = deadline - loop.time()
+                if budget <= 0:
+                    raise WeightSyncStepError(f"no time left to load weights v{target.version} on {server.url} "
+                                              f"within generation.weight_sync_timeout_s")
+                control = _Control(self._control_session, server.url, self._probe_timeout_s())
+                async with asyncio.timeout(budget + RESUME_AFTER_FAILURE_S):  # the publisher's own bound, enforced
+                    await self._publisher.install(control, target, budget)
+            except TimeoutError:
+                exc = WeightSyncStepError(f"loading weights v{target.version} on {server.url} did not finish "
+                                          f"within {budget:g} s (generation.weight_sync_timeout_s)")
+                self._install_failed(server, target, exc)
+                return False
+            except WeightSyncStepError as exc:
+                if exc.unreachable:  # like a failed probe: it gets the latest weights when it answers again
+                    self._mark_unhealthy(server, f"loading weights v{target.version}: {exc}")
+                else:
                     self._install_failed(server, target, exc)
-                    return False
-                except (WeightSyncStepError, aiohttp.ClientError, OSError) as exc:
-                    self._install_failed(server, target, exc)
-                    return False
-                server.loaded = target
-                server.last_status = None
-                server.version = self._published_version if self._latest is target else target.version
-                server.excluded = None
-                self._changed()
-            if self._latest is None:  # nothing ever staged: its own weights are the published ones
-                server.version = self._published_version
-                server.excluded = None
-                self._changed()
-            return True
+                return False
+            except (aiohttp.ClientError, OSError) as exc:
+                self._install_failed(server, target, exc)
+                return False
+            finally:
+                self._pause_clocks(server, False)
+            server.loaded = target
+            server.last_status = None
+            server.version = self._published_version if self._latest is target else target.version
+            server.excluded = None
+            self._changed()
+        if self._latest is None:  # nothing ever staged: its own weights are the published ones
+            server.version = self._published_version
+            server.excluded = None
+            self._changed()
+        return True
+
+    def _pause_clocks(self, server: _Server, paused: bool) -> None:
+        """Our install pauses the server: its requests' attempt clocks stand still meanwhile."""
+        now = asyncio.get_running_loop().time()
+        server.installing = paused
+        for clock in server.attempts:
+            clock.freeze(now) if paused else clock.thaw(now)
+        if not paused and server.quiet_since is not None:
+            server.quiet_since = now
 
     def _install_failed(self, server: _Server, target: StagedWeights, exc: BaseException) -> None:
         server.failed_installs += 1
@@ -579,6 +712,10 @@ class HttpGenerator:
             log.warning("%s: server %s is unhealthy: %s", self.name, server.url, error)
         if self._latest is not None:
             server.loaded = None  # it may restart with its original weights: reinstall when it is back
+        if server.install is not None and not server.install.done() and server.install is not asyncio.current_task():
+            log.warning("%s: abandoning the weight install on %s (unhealthy); it gets the latest weights when it "
+                        "is back", self.name, server.url)
+            server.install.cancel()
         if server.waker is not None and not server.waker.done():
             server.waker.set_result(None)  # probe now rather than at the next interval
         self._changed()
@@ -595,30 +732,57 @@ class HttpGenerator:
             self._signal.notify()
 
     async def _probe_loop(self, server: _Server) -> None:
+        """Probe every interval (at once after an unhealthy mark). A server that is back is recovered by a
+        task of its own, so that probing goes on meanwhile and can cancel the recovery's install."""
         loop = asyncio.get_running_loop()
         interval = self.cfg.health_probe_interval_s
-        while True:
-            epoch = server.epoch
-            error = await self._probe(server)
-            if server.epoch != epoch:
-                continue  # marked unhealthy while the probe ran: its answer may predate that; probe again
-            if error is not None:
-                self._mark_unhealthy(server, error)
-            elif not server.healthy:
-                await self._recover(server)
-            server.waker = loop.create_future()
-            try:
-                async with asyncio.timeout(interval):
-                    await server.waker
-            except TimeoutError:
-                pass
-            finally:
-                server.waker = None
+        async with asyncio.TaskGroup() as recoveries:
+            while True:
+                epoch = server.epoch
+                error = await self._probe(server)
+                if server.epoch != epoch:
+                    continue  # marked unhealthy while the probe ran: its answer may predate that; probe again
+                if error is not None:
+                    self._mark_unhealthy(server, error)
+                elif not server.healthy:
+                    # Healthy at once (installs go only to healthy servers); excluded until the install succeeds.
+                    server.healthy = True
+                    server.excluded = "back after an outage, reloading the latest weights" if self._latest is not None else None
+                    self._changed()
+                    recoveries.create_task(self._recover(server, server.epoch), name=f"{self.name}-recover-{server.url}")
+                else:
+                    self._report_silence(server)
+                server.waker = loop.create_future()
+                try:
+                    async with asyncio.timeout(interval):
+                        await server.waker
+                except TimeoutError:
+                    pass
+                finally:
+                    server.waker = None
+
+    def _report_silence(self, server: _Server) -> None:
+        """Warn (once per episode) about a server that answers /health but none of its open requests."""
+        now = asyncio.get_running_loop().time()
+        limit = self._latency.silence_s()
+        if (server.silence_reported or server.quiet_since is None or server.installing
+                or now - server.quiet_since < limit):
+            return
+        server.silence_reported = True
+        held = sum(s.outstanding for s in self._servers)
+        log.warning("%s: server %s has answered none of its %d open requests for %.1f s although /health answers: it "
+                    "looks hung. %d of generation.max_inflight = %d request slots are held open. Each attempt is "
+                    "abandoned and retried after %.3g s (%s).", self.name, server.url, server.outstanding,
+                    now - server.quiet_since, held, self.cfg.max_inflight, self._latency.timeout_s(),
+                    self._latency.describe())
+    def _probe_timeout_s(self) -> float:
+        """How long a health probe, /pause or /resume may take before the server counts as not answering."""
+        return min(max(1.0, self.cfg.health_probe_interval_s), 10.0)
 
     async def _probe(self, server: _Server) -> str | None:
         """None if GET /health answered 200 in time, else what went wrong."""
         assert self._control_session is not None
-        timeout_s = min(max(1.0, self.cfg.health_probe_interval_s), 10.0)
+        timeout_s = self._probe_timeout_s()
         try:
             async with asyncio.timeout(timeout_s):
                 async with self._control_session.get(f"{server.url}/health") as resp:
@@ -630,12 +794,9 @@ class HttpGenerator:
             return f"health probe: {type(exc).__name__}: {exc}"
         return None if status == 200 else f"health probe: HTTP {status}"
 
-    async def _recover(self, server: _Server) -> None:
-        """A probe succeeded after an outage: reinstall the latest weights, then let it take work."""
-        epoch = server.epoch
-        server.healthy = True  # installs go only to healthy servers; it stays excluded until they succeed
-        server.excluded = "back after an outage, reloading the latest weights" if self._latest is not None else None
-        self._changed()
+    async def _recover(self, server: _Server, epoch: int) -> None:
+        """A probe succeeded after an outage (the server is marked healthy, and excluded while weights are
+        published): reinstall the latest weights, then it takes work."""
         if self._latest is not None:
             await self._sync_server(server, asyncio.get_running_loop().time() + INSTALL_SHARE * self.cfg.weight_sync_timeout_s)
         if server.epoch == epoch and server.usable:

@@ -52,11 +52,13 @@ RESUME_AFTER_FAILURE_S = 10.0
 
 
 class WeightSyncStepError(Exception):
-    """One step of one server's install failed. `status` is the HTTP status when the server answered."""
+    """One step of one server's install failed. `status` is the HTTP status when the server answered;
+    `unreachable` is true when it did not answer a call that needs no work (it looks down, not broken)."""
 
-    def __init__(self, message: str, *, status: int | None = None) -> None:
+    def __init__(self, message: str, *, status: int | None = None, unreachable: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.unreachable = unreachable
 
 
 class WeightSyncError(FatalBackendError):
@@ -145,7 +147,9 @@ class DiskWeightPublisher:
             except WeightSyncStepError as resume_error:
                 raise WeightSyncStepError(f"{error}; then /resume failed too: {resume_error}. The server may "
                                           f"stay paused: restart it, or POST {server.url}/resume by hand.",
-                                          status=getattr(error, "status", None)) from error
+                                          status=getattr(error, "status", None),
+                                          unreachable=getattr(error, "unreachable", False) or resume_error.unreachable,
+                                          ) from error
             raise
 
 

@@ -1,0 +1,70 @@
+"""`LatencyTracker`: the adaptive attempt timeout (pure: no clock, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncgrpo.generation.attempt_timeout import MIN_SAMPLES, WINDOW, LatencyTracker
+
+
+def tracker(**kw) -> LatencyTracker:
+    return LatencyTracker(**{"cap_s": 60.0, "factor": 3.0, "floor_s": 0.1, **kw})
+
+
+def test_before_enough_answers_an_attempt_may_take_the_whole_request_timeout():
+    t = tracker()
+    for _ in range(MIN_SAMPLES - 1):
+        t.record(0.02)
+    assert t.quantile_s() is None and t.timeout_s() == 60.0 and t.silence_s() == 60.0
+    assert "request_timeout_s = 60" in t.describe()
+    t.record(0.02)
+    assert t.timeout_s() == pytest.approx(0.1)  # 3 x 0.02 is under the floor
+
+
+def test_the_timeout_is_factor_times_the_99th_percentile_of_recent_answers():
+    t = tracker()
+    for i in range(100):
+        t.record(0.01 * (i + 1))  # 0.01 .. 1.00 s
+    assert t.quantile_s() == pytest.approx(0.99)
+    assert t.timeout_s() == pytest.approx(3 * 0.99)
+    assert t.silence_s() == pytest.approx(3 * 0.99)
+    assert "99% latency 0.99 s of the last 100 answers" in t.describe()
+
+
+def test_only_the_last_window_of_answers_counts():
+    t = tracker()
+    for _ in range(WINDOW):
+        t.record(5.0)
+    assert t.timeout_s() == pytest.approx(15.0)
+    for _ in range(WINDOW):
+        t.record(0.5)  # the server got faster: the old latencies leave the window
+    assert t.timeout_s() == pytest.approx(1.5)
+
+
+def test_the_timeout_is_capped_by_the_request_timeout_and_floored():
+    slow = tracker(cap_s=10.0)
+    fast = tracker(floor_s=0.25)
+    for _ in range(MIN_SAMPLES):
+        slow.record(8.0)
+        fast.record(0.001)
+    assert slow.timeout_s() == 10.0
+    assert fast.timeout_s() == 0.25
+
+
+def test_each_earlier_timeout_of_a_request_doubles_its_next_attempt_up_to_the_cap():
+    t = tracker(cap_s=5.0)
+    for _ in range(MIN_SAMPLES):
+        t.record(0.2)
+    assert [round(t.timeout_s(n), 3) for n in range(5)] == [0.6, 1.2, 2.4, 4.8, 5.0]
+    assert t.timeout_s(10_000) == 5.0  # no overflow
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_a_latency_that_is_not_a_duration_is_refused(bad):
+    with pytest.raises(ValueError, match="latency"):
+        tracker().record(bad)
+
+
+def test_settings_out_of_range_are_refused():
+    with pytest.raises(ValueError, match="factor >= 1"):
+        LatencyTracker(cap_s=1.0, factor=0.5, floor_s=0.1)
