@@ -62,6 +62,10 @@ class RequestTimeoutError(TransientGenerationError):
     """One attempt exceeded `generation.request_timeout_s`."""
 
 
+class RolloutDeadlineError(TransientGenerationError):
+    """A request's transient errors outlasted `generation.rollout_deadline_s`: it is not retried again."""
+
+
 class PromptRejectedError(GenerationError):
     """The backend rejected this prompt (too long, 413). Retrying cannot help; the backend works."""
 
@@ -168,6 +172,13 @@ class PipelineError(AsyncGRPOError):
     def __init__(self, diagnostic: Diagnostic) -> None:
         super().__init__(diagnostic.render())
         self.diagnostic = diagnostic
+
+    @classmethod
+    def caused_by(cls, diagnostic: Diagnostic, cause: BaseException) -> PipelineError:
+        """The error for `diagnostic`, chained to `cause` (for an error returned rather than raised)."""
+        error = cls(diagnostic)
+        error.__cause__ = cause
+        return error
 
 
 class StallError(PipelineError):

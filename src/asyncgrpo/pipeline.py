@@ -99,13 +99,13 @@ async def run_pipeline(
             async with asyncio.timeout(cfg.generation.weight_sync_timeout_s):
                 await sync_task
         except TimeoutError as exc:
-            return _chained(weight_sync_timeout(cfg, generator, step), exc)
+            return PipelineError.caused_by(weight_sync_timeout(cfg, generator, step), exc)
         except asyncio.CancelledError:
             if not stopping:
                 raise
             return None
         except Exception as exc:  # noqa: BLE001 - the run's diagnostic, after the step's metrics are written
-            return _chained(step_diagnostic(step, exc, phase="publishing its weights"), exc)
+            return PipelineError.caused_by(step_diagnostic(step, exc, phase="publishing its weights"), exc)
         finally:
             sync_task = None
         collector.weights_published()  # the only wake-up for admission waiting on the new version
@@ -119,7 +119,7 @@ async def run_pipeline(
         try:
             metrics = await backend.train_step(batch)
         except Exception as exc:
-            raise _chained(step_diagnostic(step, exc), exc) from exc
+            raise PipelineError.caused_by(step_diagnostic(step, exc), exc) from exc
         trained = loop.time()
         trained_steps = step + 1
         collector.step_trained()
@@ -140,7 +140,7 @@ async def run_pipeline(
             except PipelineError:
                 raise
             except Exception as exc:
-                raise _chained(step_diagnostic(step, exc, phase="reporting it (metrics, evaluation or checkpoint)"), exc) from exc
+                raise PipelineError.caused_by(step_diagnostic(step, exc, phase="reporting it (metrics, evaluation or checkpoint)"), exc) from exc
         if sync_failure is not None:
             raise sync_failure
         return record
@@ -195,11 +195,6 @@ async def run_pipeline(
         return PipelineResult("failed", "error", step, diagnostic, PipelineError(diagnostic), staleness_max)
     return PipelineResult("completed", stop_reason, step, staleness_max=staleness_max)
 
-
-def _chained(diagnostic: Diagnostic, cause: BaseException) -> PipelineError:
-    error = PipelineError(diagnostic)
-    error.__cause__ = cause
-    return error
 
 
 def weight_sync_timeout(cfg: Config, generator: Generator, step: int) -> Diagnostic:

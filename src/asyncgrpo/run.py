@@ -32,6 +32,7 @@ import copy
 import errno
 import logging
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -45,15 +46,18 @@ from typing import Any
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_rows, read_rows
 from asyncgrpo.data.source import PromptSource
-from asyncgrpo.errors import AsyncGRPOError, ConfigError, Diagnostic, DiskError, PipelineError
+from asyncgrpo.errors import AsyncGRPOError, ConfigError, Diagnostic, DiskError, FatalBackendError, GenerationError, PipelineError, RewardError
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.accounting import Accounting
+from asyncgrpo.rollout.health import format_traceback
 from asyncgrpo.rollout.ledger import PromptLedger
+from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rundir import ERROR_FILE, METRICS_FILE, OUTCOMES_FILE, SAMPLES_FILE, check_run_directory, claim, clear_run, is_foreign
 from asyncgrpo.signals import EXIT_CODES as SIGNAL_EXIT_CODES
 from asyncgrpo.signals import StopSignals
+from asyncgrpo.telemetry.keys import EVAL_KEYS
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import GenerationRequest, Group, Prompt, SamplingParams
@@ -271,7 +275,7 @@ async def _train_claimed(cfg: Config, plan: ResumePlan, stop: Stop, run_dir: Pat
     metrics = MetricsWriter(metrics_file, metric_keys(scorer.names))
     progress = _Progress(cfg, start_step)
     rewards_by_step: list[float] = []
-    eval_state: dict[str, float | None] = {"eval/reward_mean": None, "eval/pass_rate": None}
+    eval_state: dict[str, float | None] = dict.fromkeys(EVAL_KEYS)
     started = time.perf_counter()
     last = {"time": started, "tokens": collector.counters["rollout/generated_tokens_total"]}
 
@@ -300,13 +304,21 @@ async def _train_claimed(cfg: Config, plan: ResumePlan, stop: Stop, run_dir: Pat
         except OSError as exc:
             raise PipelineError(disk_diagnostic(exc, run_dir, run_dir / "checkpoints", step)) from exc
 
-    async def evaluate() -> None:
-        eval_state.update(await _evaluate(cfg, engine, scorer, eval_prompts, stop_ids))
+    async def evaluate(step: int) -> PipelineError | None:
+        """Evaluate after `step` steps; returns the error that must fail the run (the backend cannot
+        serve it at all), after which the caller still writes the step's metrics. Anything less
+        makes the evaluation incomplete: counted in eval/failed_requests and logged."""
+        try:
+            eval_state.update(await _evaluate(cfg, engine, scorer, eval_prompts, stop_ids, step=step))
+        except FatalBackendError as exc:
+            return PipelineError.caused_by(eval_diagnostic(exc, step), exc)
+        return None
 
     async def on_step(record: StepRecord) -> None:
         step = record.step + 1  # steps completed
+        eval_failure = None
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and not stop.received:
-            await evaluate()
+            eval_failure = await evaluate(step)
         now = time.perf_counter()
         tokens = collector.counters["rollout/generated_tokens_total"]
         values = step_metrics(
@@ -327,6 +339,8 @@ async def _train_claimed(cfg: Config, plan: ResumePlan, stop: Stop, run_dir: Pat
         progress.update(values)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.max_steps:
             await checkpoint(step)
+        if eval_failure is not None:
+            raise eval_failure
 
     final_checkpoint: Path | None = None
     result: PipelineResult | None = None
@@ -337,7 +351,9 @@ async def _train_claimed(cfg: Config, plan: ResumePlan, stop: Stop, run_dir: Pat
             async with asyncio.timeout(cfg.generation.weight_sync_timeout_s):
                 await engine.load_weights(trainer.generation_weights(), trainer.version)
         if eval_prompts:
-            await evaluate()  # the baseline, so eval/* is never empty
+            failure = await evaluate(start_step)  # the baseline, so eval/* is never empty
+            if failure is not None:
+                return PipelineResult("failed", "error", start_step, failure.diagnostic, failure)
         stop.pipeline = asyncio.create_task(
             run_pipeline(cfg, collector=collector, backend=ThreadedTrainer(), generator=engine, start_step=start_step, on_step=on_step)
         )
@@ -512,8 +528,13 @@ def _split_rows(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     return rows[:-n], rows[-n:]
 
 
-async def _evaluate(cfg: Config, engine: Any, scorer: RewardScorer, prompts: list[Prompt], stop_ids: tuple[int, ...]) -> dict[str, float | None]:
-    """Sample `eval.samples_per_prompt` completions per held-out prompt; report mean reward and pass@k."""
+async def _evaluate(cfg: Config, engine: Any, scorer: RewardScorer, prompts: list[Prompt], stop_ids: tuple[int, ...], *, step: int) -> dict[str, float | None]:
+    """Sample `eval.samples_per_prompt` completions per held-out prompt; report mean reward, pass@k and failures.
+
+    Requests go through the same retry policy as rollouts (rollout/retry.py), those of one prompt
+    concurrently. A request that still fails, or a reward that raises, leaves that sample out:
+    the evaluation is incomplete (`eval/failed_requests`, one warning naming the first error),
+    never a crash. A `FatalBackendError` propagates: the backend cannot serve the run at all."""
     sampling = SamplingParams(
         max_new_tokens=cfg.generation.max_new_tokens,
         temperature=cfg.eval.temperature,
@@ -521,27 +542,74 @@ async def _evaluate(cfg: Config, engine: Any, scorer: RewardScorer, prompts: lis
         stop_token_ids=stop_ids,
     )
     k = cfg.eval.samples_per_prompt
+    jitter = random.Random(cfg.run.seed + step)
+    failures: list[BaseException] = []
+
+    async def generate(request: GenerationRequest) -> Any:
+        try:
+            return await generate_with_retries(engine, request, cfg.generation, jitter=jitter)
+        except FatalBackendError:
+            raise
+        except (GenerationError, OSError) as exc:
+            failures.append(exc)
+            return None
 
     async def one(prompt: Prompt) -> list[float | None]:
         requests = [
-            GenerationRequest(f"eval-{prompt.id}-{i}", prompt.id, prompt.token_ids, sampling, seed=cfg.run.seed + i)
+            GenerationRequest(f"eval-{step}-{prompt.id}-{i}", prompt.id, prompt.token_ids, sampling, seed=cfg.run.seed + i)
             for i in range(k)
         ]
-        completions = []
-        for request in requests:  # bounded: a hung server must not hang the evaluation
-            async with asyncio.timeout(cfg.generation.request_timeout_s):
-                completions.append(await engine.generate(request))
-        return [s.reward for s in await scorer.score(prompt, [c.text for c in completions])]
+        async with asyncio.TaskGroup() as task_group:
+            tasks = [task_group.create_task(generate(request)) for request in requests]
+        completions = [c for c in (t.result() for t in tasks) if c is not None]
+        if not completions:
+            return []
+        try:
+            return [s.reward for s in await scorer.score(prompt, [c.text for c in completions])]
+        except RewardError as exc:
+            failures.extend([exc] * len(completions))
+            return []
 
-    async with asyncio.TaskGroup() as task_group:
-        tasks = [task_group.create_task(one(p)) for p in prompts]
+    try:
+        async with asyncio.TaskGroup() as task_group:
+            tasks = [task_group.create_task(one(p)) for p in prompts]
+    except* FatalBackendError as group:
+        raise _first_leaf(group) from None
     per_prompt = [t.result() for t in tasks]
+    if failures:
+        log.warning(
+            "warning: the evaluation after step %d is incomplete: %d of %d samples failed and are left out "
+            "(first error: %s: %s)", step, len(failures), len(prompts) * k, type(failures[0]).__name__, failures[0],
+        )
     rewards = [r for rs in per_prompt for r in rs if r is not None]
-    passed = [any(r is not None and r >= cfg.eval.success_threshold for r in rs) for rs in per_prompt]
+    scored = [rs for rs in per_prompt if rs]
+    passed = [any(r is not None and r >= cfg.eval.success_threshold for r in rs) for rs in scored]
     return {
         "eval/reward_mean": statistics.fmean(rewards) if rewards else None,
         "eval/pass_rate": sum(passed) / len(passed) if passed else None,
+        "eval/failed_requests": len(failures),
     }
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    """The first exception of a (possibly nested) group: task groups of task groups nest them."""
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+
+
+def eval_diagnostic(exc: FatalBackendError, step: int) -> Diagnostic:
+    return Diagnostic(
+        kind=exc.kind,
+        message=(
+            f"The evaluation after step {step} could not be served: {exc}. Retrying cannot fix this; check the servers, "
+            f"the model name, the URLs and the credentials. Every trained step's metrics are written."
+        ),
+        backend=exc.backend,
+        trainer_step=step,
+        original=exc,
+        traceback=format_traceback(exc),
+    )
+
 
 
 def _error_report(diagnostic: Diagnostic) -> str:

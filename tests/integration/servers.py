@@ -148,7 +148,9 @@ class FakeServer:
     requests started, cancelled handlers (the client closed the connection), pauses, reloads.
     `reload_status`/`health_status` make /collective_rpc and /health answer with that status
     (`reload_status = "hang"`: /collective_rpc never answers); `reload_delay_s` makes a reload take
-    that long; `pause_hangs` makes /pause never answer. Between /pause and /resume, completion
+    that long; `pause_hangs` makes /pause never answer. `fault(number, body)` may answer a completion
+    request with a fault instead: "drop" (close the connection), "malformed" (a truncated JSON body)
+    or an HTTP status such as "500". Between /pause and /resume, completion
     requests are held (as vLLM's mode=keep does). `freeze()` makes it answer nothing at all until `thaw()` (a SIGSTOPped process: requests
     wait, then are served).
     """
@@ -163,6 +165,7 @@ class FakeServer:
         self.pause_hangs = False
         self.health_status = 200
         self.hang_requests: set[int] = set()
+        self.fault: Callable[[int, dict], str | None] = lambda number, body: None
         self.paused = False
         self.frozen = False
         self._changed = StateSignal()
@@ -208,6 +211,14 @@ class FakeServer:
                 await self._changed.wait_for(lambda: not self.paused)
                 if self.completion == "hang" or self.started in self.hang_requests:
                     await asyncio.get_running_loop().create_future()  # never resolved: only cancellation ends it
+                fault = self.fault(self.started, body)
+                if fault == "drop":
+                    request.transport.close()
+                    return web.Response()
+                if fault == "malformed":
+                    return web.Response(text='{"choices": [{"text": ', content_type="application/json")
+                if fault is not None:
+                    return web.json_response({"error": {"message": f"injected {fault}"}}, status=int(fault))
                 if self.completion != "ok":
                     status, answer = self.completion
                     return web.json_response(answer, status=status)

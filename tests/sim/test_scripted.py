@@ -45,7 +45,7 @@ def test_a_hanging_publication_ends_at_the_weight_sync_deadline():
     )
     sim = simulate(cfg)
     assert sim.result.outcome == "failed" and sim.result.diagnostic.kind == "weight_sync"
-    assert sim.result.steps == 0 and 20.0 <= sim.virtual_time_s < 25.0
+    assert sim.result.steps == 1 and 20.0 <= sim.virtual_time_s < 25.0  # step 0 trained; publishing version 1 hung
 
 
 def test_publication_faults_are_seeded_per_version():

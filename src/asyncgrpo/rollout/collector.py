@@ -37,7 +37,6 @@ from asyncgrpo.errors import (
     GenerationError,
     FatalBackendError,
     PromptRejectedError,
-    RequestTimeoutError,
     RewardError,
     TransientGenerationError,
 )
@@ -50,6 +49,7 @@ from asyncgrpo.rollout.failure_log import FailureLog, Tolerated
 from asyncgrpo.rollout.failures import FailurePolicy, GroupOutcome
 from asyncgrpo.rollout.health import Health, format_traceback
 from asyncgrpo.rollout.ledger import PromptLedger
+from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rollout.signal import StateSignal
 from asyncgrpo.training.advantages import group_advantages
 from asyncgrpo.types import DROP_REASONS, Completion, DropReason, GenerationRequest, Group, Prompt, Rollout, SamplingParams
@@ -303,36 +303,17 @@ class Collector:
         self._last_progress = self._now()  # a rollout finished (a cancelled one never gets here)
 
     async def _generate_with_retries(self, request: GenerationRequest, group: _InFlightGroup, member: int) -> Completion:
-        """One rollout: transient errors retried with jittered exponential backoff, every attempt under
-        `request_timeout_s`, all of them under `rollout_deadline_s`. Anything else propagates at once."""
+        """One rollout under the retry policy (rollout/retry.py); a rollout waiting to retry holds no request slot."""
         g = self.cfg.generation
-        deadline = self._now() + g.rollout_deadline_s
-        attempt = 0
-        while True:
+
+        def record_dispatch() -> None:
             group.dispatch_versions[member] = self.generator.serving_version
-            remaining = deadline - self._now()
-            try:
-                async with asyncio.timeout(min(g.request_timeout_s, remaining)):
-                    return await self.generator.generate(request)
-            except TimeoutError as exc:
-                error: TransientGenerationError = RequestTimeoutError(
-                    f"request {request.request_id} got no answer within {min(g.request_timeout_s, remaining):g} s "
-                    f"(generation.request_timeout_s = {g.request_timeout_s:g})",
-                    backend=self.generator.name,
-                )
-                error.__cause__ = exc
-            except TransientGenerationError as exc:
-                error = exc
-            attempt += 1
-            delay = min(g.retry_backoff_max_s, g.retry_backoff_s * 2 ** (attempt - 1)) * (0.5 + 0.5 * self._jitter.random())
-            if self._now() + delay >= deadline:
-                raise RolloutDeadlineError(
-                    f"request {request.request_id} still failing after {attempt} attempts when its "
-                    f"generation.rollout_deadline_s = {g.rollout_deadline_s:g} ran out; last error: {error}",
-                    backend=self.generator.name,
-                ) from error
+
+        def count_retry(error: TransientGenerationError) -> None:
             self.counters["rollout/retries_total"] += 1
             self._tolerated("retried", error)
+
+        async def wait_without_a_slot(delay: float) -> None:
             # Waiting to retry holds no request open at the server: the slot serves other rollouts meanwhile.
             self._open_requests -= 1
             self._signal.notify()
@@ -341,6 +322,11 @@ class Collector:
                 await self._signal.wait_for(lambda: self._open_requests < g.max_inflight)
             finally:
                 self._open_requests += 1  # the caller's `finally` gives it back, whatever happens
+
+        return await generate_with_retries(
+            self.generator, request, g, jitter=self._jitter,
+            before_attempt=record_dispatch, on_retry=count_retry, between_attempts=wait_without_a_slot,
+        )
 
     async def _finish_group(self, group: _InFlightGroup) -> None:
         survivors = [(m, c) for m, c in enumerate(group.completions) if c is not None]
@@ -561,7 +547,3 @@ class Collector:
             trainer_step=step,
             threshold=stall_timeout_s,
         )
-
-
-class RolloutDeadlineError(TransientGenerationError):
-    """A rollout's transient errors outlasted `generation.rollout_deadline_s`."""

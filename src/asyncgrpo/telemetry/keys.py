@@ -15,7 +15,7 @@ TRAIN_KEYS = (
     "completion/len_max",
     "completion/truncated_frac",
 )
-EVAL_KEYS = ("eval/reward_mean", "eval/pass_rate")
+EVAL_KEYS = ("eval/reward_mean", "eval/pass_rate", "eval/failed_requests")
 PIPELINE_KEYS = (
     "rollout/inflight",
     "buffer/size",

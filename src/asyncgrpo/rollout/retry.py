@@ -1,0 +1,74 @@
+"""One request's generation under the failure policy: classified retries with backoff, under deadlines.
+
+Used by the collector for rollouts and by evaluation, so both treat a backend the same way:
+- a `TransientGenerationError` (refused, reset, 429, 5xx, an attempt past `request_timeout_s`)
+  is retried after a jittered exponential delay (`retry_backoff_s` doubling to
+  `retry_backoff_max_s`), as long as the retry can start before `rollout_deadline_s` runs out;
+  then `RolloutDeadlineError` names the attempts and the last error;
+- anything else (a rejected prompt, a fatal backend error, a bug) propagates at once;
+- every attempt is bounded by `min(request_timeout_s, time left)`.
+
+The caller decides what happens between attempts (`between_attempts(delay)`: the collector frees
+its request slot while it waits) and is told of each retry (`on_retry(error)`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+
+from asyncgrpo.config import GenerationConfig
+from asyncgrpo.errors import RequestTimeoutError, RolloutDeadlineError, TransientGenerationError
+from asyncgrpo.generation.base import Generator
+from asyncgrpo.types import Completion, GenerationRequest
+
+
+def retry_delay(g: GenerationConfig, attempt: int, uniform: float) -> float:
+    """The wait before retry number `attempt` (1 = the first retry); `uniform` in [0, 1) is the jitter."""
+    return min(g.retry_backoff_max_s, g.retry_backoff_s * 2 ** (attempt - 1)) * (0.5 + 0.5 * uniform)
+
+
+async def generate_with_retries(
+    generator: Generator,
+    request: GenerationRequest,
+    g: GenerationConfig,
+    *,
+    jitter: random.Random,
+    before_attempt: Callable[[], None] | None = None,
+    on_retry: Callable[[TransientGenerationError], None] | None = None,
+    between_attempts: Callable[[float], Awaitable[None]] | None = None,
+) -> Completion:
+    """Generate `request` on `generator` under the policy of the module docstring."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + g.rollout_deadline_s
+    attempt = 0
+    while True:
+        if before_attempt is not None:
+            before_attempt()
+        limit = min(g.request_timeout_s, deadline - loop.time())
+        try:
+            async with asyncio.timeout(limit):
+                return await generator.generate(request)
+        except TimeoutError as exc:
+            error: TransientGenerationError = RequestTimeoutError(
+                f"request {request.request_id} got no answer within {limit:g} s (generation.request_timeout_s = {g.request_timeout_s:g})",
+                backend=generator.name,
+            )
+            error.__cause__ = exc
+        except TransientGenerationError as exc:
+            error = exc
+        attempt += 1
+        delay = retry_delay(g, attempt, jitter.random())
+        if loop.time() + delay >= deadline:
+            raise RolloutDeadlineError(
+                f"request {request.request_id} still failing after {attempt} attempts when its "
+                f"generation.rollout_deadline_s = {g.rollout_deadline_s:g} ran out; last error: {error}",
+                backend=generator.name,
+            ) from error
+        if on_retry is not None:
+            on_retry(error)
+        if between_attempts is not None:
+            await between_attempts(delay)
+        else:
+            await asyncio.sleep(delay)
