@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import traceback
+from collections.abc import Callable
 
 from asyncgrpo.config import Config, load_config, tolerance_warnings
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
@@ -44,12 +45,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("model", help="a local Hugging Face model directory, or builtin:tiny")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; /collective_rpc loads any readable path, keep it private)")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 picks a free one)")
-    serve.add_argument("--max-batch-size", type=int, default=64, help="most sequences decoded together (default 64)")
+    serve.add_argument("--port", type=_bounded_int(0, 65535), default=8000, help="port to bind (default 8000; 0 picks a free one)")
+    serve.add_argument("--max-batch-size", type=_bounded_int(1, 1 << 16), default=64, help="most sequences decoded together (default 64)")
     serve.add_argument("--served-model-name", default=None, help="model name clients must send (default: MODEL as given)")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype (default float32)")
-    serve.add_argument("--seed", type=int, default=0, help="initialisation seed of builtin models (default 0)")
+    serve.add_argument("--seed", type=_bounded_int(0, 2**32 - 1), default=0, help="initialisation seed of builtin models (default 0)")
+    serve.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
+
+
+def _bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high], else one line naming the limits."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
+        return value
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - no command ends in a raw traceback
-        hint = "" if args.debug else " Run the same command with --debug to see the traceback, and please report it."
+        hint = "" if args.debug else ". Run the same command with --debug to see the traceback, and please report it."
         _report(exc, args.debug, prefix=f"error: unexpected {type(exc).__name__}: ", suffix=hint)
         return 1
 

@@ -387,7 +387,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not recipe.is_file():
             raise ConfigError(f"recipe {recipe} does not exist. Fix: pass the path of a YAML recipe, e.g. recipes/demo.yaml.")
         try:
-            loaded = yaml.safe_load(recipe.read_text())
+            loaded = yaml.safe_load(recipe.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"recipe {recipe} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}). "
+                f"Fix: save the recipe as UTF-8."
+            ) from None
+        except OSError as exc:
+            raise ConfigError(f"recipe {recipe} cannot be read: {exc.strerror}. Fix: check its permissions.") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"recipe {recipe} is not valid YAML: {exc}") from exc
         if loaded is None:

@@ -96,6 +96,12 @@ def check_simulatable(cfg: Config) -> None:
         problems.append(f"generation.backend = {cfg.generation.backend!r}: simulate needs 'scripted'. Fix: add generation.backend=scripted.")
     if cfg.train.backend != "stub":
         problems.append(f"train.backend = {cfg.train.backend!r}: simulate needs 'stub'. Fix: add train.backend=stub.")
+    if mean_of(cfg.generation.scripted.latency_s) <= 0:
+        problems.append(
+            "generation.scripted.latency_s has a mean of 0: every completion would take no virtual time, so the "
+            "generation capacity is unbounded and the simulation measures nothing. Fix: give a latency above 0 "
+            "(e.g. {dist: const, value: 0.5})."
+        )
     if problems:
         raise ConfigError("simulate runs on virtual time with a scripted generator and a stub trainer:\n" + "\n".join(f"  - {p}" for p in problems))
 

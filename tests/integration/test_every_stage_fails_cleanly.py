@@ -1,0 +1,79 @@
+"""A failure injected at each stage of `asyncgrpo train` ends as one paragraph and an exit code, never a raw
+traceback; when a step completed, a checkpoint of it is on disk. In-process (`cli.main`), so each stage can be
+made to fail exactly where the test says."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+import asyncgrpo.models.loading
+import asyncgrpo.run
+from asyncgrpo.cli import main
+from asyncgrpo.generation.local import LocalEngine
+from asyncgrpo.telemetry.metrics import MetricsWriter
+from asyncgrpo.training import checkpoint
+from asyncgrpo.training.trainer import TorchTrainer
+
+QUICK = ["logging.progress=false", "rollout.groups_per_step=2", "rollout.group_size=2", "train.max_steps=4",
+         "eval.num_prompts=4", "checkpoint.every_steps=2"]
+
+
+def fail_on_call(n: int, error: BaseException):
+    """A replacement for a function or method whose n-th call (1-based) raises `error`; others run the original."""
+
+    def install(monkeypatch, owner, name):
+        original = getattr(owner, name)
+        calls = []
+
+        def wrapper(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                raise error
+            return original(*args, **kwargs)
+
+        async def async_wrapper(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                raise error
+            return await original(*args, **kwargs)
+
+        import inspect
+
+        monkeypatch.setattr(owner, name, async_wrapper if inspect.iscoroutinefunction(original) else wrapper)
+
+    return install
+
+
+STAGES = {
+    # stage: (what to break, which call, the error, the exit code, words the paragraph must hold, steps saved)
+    "model load": (asyncgrpo.models.loading, "load_model_and_tokenizer", 1, RuntimeError("weights unreadable"), 1, "unexpected RuntimeError", 0),
+    "baseline eval": (asyncgrpo.run, "_evaluate", 1, RuntimeError("eval exploded"), 1, "unexpected RuntimeError", 0),
+    "a step": (TorchTrainer, "train_step", 3, FloatingPointError("loss is nan"), 1, "error (step_error): Training step 2 failed", 2),
+    "a checkpoint write": (checkpoint, "save_checkpoint", 1, RuntimeError("serializer bug"), 1, "error (step_report): Step 1 trained, then failed", 2),
+    "a metrics write": (MetricsWriter, "write", 2, OSError(errno.EIO, "Input/output error"), 1, "error (disk): After step 2, cannot write", 2),
+    "weight publication": (LocalEngine, "load_weights", 3, RuntimeError("engine gone"), 1, "error (weight_sync): Step 2 trained, then failed while publishing", 3),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_failure_at_each_stage_is_one_paragraph_and_keeps_completed_steps(tmp_path, monkeypatch, capsys, stage):
+    owner, name, call, error, code, words, saved = STAGES[stage]
+    fail_on_call(call, error)(monkeypatch, owner, name)
+    exit_code = main(["train", "recipes/demo.yaml", f"run.output_dir={tmp_path}", "eval.every_steps=2", *QUICK])
+    err = capsys.readouterr().err
+    assert exit_code == code and words in err, err
+    assert "Traceback" not in err
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) if (tmp_path / "checkpoints").exists() else []
+    assert (checkpoints[-1] if checkpoints else None) == (f"step_{saved:06d}" if saved else None)
+    assert (tmp_path / "error.txt").is_file()
+
+
+def test_a_recipe_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_bytes(b"run:\n  name: \xff\xfe\n")
+    assert main(["train", str(recipe)]) == 3
+    err = capsys.readouterr().err
+    assert "is not UTF-8 text (byte 0xff at offset 13)" in err and "Traceback" not in err
