@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from asyncgrpo.config import load_config
-from asyncgrpo.run import train
+from asyncgrpo.train import train
 
 
 def measure(k: int, steps: int) -> dict[str, float]:

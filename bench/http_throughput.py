@@ -147,13 +147,12 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
     import aiohttp
 
     from asyncgrpo.config import validate_config
-    from asyncgrpo.data.source import PromptSource
+    from asyncgrpo.assemble import build_collector
     from asyncgrpo.generation.http import HttpGenerator
     from asyncgrpo.pipeline import run_pipeline
     from asyncgrpo.rewards.scoring import RewardScorer
-    from asyncgrpo.rollout.collector import Collector
     from asyncgrpo.training.stub import StubTrainer
-    from asyncgrpo.types import Prompt, SamplingParams
+    from asyncgrpo.types import Prompt
 
     generation = {"backend": "http", "max_new_tokens": 8, "max_inflight": CONCURRENCY,
                   "http": {"base_urls": [url], **(http_overrides or {})}}
@@ -161,20 +160,19 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
         generation["retry_backoff_s"] = backoff_s
     cfg = validate_config({
         "run": {"name": "bench-http", "seed": seed},
+        "data": {"shuffle": False},
         "generation": generation,
         "rollout": {"group_size": group_size, "groups_per_step": groups_per_step, "max_staleness": max_staleness},
         "train": {"backend": "stub", "max_steps": steps, "step_time_s": 0.001},
     })
     prompts = [Prompt(id=i, text=f"p{i}", token_ids=(5, 6, 7, 8)) for i in range((steps + 4) * groups_per_step)]
-    source = PromptSource(prompts, num_epochs=1, shuffle=False, seed=seed)
 
     def length_reward(completions, **_):
         return [float(len(c)) for c in completions]
 
     scorer = RewardScorer([("length", length_reward)], None, 30.0, isolation="inline")
-    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=(2,))
     generator = HttpGenerator(cfg.generation)
-    collector = Collector(cfg, source=source, generator=generator, scorer=scorer, sampling=sampling)
+    collector = build_collector(cfg, prompts, generator, scorer=scorer, stop_token_ids=(2,))
     ends: list[tuple[float, int]] = []  # (time a step ended, samples trained in it)
 
     async def on_step(record) -> None:

@@ -103,12 +103,12 @@ def _run_command(args: argparse.Namespace) -> int:
         if cfg.generation.backend == "scripted":  # a simulate recipe
             from asyncgrpo.simulate import preflight_simulation as preflight
         else:
-            from asyncgrpo.run import preflight  # type: ignore[assignment]
+            from asyncgrpo.train import preflight  # type: ignore[assignment]
 
         preflight(cfg)
         print(f"{args.recipe}: ok")
         return 0
-    from asyncgrpo.run import train_cli
+    from asyncgrpo.train import train_cli
 
     return train_cli(cfg)
 

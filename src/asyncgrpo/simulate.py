@@ -20,17 +20,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from asyncgrpo.assemble import build_collector
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_rows
-from asyncgrpo.data.source import PromptSource
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
 from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline, step_budget_warnings
-from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rewards.scoring import resolve_rewards
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.training.stub import StubTrainer
-from asyncgrpo.types import SamplingParams
 from asyncgrpo.vtime import run_virtual
 
 log = logging.getLogger("asyncgrpo")
@@ -117,18 +116,10 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     prompts, _ = build_prompts(rows, prompt_key=cfg.data.prompt_key, tokenizer=None, max_prompt_tokens=cfg.data.max_prompt_tokens)
     for warning in step_budget_warnings(cfg, len(prompts)):
         log.warning("warning: %s", warning)
-    source = PromptSource(prompts, num_epochs=cfg.data.num_epochs, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
-    scorer = RewardScorer.from_config(cfg.reward, isolation="inline")
     if generator is None:
         generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
     trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s)
-    sampling = SamplingParams(
-        max_new_tokens=cfg.generation.max_new_tokens,
-        temperature=cfg.generation.temperature,
-        top_p=cfg.generation.top_p,
-        stop_token_ids=tuple(cfg.generation.stop_token_ids),
-    )
-    collector = Collector(cfg, source=source, generator=generator, scorer=scorer, sampling=sampling)
+    collector = build_collector(cfg, prompts, generator, isolation="inline")
     records: list[StepRecord] = []
 
     async def record(step: StepRecord) -> None:

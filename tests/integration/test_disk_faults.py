@@ -14,7 +14,7 @@ import pytest
 
 import asyncgrpo.atomic
 from asyncgrpo.config import load_config
-from asyncgrpo.run import train
+from asyncgrpo.train import train
 from asyncgrpo.training.integrity import checkpoint_problem
 from tests.integration.train_process import ROOT, records
 

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from asyncgrpo.config import load_config
-from asyncgrpo.run import train
+from asyncgrpo.train import train
 from tests.integration.servers import FakeServer
 from tests.integration.train_process import records
 

@@ -79,10 +79,7 @@ def tiny_prompts(n: int = 40) -> list[Prompt]:
 
 
 def make_collector(cfg, generator, prompts: list[Prompt]) -> Collector:
-    source = PromptSource(prompts, num_epochs=1, shuffle=False, seed=0)
-    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), None, 30.0, isolation="inline")
-    sampling = SamplingParams(max_new_tokens=cfg.generation.max_new_tokens, temperature=1.0, stop_token_ids=(EOS,))
-    return Collector(cfg, source=source, generator=generator, scorer=scorer, sampling=sampling)
+    return build_collector(cfg, prompts, generator, stop_token_ids=(EOS,), isolation="inline")
 
 
 def request(rid: int = 0, prompt=(5, 6, 7), max_new_tokens: int = 6, **sampling) -> GenerationRequest:

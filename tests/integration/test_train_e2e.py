@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from asyncgrpo.config import load_config
-from asyncgrpo.run import train
+from asyncgrpo.train import train
 
 
 def run(tmp_path, *overrides: str):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from asyncgrpo.config import load_config
-from asyncgrpo.run import train
+from asyncgrpo.train import train
 from tests.integration.servers import ServeProcess
 
 

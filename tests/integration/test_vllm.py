@@ -43,7 +43,7 @@ from asyncgrpo.generation.http import HttpGenerator
 from asyncgrpo.generation.weight_sync import DiskWeightPublisher
 from asyncgrpo.models.loading import save_model
 from asyncgrpo.models.tiny import build_tiny
-from asyncgrpo.run import train
+from asyncgrpo.train import train
 from asyncgrpo.training.loss import token_logprobs
 from asyncgrpo.types import GenerationRequest, SamplingParams
 from tests.integration.servers import http, until

@@ -112,14 +112,9 @@ def recipe(**sections: dict[str, Any]):
 
 def make_collector(cfg, generator):
     """A collector over the recipe's built-in data, in order, scored on the event loop (no threads)."""
+    from asyncgrpo.assemble import build_collector
     from asyncgrpo.data.loading import build_prompts, read_rows
-    from asyncgrpo.data.source import PromptSource
-    from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
-    from asyncgrpo.rollout.collector import Collector
-    from asyncgrpo.types import SamplingParams
 
     rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=0)
     prompts, _ = build_prompts(rows, prompt_key="prompt", tokenizer=None, max_prompt_tokens=256)
-    source = PromptSource(prompts, num_epochs=1, shuffle=False, seed=0)
-    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), None, 30.0, isolation="inline")
-    return Collector(cfg, source=source, generator=generator, scorer=scorer, sampling=SamplingParams(max_new_tokens=8))
+    return build_collector(cfg, prompts, generator, isolation="inline")

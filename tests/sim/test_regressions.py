@@ -15,7 +15,7 @@ from asyncgrpo.errors import GenerationError, PipelineError, TransientGeneration
 from asyncgrpo.pipeline import run_pipeline
 from asyncgrpo.simulate import simulate
 from asyncgrpo.vtime import run_virtual
-from tests.sim.fakes import OK, Fate, ProgrammedGenerator, member, recipe
+from tests.sim.fakes import OK, Fate, ProgrammedGenerator, make_collector, member, recipe
 
 REFUSED = Fate(after_s=0.1, error=TransientGenerationError("connection refused", backend="programmed"))
 
@@ -210,19 +210,11 @@ def test_a_non_retryable_error_is_not_retried():
 
 
 def test_shutdown_with_requests_in_flight_is_bounded_and_leaves_no_task_or_thread():
-    from asyncgrpo.data.loading import build_prompts, read_rows
-    from asyncgrpo.data.source import PromptSource
-    from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
-    from asyncgrpo.rollout.collector import Collector
     from asyncgrpo.training.stub import StubTrainer
-    from asyncgrpo.types import SamplingParams
 
     cfg = recipe(generation={"request_timeout_s": 1000.0, "rollout_deadline_s": 1000.0}, train={"max_steps": 50})
     gen = ProgrammedGenerator(lambda r, a: Fate(hang=True) if r.prompt_id >= 3 else OK)
-    prompts, _ = build_prompts(read_rows(cfg.data.source, builtin_size=40, seed=0), prompt_key="prompt", tokenizer=None, max_prompt_tokens=256)
-    source = PromptSource(prompts, num_epochs=1, shuffle=False, seed=0)
-    scorer = RewardScorer(resolve_rewards(cfg.reward.functions), None, 30.0, isolation="inline")
-    collector = Collector(cfg, source=source, generator=gen, scorer=scorer, sampling=SamplingParams(max_new_tokens=8))
+    collector = make_collector(cfg, gen)
     threads_before = set(threading.enumerate())
 
     async def main():

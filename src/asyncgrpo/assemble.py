@@ -1,0 +1,66 @@
+"""One way to wire a pipeline's parts from a recipe: the prompt source, the reward scorer, the sampling
+parameters and the collector. Used by `train`, `simulate`, the benchmarks and the tests, so a part is
+configured the same way everywhere.
+
+What differs between callers is passed in: the prompts (tokenized or not), the generator, the stop
+tokens of the tokenizer, a resumed run's ledger and books, and (for tests and benchmarks) a scorer
+of their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncgrpo.config import Config
+from asyncgrpo.data.source import PromptSource
+from asyncgrpo.generation.base import Generator
+from asyncgrpo.rewards.scoring import Isolation, RewardScorer
+from asyncgrpo.rollout.accounting import Accounting
+from asyncgrpo.rollout.collector import Collector
+from asyncgrpo.rollout.ledger import PromptLedger
+from asyncgrpo.types import Prompt, SamplingParams
+
+
+def sampling_params(cfg: Config, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    """Training-time sampling: the recipe's generation settings; the tokenizer's EOS is among `stop_token_ids`."""
+    return SamplingParams(
+        max_new_tokens=cfg.generation.max_new_tokens,
+        temperature=cfg.generation.temperature,
+        top_p=cfg.generation.top_p,
+        stop_token_ids=tuple(dict.fromkeys([*cfg.generation.stop_token_ids, *stop_token_ids])),
+    )
+
+
+def build_collector(
+    cfg: Config,
+    prompts: list[Prompt],
+    generator: Generator,
+    *,
+    stop_token_ids: tuple[int, ...] = (),
+    scorer: RewardScorer | None = None,
+    isolation: Isolation | None = None,
+    ledger: PromptLedger | None = None,
+    start_step: int = 0,
+    resumed: dict[str, Any] | None = None,
+) -> Collector:
+    """The collector over `prompts` on `generator`, with the recipe's source order and reward functions.
+
+    `isolation` overrides `reward.isolation` (simulations score inline, on virtual time); `ledger`
+    and `resumed` (a checkpoint's accounting and counters) continue a run from a checkpoint."""
+    source = PromptSource(
+        prompts,
+        num_epochs=cfg.data.num_epochs,
+        shuffle=cfg.data.shuffle,
+        seed=cfg.run.seed,
+        done=ledger.done_by_epoch() if ledger is not None else None,
+    )
+    if scorer is None:
+        scorer = RewardScorer.from_config(cfg.reward, isolation=isolation)
+    collector = Collector(
+        cfg, source=source, generator=generator, scorer=scorer, sampling=sampling_params(cfg, stop_token_ids),
+        start_step=start_step, ledger=ledger,
+    )
+    if resumed:
+        collector.accounting = Accounting.resumed(resumed["accounting"])
+        collector.counters.update(resumed["counters"])
+    return collector

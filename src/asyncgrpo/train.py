@@ -1,0 +1,489 @@
+"""`asyncgrpo train`: one training run, told as a story of named steps.
+
+1. `preflight(cfg)`: every name and path in the recipe is checked (model, data, eval data,
+   reward functions, backends, run directory) before anything heavy is imported or loaded.
+2. The run directory is claimed (rundir.py): refused unless asyncgrpo made it, locked for this
+   process, and on a fresh start cleared of what an earlier run wrote (nothing else).
+3. `TrainingRun.prepare`: the model and tokenizer (the trainer trains one copy, the engine serves
+   another), the prompts, the generator and the collector (assemble.py); on resume, the
+   checkpoint's weights, optimizer state and record files are restored.
+4. `TrainingRun.generate_and_train`: a baseline evaluation, then the shared loop of pipeline.py,
+   whose `on_step` evaluates every `eval.every_steps`, writes metrics and samples, and checkpoints
+   every `checkpoint.every_steps`.
+5. `TrainingRun.finish`: a final checkpoint, error.txt when the run failed, and the summary.
+
+Invariants:
+- Every trained step has its metrics line; metrics.jsonl, outcomes.jsonl and the newest
+  checkpoint describe the same steps after any ending (a resume restores the records that the
+  checkpoint copied, so damaged live files are replaced, never padded or silently shortened).
+- Any error, at any stage, ends as one paragraph (`train_cli`), with error.txt in the run
+  directory when there is one and a checkpoint when a step completed.
+
+Threads: the engine owns its decode thread; the trainer's steps and checkpoint writes run on
+one dedicated thread owned by `TrainingRun`, shut down on every exit path. Signals: see
+signals.py (a stop cancels the pipeline, the step in progress finishes, a checkpoint is saved,
+exit 130/143).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import logging
+import os
+import signal
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.assemble import build_collector
+from asyncgrpo.config import Config
+from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_rows, read_rows
+from asyncgrpo.errors import AsyncGRPOError, ConfigError, Diagnostic, DiskError, FatalBackendError, PipelineError
+from asyncgrpo.evaluation import eval_diagnostic, evaluate
+from asyncgrpo.generation.base import Generator
+from asyncgrpo.models.loading import check_model_path
+from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline, step_budget_warnings
+from asyncgrpo.rewards.scoring import resolve_rewards
+from asyncgrpo.rollout.ledger import PromptLedger
+from asyncgrpo.run_files import describe_last_checkpoint, disk_diagnostic, disk_problem, open_record, write_or_disk_error
+from asyncgrpo.rundir import ERROR_FILE, METRICS_FILE, OUTCOMES_FILE, SAMPLES_FILE, check_run_directory, claim, clear_run, is_foreign
+from asyncgrpo.signals import EXIT_CODES as SIGNAL_EXIT_CODES
+from asyncgrpo.signals import StopSignals
+from asyncgrpo.telemetry.keys import EVAL_KEYS
+from asyncgrpo.telemetry.metrics import MetricsWriter, metric_keys, step_metrics, write_samples
+from asyncgrpo.telemetry.progress import Progress
+from asyncgrpo.threads import run_in_daemon_thread
+from asyncgrpo.training.resume import ResumePlan, plan_resume
+from asyncgrpo.types import Group, Prompt
+from asyncgrpo.watchdog import LoopWatchdog
+
+log = logging.getLogger("asyncgrpo")
+
+EXIT_CODES = {"completed": 0, "failed": 1, "stalled": 2}
+
+
+def preflight(cfg: Config) -> ResumePlan:
+    """Raise ConfigError for any recipe mistake that can be found without loading a model; say what to resume."""
+    if cfg.generation.backend not in ("local", "http") or cfg.train.backend != "torch":
+        raise ConfigError(
+            f"train needs generation.backend: local or http, and train.backend: torch (got {cfg.generation.backend!r} and "
+            f"{cfg.train.backend!r}); the scripted backend and the stub trainer are for `asyncgrpo simulate`."
+        )
+    check_model_path(cfg.model.path)
+    check_data_source(cfg.data.source, key="data.source")
+    if cfg.eval.source is not None:
+        check_data_source(cfg.eval.source, key="eval.source")
+    resolve_rewards(cfg.reward.functions)
+    check_run_directory(cfg.run.directory)
+    return plan_resume(cfg)
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    result: PipelineResult
+    accounting: dict[str, Any]
+    first_rewards: list[float] = field(default_factory=list)
+    last_rewards: list[float] = field(default_factory=list)
+    final_checkpoint: Path | None = None
+    interrupted_by: int | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted_by is not None:
+            return SIGNAL_EXIT_CODES[self.interrupted_by]
+        return EXIT_CODES[self.result.outcome]
+
+    def render(self) -> str:
+        r = self.result
+        acc = self.accounting
+        dropped = ", ".join(f"{k} {v}" for k, v in acc["dropped"].items() if v) or "none"
+        if self.interrupted_by is not None:
+            head = f"interrupted by {signal.Signals(self.interrupted_by).name} after {r.steps} steps"
+        elif r.outcome == "completed":
+            why = "max_steps reached" if r.stop_reason == "max_steps" else "the data ran out"
+            head = f"completed {r.steps} steps ({why})"
+        else:
+            head = f"{r.outcome} after {r.steps} steps"
+        lines = [f"asyncgrpo: {head}. Run directory: {self.run_dir}"]
+        if self.first_rewards and self.last_rewards:
+            lines.append(
+                f"  reward: first 10% of steps {statistics.fmean(self.first_rewards):.3f} -> "
+                f"last 10% {statistics.fmean(self.last_rewards):.3f}"
+            )
+        lines.append(
+            f"  prompts: taken {acc['taken']}, trained {acc['trained']}, requeued {acc['requeued']}, dropped: {dropped}, "
+            f"in flight at exit {acc['in_flight']}, buffered at exit {acc['buffered']}"
+        )
+        lines.append(f"  max staleness trained: {r.staleness_max}")
+        if self.final_checkpoint is not None:
+            lines.append(f"  checkpoint: {self.final_checkpoint} (loads with transformers' from_pretrained)")
+            if self.interrupted_by is not None or r.outcome != "completed":
+                lines.append("  to continue: run the same command again (checkpoint.resume=auto continues from the newest checkpoint)")
+        if r.diagnostic is not None:
+            lines.append(f"  error ({r.diagnostic.kind}): {r.diagnostic.render()}")
+            if r.diagnostic.traceback:
+                lines.append("  first error's traceback is in " + str(self.run_dir / "error.txt"))
+        return "\n".join(lines)
+
+
+def train_cli(cfg: Config) -> int:
+    """The `asyncgrpo train` command: the run with signal handling, then the summary.
+
+    Config mistakes and asyncgrpo's own errors propagate to the CLI as one paragraph; anything
+    else (a bug, a library's error) is turned into one here, with the traceback in error.txt."""
+    try:
+        summary = asyncio.run(_train_until_signal(cfg))
+    except AsyncGRPOError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every command ends in a paragraph, never a raw traceback
+        raise AsyncGRPOError(_unexpected_error(cfg.run.directory, exc)) from exc
+    print(summary.render(), file=sys.stderr)
+    return summary.exit_code
+
+
+def _unexpected_error(run_dir: Path, exc: BaseException) -> str:
+    where = "run with --debug to see the traceback"
+    report = "".join(traceback.format_exception(exc))
+    if run_dir.is_dir() and not is_foreign(run_dir):
+        try:
+            (run_dir / ERROR_FILE).write_text(report)
+            where = f"the traceback is in {run_dir / ERROR_FILE}"
+        except OSError:
+            pass
+    return (
+        f"the run stopped on an unexpected {type(exc).__name__}: {exc}. This is not a recipe mistake asyncgrpo knows "
+        f"how to name; {where}. {describe_last_checkpoint(run_dir)} Please report it with that file."
+    )
+
+
+@dataclass
+class Stop:
+    """The stop requests of a run, and the pipeline task a stop cancels.
+
+    Only the pipeline is cancelled, never the cleanup after it (closing the engine, the final
+    checkpoint, the summary), which must run to its end for the checkpoint to be saved.
+    """
+
+    received: list[int] = field(default_factory=list)
+    pipeline: asyncio.Task[Any] | None = None
+
+    def request(self, signum: int) -> None:
+        self.received.append(signum)
+        if self.pipeline is not None and not self.pipeline.done():
+            self.pipeline.cancel()
+
+
+async def _train_until_signal(cfg: Config) -> RunSummary:
+    stop = Stop()
+    signals = StopSignals(
+        asyncio.get_running_loop(),
+        shutdown_timeout_s=cfg.run.shutdown_timeout_s,
+        on_stop=stop.request,
+        describe_checkpoint=lambda: describe_last_checkpoint(cfg.run.directory),
+    )
+    with signals.installed():
+        return await train(cfg, stop=stop)
+
+
+async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
+    """Run one training to its end (see the module docstring). Config problems raise ConfigError first."""
+    preflight(cfg)
+    stop = stop if stop is not None else Stop()
+    with claim(cfg.run.directory) as run_dir:
+        plan = plan_resume(cfg)  # again, now that no other process can change the directory
+        if plan.checkpoint is None:
+            _start_over(run_dir)
+        run = TrainingRun.prepare(cfg, plan, run_dir, stop)
+        result = await run.generate_and_train()
+        return run.finish(result)
+
+
+def _start_over(run_dir: Path) -> None:
+    """A fresh start: nothing an earlier run wrote may mix into this one (and nothing else is touched)."""
+    try:
+        clear_run(run_dir)
+    except OSError as exc:
+        raise DiskError(disk_problem(Path(exc.filename or run_dir), exc)) from exc
+
+
+class TrainingRun:
+    """The parts of one run and what it does with them; `train()` calls its steps in order.
+
+    It is also the pipeline's trainer: `train_step` runs the torch trainer on the run's trainer
+    thread, so checkpoint writes (on the same thread) never overlap a step."""
+
+    def __init__(self, cfg: Config, plan: ResumePlan, run_dir: Path, stop: Stop, trainer: Any, tokenizer: Any,
+                 prompts: list[Prompt], eval_prompts: list[Prompt], warnings: list[str]) -> None:
+        self.cfg, self.plan, self.run_dir, self.stop = cfg, plan, run_dir, stop
+        self.trainer = trainer
+        self.warnings = warnings
+        self.eval_prompts = eval_prompts
+        self.stop_ids = tuple(dict.fromkeys([*cfg.generation.stop_token_ids, tokenizer.eos_token_id]))
+        saved = _resume(plan, trainer, run_dir) if plan.checkpoint is not None else {}
+        offsets = saved.get("offsets", {})
+        self.outcomes = open_record(run_dir / OUTCOMES_FILE, offsets)
+        self.metrics_file = open_record(run_dir / METRICS_FILE, offsets)
+        self.samples_file = open_record(run_dir / SAMPLES_FILE, offsets, warnings)
+        self.ledger = PromptLedger(saved.get("done"), sink=self.outcomes.append)
+        self.engine = _generator(cfg, trainer, tokenizer, run_dir)
+        self.collector = build_collector(
+            cfg, prompts, self.engine, stop_token_ids=self.stop_ids, ledger=self.ledger, start_step=plan.step, resumed=saved,
+        )
+        self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.collector.scorer.names))
+        self.progress = Progress(cfg, plan.step)
+        self.eval_state: dict[str, float | None] = dict.fromkeys(EVAL_KEYS)
+        self.rewards_by_step: list[float] = []
+        self.trainer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncgrpo-trainer")
+        self.started = self.last_time = time.perf_counter()
+        self.last_tokens = self.collector.counters["rollout/generated_tokens_total"]
+        self.final_checkpoint: Path | None = None
+
+    @classmethod
+    def prepare(cls, cfg: Config, plan: ResumePlan, run_dir: Path, stop: Stop) -> TrainingRun:
+        """Load the model and the data, restore a checkpoint, and wire the parts (step 3 of the story)."""
+        import torch  # heavy imports only after the recipe is known to be sound
+
+        from asyncgrpo.models.loading import load_model_and_tokenizer
+        from asyncgrpo.training.trainer import TorchTrainer
+
+        write_or_disk_error(run_dir / "config.yaml", cfg.to_yaml())
+        torch.manual_seed(cfg.run.seed)
+        if cfg.rollout.max_staleness > 0 and cfg.generation.backend == "local":
+            # The engine and the trainer run at the same time: give each a share of the cores, since
+            # oversubscribed OpenMP threads spin and slow both down many times over.
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+        model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, cfg.run.seed)
+        train_rows, eval_rows = _split_rows(cfg)
+        tokens = {"tokenizer": tokenizer, "max_prompt_tokens": cfg.data.max_prompt_tokens}
+        prompts, report = build_prompts(train_rows, prompt_key=cfg.data.prompt_key, **tokens)
+        eval_key = "eval.source" if cfg.eval.source else "data.prompt_key"
+        eval_prompts = build_prompts(eval_rows, prompt_key=cfg.data.prompt_key, key=eval_key, **tokens)[0] if eval_rows else []
+        warnings = [*plan.notes, *report.warnings(), *step_budget_warnings(cfg, len(prompts))]
+        run = cls(cfg, plan, run_dir, stop, TorchTrainer(model, tokenizer, cfg), tokenizer, prompts, eval_prompts, warnings)
+        if plan.checkpoint is not None:
+            log.warning("resuming from %s (step %d)", plan.checkpoint, plan.step)
+            for change in plan.changed:
+                log.warning("  changed since the checkpoint (applied from this step on): %s", change)
+        for warning in warnings:
+            log.warning("warning: %s", warning)
+        return run
+
+    # -- the pipeline's trainer ---------------------------------------------------------
+
+    async def train_step(self, groups: list[Group]) -> dict[str, float]:
+        return await asyncio.get_running_loop().run_in_executor(self.trainer_thread, self.trainer.train_step, groups)
+
+    def generation_weights(self) -> dict[str, Any]:
+        return self.trainer.generation_weights()
+
+    # -- step 4: generate and train -----------------------------------------------------
+
+    async def generate_and_train(self) -> PipelineResult:
+        """The baseline evaluation and the pipeline, until the data, max_steps, an error or a stop ends them."""
+        stop = self.stop
+        try:
+            with LoopWatchdog(asyncio.get_running_loop(), threshold_s=self.cfg.logging.blocked_loop_warn_s):
+                return await self._stages()  # from the engine's start on, nothing may block the loop
+        except asyncio.CancelledError:
+            if not (stop.received and stop.pipeline is not None and stop.pipeline.cancelled()):
+                raise
+            return PipelineResult("failed", "signal", self.trainer.version)
+        finally:
+            await self._close_parts()
+
+    async def _stages(self) -> PipelineResult:
+        cfg, stop = self.cfg, self.stop
+        await self.engine.start()
+        if cfg.generation.backend == "http":
+            # Cold sync: the servers serve exactly the trainer's weights (a fresh run's, or the checkpoint's).
+            async with asyncio.timeout(cfg.generation.weight_sync_timeout_s):
+                await self.engine.load_weights(self.trainer.generation_weights(), self.trainer.version)
+        if self.eval_prompts:
+            failure = await self._evaluate(self.plan.step)  # the baseline, so eval/* is never empty
+            if failure is not None:
+                return PipelineResult("failed", "error", self.plan.step, failure.diagnostic, failure)
+        stop.pipeline = asyncio.create_task(
+            run_pipeline(cfg, collector=self.collector, backend=self, generator=self.engine, start_step=self.plan.step, on_step=self._on_step)
+        )
+        if stop.received:  # a signal arrived while loading
+            stop.pipeline.cancel()
+        return await stop.pipeline
+
+    async def _on_step(self, record: StepRecord) -> None:
+        """After each trained step: evaluate when due, write its metrics and samples, checkpoint when due."""
+        cfg, step = self.cfg, record.step + 1  # steps completed
+        eval_failure = None
+        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
+            eval_failure = await self._evaluate(step)
+        now = time.perf_counter()
+        tokens = self.collector.counters["rollout/generated_tokens_total"]
+        values = step_metrics(
+            record,
+            self.collector,
+            reward_names=self.collector.scorer.names,
+            elapsed_s=now - self.started,
+            gen_tokens_per_s=(tokens - self.last_tokens) / max(now - self.last_time, 1e-9),
+            eval_metrics=self.eval_state,
+        )
+        self.last_time, self.last_tokens = now, tokens
+        try:
+            self.metrics.write(values)
+            write_samples(self.samples_file, record, cfg.logging.samples_per_step)
+        except OSError as exc:
+            raise PipelineError(disk_diagnostic(exc, self.run_dir, self.run_dir / METRICS_FILE, step)) from exc
+        self.rewards_by_step.append(values["reward/mean"])
+        self.progress.update(values)
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.max_steps:
+            await self._checkpoint(step)
+        if eval_failure is not None:
+            raise eval_failure
+
+    async def _evaluate(self, step: int) -> PipelineError | None:
+        """Evaluate after `step` steps (not while stopping). Returns the error that must fail the run
+        (the backend cannot serve it at all), after which the caller still writes the step's metrics."""
+        if self.stop.received:
+            return None
+        try:
+            self.eval_state.update(await evaluate(self.cfg, self.engine, self.collector.scorer, self.eval_prompts, self.stop_ids, step=step))
+        except FatalBackendError as exc:
+            return PipelineError.caused_by(eval_diagnostic(exc, step), exc)
+        return None
+
+    def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, int]]:
+        """Taken in one synchronous moment, so the ledger, counters and record files agree."""
+        sizes = {f.path.name: f.offset() for f in (self.metrics_file, self.samples_file, self.outcomes)}
+        extra = {
+            "done": self.ledger.done_by_epoch(),
+            "accounting": self.collector.accounting.to_json(),
+            "counters": dict(self.collector.counters),
+            "offsets": sizes,
+        }
+        return extra, {name: sizes[name] for name in (METRICS_FILE, OUTCOMES_FILE)}
+
+    def _save_checkpoint(self, step: int, extra: dict[str, Any], records: dict[str, int]) -> Path:
+        from asyncgrpo.training.checkpoint import save_checkpoint
+
+        return save_checkpoint(self.run_dir, step, self.trainer, self.cfg.to_yaml(), extra, records=records)
+
+    async def _checkpoint(self, step: int) -> Path:
+        extra, records = self._checkpoint_state()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.trainer_thread, self._save_checkpoint, step, extra, records)
+        except OSError as exc:
+            raise PipelineError(disk_diagnostic(exc, self.run_dir, self.run_dir / "checkpoints", step)) from exc
+
+    async def _close_parts(self) -> None:
+        self.progress.close()
+        await self.collector.scorer.aclose()
+        await self.engine.aclose()
+        # A step in progress finishes before the thread is released (the pipeline completes a
+        # started step even when cancelled), so the weights match the accounting saved after it.
+        await run_in_daemon_thread(lambda: self.trainer_thread.shutdown(wait=True), name="asyncgrpo-trainer-shutdown")
+
+    # -- step 5: finish -----------------------------------------------------------------
+
+    def finish(self, result: PipelineResult) -> RunSummary:
+        """The final checkpoint, the records closed, error.txt when the run failed, and the summary."""
+        if self.trainer.version > 0:
+            extra, records = self._checkpoint_state()
+            try:
+                self.final_checkpoint = self._save_checkpoint(self.trainer.version, extra, records)
+            except OSError as exc:
+                result = _with_failure(result, disk_diagnostic(exc, self.run_dir, self.run_dir / "checkpoints", self.trainer.version))
+        for file in (self.metrics_file, self.samples_file, self.outcomes):
+            file.close()
+        if result.diagnostic is not None:
+            try:
+                (self.run_dir / ERROR_FILE).write_text(_error_report(result.diagnostic))
+            except OSError as exc:
+                log.warning("warning: could not write %s (%s)", self.run_dir / ERROR_FILE, exc.strerror)
+        tenth = max(1, len(self.rewards_by_step) // 10)
+        return RunSummary(
+            run_dir=self.run_dir,
+            result=result,
+            accounting=self.collector.accounting.to_json(),
+            first_rewards=self.rewards_by_step[:tenth],
+            last_rewards=self.rewards_by_step[-tenth:],
+            final_checkpoint=self.final_checkpoint,
+            interrupted_by=self.stop.received[0] if self.stop.received else None,
+            warnings=self.warnings,
+        )
+
+
+def _resume(plan: ResumePlan, trainer: Any, run_dir: Path) -> dict[str, Any]:
+    """Load the checkpoint into `trainer` and restore the run's records from it. Returns the checkpoint's extra."""
+    from asyncgrpo.training.checkpoint import load_checkpoint, restore_records
+
+    assert plan.checkpoint is not None
+    try:
+        saved = load_checkpoint(plan.checkpoint, trainer)["extra"]
+    except Exception as exc:  # noqa: BLE001 - damage the cheap checks could not see (tensor bytes)
+        raise ConfigError(
+            f"checkpoint {plan.checkpoint} passed the integrity checks but could not be loaded ({type(exc).__name__}: {exc}). "
+            f"Fix: continue from an older checkpoint with checkpoint.resume=PATH, or start over with run.overwrite=true."
+        ) from exc
+    try:
+        restore_records(plan.checkpoint, run_dir)
+    except OSError as exc:
+        raise DiskError(disk_problem(run_dir, exc)) from exc
+    return saved
+
+
+def _with_failure(result: PipelineResult, diagnostic: Diagnostic) -> PipelineResult:
+    """`result` failed with `diagnostic`, unless it already carries a first diagnostic (which stays: sticky)."""
+    if result.diagnostic is not None:
+        log.warning("warning: after the run's error, also: %s", diagnostic.render())
+        return result
+    return PipelineResult("failed", "error", result.steps, diagnostic, PipelineError(diagnostic), result.staleness_max)
+
+
+def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Generator:
+    """The generation backend: the in-process engine on its own copy of the weights, or HTTP servers."""
+    if cfg.generation.backend == "http":
+        from asyncgrpo.generation.http import HttpGenerator
+
+        model_dir = Path(cfg.model.path).expanduser()
+        http = cfg.generation.http
+        return HttpGenerator(
+            cfg.generation,
+            weights_dir=Path(http.weights_dir) if http.weights_dir else run_dir / "weights",
+            model_config=model_dir if model_dir.is_dir() else trainer.model.config.to_dict(),
+            initial_version=trainer.version,
+        )
+    from asyncgrpo.generation.local import LocalEngine
+
+    return LocalEngine(copy.deepcopy(trainer.model), tokenizer, max_batch_size=cfg.generation.local.max_batch_size, version=trainer.version)
+
+
+def _split_rows(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Training rows and held-out eval rows (none when eval is off).
+
+    Eval rows come from `eval.source`, else the built-in task's eval split, else the last
+    `eval.num_prompts` rows of the data, which are then left out of training.
+    """
+    rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)
+    n = cfg.eval.num_prompts
+    if not cfg.eval.every_steps:
+        return rows, []
+    if cfg.eval.source is not None:
+        return rows, read_eval_rows(cfg.eval.source, n=n, seed=cfg.run.seed, key="eval.source")
+    if cfg.data.source.startswith("builtin:"):
+        return rows, read_eval_rows(cfg.data.source, n=n, seed=cfg.run.seed, key="data.source")
+    if len(rows) <= n:
+        raise ConfigError(
+            f"eval.num_prompts = {n} would hold out all {len(rows)} rows of data.source = {cfg.data.source!r}, "
+            f"leaving nothing to train on. Fix: lower eval.num_prompts, give a separate eval.source, or set eval.every_steps=0."
+        )
+    return rows[:-n], rows[-n:]
+
+
+def _error_report(diagnostic: Diagnostic) -> str:
+    return f"{diagnostic.render()}\n\n{diagnostic.traceback}".rstrip() + "\n"
