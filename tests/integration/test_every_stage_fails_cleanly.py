@@ -77,3 +77,13 @@ def test_a_recipe_that_is_not_utf8_is_one_line(tmp_path, capsys):
     assert main(["train", str(recipe)]) == 3
     err = capsys.readouterr().err
     assert "is not UTF-8 text (byte 0xff at offset 13)" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("reward", ["exits", "interrupts"])
+def test_a_reward_that_raises_system_exit_or_keyboard_interrupt_is_a_reward_error(tmp_path, capsys, reward):
+    exit_code = main(["train", "recipes/demo.yaml", f"run.output_dir={tmp_path}", "eval.every_steps=0",
+                      f"reward.functions=[tests.integration.blocking_rewards:{reward}]", *QUICK])
+    err = capsys.readouterr().err
+    assert exit_code == 1 and "error (reward_error)" in err and reward in err, err
+    assert "Traceback" not in err
