@@ -30,7 +30,7 @@ from asyncgrpo.errors import Diagnostic, FatalBackendError, PipelineError, Stall
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.rollout.health import format_traceback
-from asyncgrpo.types import Group
+from asyncgrpo.types import Group, StepRecord
 
 Outcome = Literal["completed", "failed", "stalled"]
 StopReason = Literal["max_steps", "data_exhausted", "signal", "error"]
@@ -42,19 +42,6 @@ class StepBackend(Protocol):
     async def train_step(self, groups: list[Group]) -> dict[str, float]: ...
 
     def generation_weights(self) -> Mapping[str, Any] | None: ...
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """Everything that happened in one step, for metrics and progress."""
-
-    step: int
-    batch: list[Group]
-    train_metrics: dict[str, float]
-    wait_s: float
-    step_s: float
-    weight_sync_s: float
-    staleness: list[int]
 
 
 @dataclass

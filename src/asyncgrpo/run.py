@@ -48,7 +48,7 @@ from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_r
 from asyncgrpo.data.source import PromptSource
 from asyncgrpo.errors import AsyncGRPOError, ConfigError, Diagnostic, DiskError, FatalBackendError, GenerationError, PipelineError, RewardError
 from asyncgrpo.models.loading import check_model_path
-from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline, step_budget_warnings
+from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.health import format_traceback
@@ -60,7 +60,7 @@ from asyncgrpo.signals import StopSignals
 from asyncgrpo.telemetry.keys import EVAL_KEYS
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.training.resume import ResumePlan, plan_resume
-from asyncgrpo.types import GenerationRequest, Group, Prompt, SamplingParams
+from asyncgrpo.types import GenerationRequest, Group, Prompt, SamplingParams, StepRecord
 from asyncgrpo.watchdog import LoopWatchdog
 
 log = logging.getLogger("asyncgrpo")
@@ -323,7 +323,7 @@ async def _train_claimed(cfg: Config, plan: ResumePlan, stop: Stop, run_dir: Pat
         tokens = collector.counters["rollout/generated_tokens_total"]
         values = step_metrics(
             record,
-            collector,
+            collector.metric_values(),
             reward_names=scorer.names,
             elapsed_s=now - started,
             gen_tokens_per_s=(tokens - last["tokens"]) / max(now - last["time"], 1e-9),

@@ -26,11 +26,11 @@ from asyncgrpo.data.source import PromptSource
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
-from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline, step_budget_warnings
+from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.training.stub import StubTrainer
-from asyncgrpo.types import SamplingParams
+from asyncgrpo.types import SamplingParams, StepRecord
 from asyncgrpo.vtime import run_virtual
 
 log = logging.getLogger("asyncgrpo")

@@ -9,7 +9,7 @@ import pytest
 
 from asyncgrpo.errors import Diagnostic, PipelineError, StallError
 from asyncgrpo.rollout.health import Health
-from asyncgrpo.rollout.signal import StateSignal
+from asyncgrpo.sync import StateSignal
 from asyncgrpo.vtime import VirtualDeadlock, run_virtual
 
 

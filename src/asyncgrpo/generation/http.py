@@ -94,7 +94,7 @@ from asyncgrpo.generation.weight_sync import (
     WeightSyncError,
     WeightSyncStepError,
 )
-from asyncgrpo.rollout.signal import StateSignal
+from asyncgrpo.sync import StateSignal
 from asyncgrpo.types import Completion, GenerationRequest
 
 log = logging.getLogger("asyncgrpo")

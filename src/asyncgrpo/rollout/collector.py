@@ -50,24 +50,12 @@ from asyncgrpo.rollout.failures import FailurePolicy, GroupOutcome
 from asyncgrpo.rollout.health import Health, format_traceback
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.retry import generate_with_retries
-from asyncgrpo.rollout.signal import StateSignal
-from asyncgrpo.training.advantages import group_advantages
+from asyncgrpo.sync import StateSignal
+from asyncgrpo.telemetry.keys import COUNTER_NAMES
+from asyncgrpo.rollout.advantages import group_advantages
 from asyncgrpo.types import DROP_REASONS, Completion, DropReason, GenerationRequest, Group, Prompt, Rollout, SamplingParams
 
 log = logging.getLogger("asyncgrpo")
-
-COUNTER_NAMES: tuple[str, ...] = (
-    "rollout/failed_total",
-    "rollout/dropped_groups_total",
-    *(f"rollout/dropped/{reason}" for reason in DROP_REASONS),
-    "rollout/stale_groups_total",
-    "rollout/stale_samples_total",
-    "rollout/retries_total",
-    "rollout/requeued_total",
-    "rollout/wasted_tokens_total",
-    "rollout/generated_tokens_total",
-)
-
 
 class PromptSourceLike(Protocol):
     @property
@@ -175,6 +163,10 @@ class Collector:
     @property
     def open_requests(self) -> int:
         return self._open_requests
+
+    def metric_values(self) -> dict[str, int]:
+        """Its gauges and counters by metric name (telemetry/keys.py), for the step's metrics line."""
+        return {"rollout/inflight": self._open_requests, "buffer/size": len(self.buffer), **self.counters}
 
     def occupancy(self) -> int:
         """Groups admitted and not yet taken for a step (the step in training is the lag term of admission)."""
