@@ -51,7 +51,7 @@ from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.accounting import Accounting
-from asyncgrpo.rollout.health import format_traceback
+from asyncgrpo.rollout.first_failure import format_traceback
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rundir import ERROR_FILE, METRICS_FILE, OUTCOMES_FILE, SAMPLES_FILE, check_run_directory, claim, clear_run, is_foreign
@@ -355,7 +355,7 @@ async def _train_claimed(cfg: Config, plan: ResumePlan, stop: Stop, run_dir: Pat
             if failure is not None:
                 return PipelineResult("failed", "error", start_step, failure.diagnostic, failure)
         stop.pipeline = asyncio.create_task(
-            run_pipeline(cfg, collector=collector, backend=ThreadedTrainer(), generator=engine, start_step=start_step, on_step=on_step)
+            run_pipeline(cfg, collector=collector, trainer=ThreadedTrainer(), generator=engine, start_step=start_step, on_step=on_step)
         )
         if stop.received:  # a signal arrived while loading
             stop.pipeline.cancel()

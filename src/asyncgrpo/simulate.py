@@ -135,7 +135,7 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
         records.append(step)
 
     async def main() -> tuple[PipelineResult, float]:
-        result = await run_pipeline(cfg, collector=collector, backend=trainer, generator=generator, on_step=record)
+        result = await run_pipeline(cfg, collector=collector, trainer=trainer, generator=generator, on_step=record)
         leftovers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         if leftovers:
             raise InvariantViolation(f"tasks outlived the pipeline: {[t.get_name() for t in leftovers]}")

@@ -2,20 +2,20 @@
 
 One `Collector` owns, for one run: the admission decisions, a task per in-flight group
 (and under it a task per rollout), the replay buffer, the accounting, the failure policy
-and the run's health. All of its state lives on one event loop and changes only in
+and the run's first fatal error. All of its state lives on one event loop and changes only in
 synchronous code; every change calls `StateSignal.notify()`.
 
 Invariants (DESIGN.md §2):
-- Every take of a prompt ends in exactly one outcome (`Accounting` checks the identity);
+- Every take of a prompt ends in exactly one way (`Accounting` checks the identity);
   whoever ends a group first (finish, stale cancellation) removes it from `_in_flight`,
   and only a group still there can be ended.
-- No group with staleness > K reaches the trainer: `next_batch` removes untrainable groups
-  right before taking a batch, and in-flight groups that can no longer make any step are
+- No stale group (staleness > K) reaches the trainer: `next_batch` drops stale buffered
+  groups right before taking a batch, and in-flight groups that are stale at the next step are
   cancelled (requests aborted, slots freed) as soon as the steps move past them.
 - Errors are never swallowed: a rollout error is retried (transient), or fails the rollout
-  (counted); group outcomes feed the failure policy; a broken budget, a misconfigured
+  (counted); group endings feed the failure policy; a broken budget, a misconfigured
   backend or a fatal reward error becomes the run's sticky diagnostic, which the trainer
-  raises through `check_health()`.
+  raises through `raise_if_failed()`.
 - Cancellation (stale, shutdown, end of data) is never counted as a failure.
 - Tasks: `run()` owns a TaskGroup with one task per in-flight group; each group task owns
   a TaskGroup with one task per dispatched rollout. `stop()` cancels them all; work
@@ -33,12 +33,12 @@ from asyncgrpo.config import Config
 from asyncgrpo.errors import Diagnostic, FatalBackendError, GenerationError, RewardError, TransientGenerationError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rollout.accounting import Accounting
-from asyncgrpo.rollout.admission import is_doomed, is_trainable, may_admit_group
+from asyncgrpo.rollout.admission import is_stale, may_admit_group
 from asyncgrpo.rollout.buffer import ReplayBuffer
 from asyncgrpo.rollout.diagnostics import backend_fatal, policy_broken, reward_failed, stalled
 from asyncgrpo.rollout.failure_log import FailureLog, Tolerated
-from asyncgrpo.rollout.failures import FailurePolicy, GroupOutcome
-from asyncgrpo.rollout.health import Health
+from asyncgrpo.rollout.failures import FailurePolicy, GroupEnding
+from asyncgrpo.rollout.first_failure import FirstFailure
 from asyncgrpo.rollout.in_flight import InFlightGroup, rollout_request
 from asyncgrpo.rollout.judge import Drop, scored_rollouts, survivors
 from asyncgrpo.rollout.ledger import PromptLedger
@@ -99,11 +99,11 @@ class Collector:
             max_drop_fraction=r.max_drop_fraction,
             max_filtered_fraction=r.max_filtered_fraction,
         )
-        self.health = Health()
+        self.first_failure = FirstFailure()
         self.failure_log = FailureLog(cfg.logging.failure_summary_s)
         self.ledger = ledger if ledger is not None else PromptLedger()
         self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
-        self.steps_taken = start_step
+        self.next_step = start_step  # the index of the step whose batch is taken next
         self.in_training: list[Group] = []
         self._signal = StateSignal()
         self._in_flight: dict[int, InFlightGroup] = {}
@@ -134,8 +134,9 @@ class Collector:
         """Groups admitted and not yet taken for a step (the step in training is the lag term of admission)."""
         return len(self._in_flight) + len(self.buffer)
 
-    def check_health(self) -> None:
-        self.health.check()
+    def raise_if_failed(self) -> None:
+        """Raise the run's first fatal error, if there is one (see rollout/first_failure.py)."""
+        self.first_failure.check()
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
@@ -152,7 +153,7 @@ class Collector:
             occupancy=self.occupancy(),
             max_staleness=self.max_staleness,
             groups_per_step=self.groups_per_step,
-            steps_taken=self.steps_taken,
+            next_step=self.next_step,
             serving_version=self.generator.serving_version,
             free_request_slots=self._slots.free,
             undispatched_rollouts=self._undispatched(),
@@ -170,8 +171,8 @@ class Collector:
         async with asyncio.TaskGroup() as task_group:
             self._task_group = task_group
             while True:
-                await self._signal.wait_for(lambda: self._stopping or self.health.failed or self._may_admit())
-                if self._stopping or self.health.failed:
+                await self._signal.wait_for(lambda: self._stopping or self.first_failure.failed or self._may_admit())
+                if self._stopping or self.first_failure.failed:
                     break
                 prompt = self.source.take()
                 if prompt is None:  # the source's own word for the end of data
@@ -211,29 +212,29 @@ class Collector:
 
     async def _run_rollout(self, group: InFlightGroup, member: int, slot: Slot) -> None:
         request = rollout_request(self.cfg.run.seed, group.prompt, member, self.sampling)
-        outcome: Completion | Exception
+        result: Completion | Exception
         try:
             with slot:
-                outcome = await self._generate_with_retries(request, group, member, slot)
+                result = await self._generate_with_retries(request, group, member, slot)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # we were cancelled (stale, shutdown): not a failure
             # The backend raised CancelledError on its own (some clients do): a failed rollout.
-            outcome = GenerationError(f"the backend cancelled request {request.request_id} by itself", backend=self.generator.name)
-            outcome.__cause__ = exc
+            result = GenerationError(f"the backend cancelled request {request.request_id} by itself", backend=self.generator.name)
+            result.__cause__ = exc
         except Exception as exc:  # noqa: BLE001 - classified: retries are exhausted, or not retryable, or fatal
-            outcome = exc
-        if isinstance(outcome, Completion):
-            group.completions[member] = outcome
-            self.counters["rollout/generated_tokens_total"] += len(outcome.token_ids)
+            result = exc
+        if isinstance(result, Completion):
+            group.completions[member] = result
+            self.counters["rollout/generated_tokens_total"] += len(result.token_ids)
         else:
-            group.errors[member] = outcome
+            group.errors[member] = result
             self.counters["rollout/failed_total"] += 1
-            if isinstance(outcome, FatalBackendError):
-                self._fail_run(backend_fatal(outcome, self.generator.name, group.dispatch_versions[member], self.steps_taken))
+            if isinstance(result, FatalBackendError):
+                self._fail_run(backend_fatal(result, self.generator.name, group.dispatch_versions[member], self.next_step))
             else:
-                self._tolerated("failed", outcome)
+                self._tolerated("failed", result)
         self._last_progress = self._now()  # a rollout finished (a cancelled one never gets here)
 
     async def _generate_with_retries(self, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot) -> Completion:
@@ -264,7 +265,7 @@ class Collector:
         except RewardError as exc:
             self._last_progress = self._now()
             if self.cfg.reward.on_error == "fail":
-                self._fail_run(reward_failed(exc, group.version_floor(), self.steps_taken))
+                self._fail_run(reward_failed(exc, group.version_floor(), self.next_step))
             else:
                 self._tolerated("reward_error", exc)
             self._end(group, Drop("reward_error", exc))
@@ -281,7 +282,7 @@ class Collector:
             return
         self._seq += 1
         finished = Group(prompt=group.prompt, rollouts=rollouts, seq=self._seq, failed_rollouts=group.size - len(completions))
-        if is_doomed(version_floor=finished.generation_version, steps_taken=self.steps_taken, max_staleness=self.max_staleness):
+        if is_stale(generation_version=finished.generation_version, step=self.next_step, max_staleness=self.max_staleness):
             self._end(group, STALE)
         else:
             self._end(group, finished)
@@ -295,11 +296,11 @@ class Collector:
         if isinstance(ending, Group):
             self.accounting.buffer()
             self.buffer.put(ending)
-            self._record_outcome(group, "success", None)
+            self._judge_ending(group, "success", None)
         elif isinstance(ending, Drop):
             self.accounting.drop_in_flight(ending.reason)
             self._count_drop(ending.reason, group.prompt)
-            self._record_outcome(group, ending.reason, ending.error)  # type: ignore[arg-type]
+            self._judge_ending(group, ending.reason, ending.error)  # type: ignore[arg-type]
         else:
             if group.task is not None and group.task is not asyncio.current_task():
                 group.task.cancel()
@@ -323,14 +324,14 @@ class Collector:
     def _count_drop(self, reason: DropReason, prompt: Prompt) -> None:
         self.counters["rollout/dropped_groups_total"] += 1
         self.counters[f"rollout/dropped/{reason}"] += 1
-        self.ledger.dropped(prompt, reason, self.steps_taken)
+        self.ledger.dropped(prompt, reason, self.next_step)
 
-    def _record_outcome(self, group: InFlightGroup, outcome: GroupOutcome, error: BaseException | None) -> None:
-        verdict = self.policy.record(outcome, error)
+    def _judge_ending(self, group: InFlightGroup, ending: GroupEnding, error: BaseException | None) -> None:
+        verdict = self.policy.record(ending, error)
         if verdict is None:
             return
         version = min((v for v in group.dispatch_versions if v is not None), default=None)
-        self._fail_run(policy_broken(verdict, self.generator.name, version, self.steps_taken))
+        self._fail_run(policy_broken(verdict, self.generator.name, version, self.next_step))
 
     def _tolerated(self, what: Tolerated, error: BaseException) -> None:
         source = "the reward functions" if isinstance(error, RewardError) else getattr(error, "backend", "") or self.generator.name
@@ -338,17 +339,17 @@ class Collector:
             log.warning(line)
 
     def _fail_run(self, diagnostic: Diagnostic) -> None:
-        self.health.fail(diagnostic)
+        self.first_failure.fail(diagnostic)
         self._signal.notify()
 
-    def _cancel_doomed(self) -> None:
+    def _cancel_stale(self) -> None:
         for group in list(self._in_flight.values()):
             floor = group.version_floor()
-            if floor is not None and is_doomed(version_floor=floor, steps_taken=self.steps_taken, max_staleness=self.max_staleness):
+            if floor is not None and is_stale(generation_version=floor, step=self.next_step, max_staleness=self.max_staleness):
                 self._end(group, STALE)
 
-    def _expire_buffered(self, step: int) -> None:
-        for group in self.buffer.remove_untrainable(step):
+    def _drop_stale_buffered(self, step: int) -> None:
+        for group in self.buffer.remove_stale(step):
             self.accounting.drop_buffered("stale")
             self._count_drop("stale", group.prompt)
             self._count_stale(len(group.rollouts), sum(len(r.completion.token_ids) for r in group.rollouts))
@@ -362,12 +363,12 @@ class Collector:
         group is left to train, raises the run's diagnostic if it failed, and `StallError` if
         no rollout finished and no step trained for `stall_timeout_s`.
         """
-        if step != self.steps_taken:
-            raise AssertionError(f"next_batch({step}) but {self.steps_taken} steps were taken")
+        if step != self.next_step:
+            raise AssertionError(f"next_batch({step}) but the next step is {self.next_step}")
         self._mark_start()
         while True:
-            self.check_health()
-            self._expire_buffered(step)
+            self.raise_if_failed()
+            self._drop_stale_buffered(step)
             if len(self.buffer) >= self.groups_per_step:
                 return self._take(step, self.groups_per_step)
             if self._data_done():
@@ -382,7 +383,7 @@ class Collector:
             try:
                 async with asyncio.timeout_at(deadline):
                     await self._signal.wait_for(
-                        lambda: len(self.buffer) >= self.groups_per_step or self._data_done() or self.health.failed
+                        lambda: len(self.buffer) >= self.groups_per_step or self._data_done() or self.first_failure.failed
                     )
             except TimeoutError:
                 pass  # the loop re-checks: progress may have moved the deadline
@@ -390,12 +391,12 @@ class Collector:
     def _take(self, step: int, n: int) -> list[Group]:
         batch = self.buffer.take(n)
         for group in batch:
-            if not is_trainable(generation_version=group.generation_version, step=step, max_staleness=self.max_staleness):
+            if is_stale(generation_version=group.generation_version, step=step, max_staleness=self.max_staleness):
                 raise AssertionError(f"group of version {group.generation_version} taken for step {step} with K={self.max_staleness}")
         self.in_training = batch
-        self.steps_taken = step + 1
-        self._cancel_doomed()
-        self._expire_buffered(self.steps_taken)
+        self.next_step = step + 1
+        self._cancel_stale()
+        self._drop_stale_buffered(self.next_step)
         self._signal.notify()
         return batch
 
@@ -403,7 +404,7 @@ class Collector:
         """The step that took `in_training` has completed and its weights are published."""
         self.accounting.train_buffered(len(self.in_training))
         for group in self.in_training:
-            self.ledger.trained(group.prompt, self.steps_taken - 1)
+            self.ledger.trained(group.prompt, self.next_step - 1)
         self.in_training = []
         self._last_progress = self._now()
         self._signal.notify()

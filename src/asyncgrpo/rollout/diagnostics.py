@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from asyncgrpo.errors import Diagnostic, FatalBackendError, RewardError
 from asyncgrpo.rollout.failures import Verdict
-from asyncgrpo.rollout.health import format_traceback
+from asyncgrpo.rollout.first_failure import format_traceback
 
 
 def backend_fatal(error: FatalBackendError, backend: str, version: int | None, step: int) -> Diagnostic:

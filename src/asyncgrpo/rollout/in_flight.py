@@ -16,7 +16,7 @@ from asyncgrpo.types import Completion, GenerationRequest, Prompt, SamplingParam
 
 @dataclass
 class InFlightGroup:
-    """A group between its take and its outcome. Lists are indexed by member (rollout) number."""
+    """A group between its take and its ending. Lists are indexed by member (rollout) number."""
 
     key: int
     prompt: Prompt
