@@ -183,7 +183,7 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
         await generator.start()
         started = time.perf_counter()
         try:
-            result = await run_pipeline(cfg, collector=collector, backend=StubTrainer(0.001), generator=generator,
+            result = await run_pipeline(cfg, collector=collector, trainer=StubTrainer(0.001), generator=generator,
                                         on_step=on_step)
         finally:
             await generator.aclose()

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_command(args: argparse.Namespace) -> int:
     if args.command == "serve":
-        from asyncgrpo.serve import serve_cli
+        from asyncgrpo.generation.serve import serve_cli
 
         return serve_cli(args)
     cfg = load_config(args.recipe, args.overrides)

@@ -166,7 +166,7 @@ class Diagnostic:
 class PipelineError(AsyncGRPOError):
     """The rollout pipeline failed; `diagnostic` holds the first fatal error, unchanged.
 
-    `check_health()` raises a fresh instance on every call, chained to the original error.
+    `Collector.raise_if_failed()` raises a fresh instance on every call, chained to the original error.
     """
 
     def __init__(self, diagnostic: Diagnostic) -> None:

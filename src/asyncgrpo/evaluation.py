@@ -19,7 +19,7 @@ from asyncgrpo.config import Config
 from asyncgrpo.errors import Diagnostic, FatalBackendError, GenerationError, RewardError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rewards.scoring import RewardScorer
-from asyncgrpo.rollout.health import format_traceback
+from asyncgrpo.rollout.first_failure import format_traceback
 from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.types import GenerationRequest, Prompt, SamplingParams
 

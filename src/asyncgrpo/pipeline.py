@@ -29,14 +29,14 @@ from asyncgrpo.config import Config
 from asyncgrpo.errors import Diagnostic, FatalBackendError, PipelineError, StallError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rollout.collector import Collector
-from asyncgrpo.rollout.health import format_traceback
-from asyncgrpo.types import Group
+from asyncgrpo.rollout.first_failure import format_traceback
+from asyncgrpo.types import Group, StepRecord
 
-Outcome = Literal["completed", "failed", "stalled"]
+RunOutcome = Literal["completed", "failed", "stalled"]
 StopReason = Literal["max_steps", "data_exhausted", "signal", "error"]
 
 
-class StepBackend(Protocol):
+class StepTrainer(Protocol):
     """What the loop needs from a trainer: one step on a batch, and the weights to publish after it."""
 
     async def train_step(self, groups: list[Group]) -> dict[str, float]: ...
@@ -44,22 +44,9 @@ class StepBackend(Protocol):
     def generation_weights(self) -> Mapping[str, Any] | None: ...
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """Everything that happened in one step, for metrics and progress."""
-
-    step: int
-    batch: list[Group]
-    train_metrics: dict[str, float]
-    wait_s: float
-    step_s: float
-    weight_sync_s: float
-    staleness: list[int]
-
-
 @dataclass
 class PipelineResult:
-    outcome: Outcome
+    outcome: RunOutcome  # the JSON report's "outcome"
     stop_reason: StopReason
     steps: int
     diagnostic: Diagnostic | None = None
@@ -72,7 +59,7 @@ async def run_pipeline(
     cfg: Config,
     *,
     collector: Collector,
-    backend: StepBackend,
+    trainer: StepTrainer,
     generator: Generator,
     start_step: int = 0,
     on_step: Callable[[StepRecord], Awaitable[None]] | None = None,
@@ -94,7 +81,7 @@ async def run_pipeline(
         version = step + 1
         if version % sync_every or stopping:
             return None
-        sync_task = asyncio.create_task(generator.load_weights(backend.generation_weights(), version), name=f"weight-sync-{version}")
+        sync_task = asyncio.create_task(generator.load_weights(trainer.generation_weights(), version), name=f"weight-sync-{version}")
         try:
             async with asyncio.timeout(cfg.generation.weight_sync_timeout_s):
                 await sync_task
@@ -117,7 +104,7 @@ async def run_pipeline(
         nonlocal trained_steps, staleness_max
         started = loop.time()
         try:
-            metrics = await backend.train_step(batch)
+            metrics = await trainer.train_step(batch)
         except Exception as exc:
             raise PipelineError.caused_by(step_diagnostic(step, exc), exc) from exc
         trained = loop.time()
@@ -169,7 +156,7 @@ async def run_pipeline(
                         await step_task
                     raise
                 step += 1
-                collector.check_health()
+                collector.raise_if_failed()
         except PipelineError as exc:  # the run's diagnostic: reported in the result, not raised
             failure = exc
         finally:

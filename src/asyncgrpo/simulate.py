@@ -26,10 +26,11 @@ from asyncgrpo.data.loading import build_prompts, check_data_source, read_rows
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
-from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline, step_budget_warnings
+from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import resolve_rewards
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.training.stub import StubTrainer
+from asyncgrpo.types import StepRecord
 from asyncgrpo.vtime import run_virtual
 
 log = logging.getLogger("asyncgrpo")
@@ -126,7 +127,7 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
         records.append(step)
 
     async def main() -> tuple[PipelineResult, float]:
-        result = await run_pipeline(cfg, collector=collector, backend=trainer, generator=generator, on_step=record)
+        result = await run_pipeline(cfg, collector=collector, trainer=trainer, generator=generator, on_step=record)
         leftovers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         if leftovers:
             raise InvariantViolation(f"tasks outlived the pipeline: {[t.get_name() for t in leftovers]}")

@@ -48,7 +48,7 @@ from asyncgrpo.errors import AsyncGRPOError, ConfigError, Diagnostic, DiskError,
 from asyncgrpo.evaluation import eval_diagnostic, evaluate
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.models.loading import check_model_path
-from asyncgrpo.pipeline import PipelineResult, StepRecord, run_pipeline, step_budget_warnings
+from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import resolve_rewards
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.run_files import describe_last_checkpoint, disk_diagnostic, disk_problem, open_record, write_or_disk_error
@@ -60,7 +60,7 @@ from asyncgrpo.telemetry.metrics import MetricsWriter, metric_keys, step_metrics
 from asyncgrpo.telemetry.progress import Progress
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.training.resume import ResumePlan, plan_resume
-from asyncgrpo.types import Group, Prompt
+from asyncgrpo.types import Group, Prompt, StepRecord
 from asyncgrpo.watchdog import LoopWatchdog
 
 log = logging.getLogger("asyncgrpo")
@@ -311,7 +311,7 @@ class TrainingRun:
             if failure is not None:
                 return PipelineResult("failed", "error", self.plan.step, failure.diagnostic, failure)
         stop.pipeline = asyncio.create_task(
-            run_pipeline(cfg, collector=self.collector, backend=self, generator=self.engine, start_step=self.plan.step, on_step=self._on_step)
+            run_pipeline(cfg, collector=self.collector, trainer=self, generator=self.engine, start_step=self.plan.step, on_step=self._on_step)
         )
         if stop.received:  # a signal arrived while loading
             stop.pipeline.cancel()
@@ -327,7 +327,7 @@ class TrainingRun:
         tokens = self.collector.counters["rollout/generated_tokens_total"]
         values = step_metrics(
             record,
-            self.collector,
+            self.collector.metric_values(),
             reward_names=self.collector.scorer.names,
             elapsed_s=now - self.started,
             gen_tokens_per_s=(tokens - self.last_tokens) / max(now - self.last_time, 1e-9),

@@ -1,6 +1,6 @@
 """Small frozen carriers that flow through the pipeline.
 
-PromptSource -> Prompt -> (Generator) Completion -> (Rewards) Rollout -> Group -> Trainer.
+PromptSource -> Prompt -> (Generator) Completion -> (Rewards) Rollout -> Group -> Trainer -> StepRecord.
 
 Invariants:
 - Every carrier is immutable; stages build new ones instead of mutating.
@@ -135,3 +135,16 @@ class Group:
 
     def staleness_at(self, step: int) -> int:
         return step - self.generation_version
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Everything that happened in one step, for metrics and progress."""
+
+    step: int
+    batch: list[Group]
+    train_metrics: dict[str, float]
+    wait_s: float
+    step_s: float
+    weight_sync_s: float
+    staleness: list[int]

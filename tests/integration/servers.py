@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
-from asyncgrpo.rollout.signal import StateSignal
+from asyncgrpo.sync import StateSignal
 
 STARTUP_DEADLINE_S = 90.0
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from asyncgrpo.assemble import build_collector
 from asyncgrpo.config import validate_config
 from asyncgrpo.data.loading import build_prompts, read_rows
-from asyncgrpo.data.source import PromptSource
 from asyncgrpo.errors import (
     BackendDeadError,
     GenerationError,
@@ -35,7 +35,6 @@ from asyncgrpo.generation.weight_sync import WeightSyncError
 from asyncgrpo.models.loading import load_model_and_tokenizer, save_model
 from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.pipeline import run_pipeline
-from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.training.stub import StubTrainer
 from asyncgrpo.types import GenerationRequest, Prompt, SamplingParams
@@ -204,7 +203,7 @@ def test_a_400_is_not_retried_and_a_too_long_prompt_is_an_invalid_prompt(servers
         async def main():
             await gen.start()
             try:
-                return await run_pipeline(cfg, collector=collector, backend=StubTrainer(0.01), generator=gen)
+                return await run_pipeline(cfg, collector=collector, trainer=StubTrainer(0.01), generator=gen)
             finally:
                 await gen.aclose()
 
@@ -263,7 +262,7 @@ def test_a_killed_server_restarted_on_the_same_port_gets_the_latest_weights_and_
         await gen.start()
         try:
             await gen.load_weights(trainer.generation_weights(), 0)  # cold sync: the servers serve the trainer's weights
-            return await run_pipeline(cfg, collector=collector, backend=trainer, generator=gen, on_step=on_step)
+            return await run_pipeline(cfg, collector=collector, trainer=trainer, generator=gen, on_step=on_step)
         finally:
             await gen.aclose()
 
@@ -298,7 +297,7 @@ def test_a_killed_server_that_stays_dead_fails_the_run_with_backend_dead(servers
     async def main():
         await gen.start()
         try:
-            return await run_pipeline(cfg, collector=collector, backend=StubTrainer(0.01), generator=gen, on_step=on_step)
+            return await run_pipeline(cfg, collector=collector, trainer=StubTrainer(0.01), generator=gen, on_step=on_step)
         finally:
             await gen.aclose()
 
@@ -327,7 +326,7 @@ def test_a_hung_server_ends_at_the_collectors_deadline_and_every_attempt_is_clos
         await gen.start()
         try:
             started = time.monotonic()
-            result = await run_pipeline(cfg, collector=collector, backend=StubTrainer(0.01), generator=gen)
+            result = await run_pipeline(cfg, collector=collector, trainer=StubTrainer(0.01), generator=gen)
             elapsed = time.monotonic() - started
             deadline = time.monotonic() + 10
             while hung.cancelled < hung.started:  # each attempt's connection is closed by the collector's timeout
@@ -542,7 +541,7 @@ def test_hung_requests_are_retried_and_every_prompt_is_trained_without_waiting_f
         fake.hang_requests = {41, 50, 60}  # after MIN_SAMPLES answers: the latencies are known
         await gen.start()
         try:
-            result = await run_pipeline(cfg, collector=collector, backend=StubTrainer(0.01), generator=gen)
+            result = await run_pipeline(cfg, collector=collector, trainer=StubTrainer(0.01), generator=gen)
             return result, collector, gen.stats(), fake
         finally:
             await gen.aclose()

@@ -223,7 +223,7 @@ def test_a_failed_engine_is_replaced_by_the_next_good_reload(model_dir, tmp_path
     from aiohttp import web
 
     from asyncgrpo.generation.local import LocalEngine
-    from asyncgrpo.serve import STATE, create_app
+    from asyncgrpo.generation.serve import STATE, create_app
 
     model, tokenizer = build_tiny(0)
     good = write_weights(build_tiny(0)[0].state_dict(), tmp_path / "weights", 3, model_config=model_dir)

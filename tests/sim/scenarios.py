@@ -18,7 +18,7 @@ import random
 from typing import Any
 
 from asyncgrpo.config import Config
-from asyncgrpo.data.tasks import coin_reward
+from asyncgrpo.tasks import coin_reward
 
 FAULT_KINDS = ("http_500", "http_429", "connection_refused", "http_400", "prompt_too_long", "hang", "exception", "http_404")
 

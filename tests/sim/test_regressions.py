@@ -128,7 +128,7 @@ def test_the_diagnostic_stays_the_first_and_each_check_raises_a_fresh_exception(
     errors = []
     for _ in range(2):
         with pytest.raises(PipelineError) as info:
-            sim.collector.check_health()
+            sim.collector.raise_if_failed()
         errors.append(info.value)
     assert errors[0] is not errors[1]
     for error in errors:
@@ -219,7 +219,7 @@ def test_shutdown_with_requests_in_flight_is_bounded_and_leaves_no_task_or_threa
 
     async def main():
         loop = asyncio.get_running_loop()
-        task = asyncio.create_task(run_pipeline(cfg, collector=collector, backend=StubTrainer(1.0), generator=gen))
+        task = asyncio.create_task(run_pipeline(cfg, collector=collector, trainer=StubTrainer(1.0), generator=gen))
         await asyncio.sleep(20.0)  # requests of prompts >= 3 hang: the run is stuck waiting with work in flight
         assert gen.in_progress > 0
         task.cancel()  # what Ctrl-C / SIGTERM does

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from asyncgrpo.training.advantages import group_advantages
+from asyncgrpo.rollout.advantages import group_advantages
 
 
 def test_two_winners_two_losers():

@@ -1,4 +1,4 @@
-"""StateSignal (no lost wake-ups), Health (sticky, fresh exceptions) and the virtual-time loop."""
+"""StateSignal (no lost wake-ups), FirstFailure (sticky, fresh exceptions) and the virtual-time loop."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import pytest
 
 from asyncgrpo.errors import Diagnostic, PipelineError, StallError
-from asyncgrpo.rollout.health import Health
-from asyncgrpo.rollout.signal import StateSignal
+from asyncgrpo.rollout.first_failure import FirstFailure
+from asyncgrpo.sync import StateSignal
 from asyncgrpo.vtime import VirtualDeadlock, run_virtual
 
 
@@ -97,7 +97,7 @@ def test_notify_wakes_every_waiter_and_cancelled_waiters_are_forgotten():
 
 def test_health_is_sticky_and_raises_a_fresh_chained_exception_each_call():
     first, second = RuntimeError("first"), RuntimeError("second")
-    health = Health()
+    health = FirstFailure()
     health.check()  # healthy: no error
     assert health.fail(Diagnostic(kind="generation_failures", message="m1", original=first))
     assert not health.fail(Diagnostic(kind="drop_fraction", message="m2", original=second))
@@ -111,7 +111,7 @@ def test_health_is_sticky_and_raises_a_fresh_chained_exception_each_call():
 
 
 def test_a_stall_diagnostic_raises_stall_error():
-    health = Health()
+    health = FirstFailure()
     health.fail(Diagnostic(kind="stall", message="stalled"))
     with pytest.raises(StallError):
         health.check()

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_rows, read_rows
-from asyncgrpo.data.tasks import CHARSET, TASKS
+from asyncgrpo.tasks import CHARSET, TASKS
 from asyncgrpo.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from asyncgrpo.data.tasks import REWARDS
+from asyncgrpo.tasks import REWARDS
 from asyncgrpo.errors import ConfigError, RewardError
 from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion, resolve_reward, resolve_rewards, unscored_group_error
 from asyncgrpo.types import Prompt

@@ -11,7 +11,7 @@ import pytest
 
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.buffer import ReplayBuffer
-from asyncgrpo.rollout.health import format_traceback
+from asyncgrpo.rollout.first_failure import format_traceback
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.types import Completion, Group, Prompt, Rollout
 
@@ -22,12 +22,12 @@ def group(prompt_id: int, version: int, seq: int) -> Group:
     return Group(prompt=Prompt(id=prompt_id, text="p", token_ids=(1,)), rollouts=rollouts, seq=seq)
 
 
-def test_the_buffer_expires_exactly_the_groups_too_old_for_the_step_and_keeps_the_rest_in_order():
+def test_the_buffer_removes_exactly_the_groups_too_old_for_the_step_and_keeps_the_rest_in_order():
     buffer = ReplayBuffer(max_staleness=1)
     for prompt_id, version, seq in ((0, 3, 1), (1, 1, 2), (2, 2, 3), (3, 2, 4), (4, 1, 5)):
         buffer.put(group(prompt_id, version, seq))
-    assert buffer.remove_untrainable(2) == []  # versions >= 1 are trainable at step 2 with K=1
-    stale = buffer.remove_untrainable(3)  # version 1 is not
+    assert buffer.remove_stale(2) == []  # versions >= 1 are trainable at step 2 with K=1
+    stale = buffer.remove_stale(3)  # version 1 is not
     assert sorted(g.prompt.id for g in stale) == [1, 4] and len(buffer) == 3
     assert [g.prompt.id for g in buffer.take(3)] == [2, 3, 0]  # still a heap: oldest version, then seq
 

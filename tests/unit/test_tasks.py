@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from asyncgrpo.data import tasks
-from asyncgrpo.data.tasks import CHARSET, REPEAT_SPAN, REWARDS, TASKS
+from asyncgrpo import tasks
+from asyncgrpo.tasks import CHARSET, REPEAT_SPAN, REWARDS, TASKS
 
 pytestmark = pytest.mark.timeout(30)
 

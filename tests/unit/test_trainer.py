@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from asyncgrpo.config import Config
-from asyncgrpo.training.advantages import group_advantages
+from asyncgrpo.rollout.advantages import group_advantages
 from asyncgrpo.telemetry.keys import TRAIN_KEYS
 from asyncgrpo.training.trainer import NonFiniteLossError, TorchTrainer
 from asyncgrpo.types import Completion, Group, Prompt, Rollout

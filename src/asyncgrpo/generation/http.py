@@ -1,27 +1,13 @@
-"""`HttpGenerator`: the `Generator` protocol over one or more OpenAI-compatible completion servers (vLLM, `asyncgrpo serve`).
+"""`HttpGenerator`: the `Generator` protocol over a pool of OpenAI-compatible completion servers (vLLM, `asyncgrpo serve`).
 
-Job: send each rollout as one ``POST /v1/completions`` (token-id prompt, ``return_token_ids``,
-``logprobs: 0``, the request's seed and sampling settings) to a healthy server, turn the answer
-into a `Completion`, classify every failure into errors.py's classes, keep track of which server
-is alive and which weights each one serves, and publish new weights to all of them.
+Job: the server pool. Send each rollout as one ``POST /v1/completions`` (body and answer:
+generation/http_client.py) to a healthy server, keep track of which server is alive and which
+weights each one serves, fail over between them, and install new weights on every one of them.
 
-Wire format, per request (what vLLM >= 0.10.2 and `asyncgrpo serve` accept)::
-
-    {"model": M, "prompt": [ids], "max_tokens": N, "temperature": T, "top_p": P, "n": 1,
-     "logprobs": 0, "return_token_ids": true, "stop_token_ids": [ids]}   (+ "seed": S with http.seed per_request)
-
-read back: ``choices[0].token_ids``, ``choices[0].logprobs.token_logprobs``, ``choices[0].text``,
-``choices[0].finish_reason``. For logprobs of the distribution actually sampled, start vLLM with
-``--logprobs-mode processed_logprobs`` (its default returns the raw model's logprobs, before
-temperature).
-
-Error classes (DESIGN.md §3), from what the server or the connection did:
+Failures of the connection or the pool, classified here (answers are classified by the client):
 
     connection refused/reset/closed, connect timeout   -> TransientGenerationError (server marked unhealthy)
-    HTTP 408, 429, 5xx; finish_reason "abort"           -> TransientGenerationError
-    HTTP 413; HTTP 400 saying the prompt is too long    -> PromptRejectedError
-    HTTP 401, 403, 404, 422; a 200 without token_ids    -> MisconfiguredBackendError (fatal, server's message)
-    any other 4xx; a 200 that is not a completion       -> GenerationError (the rollout fails, not retried)
+    no answer within the adaptive attempt timeout       -> RequestTimeoutError (transient)
     no usable server for backend_dead_after_s           -> BackendDeadError (fatal, names every server)
 
 Invariants:
@@ -34,8 +20,9 @@ Invariants:
   its HTTP connection at once (aiohttp closes a connection whose response was not read to the
   end), so the server aborts the request. Cancellation is never converted into an error.
 - Health. `start()` checks ``/v1/models`` on every server (model name present) and then starts one
-  probe loop per server (``GET /health`` every ``health_probe_interval_s``), owned by a task that
-  `aclose()` cancels and awaits. A server that fails a probe, or a request with a connection
+  probe loop per server (``GET /health`` every ``health_probe_interval_s``), all owned by one
+  TaskGroup in the probe task (`_run_probes`), which `aclose()` cancels and awaits; if a probe
+  loop fails, the task records why, and every later call raises `BackendDeadError` naming it. A server that fails a probe, or a request with a connection
   error (which also triggers an immediate probe), is unhealthy until a probe succeeds. A server
   that comes back is first given the latest published weights (it may have restarted with its
   original ones) and only then takes work again.
@@ -67,8 +54,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
-import re
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,11 +66,11 @@ from asyncgrpo.errors import (
     BackendDeadError,
     GenerationError,
     MisconfiguredBackendError,
-    PromptRejectedError,
     RequestTimeoutError,
     TransientGenerationError,
 )
 from asyncgrpo.generation.attempt_timeout import LatencyTracker
+from asyncgrpo.generation.http_client import completion_payload, read_completion, server_message
 from asyncgrpo.generation.weight_sync import (
     RESUME_AFTER_FAILURE_S,
     DiskWeightPublisher,
@@ -94,39 +79,14 @@ from asyncgrpo.generation.weight_sync import (
     WeightSyncError,
     WeightSyncStepError,
 )
-from asyncgrpo.rollout.signal import StateSignal
+from asyncgrpo.sync import StateSignal
 from asyncgrpo.types import Completion, GenerationRequest
 
 log = logging.getLogger("asyncgrpo")
 
-# vLLM: "This model's maximum context length is N tokens. However, your prompt contains M input tokens...",
-# "The decoder prompt (length N) is longer than the maximum model length of M"; others: "prompt is too long",
-# "context length exceeded". Not "max_tokens=N cannot be greater than max_model_len" (a setting, not the prompt).
-PROMPT_TOO_LONG = re.compile(
-    r"maximum context length|maximum model length|longer than the maximum|prompt.{0,40}too long|too long.{0,40}prompt"
-    r"|input.{0,40}too long|context length exceeded|context_length_exceeded", re.I)
 _STARTUP_RETRY_S = (0.05, 1.0)  # first and largest delay between /v1/models attempts while a server starts
 INSTALL_SHARE = 0.8  # of generation.weight_sync_timeout_s: server installs end before the pipeline's deadline
 QUICK_CONTROL = ("/pause", "/resume")  # control calls that do no work: bounded like a health probe
-
-
-def server_message(text: str) -> str:
-    """The human message of an error body: vLLM's {"error": {"message"}}, {"message"}, FastAPI's {"detail"}, or the text."""
-    try:
-        body = json.loads(text)
-    except (ValueError, TypeError):
-        return text.strip()[:500]
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        for key in ("message", "detail"):
-            if body.get(key):
-                value = body[key]
-                return value if isinstance(value, str) else json.dumps(value)[:500]
-    return text.strip()[:500]
 
 
 @dataclass(eq=False)
@@ -318,8 +278,7 @@ class HttpGenerator:
             raise
         self._started = True
         self._changed()
-        self._probe_task = asyncio.create_task(self._probe_all(), name=f"{self.name}-health-probes")
-        self._probe_task.add_done_callback(self._probe_ended)
+        self._probe_task = asyncio.create_task(self._run_probes(), name=f"{self.name}-health-probes")
 
     async def aclose(self) -> None:
         """Stop the probes and close every connection (requests still open fail: cancel them first). Idempotent."""
@@ -329,7 +288,7 @@ class HttpGenerator:
         try:
             if task is not None:
                 task.cancel()
-                await asyncio.wait([task])  # its outcome is recorded by _probe_ended
+                await asyncio.wait([task])  # a failure of its probes is recorded by _run_probes itself
         finally:
             await self._close_sessions()
 
@@ -416,20 +375,7 @@ class HttpGenerator:
         assert self._session is not None
         loop = asyncio.get_running_loop()
         version = server.version
-        s = request.sampling
-        payload = {
-            "model": self.model,
-            "prompt": list(request.prompt_token_ids),
-            "max_tokens": s.max_new_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "n": 1,
-            "logprobs": 0,
-            "return_token_ids": True,
-            "stop_token_ids": list(s.stop_token_ids),
-        }
-        if self.http.seed == "per_request":
-            payload["seed"] = request.seed
+        payload = completion_payload(request, model=self.model, per_request_seed=self.http.seed == "per_request")
         timeouts = self._timeouts.get(request, 0)
         budget = self._latency.timeout_s(timeouts)
         if server.outstanding == 0:
@@ -470,66 +416,11 @@ class HttpGenerator:
         if server.outstanding:
             server.quiet_since = loop.time()
         server.silence_reported = False
-        completion = self._completion(server, version, status, text, request)
+        completion = read_completion(status, text, url=server.url, request=request, version=version,
+                                     backend=self.name, model=self.model)
         self._latency.record(clock.active_s(loop.time()))
         self._timeouts.pop(request, None)
         return completion
-
-    def _completion(self, server: _Server, version: int, status: int, text: str, request: GenerationRequest) -> Completion:
-        if status != 200:
-            raise self._http_error(server, status, text, request)
-        where = f"{server.url} (request {request.request_id})"
-        try:
-            choice = json.loads(text)["choices"][0]
-            finish = choice.get("finish_reason")
-        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-            raise GenerationError(f"{where} answered 200 with a body that is not a completion: {text[:300]!r}",
-                                  backend=self.name) from None
-        if finish == "abort":
-            raise TransientGenerationError(f"{where} aborted the request (finish_reason 'abort': the server was paused "
-                                           f"with mode=abort, or is shutting down)", backend=self.name)
-        token_ids = choice.get("token_ids")
-        if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
-            raise MisconfiguredBackendError(
-                f"{where} returned no choices[0].token_ids: the server must support return_token_ids "
-                f"(vLLM >= 0.10.2, or asyncgrpo serve).", backend=self.name)
-        logprobs = choice["logprobs"].get("token_logprobs") if isinstance(choice.get("logprobs"), dict) else None
-        if (not isinstance(logprobs, list) or len(logprobs) != len(token_ids)
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x) for x in logprobs)):
-            raise MisconfiguredBackendError(
-                f"{where} returned no usable choices[0].logprobs.token_logprobs ({len(token_ids)} tokens, logprobs "
-                f"{str(logprobs)[:120]}): the server must return the sampled tokens' logprobs for logprobs=0.",
-                backend=self.name)
-        if finish not in ("stop", "length"):
-            raise GenerationError(f"{where} finished with finish_reason {finish!r}; expected 'stop' or 'length'.",
-                                  backend=self.name)
-        return Completion(
-            token_ids=tuple(token_ids),
-            logprobs=tuple(float(x) for x in logprobs),
-            versions=(version,) * len(token_ids),
-            finish_reason=finish,
-            dispatch_version=version,
-            text=str(choice.get("text") or ""),
-        )
-
-    def _http_error(self, server: _Server, status: int, text: str, request: GenerationRequest) -> GenerationError:
-        message = server_message(text)
-        what = f"{server.url} answered HTTP {status} to request {request.request_id}: {message}"
-        if status in (408, 429) or status >= 500:
-            return TransientGenerationError(what, backend=self.name)
-        if status == 413 or (status == 400 and PROMPT_TOO_LONG.search(message)):
-            return PromptRejectedError(f"{what}. The prompt ({len(request.prompt_token_ids)} tokens) plus max_new_tokens "
-                                       f"({request.sampling.max_new_tokens}) does not fit the server's model.",
-                                       backend=self.name)
-        if status in (401, 403):
-            return MisconfiguredBackendError(f"{what}. Fix: check generation.http.api_key.", backend=self.name)
-        if status == 404:
-            return MisconfiguredBackendError(f"{what}. Fix: check generation.http.model ({self.model!r}) and the URL.",
-                                             backend=self.name)
-        if status == 422:
-            return MisconfiguredBackendError(f"{what}. The server rejects a request field asyncgrpo sends: check its "
-                                             f"version (vLLM >= 0.10.2).", backend=self.name)
-        return GenerationError(what, backend=self.name)
 
     # ------------------------------------------------------------------ weights
 
@@ -720,15 +611,16 @@ class HttpGenerator:
             server.waker.set_result(None)  # probe now rather than at the next interval
         self._changed()
 
-    async def _probe_all(self) -> None:
-        async with asyncio.TaskGroup() as group:
-            for server in self._servers:
-                group.create_task(self._probe_loop(server), name=f"{self.name}-probe-{server.url}")
-
-    def _probe_ended(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            self._probe_failure = task.exception()
-            log.error("%s: health probes stopped: %r", self.name, self._probe_failure)
+    async def _run_probes(self) -> None:
+        """The probe task: one TaskGroup owns every server's probe loop (and under it its recoveries) until
+        `aclose()` cancels it. A loop that fails stops them all: the failure is kept, and work stops being routed."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                for server in self._servers:
+                    group.create_task(self._probe_loop(server), name=f"{self.name}-probe-{server.url}")
+        except Exception as exc:  # noqa: BLE001 - kept and raised to every caller by _check_open
+            self._probe_failure = exc
+            log.error("%s: health probes stopped: %r", self.name, exc)
             self._signal.notify()
 
     async def _probe_loop(self, server: _Server) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 
 from asyncgrpo.errors import RewardError
 from asyncgrpo.rewards.worker import HEADER, encode
-from asyncgrpo.rollout.signal import StateSignal
+from asyncgrpo.sync import StateSignal
 
 WORKER_START_TIMEOUT_S = 120.0
 CLOSE_GRACE_S = 2.0

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
-from asyncgrpo.data.tasks import REWARDS
+from asyncgrpo.tasks import REWARDS
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.errors import ConfigError, RewardError
 from asyncgrpo.rewards.pool import RewardWorkerPool, WorkerCrashed, WorkerStartError

@@ -5,16 +5,16 @@ Plain data structure; waiting for it happens in the collector, under its Conditi
 Invariants:
 - `take(n)` hands out the `n` groups of lowest generation version, ties broken by
   completion order (`Group.seq`).
-- `remove_untrainable(step)` is the consumption-time check that makes the staleness bound
-  hard: called before every take, it removes every group whose staleness at `step` would
-  exceed K, so no such group can ever reach the loss.
+- `remove_stale(step)` is the consumption-time check that makes the staleness bound
+  hard: called before every take, it removes every group that is stale at `step` (staleness
+  above K), so no such group can ever reach the loss.
 """
 
 from __future__ import annotations
 
 import heapq
 
-from asyncgrpo.rollout.admission import is_trainable
+from asyncgrpo.rollout.admission import is_stale
 from asyncgrpo.types import Group
 
 
@@ -29,11 +29,11 @@ class ReplayBuffer:
     def put(self, group: Group) -> None:
         heapq.heappush(self._heap, (group.generation_version, group.seq, group))
 
-    def remove_untrainable(self, step: int) -> list[Group]:
-        """Remove and return the groups that may no longer be trained at `step` or later."""
-        stale = [g for _, _, g in self._heap if not is_trainable(generation_version=g.generation_version, step=step, max_staleness=self.max_staleness)]
+    def remove_stale(self, step: int) -> list[Group]:
+        """Remove and return the groups that are stale at `step` (and so at every later step)."""
+        stale = [g for _, _, g in self._heap if is_stale(generation_version=g.generation_version, step=step, max_staleness=self.max_staleness)]
         if stale:
-            self._heap = [entry for entry in self._heap if is_trainable(generation_version=entry[2].generation_version, step=step, max_staleness=self.max_staleness)]
+            self._heap = [entry for entry in self._heap if not is_stale(generation_version=entry[2].generation_version, step=step, max_staleness=self.max_staleness)]
             heapq.heapify(self._heap)
         return stale
 

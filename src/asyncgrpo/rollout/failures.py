@@ -9,7 +9,7 @@ Rules (DESIGN.md §3 "Failures"):
   the last window were dropped as failed/too_few_survivors/invalid_prompt/reward_error, or
   more than `max_filtered_fraction` were filtered, the run fails. A fraction of 1.0 turns a
   rule off.
-- Cancellation (stale, shutdown, end of data) is not an outcome here and never counts.
+- Cancellation (stale, shutdown, end of data) is never recorded here and never counts.
 
 `record` returns a `Verdict` the first time a rule is broken and keeps returning it (the
 caller keeps the first one; the policy does not need to know). Examples of errors come only
@@ -22,8 +22,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-GroupOutcome = Literal["success", "failed", "too_few_survivors", "invalid_prompt", "filtered", "reward_error"]
-WINDOW_DROP_REASONS: tuple[GroupOutcome, ...] = ("failed", "too_few_survivors", "invalid_prompt", "reward_error")
+# How a judged group ended: buffered for training ("success") or dropped with a reason.
+GroupEnding = Literal["success", "failed", "too_few_survivors", "invalid_prompt", "filtered", "reward_error"]
+WINDOW_DROP_REASONS: tuple[GroupEnding, ...] = ("failed", "too_few_survivors", "invalid_prompt", "reward_error")
 
 
 @dataclass(frozen=True)
@@ -55,16 +56,16 @@ class FailurePolicy:
         self.max_drop_fraction = max_drop_fraction
         self.max_filtered_fraction = max_filtered_fraction
         self.streak = 0
-        self._window: deque[tuple[GroupOutcome, BaseException | None]] = deque(maxlen=drop_window)
+        self._window: deque[tuple[GroupEnding, BaseException | None]] = deque(maxlen=drop_window)
         self._finished = 0
 
-    def record(self, outcome: GroupOutcome, error: BaseException | None = None) -> Verdict | None:
+    def record(self, ending: GroupEnding, error: BaseException | None = None) -> Verdict | None:
         """Account one finished group; return a Verdict if a rule is now broken."""
-        if outcome == "success":
+        if ending == "success":
             self.streak = 0
-        elif outcome == "failed":
+        elif ending == "failed":
             self.streak += 1
-        self._window.append((outcome, error))
+        self._window.append((ending, error))
         self._finished += 1
 
         if self.streak > self.max_generation_failures:
@@ -83,7 +84,7 @@ class FailurePolicy:
             )
         if self._finished < self.drop_window:
             return None
-        counts = Counter(outcome for outcome, _ in self._window)
+        counts = Counter(ending for ending, _ in self._window)
         dropped = sum(counts[r] for r in WINDOW_DROP_REASONS)
         if dropped > self.max_drop_fraction * self.drop_window:
             by_reason = {r: counts[r] for r in WINDOW_DROP_REASONS if counts[r]}
@@ -117,11 +118,11 @@ class FailurePolicy:
         return None
 
     def _examples(self) -> dict[str, BaseException]:
-        """The first error of each outcome among the groups in the window."""
+        """The first error of each ending among the groups in the window."""
         examples: dict[str, BaseException] = {}
-        for outcome, error in self._window:
+        for ending, error in self._window:
             if error is not None:
-                examples.setdefault(outcome, error)
+                examples.setdefault(ending, error)
         return examples
 
 

@@ -1,4 +1,14 @@
-"""Metric names (DESIGN.md §5), grouped by who produces them. Part of the interface: rename nothing."""
+"""Metric names (DESIGN.md §5), grouped by who produces them. Part of the interface: rename nothing.
+
+Every name a `metrics.jsonl` line carries is defined here (plus `reward/<function>` per reward
+function); producers fill dicts keyed by these names and telemetry/metrics.py checks the set.
+"""
+
+from __future__ import annotations
+
+from asyncgrpo.types import DROP_REASONS
+
+STEP_KEYS = ("step", "version")
 
 TRAIN_KEYS = (
     "loss",
@@ -15,10 +25,23 @@ TRAIN_KEYS = (
     "completion/len_max",
     "completion/truncated_frac",
 )
+# The collector's state at the end of a step (`Collector.metric_values()`).
+COLLECTOR_GAUGES = ("rollout/inflight", "buffer/size")
+# The collector's running totals since the start of the run (kept across a resume).
+COUNTER_NAMES: tuple[str, ...] = (
+    "rollout/failed_total",
+    "rollout/dropped_groups_total",
+    *(f"rollout/dropped/{reason}" for reason in DROP_REASONS),
+    "rollout/stale_groups_total",
+    "rollout/stale_samples_total",
+    "rollout/retries_total",
+    "rollout/requeued_total",
+    "rollout/wasted_tokens_total",
+    "rollout/generated_tokens_total",
+)
 EVAL_KEYS = ("eval/reward_mean", "eval/pass_rate", "eval/failed_requests")
 PIPELINE_KEYS = (
-    "rollout/inflight",
-    "buffer/size",
+    *COLLECTOR_GAUGES,
     "staleness/mean",
     "staleness/max",
     "time/trainer_wait_s",

@@ -14,18 +14,17 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from asyncgrpo.pipeline import StepRecord
-from asyncgrpo.rollout.collector import COUNTER_NAMES, Collector
-from asyncgrpo.telemetry.keys import EVAL_KEYS, PIPELINE_KEYS, TRAIN_KEYS
+from asyncgrpo.telemetry.keys import COUNTER_NAMES, EVAL_KEYS, PIPELINE_KEYS, STEP_KEYS, TRAIN_KEYS
+from asyncgrpo.types import StepRecord
+
 
 def metric_keys(reward_names: Iterable[str]) -> tuple[str, ...]:
     return (
-        "step",
-        "version",
+        *STEP_KEYS,
         *PIPELINE_KEYS,
         *(f"reward/{name}" for name in reward_names),
         *TRAIN_KEYS,
@@ -36,13 +35,14 @@ def metric_keys(reward_names: Iterable[str]) -> tuple[str, ...]:
 
 def step_metrics(
     record: StepRecord,
-    collector: Collector,
+    collector_values: Mapping[str, float],
     *,
     reward_names: list[str],
     elapsed_s: float,
     gen_tokens_per_s: float,
     eval_metrics: dict[str, float | None],
 ) -> dict[str, Any]:
+    """One metrics line. `collector_values`: the collector's gauges and counters by name (`Collector.metric_values()`)."""
     rewards = [r.reward for g in record.batch for r in g.rollouts]
     per_function = {
         f"reward/{name}": _mean([r.reward_terms.get(name) for g in record.batch for r in g.rollouts])
@@ -51,8 +51,6 @@ def step_metrics(
     values: dict[str, Any] = {
         "step": record.step,
         "version": record.step + 1,
-        "rollout/inflight": collector.open_requests,
-        "buffer/size": len(collector.buffer),
         "staleness/mean": statistics.fmean(record.staleness),
         "staleness/max": max(record.staleness),
         "time/trainer_wait_s": record.wait_s,
@@ -62,12 +60,12 @@ def step_metrics(
         "throughput/gen_tokens_per_s": gen_tokens_per_s,
         # Mean length of the finished completions thrown away as stale, to compare with
         # completion/len_mean: stale cancellation must not quietly favour short answers.
-        "rollout/stale_len_mean": _ratio(collector.counters["rollout/wasted_tokens_total"], collector.counters["rollout/stale_samples_total"]),
+        "rollout/stale_len_mean": _ratio(collector_values["rollout/wasted_tokens_total"], collector_values["rollout/stale_samples_total"]),
         "reward/mean": statistics.fmean(rewards),
         "reward/std": statistics.pstdev(rewards),
         **per_function,
         **record.train_metrics,
-        **collector.counters,
+        **collector_values,
         **eval_metrics,
     }
     return values

@@ -1,4 +1,4 @@
-"""The pipeline's health: the first fatal error of a run, kept as it was.
+"""`FirstFailure`: the first fatal error of a run, kept as it was.
 
 `fail()` records a diagnostic only if none is recorded yet (sticky: later errors, often
 consequences of the first, never replace it). `check()` raises a *fresh* exception each
@@ -19,7 +19,7 @@ def format_traceback(exc: BaseException | None) -> str:
     return "".join(traceback_module.format_exception(exc))
 
 
-class Health:
+class FirstFailure:
     def __init__(self) -> None:
         self.diagnostic: Diagnostic | None = None
 

@@ -61,7 +61,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from asyncgrpo.errors import GenerationError, PromptRejectedError
-from asyncgrpo.rollout.signal import StateSignal
+from asyncgrpo.sync import StateSignal
 from asyncgrpo.types import GenerationRequest, SamplingParams
 
 log = logging.getLogger("asyncgrpo.serve")

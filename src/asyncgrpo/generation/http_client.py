@@ -1,0 +1,142 @@
+"""The completion client of the OpenAI-compatible HTTP dialect (vLLM, `asyncgrpo serve`): pure, no I/O.
+
+Job: build the body of one ``POST /v1/completions`` for a `GenerationRequest`, read a server's
+answer back into a `Completion`, and classify every answer that is not one into errors.py's
+classes. The server pool (generation/http.py) sends the request and owns the connections;
+generation/serve.py is the server half of the same dialect.
+
+Wire format, per request (what vLLM >= 0.10.2 and `asyncgrpo serve` accept)::
+
+    {"model": M, "prompt": [ids], "max_tokens": N, "temperature": T, "top_p": P, "n": 1,
+     "logprobs": 0, "return_token_ids": true, "stop_token_ids": [ids]}   (+ "seed": S with http.seed per_request)
+
+read back: ``choices[0].token_ids``, ``choices[0].logprobs.token_logprobs``, ``choices[0].text``,
+``choices[0].finish_reason``. For logprobs of the distribution actually sampled, start vLLM with
+``--logprobs-mode processed_logprobs`` (its default returns the raw model's logprobs, before
+temperature).
+
+Answers, classified (connection failures and timeouts are the pool's, see generation/http.py):
+
+    HTTP 408, 429, 5xx; finish_reason "abort"           -> TransientGenerationError
+    HTTP 413; HTTP 400 saying the prompt is too long    -> PromptRejectedError
+    HTTP 401, 403, 404, 422; a 200 without token_ids    -> MisconfiguredBackendError (fatal, server's message)
+    any other 4xx; a 200 that is not a completion       -> GenerationError (the rollout fails, not retried)
+
+A completion's `versions` are all `version`, the server's version when the request was dispatched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from asyncgrpo.errors import GenerationError, MisconfiguredBackendError, PromptRejectedError, TransientGenerationError
+from asyncgrpo.types import Completion, GenerationRequest
+
+# vLLM: "This model's maximum context length is N tokens. However, your prompt contains M input tokens...",
+# "The decoder prompt (length N) is longer than the maximum model length of M"; others: "prompt is too long",
+# "context length exceeded". Not "max_tokens=N cannot be greater than max_model_len" (a setting, not the prompt).
+PROMPT_TOO_LONG = re.compile(
+    r"maximum context length|maximum model length|longer than the maximum|prompt.{0,40}too long|too long.{0,40}prompt"
+    r"|input.{0,40}too long|context length exceeded|context_length_exceeded", re.I)
+
+
+def server_message(text: str) -> str:
+    """The human message of an error body: vLLM's {"error": {"message"}}, {"message"}, FastAPI's {"detail"}, or the text."""
+    try:
+        body = json.loads(text)
+    except (ValueError, TypeError):
+        return text.strip()[:500]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        for key in ("message", "detail"):
+            if body.get(key):
+                value = body[key]
+                return value if isinstance(value, str) else json.dumps(value)[:500]
+    return text.strip()[:500]
+
+
+def completion_payload(request: GenerationRequest, *, model: str | None, per_request_seed: bool) -> dict[str, Any]:
+    """The JSON body of ``POST /v1/completions`` for `request` (the wire format above)."""
+    s = request.sampling
+    payload: dict[str, Any] = {
+        "model": model,
+        "prompt": list(request.prompt_token_ids),
+        "max_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "n": 1,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "stop_token_ids": list(s.stop_token_ids),
+    }
+    if per_request_seed:
+        payload["seed"] = request.seed
+    return payload
+
+
+def read_completion(status: int, text: str, *, url: str, request: GenerationRequest, version: int, backend: str,
+                    model: str | None) -> Completion:
+    """The `Completion` in a server's answer to `request` (dispatched at `version`), or the classified error."""
+    if status != 200:
+        raise http_error(status, text, url=url, request=request, backend=backend, model=model)
+    where = f"{url} (request {request.request_id})"
+    try:
+        choice = json.loads(text)["choices"][0]
+        finish = choice.get("finish_reason")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise GenerationError(f"{where} answered 200 with a body that is not a completion: {text[:300]!r}",
+                              backend=backend) from None
+    if finish == "abort":
+        raise TransientGenerationError(f"{where} aborted the request (finish_reason 'abort': the server was paused "
+                                       f"with mode=abort, or is shutting down)", backend=backend)
+    token_ids = choice.get("token_ids")
+    if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
+        raise MisconfiguredBackendError(
+            f"{where} returned no choices[0].token_ids: the server must support return_token_ids "
+            f"(vLLM >= 0.10.2, or asyncgrpo serve).", backend=backend)
+    logprobs = choice["logprobs"].get("token_logprobs") if isinstance(choice.get("logprobs"), dict) else None
+    if (not isinstance(logprobs, list) or len(logprobs) != len(token_ids)
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x) for x in logprobs)):
+        raise MisconfiguredBackendError(
+            f"{where} returned no usable choices[0].logprobs.token_logprobs ({len(token_ids)} tokens, logprobs "
+            f"{str(logprobs)[:120]}): the server must return the sampled tokens' logprobs for logprobs=0.",
+            backend=backend)
+    if finish not in ("stop", "length"):
+        raise GenerationError(f"{where} finished with finish_reason {finish!r}; expected 'stop' or 'length'.",
+                              backend=backend)
+    return Completion(
+        token_ids=tuple(token_ids),
+        logprobs=tuple(float(x) for x in logprobs),
+        versions=(version,) * len(token_ids),
+        finish_reason=finish,
+        dispatch_version=version,
+        text=str(choice.get("text") or ""),
+    )
+
+def http_error(status: int, text: str, *, url: str, request: GenerationRequest, backend: str,
+               model: str | None) -> GenerationError:
+    """The error class of a non-200 answer to `request` (module docstring's table)."""
+    message = server_message(text)
+    what = f"{url} answered HTTP {status} to request {request.request_id}: {message}"
+    if status in (408, 429) or status >= 500:
+        return TransientGenerationError(what, backend=backend)
+    if status == 413 or (status == 400 and PROMPT_TOO_LONG.search(message)):
+        return PromptRejectedError(f"{what}. The prompt ({len(request.prompt_token_ids)} tokens) plus max_new_tokens "
+                                   f"({request.sampling.max_new_tokens}) does not fit the server's model.",
+                                   backend=backend)
+    if status in (401, 403):
+        return MisconfiguredBackendError(f"{what}. Fix: check generation.http.api_key.", backend=backend)
+    if status == 404:
+        return MisconfiguredBackendError(f"{what}. Fix: check generation.http.model ({model!r}) and the URL.",
+                                         backend=backend)
+    if status == 422:
+        return MisconfiguredBackendError(f"{what}. The server rejects a request field asyncgrpo sends: check its "
+                                         f"version (vLLM >= 0.10.2).", backend=backend)
+    return GenerationError(what, backend=backend)

@@ -1,0 +1,71 @@
+"""The run's diagnostics that the collector raises: what failed, where, and what to do about it. Pure.
+
+Each function builds the `Diagnostic` for one way the collector fails a run: a backend that
+cannot serve it, a reward function that failed (with `reward.on_error: fail`), a broken rule
+of the failure policy, and a stall. Versions and the trainer's step say where the run was.
+"""
+
+from __future__ import annotations
+
+from asyncgrpo.errors import Diagnostic, FatalBackendError, RewardError
+from asyncgrpo.rollout.failures import Verdict
+from asyncgrpo.rollout.first_failure import format_traceback
+
+
+def backend_fatal(error: FatalBackendError, backend: str, version: int | None, step: int) -> Diagnostic:
+    return Diagnostic(
+        kind=error.kind,
+        message=f"The generation backend cannot serve this run: {error}. Retrying cannot fix this; "
+        f"check the servers, the model name, the URLs and the credentials.",
+        backend=error.backend or backend,
+        generation_version=version,
+        trainer_step=step,
+        original=error,
+        traceback=format_traceback(error),
+    )
+
+
+def reward_failed(error: RewardError, version: int | None, step: int) -> Diagnostic:
+    return Diagnostic(
+        kind="reward_error",
+        message=f"A reward function failed: {error}. Fix the function, or set reward.on_error: drop "
+        f"to drop such groups (counted as reward_error) instead of stopping.",
+        generation_version=version,
+        trainer_step=step,
+        original=error,
+        traceback=format_traceback(error),
+    )
+
+
+def policy_broken(verdict: Verdict, backend: str, version: int | None, step: int) -> Diagnostic:
+    return Diagnostic(
+        kind=verdict.kind,
+        message=verdict.message,
+        backend=backend,
+        generation_version=version,
+        trainer_step=step,
+        count=verdict.count,
+        threshold=verdict.threshold,
+        original=verdict.original,
+        traceback=format_traceback(verdict.original),
+        details={
+            "by_reason": verdict.by_reason,
+            "examples": {reason: repr(e) for reason, e in verdict.examples.items()},
+        },
+    )
+
+
+def stalled(step: int, stall_timeout_s: float, groups_per_step: int, state: str, backend: str, serving_version: int) -> Diagnostic:
+    """`state`: the collector's counts at the stall (buffered, in flight, open requests, scoring, source)."""
+    return Diagnostic(
+        kind="stall",
+        message=(
+            f"The pipeline stalled: no rollout finished and no step trained for {stall_timeout_s:g} s "
+            f"(rollout.stall_timeout_s) while step {step} waited for {groups_per_step} groups. "
+            f"State: {state}, serving version {serving_version}. Check that the generation backend answers."
+        ),
+        backend=backend,
+        generation_version=serving_version,
+        trainer_step=step,
+        threshold=stall_timeout_s,
+    )

@@ -1,0 +1,63 @@
+"""An in-flight group: one take of a prompt between its admission and its ending, member by member.
+
+The collector's record of a group whose rollouts are being generated or scored. Lists are
+indexed by member (rollout) number; a member has a completion or an error once it finished,
+and `dispatch_versions` holds the serving version of its latest attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass, field
+
+from asyncgrpo.types import Completion, GenerationRequest, Prompt, SamplingParams
+
+
+@dataclass
+class InFlightGroup:
+    """A group between its take and its ending. Lists are indexed by member (rollout) number."""
+
+    key: int
+    prompt: Prompt
+    size: int
+    task: asyncio.Task[None] | None = None
+    dispatched: int = 0
+    dispatch_versions: list[int | None] = field(default_factory=list)
+    completions: list[Completion | None] = field(default_factory=list)
+    errors: list[BaseException | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.dispatch_versions = [None] * self.size
+        self.completions = [None] * self.size
+        self.errors = [None] * self.size
+
+    def version_floor(self) -> int | None:
+        """Lowest version any of its surviving tokens has or can have (a member being retried counts with
+        its current attempt's version); None while nothing live is dispatched."""
+        versions = [
+            c.generation_version if c is not None else v
+            for c, v, e in zip(self.completions, self.dispatch_versions, self.errors)
+            if e is None and (c is not None or v is not None)
+        ]
+        return min(versions, default=None)
+
+    def finished_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions if c is not None)
+
+
+def rollout_request(run_seed: int, prompt: Prompt, member: int, sampling: SamplingParams) -> GenerationRequest:
+    """The request of member `member` of a take of `prompt`; every attempt of the rollout sends it."""
+    return GenerationRequest(
+        request_id=f"{prompt.id}-{prompt.epoch}-{prompt.requeues}-{member}",
+        prompt_id=prompt.id,
+        prompt_token_ids=prompt.token_ids,
+        sampling=sampling,
+        seed=request_seed(run_seed, prompt, member),
+    )
+
+
+def request_seed(run_seed: int, prompt: Prompt, member: int) -> int:
+    """A per-request sampling seed, stable across runs and resumes for the same take of a prompt."""
+    text = f"{run_seed}:{prompt.id}:{prompt.epoch}:{prompt.requeues}:{member}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1

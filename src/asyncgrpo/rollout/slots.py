@@ -1,0 +1,87 @@
+"""Request slots: at most `generation.max_inflight` generation requests open at the servers at once.
+
+`acquire()` waits (on the collector's `StateSignal`) for a free slot and returns it as a
+`Slot`, which its holder gives back exactly once: leaving `with slot:`, or the end of the task
+that runs it (`release_with`), whichever comes first; a second release is a no-op. A rollout
+waiting to retry holds no slot (`Slot.released_while`), so the slot serves other rollouts
+meanwhile, and takes one again before its next attempt.
+
+Invariants:
+- `open` equals the number of slots held: every change is `acquire` or a `Slot`'s own
+  release, and a `Slot` counts itself at most once.
+- Every release notifies the signal (a waiting rollout or admission may proceed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+
+from asyncgrpo.sync import StateSignal
+
+
+class RequestSlots:
+    def __init__(self, limit: int, signal: StateSignal) -> None:
+        self.limit = limit
+        self._signal = signal
+        self._open = 0
+
+    @property
+    def open(self) -> int:
+        """Slots held now (requests open at the servers, or about to be sent)."""
+        return self._open
+
+    @property
+    def free(self) -> int:
+        return self.limit - self._open
+
+    async def acquire(self) -> Slot:
+        """Wait for a free slot and take it. The wait ends with a free slot, or the caller's cancellation."""
+        await self._take()
+        return Slot(self)
+
+    async def _take(self) -> None:
+        await self._signal.wait_for(lambda: self._open < self.limit)
+        self._open += 1
+
+    def _give_back(self) -> None:
+        self._open -= 1
+        self._signal.notify()
+
+
+class Slot:
+    """One held request slot (see the module docstring)."""
+
+    def __init__(self, slots: RequestSlots) -> None:
+        self._slots = slots
+        self._held = True
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def release(self) -> None:
+        """Give the slot back; a no-op if it is not held."""
+        if self._held:
+            self._held = False
+            self._slots._give_back()
+
+    def release_with(self, task: asyncio.Task[object]) -> None:
+        """Give the slot back when `task` ends, at the latest: also if it is cancelled before it ever ran."""
+        task.add_done_callback(lambda _: self.release())
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+    async def released_for(self, delay_s: float) -> None:
+        """Wait `delay_s` holding no slot (a rollout waiting to retry), then wait for a slot and take it again.
+        Cancelled meanwhile, it holds none: nothing is left to give back."""
+        if not self._held:
+            raise AssertionError("released_for() on a slot that is not held")
+        self.release()
+        await asyncio.sleep(delay_s)
+        await self._slots._take()
+        self._held = True
