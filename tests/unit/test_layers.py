@@ -1,8 +1,9 @@
 """Every import points down the pipeline: no module imports from a layer above its own.
 
 The layers follow the data: prompts are loaded (data), completed (generation), scored
-(rewards), collected into groups (rollout), trained on (training), in one loop (pipeline),
-reported (telemetry), behind the commands (entry points). The ground floor holds what every
+(rewards), collected into groups (rollout), trained on (training), in one loop (pipeline,
+wired by assemble, with evaluation beside it), reported (telemetry), behind the commands
+(entry points, with the run directory's files). The ground floor holds what every
 layer shares. A module may import its own layer and the layers below; the test reads every
 import statement (those inside functions and `if TYPE_CHECKING:` blocks too).
 """
@@ -25,9 +26,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rewards",),
     ("rollout",),
     ("training",),
-    ("pipeline",),
+    ("pipeline", "assemble", "evaluation"),
     ("telemetry",),
-    ("run", "simulate", "cli"),
+    ("train", "run_files", "simulate", "cli"),
 )
 
 
