@@ -17,6 +17,7 @@ from asyncgrpo.generation.base import Generator
 from asyncgrpo.rewards.scoring import Isolation, RewardScorer
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.collector import Collector
+from asyncgrpo.rollout.events import RolloutObserver
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.types import Prompt, SamplingParams
 
@@ -42,11 +43,13 @@ def build_collector(
     ledger: PromptLedger | None = None,
     start_step: int = 0,
     resumed: dict[str, Any] | None = None,
+    observer: RolloutObserver | None = None,
 ) -> Collector:
     """The collector over `prompts` on `generator`, with the recipe's source order and reward functions.
 
     `isolation` overrides `reward.isolation` (simulations score inline, on virtual time); `ledger`
-    and `resumed` (a checkpoint's accounting and counters) continue a run from a checkpoint."""
+    and `resumed` (a checkpoint's accounting and counters) continue a run from a checkpoint;
+    `observer` is told each rollout's and take's life (rollout/events.py; the run's timeline)."""
     source = PromptSource(
         prompts,
         num_epochs=cfg.data.num_epochs,
@@ -58,7 +61,7 @@ def build_collector(
         scorer = RewardScorer.from_config(cfg.reward, isolation=isolation)
     collector = Collector(
         cfg, source=source, generator=generator, scorer=scorer, sampling=sampling_params(cfg, stop_token_ids),
-        start_step=start_step, ledger=ledger,
+        start_step=start_step, ledger=ledger, observer=observer,
     )
     if resumed:
         collector.accounting = Accounting.resumed(resumed["accounting"])

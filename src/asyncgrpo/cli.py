@@ -13,6 +13,7 @@ import logging
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 from asyncgrpo.config import Config, load_config, tolerance_warnings
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
@@ -36,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     recipe_command("train", "Train a model with GRPO as the recipe says.")
     sim = recipe_command("simulate", "Run the recipe's pipeline on virtual time with a scripted backend and a stub trainer.")
     sim.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    sim.add_argument("--output-dir", type=Path, default=None, metavar="DIR",
+                     help="also write metrics.jsonl and timeline.jsonl to DIR (virtual time), for `asyncgrpo plot DIR`")
     recipe_command("check", "Validate a recipe and the files it names, then exit.")
     serve = sub.add_parser(
         "serve",
@@ -98,7 +101,7 @@ def _run_command(args: argparse.Namespace) -> int:
     for warning in tolerance_warnings(cfg):
         log.warning("warning: %s", warning)
     if args.command == "simulate":
-        return _simulate(cfg, as_json=args.json)
+        return _simulate(cfg, as_json=args.json, output_dir=args.output_dir)
     if args.command == "check":
         if cfg.generation.backend == "scripted":  # a simulate recipe
             from asyncgrpo.simulate import preflight_simulation as preflight
@@ -113,10 +116,10 @@ def _run_command(args: argparse.Namespace) -> int:
     return train_cli(cfg)
 
 
-def _simulate(cfg: Config, *, as_json: bool) -> int:
+def _simulate(cfg: Config, *, as_json: bool, output_dir: Path | None) -> int:
     from asyncgrpo.simulate import simulate
 
-    simulation = simulate(cfg)
+    simulation = simulate(cfg, output_dir=output_dir)
     report = simulation.report()
     if as_json:
         print(json.dumps(report))

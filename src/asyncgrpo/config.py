@@ -222,8 +222,21 @@ class CheckpointConfig(_Section):
     resume: str = Field("auto", min_length=1, description="auto: continue from the newest complete checkpoint of the run directory; never: refuse a used run directory; or the path of a checkpoint.")
 
 
+Sink = Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio"]
+
+
 class LoggingConfig(_Section):
-    progress: bool = True
+    progress: bool = Field(True, description="A progress bar on stderr; false: a log line every tenth of the run instead (for CI logs and files).")
+    sinks: list[Sink] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="Where step metrics go, any combination of jsonl, tensorboard, wandb, mlflow, trackio; metrics.jsonl is "
+        "always written. Each tracker needs its package (pip install 'asyncgrpo[sinks]'); `check` says which is missing.",
+    )
+    project: str = Field("asyncgrpo", min_length=1, description="Project (W&B, trackio) or experiment (MLflow) name the run is logged under, as run.name.")
+    timeline_max_rollouts: int = Field(
+        50_000, ge=0,
+        description="Rollout spans written in full to timeline.jsonl; later ones are counted per step instead (takes, steps and evaluations are always written).",
+    )
     samples_per_step: int = Field(2, ge=0, description="Completions per step written to samples.jsonl.")
     blocked_loop_warn_s: float = Field(10.0, gt=0, description="Warn (with where its thread is) when the event loop has not turned for this long: user code blocking it stops rollouts, timeouts and stop requests.")
     failure_summary_s: float = Field(

@@ -34,7 +34,11 @@ OUTCOMES_FILE = "outcomes.jsonl"
 ERROR_FILE = "error.txt"
 CHECKPOINTS_DIR = "checkpoints"
 WEIGHTS_DIR = "weights"
-OWNED_ENTRIES = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, OUTCOMES_FILE, ERROR_FILE, CHECKPOINTS_DIR, WEIGHTS_DIR)
+TIMELINE_FILE = "timeline.jsonl"
+PLOTS_DIR = "plots"
+TRACKER_DIRS = ("tensorboard", "wandb", "mlruns")  # telemetry/sinks.py
+OWNED_ENTRIES = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, OUTCOMES_FILE, ERROR_FILE, CHECKPOINTS_DIR, WEIGHTS_DIR,
+                 TIMELINE_FILE, PLOTS_DIR, *TRACKER_DIRS)
 """What a run writes besides the marker and the lock, and so what starting over removes."""
 
 

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from asyncgrpo.assemble import build_collector
@@ -29,6 +30,9 @@ from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import resolve_rewards
 from asyncgrpo.rollout.collector import Collector
+from asyncgrpo.rundir import METRICS_FILE, TIMELINE_FILE
+from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, metric_keys, step_metrics
+from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.training.stub import StubTrainer
 from asyncgrpo.types import StepRecord
 from asyncgrpo.vtime import run_virtual
@@ -106,11 +110,15 @@ def check_simulatable(cfg: Config) -> None:
         raise ConfigError("simulate runs on virtual time with a scripted generator and a stub trainer:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrainer | None = None) -> Simulation:
+def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrainer | None = None,
+             output_dir: Path | None = None) -> Simulation:
     """Run one simulation to its end; config errors raise ConfigError, invariant breaks InvariantViolation.
 
     `generator` and `trainer` replace the scripted backend and the stub trainer (tests drive
-    exact fates with them); they must read time only through the event loop.
+    exact fates with them); they must read time only through the event loop. With `output_dir`
+    (`simulate --output-dir DIR`), the run's `metrics.jsonl` and `timeline.jsonl` are written
+    there, on virtual time, as a training run writes them (`asyncgrpo plot DIR` draws them);
+    the train-only metrics (loss, kl, ...) are null.
     """
     check_simulatable(cfg)
     rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)
@@ -120,11 +128,14 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     if generator is None:
         generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
     trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s)
-    collector = build_collector(cfg, prompts, generator, isolation="inline")
+    report = _Report(cfg, output_dir, generator.name) if output_dir is not None else None
+    collector = build_collector(cfg, prompts, generator, isolation="inline", observer=report.timeline if report else None)
     records: list[StepRecord] = []
 
     async def record(step: StepRecord) -> None:
         records.append(step)
+        if report is not None:
+            report.step(step, collector)
 
     async def main() -> tuple[PipelineResult, float]:
         result = await run_pipeline(cfg, collector=collector, trainer=trainer, generator=generator, on_step=record)
@@ -134,10 +145,42 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
         return result, asyncio.get_running_loop().time()
 
     wall_start = time.perf_counter()
-    result, virtual_time = run_virtual(main())
+    try:
+        result, virtual_time = run_virtual(main())
+    finally:
+        if report is not None:
+            report.close()
     simulation = Simulation(cfg, result, collector, generator, trainer, records, virtual_time, time.perf_counter() - wall_start)
     check_invariants(simulation)
     return simulation
+
+
+class _Report:
+    """The files of `simulate --output-dir`: metrics.jsonl and timeline.jsonl, on virtual time."""
+
+    def __init__(self, cfg: Config, output_dir: Path, server: str) -> None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg
+        self.timeline = Timeline(
+            output_dir / TIMELINE_FILE, server=server, max_inflight=cfg.generation.max_inflight,
+            group_size=cfg.rollout.group_size, max_rollout_spans=cfg.logging.timeline_max_rollouts,
+        )
+        self.file = JsonlFile(output_dir / METRICS_FILE, truncate_to=0)
+        self.rate = MovingRate(0.0, 0)
+
+    def step(self, record: StepRecord, collector: Collector) -> None:
+        now = asyncio.get_running_loop().time()
+        self.timeline.step(record, now)
+        keys = metric_keys(collector.scorer.names)
+        values = step_metrics(
+            record, collector.metric_values(), reward_names=collector.scorer.names, elapsed_s=now,
+            gen_tokens_per_s=self.rate.add(now, collector.counters["rollout/generated_tokens_total"]), eval_metrics={},
+        )
+        MetricsWriter(self.file, keys).write({**dict.fromkeys(keys), **values})
+
+    def close(self) -> None:
+        self.timeline.close()
+        self.file.close()
 
 
 def check_invariants(sim: Simulation) -> None:

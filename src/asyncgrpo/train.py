@@ -52,12 +52,16 @@ from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warning
 from asyncgrpo.rewards.scoring import resolve_rewards
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.run_files import describe_last_checkpoint, disk_diagnostic, disk_problem, open_record, write_or_disk_error
-from asyncgrpo.rundir import ERROR_FILE, METRICS_FILE, OUTCOMES_FILE, SAMPLES_FILE, check_run_directory, claim, clear_run, is_foreign
+from asyncgrpo.rundir import (
+    ERROR_FILE, METRICS_FILE, OUTCOMES_FILE, SAMPLES_FILE, TIMELINE_FILE, check_run_directory, claim, clear_run, is_foreign,
+)
 from asyncgrpo.signals import EXIT_CODES as SIGNAL_EXIT_CODES
 from asyncgrpo.signals import StopSignals
 from asyncgrpo.telemetry.keys import EVAL_KEYS
-from asyncgrpo.telemetry.metrics import MetricsWriter, metric_keys, step_metrics, write_samples
+from asyncgrpo.telemetry.metrics import MetricsWriter, MovingRate, metric_keys, step_metrics, write_samples
 from asyncgrpo.telemetry.progress import Progress
+from asyncgrpo.telemetry.sinks import Trackers, sink_problems
+from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import Group, Prompt, StepRecord
@@ -80,6 +84,8 @@ def preflight(cfg: Config) -> ResumePlan:
     if cfg.eval.source is not None:
         check_data_source(cfg.eval.source, key="eval.source")
     resolve_rewards(cfg.reward.functions)
+    if problems := sink_problems(cfg.logging.sinks):
+        raise ConfigError("\n".join(problems))
     check_run_directory(cfg.run.directory)
     return plan_resume(cfg)
 
@@ -234,16 +240,22 @@ class TrainingRun:
         self.samples_file = open_record(run_dir / SAMPLES_FILE, offsets, warnings)
         self.ledger = PromptLedger(saved.get("done"), sink=self.outcomes.append)
         self.engine = _generator(cfg, trainer, tokenizer, run_dir)
+        self.timeline = Timeline(
+            run_dir / TIMELINE_FILE, server=self.engine.name, max_inflight=cfg.generation.max_inflight,
+            group_size=cfg.rollout.group_size, max_rollout_spans=cfg.logging.timeline_max_rollouts,
+        )
         self.collector = build_collector(
             cfg, prompts, self.engine, stop_token_ids=self.stop_ids, ledger=self.ledger, start_step=plan.step, resumed=saved,
+            observer=self.timeline,
         )
         self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.collector.scorer.names))
+        self.trackers = Trackers(cfg, run_dir)
         self.progress = Progress(cfg, plan.step)
         self.eval_state: dict[str, float | None] = dict.fromkeys(EVAL_KEYS)
         self.rewards_by_step: list[float] = []
         self.trainer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncgrpo-trainer")
-        self.started = self.last_time = time.perf_counter()
-        self.last_tokens = self.collector.counters["rollout/generated_tokens_total"]
+        self.started = time.perf_counter()
+        self.token_rate = MovingRate(self.started, self.collector.counters["rollout/generated_tokens_total"])
         self.final_checkpoint: Path | None = None
 
     @classmethod
@@ -320,22 +332,21 @@ class TrainingRun:
     async def _on_step(self, record: StepRecord) -> None:
         """After each trained step: evaluate when due, write its metrics and samples, checkpoint when due."""
         cfg, step = self.cfg, record.step + 1  # steps completed
+        self.timeline.step(record, asyncio.get_running_loop().time())
         eval_failure = None
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
             eval_failure = await self._evaluate(step)
         now = time.perf_counter()
-        tokens = self.collector.counters["rollout/generated_tokens_total"]
         values = step_metrics(
             record,
             self.collector.metric_values(),
             reward_names=self.collector.scorer.names,
             elapsed_s=now - self.started,
-            gen_tokens_per_s=(tokens - self.last_tokens) / max(now - self.last_time, 1e-9),
+            gen_tokens_per_s=self.token_rate.add(now, self.collector.counters["rollout/generated_tokens_total"]),
             eval_metrics=self.eval_state,
         )
-        self.last_time, self.last_tokens = now, tokens
         try:
-            self.metrics.write(values)
+            self.trackers.log(self.metrics.write(values))
             write_samples(self.samples_file, record, cfg.logging.samples_per_step)
         except OSError as exc:
             raise PipelineError(disk_diagnostic(exc, self.run_dir, self.run_dir / METRICS_FILE, step)) from exc
@@ -351,10 +362,14 @@ class TrainingRun:
         (the backend cannot serve it at all), after which the caller still writes the step's metrics."""
         if self.stop.received:
             return None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             self.eval_state.update(await evaluate(self.cfg, self.engine, self.collector.scorer, self.eval_prompts, self.stop_ids, step=step))
         except FatalBackendError as exc:
             return PipelineError.caused_by(eval_diagnostic(exc, step), exc)
+        finally:
+            self.timeline.evaluation(step, started, loop.time())
         return None
 
     def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, int]]:
@@ -382,6 +397,8 @@ class TrainingRun:
 
     async def _close_parts(self) -> None:
         self.progress.close()
+        self.timeline.close()
+        self.trackers.close()
         await self.collector.scorer.aclose()
         await self.engine.aclose()
         # A step in progress finishes before the thread is released (the pipeline completes a

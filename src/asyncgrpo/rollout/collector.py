@@ -36,6 +36,7 @@ from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.admission import is_stale, may_admit_group
 from asyncgrpo.rollout.buffer import ReplayBuffer
 from asyncgrpo.rollout.diagnostics import backend_fatal, policy_broken, reward_failed, stalled
+from asyncgrpo.rollout.events import NoObserver, RolloutObserver
 from asyncgrpo.rollout.failure_log import FailureLog, Tolerated
 from asyncgrpo.rollout.failures import FailurePolicy, GroupEnding
 from asyncgrpo.rollout.first_failure import FirstFailure
@@ -81,8 +82,10 @@ class Collector:
         sampling: SamplingParams,
         start_step: int = 0,
         ledger: PromptLedger | None = None,
+        observer: RolloutObserver | None = None,
     ) -> None:
         self.cfg = cfg
+        self.observer: RolloutObserver = observer if observer is not None else NoObserver()  # rollout/events.py
         self.source = source
         self.generator = generator
         self.scorer = scorer
@@ -213,12 +216,14 @@ class Collector:
     async def _run_rollout(self, group: InFlightGroup, member: int, slot: Slot) -> None:
         request = rollout_request(self.cfg.run.seed, group.prompt, member, self.sampling)
         result: Completion | Exception
+        self.observer.rollout_started(group.key, group.prompt.id, member, self._now())
         try:
             with slot:
                 result = await self._generate_with_retries(request, group, member, slot)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
+                self.observer.rollout_ended(group.key, member, "cancelled", group.dispatch_versions[member], 0, self._now())
                 raise  # we were cancelled (stale, shutdown): not a failure
             # The backend raised CancelledError on its own (some clients do): a failed rollout.
             result = GenerationError(f"the backend cancelled request {request.request_id} by itself", backend=self.generator.name)
@@ -235,6 +240,9 @@ class Collector:
                 self._fail_run(backend_fatal(result, self.generator.name, group.dispatch_versions[member], self.next_step))
             else:
                 self._tolerated("failed", result)
+        tokens = len(result.token_ids) if isinstance(result, Completion) else 0
+        outcome = "finished" if isinstance(result, Completion) else "failed"
+        self.observer.rollout_ended(group.key, member, outcome, group.dispatch_versions[member], tokens, self._now())
         self._last_progress = self._now()  # a rollout finished (a cancelled one never gets here)
 
     async def _generate_with_retries(self, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot) -> Completion:
@@ -294,10 +302,12 @@ class Collector:
         cancelled because no remaining step can train it (its rollouts aborted, its prompt requeued or dropped)."""
         del self._in_flight[group.key]
         if isinstance(ending, Group):
+            self.observer.take_ended(group.key, group.prompt.id, "buffered", ending.seq, self._now())
             self.accounting.buffer()
             self.buffer.put(ending)
             self._judge_ending(group, "success", None)
         elif isinstance(ending, Drop):
+            self.observer.take_ended(group.key, group.prompt.id, ending.reason, None, self._now())
             self.accounting.drop_in_flight(ending.reason)
             self._count_drop(ending.reason, group.prompt)
             self._judge_ending(group, ending.reason, ending.error)  # type: ignore[arg-type]
@@ -307,10 +317,12 @@ class Collector:
             self._count_stale(sum(c is not None for c in group.completions), group.finished_tokens())
             prompt = group.prompt
             if self.cfg.rollout.on_stale == "requeue" and prompt.requeues < self.cfg.rollout.max_requeues:
+                self.observer.take_ended(group.key, prompt.id, "requeued", None, self._now())
                 self.accounting.requeue_in_flight()
                 self.counters["rollout/requeued_total"] += 1
                 self.source.requeue(prompt)
             else:
+                self.observer.take_ended(group.key, prompt.id, "stale", None, self._now())
                 self.accounting.drop_in_flight("stale")
                 self._count_drop("stale", prompt)
         self._signal.notify()
@@ -350,6 +362,7 @@ class Collector:
 
     def _drop_stale_buffered(self, step: int) -> None:
         for group in self.buffer.remove_stale(step):
+            self.observer.buffered_ended([group.seq], "stale", step, self._now())
             self.accounting.drop_buffered("stale")
             self._count_drop("stale", group.prompt)
             self._count_stale(len(group.rollouts), sum(len(r.completion.token_ids) for r in group.rollouts))
@@ -403,6 +416,7 @@ class Collector:
     def step_trained(self) -> None:
         """The step that took `in_training` has completed and its weights are published."""
         self.accounting.train_buffered(len(self.in_training))
+        self.observer.buffered_ended([g.seq for g in self.in_training], "trained", self.next_step - 1, self._now())
         for group in self.in_training:
             self.ledger.trained(group.prompt, self.next_step - 1)
         self.in_training = []

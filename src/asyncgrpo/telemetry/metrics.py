@@ -14,6 +14,7 @@ import json
 import math
 import os
 import statistics
+from collections import deque
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -71,6 +72,20 @@ def step_metrics(
     return values
 
 
+class MovingRate:
+    """A rate over the last `window` observations of a running total (tokens generated), so the
+    `throughput/gen_tokens_per_s` of a step does not swing with when in the step rollouts happened to finish."""
+
+    def __init__(self, t: float, total: float, window: int = 10) -> None:
+        self.points: deque[tuple[float, float]] = deque([(t, total)], maxlen=window + 1)
+
+    def add(self, t: float, total: float) -> float:
+        """Record the total at time `t`; the rate since the oldest point kept (0 when no time passed)."""
+        self.points.append((t, total))
+        (t0, total0) = self.points[0]
+        return (total - total0) / (t - t0) if t > t0 else 0.0
+
+
 class JsonlFile:
     """An append-only JSON-lines file, flushed per line. `truncate_to` cuts it back to a checkpoint's
     offset first, so a resumed run continues the file exactly where its checkpoint was taken."""
@@ -104,12 +119,15 @@ class MetricsWriter:
         self.file = file
         self.keys = keys
 
-    def write(self, values: dict[str, Any]) -> None:
+    def write(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Append the line of `values` and return it as written (non-finite numbers as null)."""
         missing = [k for k in self.keys if k not in values]
         extra = [k for k in values if k not in self.keys]
         if missing or extra:
             raise AssertionError(f"metrics line for step {values.get('step')}: missing {missing}, unexpected {extra}")
-        self.file.append({k: _finite_or_none(values[k]) for k in self.keys})
+        line = {k: _finite_or_none(values[k]) for k in self.keys}
+        self.file.append(line)
+        return line
 
 
 def write_samples(file: JsonlFile, record: StepRecord, per_step: int) -> None:

@@ -1,0 +1,156 @@
+"""Where step metrics go: `metrics.jsonl` always, plus the trackers named in `logging.sinks`.
+
+    logging:
+      sinks: [jsonl, tensorboard, wandb, mlflow, trackio]   # any combination; jsonl is always written
+
+- tensorboard: event files in `<run dir>/tensorboard` (torch's SummaryWriter; needs `tensorboard`).
+- wandb: a Weights & Biases run in `<run dir>/wandb`, project `logging.project`; `WANDB_MODE=offline`
+  works with no network (`wandb sync` uploads it later).
+- mlflow: a run in experiment `logging.project` at `MLFLOW_TRACKING_URI`, default the local file
+  store `<run dir>/mlruns` (`mlflow ui --backend-store-uri <run dir>/mlruns`).
+- trackio: a run in project `logging.project` in trackio's local store (`trackio show`).
+
+Invariants:
+- A tracker whose package is missing is a config error (`sink_problems`, called by preflight,
+  before any model loads), naming the package and its pip command; never a silent no-op.
+- Every step, every tracker gets every metric key of the metrics line that has a value (the
+  key set is fixed: telemetry/metrics.py); a null (an eval metric before its first evaluation)
+  is left out, since trackers hold numbers. The x axis is `step` (0-based, as in metrics.jsonl).
+- A tracker's error propagates like a failed write of metrics.jsonl: the run's diagnostic.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+from asyncgrpo.config import Config
+
+# sink -> (module to import, pip package)
+TRACKERS: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow-skinny"),
+    "trackio": ("trackio", "trackio"),
+}
+
+
+def sink_problems(sinks: Iterable[str]) -> list[str]:
+    """One paragraph per tracker in `sinks` whose package this Python cannot import."""
+    problems = []
+    for sink in sinks:
+        if sink not in TRACKERS:
+            continue
+        module, package = TRACKERS[sink]
+        if importlib.util.find_spec(module) is None:
+            problems.append(
+                f"logging.sinks names {sink}, but the {package} package is not installed in this Python "
+                f"({sys.executable}). Fix: `pip install {package}` (or `pip install 'asyncgrpo[sinks]'` for every "
+                f"tracker), or remove {sink} from logging.sinks; metrics.jsonl is written either way."
+            )
+    return problems
+
+
+class Tracker(Protocol):
+    def log(self, values: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoardTracker:
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        import wandb
+
+        self.run = wandb.init(project=cfg.logging.project, name=cfg.run.name, dir=str(run_dir), config=cfg.model_dump(mode="json"))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowTracker:
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):
+            # MLflow 3 keeps the file store for existing users behind this switch; it is the one store
+            # that needs no server and no database, which is what a training run's own directory wants.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name(cfg.logging.project)
+        experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(cfg.logging.project)
+        self.run_id = self.client.create_run(experiment_id, run_name=cfg.run.name).info.run_id
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step) for key, value in values.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class TrackioTracker:
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        import trackio
+
+        self.trackio = trackio
+        trackio.init(project=cfg.logging.project, name=cfg.run.name, config=cfg.model_dump(mode="json"))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.trackio.log(values, step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
+TRACKER_CLASSES: dict[str, type] = {
+    "tensorboard": TensorBoardTracker,
+    "wandb": WandbTracker,
+    "mlflow": MlflowTracker,
+    "trackio": TrackioTracker,
+}
+
+
+class Trackers:
+    """The trackers of `logging.sinks` (besides metrics.jsonl, which MetricsWriter writes)."""
+
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        self.trackers: list[Tracker] = [TRACKER_CLASSES[name](cfg, run_dir) for name in dict.fromkeys(cfg.logging.sinks) if name in TRACKER_CLASSES]
+
+    def log(self, line: dict[str, Any]) -> None:
+        """One metrics line: every key with a numeric value."""
+        if not self.trackers:
+            return
+        values = {k: float(v) for k, v in line.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        for tracker in self.trackers:
+            tracker.log(values, line["step"])
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []

@@ -1,0 +1,134 @@
+"""The run's timeline, `timeline.jsonl`: every rollout's span, every take's ending, every step's spans.
+
+One JSON object per line, with an `"e"` field saying which event it is; times are seconds since
+the first event of this process (the event loop's clock: virtual seconds in a simulation):
+
+    {"e": "start", "server": NAME, "max_inflight": N, "group_size": G, "max_rollout_spans": M}
+    {"e": "rollout", "take": K, "prompt": P, "member": I, "start": T, "end": T, "outcome": "finished"|"failed"|"cancelled",
+     "version": V, "tokens": N, "server": NAME}
+    {"e": "take", "take": K, "prompt": P, "end": T, "ending": "buffered"|"requeued"|<drop reason>}
+    {"e": "buffered", "take": K, "end": T, "outcome": "trained"|"stale", "step": S}
+    {"e": "step", "step": S, "wait": [T, T], "train": [T, T], "sync": [T, T], "unrecorded": {...}}
+    {"e": "eval", "step": S, "span": [T, T]}
+
+Invariants:
+- Every take that ended has exactly one "take" line, and every buffered take that left the
+  buffer one "buffered" line, so the file agrees with rollout/accounting.py (tests check it).
+- Bounded: the first `logging.timeline_max_rollouts` rollout spans are written in full; after
+  that rollout spans are summarised, and each step line counts the spans left out since the
+  previous one (`unrecorded`: rollouts by outcome and their tokens). Takes, steps and evals
+  are always written (one line per take, step or evaluation).
+- No I/O per event: lines are kept in memory and appended at each step and at `close()`, so
+  the collector's hooks (rollout/events.py) cost a dict and a list append.
+- A resume starts the file afresh: it describes the run since its latest start.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO, Any
+
+from asyncgrpo.rollout.events import BufferedOutcome, RolloutOutcome
+from asyncgrpo.types import StepRecord
+
+
+class Timeline:
+    """Records the timeline of one process's part of a run (see the module docstring); a RolloutObserver."""
+
+    def __init__(self, path: Path | None, *, server: str, max_inflight: int, group_size: int, max_rollout_spans: int) -> None:
+        self.path = path
+        self.server = server
+        self.max_rollout_spans = max_rollout_spans
+        self.rollout_spans = 0
+        self.lines: list[dict[str, Any]] = []  # not yet written (all of them when `path` is None)
+        self._file: IO[str] | None = path.open("w", encoding="utf-8") if path is not None else None
+        self._t0: float | None = None
+        self._started: dict[tuple[int, int], float] = {}
+        self._take_of_seq: dict[int, int] = {}
+        self._unrecorded: dict[str, int] = {}
+        self._emit({"e": "start", "server": server, "max_inflight": max_inflight, "group_size": group_size, "max_rollout_spans": max_rollout_spans})
+
+    def _t(self, t: float) -> float:
+        if self._t0 is None:
+            self._t0 = t
+        return round(t - self._t0, 6)
+
+    def _emit(self, line: dict[str, Any]) -> None:
+        self.lines.append(line)
+
+    # -- rollout/events.py's hooks ------------------------------------------------------
+
+    def rollout_started(self, take: int, prompt_id: int, member: int, t: float) -> None:
+        self._started[(take, member)] = self._t(t)
+
+    def rollout_ended(self, take: int, member: int, outcome: RolloutOutcome, version: int | None, tokens: int, t: float) -> None:
+        start = self._started.pop((take, member), None)
+        if start is None:
+            return
+        if self.rollout_spans >= self.max_rollout_spans:
+            self._unrecorded[outcome] = self._unrecorded.get(outcome, 0) + 1
+            self._unrecorded["tokens"] = self._unrecorded.get("tokens", 0) + tokens
+            return
+        self.rollout_spans += 1
+        self._emit({"e": "rollout", "take": take, "member": member, "start": start, "end": self._t(t), "outcome": outcome,
+                    "version": version, "tokens": tokens, "server": self.server})
+
+    def take_ended(self, take: int, prompt_id: int, ending: str, seq: int | None, t: float) -> None:
+        if seq is not None:
+            self._take_of_seq[seq] = take
+        self._emit({"e": "take", "take": take, "prompt": prompt_id, "end": self._t(t), "ending": ending})
+
+    def buffered_ended(self, seqs: list[int], outcome: BufferedOutcome, step: int, t: float) -> None:
+        for seq in seqs:
+            self._emit({"e": "buffered", "take": self._take_of_seq.pop(seq, None), "end": self._t(t), "outcome": outcome, "step": step})
+
+    # -- the run's side -----------------------------------------------------------------
+
+    def step(self, record: StepRecord, now: float) -> None:
+        """Step `record.step` ended (its weights published) at loop time `now`: its wait, train and sync spans."""
+        sync_start = now - record.weight_sync_s
+        train_start = sync_start - record.step_s
+        wait_start = train_start - record.wait_s
+        line: dict[str, Any] = {
+            "e": "step",
+            "step": record.step,
+            "wait": [self._t(wait_start), self._t(train_start)],
+            "train": [self._t(train_start), self._t(sync_start)],
+            "sync": [self._t(sync_start), self._t(now)],
+        }
+        if self._unrecorded:
+            line["unrecorded"], self._unrecorded = self._unrecorded, {}
+        self._emit(line)
+        self.flush()
+
+    def evaluation(self, step: int, start: float, end: float) -> None:
+        self._emit({"e": "eval", "step": step, "span": [self._t(start), self._t(end)]})
+
+    def flush(self) -> None:
+        """Append the lines kept since the last flush (in memory only when the timeline has no file)."""
+        if self._file is None:
+            return
+        self._file.write("".join(json.dumps(line) + "\n" for line in self.lines))
+        self._file.flush()
+        self.lines.clear()
+
+    def close(self) -> None:
+        if self._unrecorded:
+            self._emit({"e": "end", "unrecorded": self._unrecorded})
+            self._unrecorded = {}
+        if self._file is not None:
+            self.flush()
+            self._file.close()
+            self._file = None
+
+
+def read_timeline(path: Path) -> list[dict[str, Any]]:
+    """The lines of a timeline file (a partial last line, from a killed run, is left out)."""
+    lines = []
+    for text in path.read_text(encoding="utf-8").splitlines():
+        try:
+            lines.append(json.loads(text))
+        except json.JSONDecodeError:
+            continue
+    return lines
