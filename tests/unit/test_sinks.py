@@ -1,0 +1,120 @@
+"""Each tracker of logging.sinks writes every metric key of every step where its own reader finds it;
+a tracker whose package is missing is a config error naming the pip command. A test whose tracker
+package is not installed skips and says so (`pip install 'asyncgrpo[sinks]'` installs them all)."""
+
+from __future__ import annotations
+
+import importlib.util
+import struct
+
+import pytest
+
+from asyncgrpo.config import Config, load_config
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.telemetry import sinks
+from asyncgrpo.telemetry.sinks import Trackers, sink_problems
+
+LINES = [
+    {"step": 0, "version": 1, "loss": 0.5, "reward/mean": 0.25, "eval/reward_mean": None, "rollout/failed_total": 0},
+    {"step": 1, "version": 2, "loss": 0.25, "reward/mean": 0.5, "eval/reward_mean": 0.75, "rollout/failed_total": 3},
+]
+# Every key with a value, per step (the x axis is `step` itself).
+EXPECTED = {0: {"version": 1.0, "loss": 0.5, "reward/mean": 0.25, "rollout/failed_total": 0.0},
+            1: {"version": 2.0, "loss": 0.25, "reward/mean": 0.5, "eval/reward_mean": 0.75, "rollout/failed_total": 3.0}}
+
+
+def needs(module: str):
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"{module} is not installed (pip install 'asyncgrpo[sinks]')")
+
+
+def write(tmp_path, sink: str) -> Config:
+    cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["jsonl", sink], "project": "asyncgrpo-test"}})
+    trackers = Trackers(cfg, tmp_path)
+    for line in LINES:
+        trackers.log(line)
+    trackers.close()
+    return cfg
+
+
+@needs("tensorboard")
+def test_tensorboard_event_files_read_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    write(tmp_path, "tensorboard")
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    got: dict[int, dict[str, float]] = {}
+    for tag in events.Tags()["scalars"]:
+        for event in events.Scalars(tag):
+            got.setdefault(event.step, {})[tag] = event.value
+    assert got == EXPECTED
+
+
+@needs("mlflow")
+def test_mlflow_writes_to_a_local_file_store_in_the_run_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    write(tmp_path, "mlflow")
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    [run] = client.search_runs([client.get_experiment_by_name("asyncgrpo-test").experiment_id])
+    assert run.info.run_name == "sinktest" and run.info.status == "FINISHED"
+    got: dict[int, dict[str, float]] = {}
+    for key in run.data.metrics:
+        for metric in client.get_metric_history(run.info.run_id, key):
+            got.setdefault(metric.step, {})[key] = metric.value
+    assert got == EXPECTED
+
+
+@needs("wandb")
+def test_wandb_offline_run_files_hold_every_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network: the run is written for a later `wandb sync`
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    write(tmp_path, "wandb")
+    [run_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    got = {}
+    for history in wandb_history(run_file.read_bytes()):
+        got[int(history.pop("_step"))] = {k: v for k, v in history.items() if not k.startswith("_")}
+    assert got == EXPECTED
+
+
+def wandb_history(data: bytes) -> list[dict[str, float]]:
+    """The history rows of a .wandb file: a LevelDB-style log (32 KiB blocks of CRC, length, type records)
+    of `Record` protobufs, after a 7-byte header."""
+    from wandb.proto import wandb_internal_pb2
+
+    assert data[:4] == b":W&B"
+    rows, pos, pending = [], 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({"/".join(item.nested_key) or item.key: float(item.value_json) for item in record.history.item})
+    return rows
+
+
+def test_a_tracker_whose_package_is_missing_fails_check_with_the_pip_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    [problem] = sink_problems(["jsonl", "tensorboard", "wandb"]) if real("tensorboard") else sink_problems(["wandb"])
+    assert "logging.sinks names wandb" in problem and "pip install wandb" in problem and "remove wandb from logging.sinks" in problem
+    from asyncgrpo.train import preflight
+
+    with pytest.raises(ConfigError, match="pip install wandb"):
+        preflight(load_config(None, ["logging.sinks=[jsonl, wandb]", "run.name=sinks-missing"]))
+
+
+def test_an_unknown_sink_is_a_config_error_naming_the_choices():
+    with pytest.raises(ConfigError, match="logging.sinks"):
+        load_config(None, ["logging.sinks=[jsonl, neptune]"])
