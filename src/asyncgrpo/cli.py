@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--output-dir", type=Path, default=None, metavar="DIR",
                      help="also write metrics.jsonl and timeline.jsonl to DIR (virtual time), for `asyncgrpo plot DIR`")
     recipe_command("check", "Validate a recipe and the files it names, then exit.")
+    plot = sub.add_parser("plot", help="Draw a run's metrics and pipeline timeline as PNGs.",
+                          description="Draw a run's metrics and pipeline timeline as PNGs (needs matplotlib: pip install 'asyncgrpo[plot]').")
+    plot.add_argument("run_dir", type=Path, help="a run directory (runs/<run.name>) or a `simulate --output-dir` directory")
+    plot.add_argument("--out", type=Path, default=None, help="where the PNGs go (default RUN_DIR/plots)")
+    plot.add_argument("--debug", action="store_true", help="show tracebacks")
     serve = sub.add_parser(
         "serve",
         help="Serve a model over an OpenAI-compatible HTTP API (vLLM's subset that generation.backend: http uses).",
@@ -97,6 +102,12 @@ def _run_command(args: argparse.Namespace) -> int:
         from asyncgrpo.generation.serve import serve_cli
 
         return serve_cli(args)
+    if args.command == "plot":
+        from asyncgrpo.plot import plot_run
+
+        for path in plot_run(args.run_dir, args.out):
+            print(path)
+        return 0
     cfg = load_config(args.recipe, args.overrides)
     for warning in tolerance_warnings(cfg):
         log.warning("warning: %s", warning)
