@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     sim.add_argument("--output-dir", type=Path, default=None, metavar="DIR",
                      help="also write metrics.jsonl and timeline.jsonl to DIR (virtual time), for `asyncgrpo plot DIR`")
-    recipe_command("check", "Validate a recipe and the files it names, then exit.")
+    recipe_command("check", "Check a recipe, the files it names and its data (the tokenizer loads, the weights do not); print what the run would do.")
     plot = sub.add_parser("plot", help="Draw a run's metrics and pipeline timeline as PNGs.",
                           description="Draw a run's metrics and pipeline timeline as PNGs (needs matplotlib: pip install 'asyncgrpo[plot]').")
     plot.add_argument("run_dir", type=Path, help="a run directory (runs/<run.name>) or a `simulate --output-dir` directory")
@@ -114,12 +114,9 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.command == "simulate":
         return _simulate(cfg, as_json=args.json, output_dir=args.output_dir)
     if args.command == "check":
-        if cfg.generation.backend == "scripted":  # a simulate recipe
-            from asyncgrpo.simulate import preflight_simulation as preflight
-        else:
-            from asyncgrpo.train import preflight  # type: ignore[assignment]
+        from asyncgrpo.check import check_recipe
 
-        preflight(cfg)
+        print(check_recipe(cfg))
         print(f"{args.recipe}: ok")
         return 0
     from asyncgrpo.train import train_cli

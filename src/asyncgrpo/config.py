@@ -61,7 +61,7 @@ class DataConfig(_Section):
     source: str = Field("builtin:repeat_letter", description="builtin:<task>, a .jsonl or .parquet file, or a saved Hugging Face dataset directory.")
     prompt_key: str = Field("prompt", min_length=1, description="Column holding the prompt (text, or a list of chat messages).")
     num_epochs: int = Field(1, ge=1, description="Passes over the data; each epoch reshuffles.")
-    shuffle: bool = True
+    shuffle: bool = Field(True, description="Shuffle the prompts (seeded by run.seed), again each epoch.")
     max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are dropped at load, with a count.")
     drop_last: bool = Field(False, description="Skip the last, partial batch at end of data instead of training it as a smaller batch.")
     builtin_size: int = Field(2048, ge=1, description="Number of prompts a builtin:<task> source generates.")
@@ -79,12 +79,12 @@ class RewardConfig(_Section):
 class Distribution(_Section):
     """A random quantity of the scripted backend: const (value), uniform (low, high) or lognormal (median, sigma)."""
 
-    dist: Literal["const", "uniform", "lognormal"] = "const"
-    value: float | None = Field(None, ge=0)
-    low: float | None = Field(None, ge=0)
-    high: float | None = Field(None, ge=0)
-    median: float | None = Field(None, gt=0)
-    sigma: float | None = Field(None, ge=0)
+    dist: Literal["const", "uniform", "lognormal"] = Field("const", description="The distribution; it names the fields it needs.")
+    value: float | None = Field(None, ge=0, description="const: the value.")
+    low: float | None = Field(None, ge=0, description="uniform: the lower bound.")
+    high: float | None = Field(None, ge=0, description="uniform: the upper bound.")
+    median: float | None = Field(None, gt=0, description="lognormal: the median.")
+    sigma: float | None = Field(None, ge=0, description="lognormal: the standard deviation of the log.")
     max: float | None = Field(None, gt=0, description="Upper clamp on sampled values.")
 
     @model_validator(mode="after")
@@ -123,12 +123,19 @@ class WeightSyncFaultConfig(_Section):
 class ScriptedConfig(_Section):
     latency_s: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=1.0))
     tokens: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=32))
-    faults: list[FaultConfig] = Field(default_factory=list)
+    faults: list[FaultConfig] = Field(
+        default_factory=list,
+        description="Injected request faults, each {error, rate, from_s, until_s, prompts}: error is one of http_500, http_429, "
+        "http_400, http_404, connection_refused, hang, exception, prompt_too_long; rate is the probability per attempt inside "
+        "[from_s, until_s) of virtual time, or for the listed prompt ids only.",
+    )
     weight_sync_s: Distribution = Field(
         default_factory=lambda: Distribution(dist="const", value=0.0),
         description="Virtual time one weight publication takes; the old version is served until it ends.",
     )
-    weight_sync_faults: list[WeightSyncFaultConfig] = Field(default_factory=list)
+    weight_sync_faults: list[WeightSyncFaultConfig] = Field(
+        default_factory=list, description="Injected weight-publication faults, each {error: fail | hang, rate, from_s, until_s}.",
+    )
 
 
 class LocalEngineConfig(_Section):
@@ -149,18 +156,20 @@ class HttpConfig(_Section):
 
 
 class GenerationConfig(_Section):
-    backend: Literal["local", "scripted", "http"] = "local"
-    max_new_tokens: int = Field(32, ge=1)
+    backend: Literal["local", "scripted", "http"] = Field(
+        "local", description="local: the in-process engine; http: OpenAI-compatible servers (vLLM, asyncgrpo serve); scripted: simulate only.",
+    )
+    max_new_tokens: int = Field(32, ge=1, description="Most tokens generated per completion; a completion cut here is truncated.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; the trainer computes log-probs at the same temperature.")
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: sample from the smallest set of tokens holding this much probability.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a completion (the tokenizer's EOS always does).")
     max_inflight: int = Field(64, ge=1, description="Most completion requests open at once.")
     request_timeout_s: float = Field(60.0, gt=0, description="Deadline of one request attempt.")
     rollout_deadline_s: float = Field(180.0, gt=0, description="Deadline of one rollout, all retries included.")
     retry_backoff_s: float = Field(0.02, gt=0, description="First retry delay; doubles per attempt (with jitter) up to retry_backoff_max_s. Short, so a one-off 500 costs about one service time; an outage still backs off within a few attempts.")
     retry_backoff_max_s: float = Field(10.0, gt=0, description="Cap on one retry delay.")
-    health_probe_interval_s: float = Field(5.0, gt=0)
-    backend_dead_after_s: float = Field(60.0, gt=0)
+    health_probe_interval_s: float = Field(5.0, gt=0, description="http: how often each server's /health is probed.")
+    backend_dead_after_s: float = Field(60.0, gt=0, description="http: no server usable for this long fails the run (backend_dead), naming each server and its last error.")
     weight_sync_every: int = Field(1, ge=1, description="Publish weights to the generators every N optimizer steps (<= rollout.max_staleness + 1).")
     weight_sync_timeout_s: float = Field(300.0, gt=0, description="Deadline for publishing one version of the weights to every generator.")
     local: LocalEngineConfig = Field(default_factory=LocalEngineConfig)
@@ -172,14 +181,14 @@ class RolloutConfig(_Section):
     group_size: int = Field(8, ge=2, description="Completions per prompt; GRPO compares completions within a group, so at least 2.")
     groups_per_step: int = Field(16, ge=1, description="Groups trained per optimizer step.")
     max_staleness: int = Field(1, ge=0, description="K: most steps between the version that generated a group and the step that trains it; 0 = synchronous on-policy.")
-    on_stale: Literal["requeue", "drop"] = "requeue"
-    max_requeues: int = Field(2, ge=0)
+    on_stale: Literal["requeue", "drop"] = Field("requeue", description="A group cancelled as stale: requeue its prompt (generated again later) or drop it (counted as dropped/stale).")
+    max_requeues: int = Field(2, ge=0, description="Times one prompt may be requeued as stale; after that it is dropped as stale.")
     min_group_survivors: int = Field(2, ge=2, description="A group with fewer surviving rollouts is dropped (advantages need 2).")
     max_generation_failures: int = Field(0, ge=0, description="Consecutive all-failed groups tolerated; one more fails the run.")
-    drop_window: int = Field(64, ge=1)
-    max_drop_fraction: float = Field(0.5, gt=0, le=1)
-    max_filtered_fraction: float = Field(0.9, gt=0, le=1)
-    filter_zero_variance: bool = False
+    drop_window: int = Field(64, ge=1, description="Groups in the sliding window of the drop-fraction rules (they apply once this many groups finished).")
+    max_drop_fraction: float = Field(0.5, gt=0, le=1, description="More than this fraction of the window dropped (failed, too few survivors, invalid prompt, reward error) fails the run; 1.0 turns the rule off.")
+    max_filtered_fraction: float = Field(0.9, gt=0, le=1, description="More than this fraction of the window filtered (zero reward variance) fails the run; 1.0 turns the rule off.")
+    filter_zero_variance: bool = Field(False, description="Drop groups whose rewards are all equal (their advantages are all 0: nothing to learn), counted as filtered.")
     mask_truncated: bool = Field(False, description="Mask completions cut at max_new_tokens out of the loss.")
     stall_timeout_s: float | None = Field(None, gt=0, description="No rollout finished and no step trained for this long raises StallError (default: rollout deadline + reward time limit of every function + probe interval + 60 s).")
 
@@ -210,7 +219,7 @@ class TrainConfig(_Section):
 class EvalConfig(_Section):
     every_steps: int = Field(0, ge=0, description="Evaluate every N steps (0 = never).")
     source: str | None = Field(None, description="Held-out prompts (same forms as data.source); default: the builtin task's eval split, or the last eval.num_prompts rows of the data.")
-    num_prompts: int = Field(64, ge=1)
+    num_prompts: int = Field(64, ge=1, description="Prompts per evaluation.")
     samples_per_prompt: int = Field(1, ge=1, description="k of pass@k.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")
     success_threshold: float = Field(1.0, description="A sample passes when its reward reaches this.")
@@ -218,7 +227,7 @@ class EvalConfig(_Section):
 
 class CheckpointConfig(_Section):
     every_steps: int = Field(50, ge=0, description="Save every N steps (0 = only the final checkpoint).")
-    keep_last: int = Field(2, ge=1)
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted once a newer one is complete.")
     resume: str = Field("auto", min_length=1, description="auto: continue from the newest complete checkpoint of the run directory; never: refuse a used run directory; or the path of a checkpoint.")
 
 
@@ -257,7 +266,7 @@ class Config(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    runtime: Literal["local"] = "local"
+    runtime: Literal["local"] = Field("local", description="Where the run executes; only local (this process and its threads) exists.")
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:

@@ -59,7 +59,7 @@ from asyncgrpo.signals import EXIT_CODES as SIGNAL_EXIT_CODES
 from asyncgrpo.signals import StopSignals
 from asyncgrpo.telemetry.keys import EVAL_KEYS
 from asyncgrpo.telemetry.metrics import MetricsWriter, MovingRate, metric_keys, step_metrics, write_samples
-from asyncgrpo.telemetry.progress import Progress
+from asyncgrpo.telemetry.progress import Progress, RunTotals
 from asyncgrpo.telemetry.sinks import Trackers, sink_problems
 from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.threads import run_in_daemon_thread
@@ -100,6 +100,8 @@ class RunSummary:
     final_checkpoint: Path | None = None
     interrupted_by: int | None = None
     warnings: list[str] = field(default_factory=list)
+    totals: RunTotals = field(default_factory=RunTotals)
+    wall_s: float = 0.0
 
     @property
     def exit_code(self) -> int:
@@ -119,6 +121,14 @@ class RunSummary:
         else:
             head = f"{r.outcome} after {r.steps} steps"
         lines = [f"asyncgrpo: {head}. Run directory: {self.run_dir}"]
+        if r.diagnostic is not None:  # what went wrong first; the numbers after it
+            lines.append(f"  error ({r.diagnostic.kind}): {r.diagnostic.render()}")
+            if r.diagnostic.traceback:
+                lines.append("  first error's traceback is in " + str(self.run_dir / "error.txt"))
+        t = self.totals
+        lines.append(f"  trained: {t.steps} steps, {t.samples} samples, {t.tokens} completion tokens in {_duration(self.wall_s)}")
+        if t.eval_first is not None and t.eval_last is not None:
+            lines.append(f"  eval reward: {t.eval_first:.3f} -> {t.eval_last:.3f}")
         if self.first_rewards and self.last_rewards:
             lines.append(
                 f"  reward: first 10% of steps {statistics.fmean(self.first_rewards):.3f} -> "
@@ -128,16 +138,27 @@ class RunSummary:
             f"  prompts: taken {acc['taken']}, trained {acc['trained']}, requeued {acc['requeued']}, dropped: {dropped}, "
             f"in flight at exit {acc['in_flight']}, buffered at exit {acc['buffered']}"
         )
-        lines.append(f"  max staleness trained: {r.staleness_max}")
+        staleness = f"mean {t.staleness_mean:.2f}, " if t.staleness_mean is not None else ""
+        wait = f"; the trainer waited for batches {t.wait_share:.0%} of its time" if t.wait_share is not None else ""
+        lines.append(f"  staleness trained: {staleness}max {r.staleness_max}{wait}")
+        counters = {k.removeprefix("rollout/"): v for k, v in t.last.items() if k.startswith("rollout/") and k.endswith("_total") and v and "generated" not in k}
+        if counters:
+            lines.append("  counters: " + ", ".join(f"{k} {v}" for k, v in counters.items()))
         if self.final_checkpoint is not None:
             lines.append(f"  checkpoint: {self.final_checkpoint} (loads with transformers' from_pretrained)")
-            if self.interrupted_by is not None or r.outcome != "completed":
-                lines.append("  to continue: run the same command again (checkpoint.resume=auto continues from the newest checkpoint)")
+        if t.steps:
+            lines.append(f"  plots: asyncgrpo plot {self.run_dir} (PNGs in {self.run_dir / 'plots'}); metrics in {self.run_dir / METRICS_FILE}")
         if r.diagnostic is not None:
-            lines.append(f"  error ({r.diagnostic.kind}): {r.diagnostic.render()}")
-            if r.diagnostic.traceback:
-                lines.append("  first error's traceback is in " + str(self.run_dir / "error.txt"))
+            lines.append(f"  what to try: the '{r.diagnostic.kind}' section of docs/troubleshooting.md")
+        if self.final_checkpoint is not None and (self.interrupted_by is not None or r.outcome != "completed"):
+            lines.append("  to continue: run the same command again (checkpoint.resume=auto continues from the newest checkpoint)")
         return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"
 
 
 def train_cli(cfg: Config) -> int:
@@ -272,7 +293,9 @@ class TrainingRun:
             # The engine and the trainer run at the same time: give each a share of the cores, since
             # oversubscribed OpenMP threads spin and slow both down many times over.
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+        log.info("loading the model %s ...", cfg.model.path)
         model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, cfg.run.seed)
+        log.info("reading the data %s ...", cfg.data.source)
         train_rows, eval_rows = _split_rows(cfg)
         tokens = {"tokenizer": tokenizer, "max_prompt_tokens": cfg.data.max_prompt_tokens}
         prompts, report = build_prompts(train_rows, prompt_key=cfg.data.prompt_key, **tokens)
@@ -313,15 +336,21 @@ class TrainingRun:
 
     async def _stages(self) -> PipelineResult:
         cfg, stop = self.cfg, self.stop
+        if cfg.generation.backend == "http":
+            self.progress.stage(f"waiting for the generation servers ({', '.join(cfg.generation.http.base_urls)})")
+        else:
+            self.progress.stage("starting the generation engine")
         await self.engine.start()
         if cfg.generation.backend == "http":
             # Cold sync: the servers serve exactly the trainer's weights (a fresh run's, or the checkpoint's).
             async with asyncio.timeout(cfg.generation.weight_sync_timeout_s):
                 await self.engine.load_weights(self.trainer.generation_weights(), self.trainer.version)
         if self.eval_prompts:
+            self.progress.stage(f"baseline evaluation on {len(self.eval_prompts)} prompts")
             failure = await self._evaluate(self.plan.step)  # the baseline, so eval/* is never empty
             if failure is not None:
                 return PipelineResult("failed", "error", self.plan.step, failure.diagnostic, failure)
+        self.progress.stage("generating the first batch")
         stop.pipeline = asyncio.create_task(
             run_pipeline(cfg, collector=self.collector, trainer=self, generator=self.engine, start_step=self.plan.step, on_step=self._on_step)
         )
@@ -335,6 +364,7 @@ class TrainingRun:
         self.timeline.step(record, asyncio.get_running_loop().time())
         eval_failure = None
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
+            self.progress.stage(f"evaluating after step {step}")
             eval_failure = await self._evaluate(step)
         now = time.perf_counter()
         values = step_metrics(
@@ -351,7 +381,7 @@ class TrainingRun:
         except OSError as exc:
             raise PipelineError(disk_diagnostic(exc, self.run_dir, self.run_dir / METRICS_FILE, step)) from exc
         self.rewards_by_step.append(values["reward/mean"])
-        self.progress.update(values)
+        self.progress.update(values, record, self.collector.in_flight_groups)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.max_steps:
             await self._checkpoint(step)
         if eval_failure is not None:
@@ -432,6 +462,8 @@ class TrainingRun:
             final_checkpoint=self.final_checkpoint,
             interrupted_by=self.stop.received[0] if self.stop.received else None,
             warnings=self.warnings,
+            totals=self.progress.totals,
+            wall_s=time.perf_counter() - self.started,
         )
 
 

@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training",),
     ("pipeline", "assemble", "evaluation"),
     ("telemetry",),
-    ("train", "run_files", "simulate", "plot", "cli"),
+    ("train", "run_files", "simulate", "plot", "check", "cli"),
 )
 
 

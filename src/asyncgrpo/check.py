@@ -1,0 +1,88 @@
+"""`asyncgrpo check RECIPE`: everything `train` (or `simulate`) would check and read before its first step,
+without loading model weights, and what it found.
+
+It runs the command's preflight (names, paths, reward functions, trackers, run directory), then
+reads the data as the run would: the prompt column of every row (a wrong `data.prompt_key` fails
+here, naming the columns there are), chat or plain text, how many prompts are kept and how many
+dropped as too long (with the tokenizer, which loads; the weights do not), and the eval rows.
+It prints the resolved settings and what the run would resume from. Any problem is the same
+one-paragraph config error the run would give, before any model loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.config import Config
+from asyncgrpo.data.loading import build_prompts, read_rows
+from asyncgrpo.training.resume import ResumePlan
+
+
+def check_recipe(cfg: Config) -> str:
+    """Check the recipe and its data as the run would (see the module docstring); the report, as lines."""
+    if cfg.generation.backend == "scripted":  # a simulate recipe
+        from asyncgrpo.simulate import preflight_simulation
+
+        preflight_simulation(cfg)
+        rows, eval_rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed), []
+        plan, tokenizer = None, None
+    else:
+        from asyncgrpo.train import _split_rows, preflight
+
+        plan = preflight(cfg)
+        rows, eval_rows = _split_rows(cfg)
+        tokenizer = _tokenizer(cfg.model.path)
+    tokens = {"tokenizer": tokenizer, "max_prompt_tokens": cfg.data.max_prompt_tokens}
+    prompts, report = build_prompts(rows, prompt_key=cfg.data.prompt_key, **tokens)
+    eval_key = "eval.source" if cfg.eval.source else "data.prompt_key"
+    eval_prompts = build_prompts(eval_rows, prompt_key=cfg.data.prompt_key, key=eval_key, **tokens)[0] if eval_rows else []
+    kind = "chat messages (rendered with the tokenizer's chat template)" if report.chat else "plain text"
+    lines = [
+        f"data: {cfg.data.source}, column {cfg.data.prompt_key!r} holds {kind}: {report.summary()}",
+        f"eval: {_eval_line(cfg, len(eval_prompts))}",
+        *(f"warning: {w}" for w in report.warnings()),
+        *_settings(cfg),
+        f"run directory: {cfg.run.directory}; {_resume_line(plan)}",
+    ]
+    return "\n".join(lines)
+
+
+def _tokenizer(path: str) -> Any:
+    """The tokenizer of `model.path`, without the model's weights."""
+    if path.startswith("builtin:"):
+        from asyncgrpo.models.tiny import build_tiny_tokenizer
+
+        return build_tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(path).expanduser(), local_files_only=True)
+
+
+def _eval_line(cfg: Config, n: int) -> str:
+    if not cfg.eval.every_steps:
+        return "off (eval.every_steps = 0)"
+    source = cfg.eval.source or (cfg.data.source if cfg.data.source.startswith("builtin:") else "the last rows of data.source")
+    return f"{n} prompts from {source}, every {cfg.eval.every_steps} steps and before the first, {cfg.eval.samples_per_prompt} samples each"
+
+
+def _settings(cfg: Config) -> list[str]:
+    r, g, t = cfg.rollout, cfg.generation, cfg.train
+    return [
+        f"model: {cfg.model.path} ({cfg.model.dtype}); reward: {', '.join(cfg.reward.functions)} (on error: {cfg.reward.on_error})",
+        f"generation: {g.backend}, {g.max_new_tokens} new tokens, temperature {g.temperature:g}, at most {g.max_inflight} requests at once",
+        f"rollout: {r.groups_per_step} groups of {r.group_size} per step, max_staleness {r.max_staleness}, stale groups {r.on_stale}",
+        f"train: {t.backend}, {t.max_steps} steps, lr {t.lr:g}, loss {t.loss.objective}, kl_coef {t.loss.kl_coef:g}",
+        f"checkpoints: every {cfg.checkpoint.every_steps or 'final only'} steps, keep {cfg.checkpoint.keep_last}; "
+        f"metrics to {', '.join(dict.fromkeys(['jsonl', *cfg.logging.sinks]))}",
+    ]
+
+
+def _resume_line(plan: ResumePlan | None) -> str:
+    if plan is None:
+        return "a simulation writes nothing there (simulate --output-dir DIR writes metrics and a timeline to DIR)"
+    notes = "".join(f" ({note})" for note in plan.notes)
+    if plan.checkpoint is None:
+        return "a fresh start" + notes
+    changed = "".join(f"; changed since: {c}" for c in plan.changed)
+    return f"would resume from {plan.checkpoint} (step {plan.step}){changed}{notes}"

@@ -1,0 +1,44 @@
+"""`asyncgrpo check` reads the data as `train` would, without loading weights: a wrong prompt column fails
+it (naming the columns there are), and the report counts prompts, drops, eval rows and says what it resumes."""
+
+from __future__ import annotations
+
+import json
+
+from asyncgrpo.cli import main
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_a_wrong_prompt_key_fails_check_and_names_the_columns(tmp_path, capsys):
+    data = write_rows(tmp_path / "d.jsonl", [{"question": "abc", "answer": "a"}] * 3)
+    code = main(["check", "recipes/demo.yaml", f"data.source={data}", "data.prompt_key=prompt", f"run.output_dir={tmp_path / 'run'}",
+                 "eval.every_steps=0"])
+    err = capsys.readouterr().err
+    assert code == 3 and "data.prompt_key = 'prompt'" in err and "question, answer" in err and "Fix:" in err
+
+
+def test_check_reports_the_data_the_eval_rows_and_a_fresh_start(tmp_path, capsys):
+    long = "a " * 300
+    rows = [{"prompt": "say a"}] * 5 + [{"prompt": long}] * 2 + [{"prompt": "say b"}] * 4
+    data = write_rows(tmp_path / "d.jsonl", rows)
+    code = main(["check", "recipes/demo.yaml", f"data.source={data}", "data.max_prompt_tokens=64", "eval.num_prompts=4",
+                 f"run.output_dir={tmp_path / 'run'}", "logging.sinks=[jsonl]"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "holds plain text: 5 prompts from 7 rows; 2 dropped as longer than data.max_prompt_tokens = 64" in out
+    assert "eval: 4 prompts from the last rows of data.source" in out
+    assert "a fresh start" in out and out.rstrip().endswith("recipes/demo.yaml: ok")
+
+
+def test_check_says_what_the_run_would_resume_from(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["recipes/demo.yaml", f"run.output_dir={run}", "train.max_steps=2", "rollout.groups_per_step=2", "rollout.group_size=2",
+            "eval.every_steps=0", "logging.progress=false"]
+    assert main(["train", *args]) == 0
+    capsys.readouterr()
+    assert main(["check", *args]) == 0
+    assert f"would resume from {run / 'checkpoints' / 'step_000002'} (step 2)" in capsys.readouterr().out
