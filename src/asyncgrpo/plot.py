@@ -109,15 +109,28 @@ def _rewards(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str, A
         k = max(2, len(reward) // 20)
         smooth = [sum(reward[max(0, i - k + 1):i + 1]) / len(reward[max(0, i - k + 1):i + 1]) for i in range(len(reward))]
         ax.plot(steps, smooth, color="#1f5fbf", lw=2, label=f"reward/mean, mean of {k} steps")
-    for key, colour in (("eval/reward_mean", "#d62728"), ("eval/pass_rate", "#2e9e4f")):
-        # An evaluation's value holds until the next one: plot each new value once, where it was measured.
-        xs, ys = _series(metrics, key)
-        changes = [(x, y) for i, (x, y) in enumerate(zip(xs, ys)) if i == 0 or ys[i - 1] != y]
-        if changes:
-            ax.plot([c[0] for c in changes], [c[1] for c in changes], "o-", color=colour, label=key)
+    evaluated = _evaluations(metrics, timeline)
+    for key, style in (("eval/pass_rate", dict(marker="o", ls="-", color="#2e9e4f", ms=7)),
+                       ("eval/reward_mean", dict(marker="s", ls="--", color="#d62728", ms=4))):
+        points = [(step, line[key]) for step, line in evaluated if line.get(key) is not None]
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], label=key, **style)
     ax.set(xlabel="step", ylabel="reward", title="Reward (train) and evaluation")
     ax.legend(loc="best")
     return fig
+
+
+def _evaluations(metrics: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """(steps completed, the metrics line that carries that evaluation) of each evaluation.
+
+    An evaluation after n steps is in the line of step n - 1 (the baseline, n = 0, in the first); an
+    eval value holds until the next evaluation, so without a timeline each change of value stands for one."""
+    by_step = {m["step"]: m for m in metrics}
+    done = [line["step"] for line in timeline if line["e"] == "eval"]
+    if done:
+        return [(n, by_step[max(n - 1, 0)]) for n in done if max(n - 1, 0) in by_step]
+    key = "eval/reward_mean"
+    return [(m["step"] + 1, m) for i, m in enumerate(metrics) if m.get(key) is not None and (i == 0 or metrics[i - 1].get(key) != m[key])]
 
 
 def _loss_kl(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> Any:
