@@ -25,7 +25,8 @@ def check_recipe(cfg: Config) -> str:
         from asyncgrpo.simulate import preflight_simulation
 
         preflight_simulation(cfg)
-        rows, eval_rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed), []
+        rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)
+        eval_rows: list[dict[str, Any]] = []
         plan, tokenizer = None, None
     else:
         from asyncgrpo.train import _split_rows, preflight
@@ -33,10 +34,10 @@ def check_recipe(cfg: Config) -> str:
         plan = preflight(cfg)
         rows, eval_rows = _split_rows(cfg)
         tokenizer = _tokenizer(cfg.model.path)
-    tokens = {"tokenizer": tokenizer, "max_prompt_tokens": cfg.data.max_prompt_tokens}
-    prompts, report = build_prompts(rows, prompt_key=cfg.data.prompt_key, **tokens)
+    limit, key = cfg.data.max_prompt_tokens, cfg.data.prompt_key
+    report = build_prompts(rows, prompt_key=key, tokenizer=tokenizer, max_prompt_tokens=limit)[1]
     eval_key = "eval.source" if cfg.eval.source else "data.prompt_key"
-    eval_prompts = build_prompts(eval_rows, prompt_key=cfg.data.prompt_key, key=eval_key, **tokens)[0] if eval_rows else []
+    eval_prompts = build_prompts(eval_rows, prompt_key=key, tokenizer=tokenizer, max_prompt_tokens=limit, key=eval_key)[0] if eval_rows else []
     kind = "chat messages (rendered with the tokenizer's chat template)" if report.chat else "plain text"
     lines = [
         f"data: {cfg.data.source}, column {cfg.data.prompt_key!r} holds {kind}: {report.summary()}",

@@ -110,8 +110,8 @@ def _rewards(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str, A
         smooth = [sum(reward[max(0, i - k + 1):i + 1]) / len(reward[max(0, i - k + 1):i + 1]) for i in range(len(reward))]
         ax.plot(steps, smooth, color="#1f5fbf", lw=2, label=f"reward/mean, mean of {k} steps")
     evaluated = _evaluations(metrics, timeline)
-    for key, style in (("eval/pass_rate", dict(marker="o", ls="-", color="#2e9e4f", ms=7)),
-                       ("eval/reward_mean", dict(marker="s", ls="--", color="#d62728", ms=4))):
+    for key, style in (("eval/pass_rate", {"marker": "o", "ls": "-", "color": "#2e9e4f", "ms": 7}),
+                       ("eval/reward_mean", {"marker": "s", "ls": "--", "color": "#d62728", "ms": 4})):
         points = [(step, line[key]) for step, line in evaluated if line.get(key) is not None]
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], label=key, **style)
