@@ -102,6 +102,7 @@ class RunSummary:
     warnings: list[str] = field(default_factory=list)
     totals: RunTotals = field(default_factory=RunTotals)
     wall_s: float = 0.0
+    generator_use: float | None = None  # rollouts in progress per generation slot, on average
 
     @property
     def exit_code(self) -> int:
@@ -141,6 +142,8 @@ class RunSummary:
         staleness = f"mean {t.staleness_mean:.2f}, " if t.staleness_mean is not None else ""
         wait = f"; the trainer waited for batches {t.wait_share:.0%} of its time" if t.wait_share is not None else ""
         lines.append(f"  staleness trained: {staleness}max {r.staleness_max}{wait}")
+        if self.generator_use is not None:
+            lines.append(f"  generation: on average {self.generator_use:.0%} of generation.max_inflight rollouts in progress")
         counters = {k.removeprefix("rollout/"): v for k, v in t.last.items() if k.startswith("rollout/") and k.endswith("_total") and v and "generated" not in k}
         if counters:
             lines.append("  counters: " + ", ".join(f"{k} {v}" for k, v in counters.items()))
@@ -278,6 +281,7 @@ class TrainingRun:
         self.started = time.perf_counter()
         self.token_rate = MovingRate(self.started, self.collector.counters["rollout/generated_tokens_total"])
         self.final_checkpoint: Path | None = None
+        self.ended_at = 0.0  # loop time when the pipeline ended
 
     @classmethod
     def prepare(cls, cfg: Config, plan: ResumePlan, run_dir: Path, stop: Stop) -> TrainingRun:
@@ -426,6 +430,7 @@ class TrainingRun:
             raise PipelineError(disk_diagnostic(exc, self.run_dir, self.run_dir / "checkpoints", step)) from exc
 
     async def _close_parts(self) -> None:
+        self.ended_at = asyncio.get_running_loop().time()
         self.progress.close()
         self.timeline.close()
         self.trackers.close()
@@ -464,6 +469,7 @@ class TrainingRun:
             warnings=self.warnings,
             totals=self.progress.totals,
             wall_s=time.perf_counter() - self.started,
+            generator_use=self.timeline.utilisation(self.ended_at),
         )
 
 

@@ -49,6 +49,10 @@ def test_rollout_and_step_spans_are_ordered_and_counted(tmp_path):
     for before, after in zip(steps, steps[1:]):
         assert before["wait"][0] <= before["train"][0] <= before["sync"][0] <= before["sync"][1] <= after["wait"][0] + 1e-6
     assert all(abs((s["train"][1] - s["train"][0]) - sim.cfg.train.step_time_s) < 1e-6 for s in steps)
+    busy = sum(line["end"] - line["start"] for line in rollouts)
+    end = steps[-1]["sync"][1]
+    timeline = sim.collector.observer
+    assert abs(timeline.utilisation(timeline._t0 + end) - busy / (sim.cfg.generation.max_inflight * end)) < 1e-6
 
 
 def test_beyond_the_limit_rollout_spans_are_counted_per_step(tmp_path):

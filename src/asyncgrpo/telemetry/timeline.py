@@ -40,7 +40,9 @@ class Timeline:
         self.path = path
         self.server = server
         self.max_rollout_spans = max_rollout_spans
+        self.max_inflight = max_inflight
         self.rollout_spans = 0
+        self.rollout_seconds = 0.0  # summed over every rollout, written or not: the generator's use
         self.lines: list[dict[str, Any]] = []  # not yet written (all of them when `path` is None)
         self._file: IO[str] | None = path.open("w", encoding="utf-8") if path is not None else None
         self._t0: float | None = None
@@ -66,6 +68,7 @@ class Timeline:
         start = self._started.pop((take, member), None)
         if start is None:
             return
+        self.rollout_seconds += self._t(t) - start
         if self.rollout_spans >= self.max_rollout_spans:
             self._unrecorded[outcome] = self._unrecorded.get(outcome, 0) + 1
             self._unrecorded["tokens"] = self._unrecorded.get("tokens", 0) + tokens
@@ -101,6 +104,12 @@ class Timeline:
             line["unrecorded"], self._unrecorded = self._unrecorded, {}
         self._emit(line)
         self.flush()
+
+    def utilisation(self, now: float) -> float | None:
+        """Rollouts in progress per generation slot, on average since the first event (a rollout waiting
+        to retry counts, though it holds no request slot); None before any time has passed."""
+        elapsed = self._t(now)
+        return self.rollout_seconds / (self.max_inflight * elapsed) if elapsed > 0 and self.max_inflight else None
 
     def evaluation(self, step: int, start: float, end: float) -> None:
         self._emit({"e": "eval", "step": step, "span": [self._t(start), self._t(end)]})
