@@ -118,3 +118,34 @@ def test_a_tracker_whose_package_is_missing_fails_check_with_the_pip_command(mon
 def test_an_unknown_sink_is_a_config_error_naming_the_choices():
     with pytest.raises(ConfigError, match="logging.sinks"):
         load_config(None, ["logging.sinks=[jsonl, neptune]"])
+
+
+TRACKIO_SCRIPT = """
+import json, pathlib, sys
+from asyncgrpo.config import Config
+from asyncgrpo.telemetry.sinks import Trackers
+from tests.unit.test_sinks import LINES
+cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["trackio"], "project": "asyncgrpo-test"}})
+trackers = Trackers(cfg, pathlib.Path(sys.argv[1]))
+for line in LINES:
+    trackers.log(line)
+trackers.close()
+from trackio.sqlite_storage import SQLiteStorage
+print(json.dumps(SQLiteStorage.get_logs("asyncgrpo-test", "sinktest")))
+"""
+
+
+@needs("trackio")
+def test_trackio_writes_to_its_local_store(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    # trackio reads TRACKIO_DIR when it is imported: a process of its own keeps the store in tmp_path.
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
+    proc = subprocess.run([sys.executable, "-c", TRACKIO_SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    logs = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = {row.pop("step"): {k: v for k, v in row.items() if k != "timestamp"} for row in logs}
+    assert got == EXPECTED
