@@ -16,6 +16,7 @@ import difflib
 import logging
 import math
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import yaml
@@ -425,7 +426,7 @@ def validate_config(data: dict[str, Any], source: str = "config") -> Config:
         raise ConfigError(f"{source}: {len(lines)} config {noun}:\n" + "\n".join(f"  - {line}" for line in lines)) from None
 
 
-def describe_error(err: dict[str, Any]) -> str:
+def describe_error(err: Mapping[str, Any]) -> str:
     loc = [str(p) for p in err["loc"]]
     key = ".".join(loc)
     kind = err["type"]

@@ -49,7 +49,7 @@ from asyncgrpo.evaluation import eval_diagnostic, evaluate
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
-from asyncgrpo.rewards.scoring import resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.run_files import describe_last_checkpoint, disk_diagnostic, disk_problem, open_record, write_or_disk_error
 from asyncgrpo.rundir import ERROR_FILE, METRICS_FILE, OUTCOMES_FILE, SAMPLES_FILE, check_run_directory, claim, clear_run, is_foreign
@@ -234,10 +234,12 @@ class TrainingRun:
         self.samples_file = open_record(run_dir / SAMPLES_FILE, offsets, warnings)
         self.ledger = PromptLedger(saved.get("done"), sink=self.outcomes.append)
         self.engine = _generator(cfg, trainer, tokenizer, run_dir)
+        self.scorer = RewardScorer.from_config(cfg.reward)
         self.collector = build_collector(
-            cfg, prompts, self.engine, stop_token_ids=self.stop_ids, ledger=self.ledger, start_step=plan.step, resumed=saved,
+            cfg, prompts, self.engine, stop_token_ids=self.stop_ids, scorer=self.scorer, ledger=self.ledger, start_step=plan.step,
+            resumed=saved,
         )
-        self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.collector.scorer.names))
+        self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.scorer.names))
         self.progress = Progress(cfg, plan.step)
         self.eval_state: dict[str, float | None] = dict.fromkeys(EVAL_KEYS)
         self.rewards_by_step: list[float] = []
@@ -328,7 +330,7 @@ class TrainingRun:
         values = step_metrics(
             record,
             self.collector.metric_values(),
-            reward_names=self.collector.scorer.names,
+            reward_names=self.scorer.names,
             elapsed_s=now - self.started,
             gen_tokens_per_s=(tokens - self.last_tokens) / max(now - self.last_time, 1e-9),
             eval_metrics=self.eval_state,
@@ -352,7 +354,7 @@ class TrainingRun:
         if self.stop.received:
             return None
         try:
-            self.eval_state.update(await evaluate(self.cfg, self.engine, self.collector.scorer, self.eval_prompts, self.stop_ids, step=step))
+            self.eval_state.update(await evaluate(self.cfg, self.engine, self.scorer, self.eval_prompts, self.stop_ids, step=step))
         except FatalBackendError as exc:
             return PipelineError.caused_by(eval_diagnostic(exc, step), exc)
         return None
@@ -382,7 +384,7 @@ class TrainingRun:
 
     async def _close_parts(self) -> None:
         self.progress.close()
-        await self.collector.scorer.aclose()
+        await self.scorer.aclose()
         await self.engine.aclose()
         # A step in progress finishes before the thread is released (the pipeline completes a
         # started step even when cancelled), so the weights match the accounting saved after it.

@@ -331,8 +331,8 @@ def build_prompts(
                 unknown += 1
                 examples.setdefault("unknown", text[:200])
             longest_kept = max(longest_kept, len(ids))
-        columns = {k: v for k, v in row.items() if k != prompt_key}
-        prompts.append(Prompt(id=index, text=text, token_ids=tuple(ids), columns=columns))
+        extra = {k: v for k, v in row.items() if k != prompt_key}
+        prompts.append(Prompt(id=index, text=text, token_ids=tuple(ids), columns=extra))
     report = LoadReport(
         rows_read=len(rows),
         kept=len(prompts),

@@ -70,7 +70,7 @@ def plan_resume(cfg: Config) -> ResumePlan:
         if problem:
             raise ConfigError(f"checkpoint.resume = {mode!r} is not a checkpoint to continue from: {problem}. Fix: give a complete checkpoint directory (runs/<name>/checkpoints/step_NNNNNN) or checkpoint.resume=auto.")
         return _checked(cfg, path, [])
-    notes = []
+    notes: list[str] = []
     parent = run_dir / CHECKPOINTS_DIR
     candidates = sorted((p for p in parent.glob("step_*") if p.is_dir()), reverse=True) if parent.is_dir() else []
     for path in candidates:
