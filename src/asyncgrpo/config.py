@@ -15,8 +15,8 @@ from __future__ import annotations
 import difflib
 import logging
 import math
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml

@@ -68,7 +68,7 @@ def test_exhaustion_returns_none_repeatedly():
 
 def test_requeued_prompts_come_first_in_requeue_order():
     source = PromptSource(make_prompts(6), num_epochs=1, shuffle=False, seed=0)
-    a, b, c = source.take(), source.take(), source.take()
+    a, b, _ = source.take(), source.take(), source.take()
     source.requeue(b)
     again = source.requeue(a)
     assert again.requeues == 1 and again.id == a.id and again.epoch == a.epoch

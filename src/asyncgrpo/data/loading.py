@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from asyncgrpo.tasks import TASKS
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.tasks import TASKS
 from asyncgrpo.types import Prompt
 
 BUILTIN_PREFIX = "builtin:"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import deque
-from typing import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from asyncgrpo.types import Prompt
 

@@ -38,9 +38,10 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from asyncgrpo.atomic import TEMP_PREFIX, atomic_directory
 from asyncgrpo.errors import FatalBackendError
