@@ -180,3 +180,11 @@ def test_exhausted_agrees_with_take_when_later_epochs_are_done():
     assert not source.exhausted and source.remaining == 1
     assert source.take().id == 0
     assert source.exhausted and source.take() is None
+
+
+def test_remaining_counts_prompts_done_in_later_epochs_without_building_their_order():
+    source = PromptSource(make_prompts(4), num_epochs=3, shuffle=True, seed=0, done={2: [0, 1], 7: [3]})
+    assert source.remaining == 4 + 4 + 2  # an epoch beyond num_epochs in the ledger counts for nothing
+    taken = [source.take() for _ in range(10)]
+    assert all(p is not None for p in taken) and source.exhausted and source.take() is None
+    assert sorted(p.id for p in taken if p.epoch == 2) == [2, 3]
