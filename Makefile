@@ -24,6 +24,22 @@ demo: $(STAMP)
 test: $(STAMP) vllm-venv-if-possible
 	$(BIN)/python -m pytest -q $(ARGS)
 
+# The inner loop: unit and simulation tests only (about a minute).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit tests/sim $(ARGS)
+
+LINT_STAMP := $(VENV)/.installed-lint
+
+$(LINT_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[lint]'
+	touch $(LINT_STAMP)
+
+lint: $(LINT_STAMP)
+	$(BIN)/ruff check src tests bench
+
+typecheck: $(LINT_STAMP)
+	$(BIN)/mypy
+
 chaos: $(STAMP)
 	$(BIN)/python -m pytest -q tests/sim/test_chaos.py --chaos-scenarios=20000 -o timeout=0 -o faulthandler_timeout=0 $(ARGS)
 

@@ -146,8 +146,8 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
                   http_overrides: dict | None = None, groups_per_step: int = GROUPS_PER_STEP) -> Measurement:
     import aiohttp
 
-    from asyncgrpo.config import validate_config
     from asyncgrpo.assemble import build_collector
+    from asyncgrpo.config import validate_config
     from asyncgrpo.generation.http import HttpGenerator
     from asyncgrpo.pipeline import run_pipeline
     from asyncgrpo.rewards.scoring import RewardScorer
@@ -231,7 +231,8 @@ def table(rows: list[tuple[Measurement, Measurement]], failure_rate: float) -> s
         lines.append(
             f"| {clean.backoff_s:g} | {clean.samples_per_s:.0f} | {faulty.samples_per_s:.0f} | "
             f"{faulty.samples_per_s / clean.samples_per_s:.2f} | {faulty.retries} | {faulty.server_500s} of "
-            f"{faulty.server_requests} | {faulty.failed_rollouts} | {faulty.stale_groups} | {clean.requests_per_s:.0f} / {faulty.requests_per_s:.0f} |"
+            f"{faulty.server_requests} | {faulty.failed_rollouts} | {faulty.stale_groups} | "
+            f"{clean.requests_per_s:.0f} / {faulty.requests_per_s:.0f} |"
         )
     return "\n".join(lines)
 
@@ -252,7 +253,7 @@ def hang_tables(url: str, args) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, overrides in HANG_CONFIGS:
-        def best(rate: float) -> Measurement:
+        def best(rate: float, overrides: dict = overrides) -> Measurement:
             runs = [asyncio.run(measure(url, failure_rate=0.0, backoff_s=None, steps=args.steps, seed=args.seed + i,
                                         max_staleness=args.max_staleness, hang_rate=rate, group_size=args.group_size,
                                         http_overrides=overrides, groups_per_step=args.groups_per_step))

@@ -19,6 +19,23 @@ from pathlib import Path
 TEMP_PREFIX = ".tmp-"
 
 
+def leftover_temporaries(parent: Path, *, except_pid: int | None = None) -> list[Path]:
+    """Temporary entries under `parent` that an interrupted atomic write of asyncgrpo left behind
+    (named exactly as this module names them), except those of process `except_pid`, which may be
+    writing right now. Nothing else matches, so cleaning these up never touches a user's files."""
+    if not parent.is_dir():
+        return []
+    found = []
+    for entry in parent.iterdir():
+        match = _TEMP_NAME.match(entry.name)
+        if match and int(match.group("pid")) != except_pid:
+            found.append(entry)
+    return found
+
+
+_TEMP_NAME = re.compile(rf"^{re.escape(TEMP_PREFIX)}(old-)?.+-(?P<pid>\d+)-[0-9a-f]{{8}}$")
+
+
 @contextlib.contextmanager
 def atomic_directory(final: Path) -> Iterator[Path]:
     """Yield an empty temporary directory beside `final`; when the block succeeds, its files are

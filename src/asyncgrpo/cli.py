@@ -52,7 +52,9 @@ def _parser() -> argparse.ArgumentParser:
         "uses), with the in-process engine. Stops on SIGINT/SIGTERM.",
     )
     serve.add_argument("model", help="a local Hugging Face model directory, or builtin:tiny")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; /collective_rpc loads any readable path, keep it private)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; /collective_rpc loads any readable path, keep it private)"
+    )
     serve.add_argument("--port", type=_bounded_int(0, 65535), default=8000, help="port to bind (default 8000; 0 picks a free one)")
     serve.add_argument("--max-batch-size", type=_bounded_int(1, 1 << 16), default=64, help="most sequences decoded together (default 64)")
     serve.add_argument("--served-model-name", default=None, help="model name clients must send (default: MODEL as given)")

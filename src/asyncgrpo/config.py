@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -169,7 +170,9 @@ class GenerationConfig(_Section):
     retry_backoff_s: float = Field(0.02, gt=0, description="First retry delay; doubles per attempt (with jitter) up to retry_backoff_max_s. Short, so a one-off 500 costs about one service time; an outage still backs off within a few attempts.")
     retry_backoff_max_s: float = Field(10.0, gt=0, description="Cap on one retry delay.")
     health_probe_interval_s: float = Field(5.0, gt=0, description="http: how often each server's /health is probed.")
-    backend_dead_after_s: float = Field(60.0, gt=0, description="http: no server usable for this long fails the run (backend_dead), naming each server and its last error.")
+    backend_dead_after_s: float = Field(
+        60.0, gt=0, description="http: no server usable for this long fails the run (backend_dead), naming each server and its last error.",
+    )
     weight_sync_every: int = Field(1, ge=1, description="Publish weights to the generators every N optimizer steps (<= rollout.max_staleness + 1).")
     weight_sync_timeout_s: float = Field(300.0, gt=0, description="Deadline for publishing one version of the weights to every generator.")
     local: LocalEngineConfig = Field(default_factory=LocalEngineConfig)
@@ -181,14 +184,24 @@ class RolloutConfig(_Section):
     group_size: int = Field(8, ge=2, description="Completions per prompt; GRPO compares completions within a group, so at least 2.")
     groups_per_step: int = Field(16, ge=1, description="Groups trained per optimizer step.")
     max_staleness: int = Field(1, ge=0, description="K: most steps between the version that generated a group and the step that trains it; 0 = synchronous on-policy.")
-    on_stale: Literal["requeue", "drop"] = Field("requeue", description="A group cancelled as stale: requeue its prompt (generated again later) or drop it (counted as dropped/stale).")
+    on_stale: Literal["requeue", "drop"] = Field(
+        "requeue", description="A group cancelled as stale: requeue its prompt (generated again later) or drop it (counted as dropped/stale).",
+    )
     max_requeues: int = Field(2, ge=0, description="Times one prompt may be requeued as stale; after that it is dropped as stale.")
     min_group_survivors: int = Field(2, ge=2, description="A group with fewer surviving rollouts is dropped (advantages need 2).")
     max_generation_failures: int = Field(0, ge=0, description="Consecutive all-failed groups tolerated; one more fails the run.")
-    drop_window: int = Field(64, ge=1, description="Groups in the sliding window of the drop-fraction rules (they apply once this many groups finished).")
-    max_drop_fraction: float = Field(0.5, gt=0, le=1, description="More than this fraction of the window dropped (failed, too few survivors, invalid prompt, reward error) fails the run; 1.0 turns the rule off.")
-    max_filtered_fraction: float = Field(0.9, gt=0, le=1, description="More than this fraction of the window filtered (zero reward variance) fails the run; 1.0 turns the rule off.")
-    filter_zero_variance: bool = Field(False, description="Drop groups whose rewards are all equal (their advantages are all 0: nothing to learn), counted as filtered.")
+    drop_window: int = Field(64, ge=1, description="Groups in the window of the drop-fraction rules (they apply once this many finished).")
+    max_drop_fraction: float = Field(
+        0.5, gt=0, le=1,
+        description="More than this fraction of the window dropped (failed, too few survivors, invalid prompt, reward error) fails the run; "
+        "1.0 turns the rule off.",
+    )
+    max_filtered_fraction: float = Field(
+        0.9, gt=0, le=1, description="More than this fraction of the window filtered (zero reward variance) fails the run; 1.0 turns the rule off.",
+    )
+    filter_zero_variance: bool = Field(
+        False, description="Drop groups whose rewards are all equal (their advantages are all 0: nothing to learn), counted as filtered.",
+    )
     mask_truncated: bool = Field(False, description="Mask completions cut at max_new_tokens out of the loss.")
     stall_timeout_s: float | None = Field(None, gt=0, description="No rollout finished and no step trained for this long raises StallError (default: rollout deadline + reward time limit of every function + probe interval + 60 s).")
 
@@ -235,16 +248,19 @@ Sink = Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio"]
 
 
 class LoggingConfig(_Section):
-    progress: bool = Field(True, description="A progress bar on stderr; false: a log line every tenth of the run instead (for CI logs and files).")
+    progress: bool = Field(True, description="A progress bar on stderr; false: a log line every tenth of the run instead (CI logs, files).")
     sinks: list[Sink] = Field(
-        default_factory=lambda: ["jsonl"],
+        default_factory=lambda: list[Sink](["jsonl"]),
         description="Where step metrics go, any combination of jsonl, tensorboard, wandb, mlflow, trackio; metrics.jsonl is "
         "always written. Each tracker needs its package (pip install 'asyncgrpo[sinks]'); `check` says which is missing.",
     )
-    project: str = Field("asyncgrpo", min_length=1, description="Project (W&B, trackio) or experiment (MLflow) name the run is logged under, as run.name.")
+    project: str = Field(
+        "asyncgrpo", min_length=1, description="Project (W&B, trackio) or experiment (MLflow) name the run is logged under, as run.name.",
+    )
     timeline_max_rollouts: int = Field(
         50_000, ge=0,
-        description="Rollout spans written in full to timeline.jsonl; later ones are counted per step instead (takes, steps and evaluations are always written).",
+        description="Rollout spans written in full to timeline.jsonl; later ones are counted per step instead (takes, steps and "
+        "evaluations are always written).",
     )
     samples_per_step: int = Field(2, ge=0, description="Completions per step written to samples.jsonl.")
     blocked_loop_warn_s: float = Field(10.0, gt=0, description="Warn (with where its thread is) when the event loop has not turned for this long: user code blocking it stops rollouts, timeouts and stop requests.")
@@ -447,7 +463,7 @@ def validate_config(data: dict[str, Any], source: str = "config") -> Config:
         raise ConfigError(f"{source}: {len(lines)} config {noun}:\n" + "\n".join(f"  - {line}" for line in lines)) from None
 
 
-def describe_error(err: dict[str, Any]) -> str:
+def describe_error(err: Mapping[str, Any]) -> str:
     loc = [str(p) for p in err["loc"]]
     key = ".".join(loc)
     kind = err["type"]

@@ -26,7 +26,9 @@ from asyncgrpo.types import GenerationRequest, Prompt, SamplingParams
 log = logging.getLogger("asyncgrpo")
 
 
-async def evaluate(cfg: Config, engine: Generator, scorer: RewardScorer, prompts: list[Prompt], stop_ids: tuple[int, ...], *, step: int) -> dict[str, float | None]:
+async def evaluate(
+    cfg: Config, engine: Generator, scorer: RewardScorer, prompts: list[Prompt], stop_ids: tuple[int, ...], *, step: int
+) -> dict[str, float | None]:
     """Sample `eval.samples_per_prompt` completions per held-out prompt; report mean reward, pass@k and failures.
 
     Requests go through the same retry policy as rollouts (rollout/retry.py), those of one prompt

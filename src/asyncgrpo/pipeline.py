@@ -216,16 +216,16 @@ def step_budget_warnings(cfg: Config, num_prompts: int) -> list[str]:
 
 def step_diagnostic(step: int, exc: BaseException, *, phase: str = "") -> Diagnostic:
     """The diagnostic of an error in step `step`: in training it (no phase), or after it trained (`phase` says where)."""
-    fatal = isinstance(exc, FatalBackendError)  # e.g. no server took the new weights
     if phase:
-        kind = exc.kind if fatal else "weight_sync" if phase.startswith("publishing") else "step_report"
+        kind = "weight_sync" if phase.startswith("publishing") else "step_report"
         what = f"Step {step} trained, then failed while {phase}: {exc}. Its metrics are written and a checkpoint of its weights is saved"
     else:
-        kind = exc.kind if fatal else "step_error"
+        kind = "step_error"
         what = f"Training step {step} failed: {exc}. The weights are those of the last completed step; a checkpoint of them is saved"
+    fatal = exc if isinstance(exc, FatalBackendError) else None  # e.g. no server took the new weights: its own kind
     return Diagnostic(
-        kind=kind,
-        backend=getattr(exc, "backend", "") if fatal else "",
+        kind=fatal.kind if fatal else kind,
+        backend=fatal.backend if fatal else "",
         message=f"{what}, and the traceback below shows where it failed.",
         trainer_step=step,
         original=exc,

@@ -33,7 +33,7 @@ from types import FrameType
 
 log = logging.getLogger("asyncgrpo")
 
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+EXIT_CODES: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}
 REPEAT_WINDOW_S = 1.0
 
 

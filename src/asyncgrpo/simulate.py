@@ -28,7 +28,7 @@ from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
-from asyncgrpo.rewards.scoring import resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.rundir import METRICS_FILE, TIMELINE_FILE
 from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, metric_keys, step_metrics
@@ -129,13 +129,14 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
         generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
     trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s)
     report = _Report(cfg, output_dir, generator.name) if output_dir is not None else None
-    collector = build_collector(cfg, prompts, generator, isolation="inline", observer=report.timeline if report else None)
+    scorer = RewardScorer.from_config(cfg.reward, isolation="inline")
+    collector = build_collector(cfg, prompts, generator, scorer=scorer, observer=report.timeline if report else None)
     records: list[StepRecord] = []
 
     async def record(step: StepRecord) -> None:
         records.append(step)
         if report is not None:
-            report.step(step, collector)
+            report.step(step, collector, scorer.names)
 
     async def main() -> tuple[PipelineResult, float]:
         result = await run_pipeline(cfg, collector=collector, trainer=trainer, generator=generator, on_step=record)
@@ -168,12 +169,12 @@ class _Report:
         self.file = JsonlFile(output_dir / METRICS_FILE, truncate_to=0)
         self.rate = MovingRate(0.0, 0)
 
-    def step(self, record: StepRecord, collector: Collector) -> None:
+    def step(self, record: StepRecord, collector: Collector, reward_names: list[str]) -> None:
         now = asyncio.get_running_loop().time()
         self.timeline.step(record, now)
-        keys = metric_keys(collector.scorer.names)
+        keys = metric_keys(reward_names)
         values = step_metrics(
-            record, collector.metric_values(), reward_names=collector.scorer.names, elapsed_s=now,
+            record, collector.metric_values(), reward_names=reward_names, elapsed_s=now,
             gen_tokens_per_s=self.rate.add(now, collector.counters["rollout/generated_tokens_total"]), eval_metrics={},
         )
         MetricsWriter(self.file, keys).write({**dict.fromkeys(keys), **values})

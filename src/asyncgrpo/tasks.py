@@ -26,8 +26,9 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/=?:.,!'()\n"
 """Characters every built-in prompt and answer is made of (51 characters)."""

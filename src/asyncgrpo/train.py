@@ -49,11 +49,19 @@ from asyncgrpo.evaluation import eval_diagnostic, evaluate
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
-from asyncgrpo.rewards.scoring import resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.run_files import describe_last_checkpoint, disk_diagnostic, disk_problem, open_record, write_or_disk_error
 from asyncgrpo.rundir import (
-    ERROR_FILE, METRICS_FILE, OUTCOMES_FILE, SAMPLES_FILE, TIMELINE_FILE, check_run_directory, claim, clear_run, is_foreign,
+    ERROR_FILE,
+    METRICS_FILE,
+    OUTCOMES_FILE,
+    SAMPLES_FILE,
+    TIMELINE_FILE,
+    check_run_directory,
+    claim,
+    clear_run,
+    is_foreign,
 )
 from asyncgrpo.signals import EXIT_CODES as SIGNAL_EXIT_CODES
 from asyncgrpo.signals import StopSignals
@@ -144,7 +152,8 @@ class RunSummary:
         lines.append(f"  staleness trained: {staleness}max {r.staleness_max}{wait}")
         if self.generator_use is not None:
             lines.append(f"  generation: on average {self.generator_use:.0%} of generation.max_inflight rollouts in progress")
-        counters = {k.removeprefix("rollout/"): v for k, v in t.last.items() if k.startswith("rollout/") and k.endswith("_total") and v and "generated" not in k}
+        counters = {k.removeprefix("rollout/"): v for k, v in t.last.items()
+                    if k.startswith("rollout/") and k.endswith("_total") and v and "generated" not in k}
         if counters:
             lines.append("  counters: " + ", ".join(f"{k} {v}" for k, v in counters.items()))
         if self.final_checkpoint is not None:
@@ -268,11 +277,12 @@ class TrainingRun:
             run_dir / TIMELINE_FILE, server=self.engine.name, max_inflight=cfg.generation.max_inflight,
             group_size=cfg.rollout.group_size, max_rollout_spans=cfg.logging.timeline_max_rollouts,
         )
+        self.scorer = RewardScorer.from_config(cfg.reward)
         self.collector = build_collector(
-            cfg, prompts, self.engine, stop_token_ids=self.stop_ids, ledger=self.ledger, start_step=plan.step, resumed=saved,
-            observer=self.timeline,
+            cfg, prompts, self.engine, stop_token_ids=self.stop_ids, scorer=self.scorer, ledger=self.ledger, start_step=plan.step,
+            resumed=saved, observer=self.timeline,
         )
-        self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.collector.scorer.names))
+        self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.scorer.names))
         self.trackers = Trackers(cfg, run_dir)
         self.progress = Progress(cfg, plan.step)
         self.eval_state: dict[str, float | None] = dict.fromkeys(EVAL_KEYS)
@@ -374,7 +384,7 @@ class TrainingRun:
         values = step_metrics(
             record,
             self.collector.metric_values(),
-            reward_names=self.collector.scorer.names,
+            reward_names=self.scorer.names,
             elapsed_s=now - self.started,
             gen_tokens_per_s=self.token_rate.add(now, self.collector.counters["rollout/generated_tokens_total"]),
             eval_metrics=self.eval_state,
@@ -399,7 +409,7 @@ class TrainingRun:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            self.eval_state.update(await evaluate(self.cfg, self.engine, self.collector.scorer, self.eval_prompts, self.stop_ids, step=step))
+            self.eval_state.update(await evaluate(self.cfg, self.engine, self.scorer, self.eval_prompts, self.stop_ids, step=step))
         except FatalBackendError as exc:
             return PipelineError.caused_by(eval_diagnostic(exc, step), exc)
         finally:
@@ -434,7 +444,7 @@ class TrainingRun:
         self.progress.close()
         self.timeline.close()
         self.trackers.close()
-        await self.collector.scorer.aclose()
+        await self.scorer.aclose()
         await self.engine.aclose()
         # A step in progress finishes before the thread is released (the pipeline completes a
         # started step even when cancelled), so the weights match the accounting saved after it.

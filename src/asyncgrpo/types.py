@@ -12,8 +12,9 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 DropReason = Literal["stale", "failed", "too_few_survivors", "invalid_prompt", "filtered", "reward_error"]
 DROP_REASONS: tuple[DropReason, ...] = (

@@ -34,7 +34,7 @@ class _JumpingSelector(selectors.DefaultSelector):
         super().__init__()
         self._loop = loop
 
-    def select(self, timeout: float | None = None):  # type: ignore[override]
+    def select(self, timeout: float | None = None):
         events = super().select(0)
         if events or timeout == 0:
             return events

@@ -18,8 +18,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from asyncgrpo.sync import StateSignal
 

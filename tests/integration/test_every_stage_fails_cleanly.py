@@ -51,9 +51,11 @@ STAGES = {
     "model load": (asyncgrpo.models.loading, "load_model_and_tokenizer", 1, RuntimeError("weights unreadable"), 1, "unexpected RuntimeError", 0),
     "baseline eval": (asyncgrpo.train, "evaluate", 1, RuntimeError("eval exploded"), 1, "unexpected RuntimeError", 0),
     "a step": (TorchTrainer, "train_step", 3, FloatingPointError("loss is nan"), 1, "error (step_error): Training step 2 failed", 2),
-    "a checkpoint write": (checkpoint, "save_checkpoint", 1, RuntimeError("serializer bug"), 1, "error (step_report): Step 1 trained, then failed", 2),
+    "a checkpoint write": (checkpoint, "save_checkpoint", 1, RuntimeError("serializer bug"), 1,
+                           "error (step_report): Step 1 trained, then failed", 2),
     "a metrics write": (MetricsWriter, "write", 2, OSError(errno.EIO, "Input/output error"), 1, "error (disk): After step 2, cannot write", 2),
-    "weight publication": (LocalEngine, "load_weights", 3, RuntimeError("engine gone"), 1, "error (weight_sync): Step 2 trained, then failed while publishing", 3),
+    "weight publication": (LocalEngine, "load_weights", 3, RuntimeError("engine gone"), 1,
+                           "error (weight_sync): Step 2 trained, then failed while publishing", 3),
 }
 
 

@@ -102,7 +102,7 @@ class VllmServerError(RuntimeError):
 # availability
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def vllm_available(import_check: bool = False) -> str | None:
     """None when a vLLM server can be started here, else the reason to skip.
 

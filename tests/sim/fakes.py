@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from asyncgrpo.config import validate_config
 from asyncgrpo.types import Completion, GenerationRequest

@@ -101,7 +101,7 @@ def test_latest_ignores_temp_and_incomplete_dirs(tmp_path):
     save_checkpoint(tmp_path, 1, trainer, "", {})
     ckpts = tmp_path / "checkpoints"
     # A save killed mid-way leaves a temp dir (even one holding state.json) ...
-    leftover = ckpts / ".tmp-step_000009-123-abcd"
+    leftover = ckpts / ".tmp-step_000009-123-abcd1234"
     leftover.mkdir()
     (leftover / "state.json").write_text(json.dumps({"step": 9, "version": 9, "extra": {}}))
     # ... and a step dir without state.json is not complete either.

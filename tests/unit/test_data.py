@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_rows, read_rows
-from asyncgrpo.tasks import CHARSET, TASKS
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.tasks import CHARSET, TASKS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -252,7 +252,7 @@ def test_without_tokenizer(tok):
 
 
 def test_builtin_rows_tokenize_without_unknowns(tok):
-    for name, task in TASKS.items():
+    for name in TASKS:
         rows = read_rows(f"builtin:{name}", builtin_size=64, seed=0)
         prompts, report = build_prompts(rows, prompt_key="prompt", tokenizer=tok, max_prompt_tokens=256)
         assert report.kept == 64 and report.unknown_token_prompts == 0, name

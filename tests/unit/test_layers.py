@@ -65,8 +65,11 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
                 raise AssertionError(f"{path}:{node.lineno}: relative import; asyncgrpo imports are absolute")
             base = node.module or ""
             # `from asyncgrpo.training import checkpoint` imports a module; `from asyncgrpo.types import X` a name.
-            names = [f"{base}.{alias.name}" if base == "asyncgrpo" or (PACKAGE / base.removeprefix("asyncgrpo.").replace(".", "/") / f"{alias.name}.py").exists() else base
-                     for alias in node.names]
+            package_dir = PACKAGE / base.removeprefix("asyncgrpo.").replace(".", "/")
+            names = [
+                f"{base}.{alias.name}" if base == "asyncgrpo" or (package_dir / f"{alias.name}.py").exists() else base
+                for alias in node.names
+            ]
         else:
             continue
         found += [(node.lineno, name.removeprefix("asyncgrpo.")) for name in names if name.startswith("asyncgrpo.")]

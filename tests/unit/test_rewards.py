@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
-from asyncgrpo.tasks import REWARDS
 from asyncgrpo.errors import ConfigError, RewardError
 from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion, resolve_reward, resolve_rewards, unscored_group_error
+from asyncgrpo.tasks import REWARDS
 from asyncgrpo.types import Prompt
 
 pytestmark = pytest.mark.timeout(30)

@@ -68,7 +68,7 @@ def test_exhaustion_returns_none_repeatedly():
 
 def test_requeued_prompts_come_first_in_requeue_order():
     source = PromptSource(make_prompts(6), num_epochs=1, shuffle=False, seed=0)
-    a, b, c = source.take(), source.take(), source.take()
+    a, b, _ = source.take(), source.take(), source.take()
     source.requeue(b)
     again = source.requeue(a)
     assert again.requeues == 1 and again.id == a.id and again.epoch == a.epoch
@@ -180,3 +180,11 @@ def test_exhausted_agrees_with_take_when_later_epochs_are_done():
     assert not source.exhausted and source.remaining == 1
     assert source.take().id == 0
     assert source.exhausted and source.take() is None
+
+
+def test_remaining_counts_prompts_done_in_later_epochs_without_building_their_order():
+    source = PromptSource(make_prompts(4), num_epochs=3, shuffle=True, seed=0, done={2: [0, 1], 7: [3]})
+    assert source.remaining == 4 + 4 + 2  # an epoch beyond num_epochs in the ledger counts for nothing
+    taken = [source.take() for _ in range(10)]
+    assert all(p is not None for p in taken) and source.exhausted and source.take() is None
+    assert sorted(p.id for p in taken if p.epoch == 2) == [2, 3]

@@ -54,3 +54,14 @@ def test_only_the_written_version_and_the_one_before_it_are_kept(tmp_path):
     write_weights({"w": torch.ones(4)}, root, 3)  # the same version again replaces it
     assert sorted(p.name for p in root.iterdir()) == ["v000002", "v000003"]
     assert torch.equal(load_file(str(root / "v000003" / "model.safetensors"))["w"], torch.ones(4))
+
+
+def test_pruning_a_shared_weights_dir_never_touches_what_asyncgrpo_did_not_write(tmp_path):
+    root = tmp_path / "weights"
+    (root / "v000001").mkdir(parents=True)  # a user's folder that happens to look like a version
+    (root / "v000001" / "notes.txt").write_text("mine")
+    (root / ".tmp-scratch").mkdir()  # and one that starts like a temporary
+    for version in (2, 3, 4):
+        write_weights({"w": torch.arange(4.0)}, root, version)
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-scratch", "v000001", "v000003", "v000004"]
+    assert (root / "v000001" / "notes.txt").read_text() == "mine"

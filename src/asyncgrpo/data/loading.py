@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from asyncgrpo.tasks import TASKS
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.tasks import TASKS
 from asyncgrpo.types import Prompt
 
 BUILTIN_PREFIX = "builtin:"
@@ -331,8 +332,8 @@ def build_prompts(
                 unknown += 1
                 examples.setdefault("unknown", text[:200])
             longest_kept = max(longest_kept, len(ids))
-        columns = {k: v for k, v in row.items() if k != prompt_key}
-        prompts.append(Prompt(id=index, text=text, token_ids=tuple(ids), columns=columns))
+        extra = {k: v for k, v in row.items() if k != prompt_key}
+        prompts.append(Prompt(id=index, text=text, token_ids=tuple(ids), columns=extra))
     report = LoadReport(
         rows_read=len(rows),
         kept=len(prompts),

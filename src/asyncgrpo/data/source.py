@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import deque
-from typing import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from asyncgrpo.types import Prompt
 
@@ -53,7 +53,9 @@ class PromptSource:
         self.shuffle = shuffle
         self.seed = seed
         self._done = {int(epoch): frozenset(ids) for epoch, ids in (done or {}).items()}
-        self._epoch_sizes = [len(self._epoch_order(e)) for e in range(num_epochs)]
+        # Prompts already done per epoch, so the size of any epoch is known without building its order:
+        # `remaining` runs on every wake-up of the collector and must not grow with num_epochs.
+        self._done_counts = {epoch: len(ids & self._ids) for epoch, ids in self._done.items()}
         self._epoch = 0
         self._order: list[int] = self._epoch_order(0)
         self._cursor = 0
@@ -84,7 +86,9 @@ class PromptSource:
     def remaining(self) -> int:
         """How many more takes can succeed right now (requeued prompts included)."""
         rest_of_epoch = len(self._order) - self._cursor
-        later_epochs = sum(self._epoch_sizes[self._epoch + 1 :])
+        later_epochs = (self.num_epochs - self._epoch - 1) * len(self._prompts) - sum(
+            count for epoch, count in self._done_counts.items() if self._epoch < epoch < self.num_epochs
+        )
         return len(self._requeued) + rest_of_epoch + later_epochs
 
     @property

@@ -16,7 +16,8 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from asyncgrpo.types import Completion, GenerationRequest
 

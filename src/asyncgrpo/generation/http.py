@@ -22,8 +22,9 @@ Invariants:
 - Health. `start()` checks ``/v1/models`` on every server (model name present) and then starts one
   probe loop per server (``GET /health`` every ``health_probe_interval_s``), all owned by one
   TaskGroup in the probe task (`_run_probes`), which `aclose()` cancels and awaits; if a probe
-  loop fails, the task records why, and every later call raises `BackendDeadError` naming it. A server that fails a probe, or a request with a connection
-  error (which also triggers an immediate probe), is unhealthy until a probe succeeds. A server
+  loop fails, the task records why, and every later call raises `BackendDeadError` naming it. A
+  server that fails a probe, or a request with a connection error (which also triggers an
+  immediate probe), is unhealthy until a probe succeeds. A server
   that comes back is first given the latest published weights (it may have restarted with its
   original ones) and only then takes work again.
 - Waiting. With no usable server (healthy and serving the published weights), `generate` and
@@ -55,9 +56,10 @@ import asyncio
 import json
 import logging
 import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import aiohttp
 

@@ -41,8 +41,9 @@ import collections
 import inspect
 import math
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from transformers import DynamicCache

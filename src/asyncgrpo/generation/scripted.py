@@ -32,13 +32,13 @@ import hashlib
 import math
 import random
 from collections import Counter
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from asyncgrpo.config import Distribution, FaultConfig, ScriptedConfig, WeightSyncFaultConfig
 from asyncgrpo.errors import GenerationError, MisconfiguredBackendError, PromptRejectedError, TransientGenerationError
 from asyncgrpo.generation.weight_sync import WeightSyncError
 from asyncgrpo.types import Completion, GenerationRequest
-
 
 TOKEN_POOL_SLACK = 4096  # pool positions beyond max_new_tokens: the offsets a completion can start at
 

@@ -55,8 +55,9 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -487,8 +488,13 @@ async def run_server(model: str, *, host: str = "127.0.0.1", port: int = 8000, m
     own_signals = stop is None
     if stop is None:
         stop = loop.create_future()
+
+        def request_stop() -> None:
+            if not stop.done():
+                stop.set_result(None)
+
         for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, lambda: stop.done() or stop.set_result(None))
+            loop.add_signal_handler(signum, request_stop)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
     await engine.start()
     try:

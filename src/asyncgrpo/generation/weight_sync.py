@@ -38,11 +38,12 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
-from asyncgrpo.atomic import TEMP_PREFIX, atomic_directory
+from asyncgrpo.atomic import atomic_directory, leftover_temporaries
 from asyncgrpo.errors import FatalBackendError
 
 VERSION_FILE = "asyncgrpo_version.json"  # read by `asyncgrpo serve` to report the version it serves
@@ -223,12 +224,14 @@ def _prune(weights_dir: Path, written: int, keep_last: int) -> None:
     """Keep `written` and the newest versions below it, `keep_last` in all. Versions above `written`
     are left over from an earlier run that got further (a resume, or a restart from scratch): no
     server needs them, and keeping them would make the just-written version look old."""
-    versions = sorted((int(m.group(1)), p) for p in weights_dir.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
+    versions = sorted(
+        (int(m.group(1)), p)
+        for p in weights_dir.iterdir()
+        if (m := _VERSION_DIR.match(p.name)) and (p / VERSION_FILE).is_file()  # only versions asyncgrpo wrote
+    )
     older = [path for v, path in versions if v < written]
     stale = [path for v, path in versions if v > written] + older[: max(0, len(older) - (keep_last - 1))]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
-    mine = f"-{os.getpid()}-"
-    for path in weights_dir.iterdir():  # leftovers of writes interrupted in an earlier process
-        if path.name.startswith(TEMP_PREFIX) and mine not in path.name:
-            shutil.rmtree(path, ignore_errors=True)
+    for path in leftover_temporaries(weights_dir, except_pid=os.getpid()):  # writes interrupted in an earlier process
+        shutil.rmtree(path, ignore_errors=True)

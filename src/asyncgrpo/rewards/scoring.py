@@ -47,14 +47,15 @@ import math
 import numbers
 import os
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
-from asyncgrpo.tasks import REWARDS
-from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.errors import ConfigError, RewardError
 from asyncgrpo.rewards.pool import RewardWorkerPool, WorkerCrashed, WorkerStartError
+from asyncgrpo.tasks import REWARDS
+from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.types import Prompt
 
 if TYPE_CHECKING:
@@ -422,7 +423,11 @@ def unscored_group_error(prompt: Prompt, scored: Sequence[ScoredCompletion], nee
     n = len(scored)
     names = list(scored[0].terms) if scored else []
     nones = {name: sum(s.terms[name] is None for s in scored) for name in names}
-    parts = [f"{name!r} returned None for {'all ' + str(n) if count == n else f'{count} of {n}'} completions" for name, count in nones.items() if count]
+    parts = [
+        f"{name!r} returned None for {'all ' + str(n) if count == n else f'{count} of {n}'} completions"
+        for name, count in nones.items()
+        if count
+    ]
     have = sum(s.reward is not None for s in scored)
     return UnscoredGroupError(
         f"only {have} of {n} completions of prompt {_clip(prompt.text)} (id {prompt.id}) got a reward, fewer than "
@@ -435,8 +440,7 @@ def unscored_group_error(prompt: Prompt, scored: Sequence[ScoredCompletion], nee
 def _is_async(fn: Callable[..., Any]) -> bool:
     if inspect.iscoroutinefunction(fn):
         return True
-    call = getattr(fn, "__call__", None)
-    return call is not None and inspect.iscoroutinefunction(call)
+    return inspect.iscoroutinefunction(type(fn).__call__) if callable(fn) else False
 
 
 def _accepted_keywords(fn: Callable[..., Any]) -> frozenset[str] | None:

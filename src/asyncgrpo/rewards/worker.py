@@ -34,7 +34,8 @@ import socket
 import struct
 import sys
 import traceback
-from typing import Any, BinaryIO
+from io import BufferedIOBase
+from typing import Any
 
 HEADER = struct.Struct("!Q")
 PR_SET_PDEATHSIG = 1
@@ -57,7 +58,7 @@ def encode(obj: Any) -> bytes:
     return HEADER.pack(len(data)) + data
 
 
-def _read_frame(stream: BinaryIO) -> Any | None:
+def _read_frame(stream: BufferedIOBase) -> Any | None:
     """The next message, or None at end of file."""
     header = stream.read(HEADER.size)
     if len(header) < HEADER.size:
@@ -67,7 +68,7 @@ def _read_frame(stream: BinaryIO) -> Any | None:
     return pickle.loads(data) if len(data) == size else None
 
 
-def _send(stream: BinaryIO, obj: Any) -> None:
+def _send(stream: BufferedIOBase, obj: Any) -> None:
     stream.write(encode(obj))
     stream.flush()
 

@@ -16,7 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 STD_EPS = 1e-6
 

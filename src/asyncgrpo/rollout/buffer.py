@@ -33,7 +33,11 @@ class ReplayBuffer:
         """Remove and return the groups that are stale at `step` (and so at every later step)."""
         stale = [g for _, _, g in self._heap if is_stale(generation_version=g.generation_version, step=step, max_staleness=self.max_staleness)]
         if stale:
-            self._heap = [entry for entry in self._heap if not is_stale(generation_version=entry[2].generation_version, step=step, max_staleness=self.max_staleness)]
+            self._heap = [
+                entry
+                for entry in self._heap
+                if not is_stale(generation_version=entry[2].generation_version, step=step, max_staleness=self.max_staleness)
+            ]
             heapq.heapify(self._heap)
         return stale
 

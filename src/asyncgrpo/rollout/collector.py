@@ -36,7 +36,7 @@ from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.admission import is_stale, may_admit_group
 from asyncgrpo.rollout.buffer import ReplayBuffer
 from asyncgrpo.rollout.diagnostics import backend_fatal, policy_broken, reward_failed, stalled
-from asyncgrpo.rollout.events import NoObserver, RolloutObserver
+from asyncgrpo.rollout.events import NoObserver, RolloutObserver, RolloutOutcome
 from asyncgrpo.rollout.failure_log import FailureLog, Tolerated
 from asyncgrpo.rollout.failures import FailurePolicy, GroupEnding
 from asyncgrpo.rollout.first_failure import FirstFailure
@@ -64,7 +64,7 @@ class PromptSourceLike(Protocol):
 
     def take(self) -> Prompt | None: ...
 
-    def requeue(self, prompt: Prompt) -> None: ...
+    def requeue(self, prompt: Prompt) -> Prompt: ...
 
 
 class ScorerLike(Protocol):
@@ -241,7 +241,7 @@ class Collector:
             else:
                 self._tolerated("failed", result)
         tokens = len(result.token_ids) if isinstance(result, Completion) else 0
-        outcome = "finished" if isinstance(result, Completion) else "failed"
+        outcome: RolloutOutcome = "finished" if isinstance(result, Completion) else "failed"
         self.observer.rollout_ended(group.key, member, outcome, group.dispatch_versions[member], tokens, self._now())
         self._last_progress = self._now()  # a rollout finished (a cancelled one never gets here)
 

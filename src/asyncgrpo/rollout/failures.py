@@ -87,8 +87,8 @@ class FailurePolicy:
         counts = Counter(ending for ending, _ in self._window)
         dropped = sum(counts[r] for r in WINDOW_DROP_REASONS)
         if dropped > self.max_drop_fraction * self.drop_window:
-            by_reason = {r: counts[r] for r in WINDOW_DROP_REASONS if counts[r]}
-            examples = {r: e for r, e in self._examples().items() if r in by_reason}
+            by_reason: dict[str, int] = {r: counts[r] for r in WINDOW_DROP_REASONS if counts[r]}
+            examples: dict[str, BaseException] = {r: e for r, e in self._examples().items() if r in by_reason}
             top = max(by_reason, key=lambda r: by_reason[r])
             return Verdict(
                 kind="drop_fraction",

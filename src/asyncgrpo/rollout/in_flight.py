@@ -35,11 +35,14 @@ class InFlightGroup:
     def version_floor(self) -> int | None:
         """Lowest version any of its surviving tokens has or can have (a member being retried counts with
         its current attempt's version); None while nothing live is dispatched."""
-        versions = [
-            c.generation_version if c is not None else v
-            for c, v, e in zip(self.completions, self.dispatch_versions, self.errors)
-            if e is None and (c is not None or v is not None)
-        ]
+        versions: list[int] = []
+        for completion, dispatched, error in zip(self.completions, self.dispatch_versions, self.errors):
+            if error is not None:
+                continue
+            if completion is not None:
+                versions.append(completion.generation_version)
+            elif dispatched is not None:
+                versions.append(dispatched)
         return min(versions, default=None)
 
     def finished_tokens(self) -> int:

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncgrpo.atomic import TEMP_PREFIX, atomic_directory, library_write_errors_as_os_errors, replace_file
+from asyncgrpo.atomic import atomic_directory, leftover_temporaries, library_write_errors_as_os_errors, replace_file
 from asyncgrpo.training.integrity import CONFIG_FILE, RECORDS_DIR, STATE_FILE, TRAINER_STATE_FILE
 
 if TYPE_CHECKING:  # torch is imported where it is used, so listing checkpoints stays fast
@@ -160,10 +160,8 @@ def prune_checkpoints(run_dir: Path, keep_last: int, *, protect: Path | None = N
             continue
         shutil.rmtree(old, ignore_errors=True)
         removed.append(old)
-    if parent.is_dir():
-        for entry in parent.iterdir():
-            if entry.name.startswith(TEMP_PREFIX) and entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
+    for entry in leftover_temporaries(parent):
+        shutil.rmtree(entry, ignore_errors=True)
     return removed
 
 

@@ -68,9 +68,12 @@ def plan_resume(cfg: Config) -> ResumePlan:
         path = Path(mode)
         problem = checkpoint_problem(path)
         if problem:
-            raise ConfigError(f"checkpoint.resume = {mode!r} is not a checkpoint to continue from: {problem}. Fix: give a complete checkpoint directory (runs/<name>/checkpoints/step_NNNNNN) or checkpoint.resume=auto.")
+            raise ConfigError(
+                f"checkpoint.resume = {mode!r} is not a checkpoint to continue from: {problem}. Fix: give a complete checkpoint "
+                f"directory (runs/<name>/checkpoints/step_NNNNNN) or checkpoint.resume=auto."
+            )
         return _checked(cfg, path, [])
-    notes = []
+    notes: list[str] = []
     parent = run_dir / CHECKPOINTS_DIR
     candidates = sorted((p for p in parent.glob("step_*") if p.is_dir()), reverse=True) if parent.is_dir() else []
     for path in candidates:

@@ -33,8 +33,9 @@ import copy
 import inspect
 import math
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,7 +45,6 @@ from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.telemetry.keys import TRAIN_KEYS
 from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
 from asyncgrpo.types import Group
-
 
 
 class NonFiniteLossError(AsyncGRPOError):
