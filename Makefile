@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU build of torch first, so the package's torch range is already satisfied.
 	$(BIN)/pip install --quiet -r requirements-cpu.txt
-	$(BIN)/pip install --quiet -e '.[test]'
+	# ray: so the Ray tests run too (about 10 s more; they skip, naming why, where ray cannot be imported).
+	$(BIN)/pip install --quiet -e '.[test,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)
