@@ -9,6 +9,7 @@ awaited with `RayGenerator.settled()`; nothing sleeps.
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.generation.ray_pool import RayGenerator
 from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.types import Completion, GenerationRequest, SamplingParams
-from tests.integration.ray_cluster import kill_processes, processes_of, ray, short_temp_dir
+from tests.integration.ray_cluster import kill_processes, left_after, ray, short_temp_dir
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,12 +29,14 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture(scope="module")
 def cluster():
     temp_dir = short_temp_dir()
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    os.environ["RAY_TMPDIR"] = temp_dir  # inherited by the cluster's processes: how they are found
     try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         yield temp_dir
     finally:
         ray.shutdown()
-        left = processes_of(temp_dir)
+        del os.environ["RAY_TMPDIR"]
+        left = left_after(temp_dir)
         kill_processes(left)
         assert not left, f"Ray processes left after ray.shutdown(): {left}"
 

@@ -11,20 +11,26 @@ Invariants:
   running, and the run's actors (not detached) end with this driver.
 - A driver killed with SIGKILL cannot disconnect: the local cluster it started (gcs_server,
   raylet, workers) keeps running until `ray stop` (docs/ray.md says how to find and stop it).
+- Ray's head processes die with the *thread* that started them (they are spawned with
+  PR_SET_PDEATHSIG), so `ray.init` runs on a thread of its own that lives until `disconnect()`
+  (not the event loop's: the start takes seconds; not a short-lived worker thread: the cluster would
+  die with it). If the process ends without `disconnect()` (but not by SIGKILL), the cluster ends too.
+- SIGINT and SIGTERM stay asyncgrpo's (signals.py): Ray's failure signal handler is turned off
+  (`RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1`, unless the environment sets it), which would otherwise
+  dump a stack and abort the process after a clean stop.
 - `ray` is imported only here and in the actor modules, so the local runtime does not need it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import os
+import threading
 from typing import Any
 
 from asyncgrpo.config import RayConfig
 from asyncgrpo.errors import ConfigError, GenerationError
 from asyncgrpo.threads import run_in_daemon_thread
-
-log = logging.getLogger("asyncgrpo")
 
 INSTALL_HINT = "pip install 'asyncgrpo[ray]'"
 
@@ -45,12 +51,12 @@ class RayCluster:
     def __init__(self, cfg: RayConfig, *, timeout_s: float) -> None:
         self.cfg = cfg
         self.timeout_s = timeout_s
-        self._owned = False
+        self._released: threading.Event | None = None  # set: the owning thread may end (after ray.shutdown)
 
     @property
     def owned(self) -> bool:
         """True when `connect()` connected this process (and `disconnect()` will let go)."""
-        return self._owned
+        return self._released is not None
 
     async def connect(self) -> None:
         ray = import_ray()
@@ -62,19 +68,36 @@ class RayCluster:
         else:
             kwargs = {"address": self.cfg.address}
             where = f"the Ray cluster at ray.address = {self.cfg.address!r}"
+        # Ray's failure signal handler (absl) would take SIGTERM from asyncgrpo's own handling (signals.py):
+        # it prints a stack dump and aborts the process after the clean stop. Set before Ray starts.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+        loop = asyncio.get_running_loop()
+        connected: asyncio.Future[None] = loop.create_future()
+        released = threading.Event()
+
+        def own() -> None:
+            try:
+                ray.init(**kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to connect(), which names the cluster
+                loop.call_soon_threadsafe(_settle, connected, exc)
+                return
+            loop.call_soon_threadsafe(_settle, connected, None)
+            released.wait()  # the cluster lives as long as this thread does
+
+        threading.Thread(target=own, name="asyncgrpo-ray", daemon=True).start()
         try:
-            await run_in_daemon_thread(lambda: ray.init(**kwargs), name="asyncgrpo-ray-init")
+            await connected
         except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError...
             raise GenerationError(
                 f"could not start or join {where}: {type(exc).__name__}: {exc}. Fix: check ray.address (null starts a "
                 f"local cluster), that the cluster runs the same Ray version as this process, and `ray status` there.",
                 backend="ray") from exc
-        self._owned = True
+        self._released = released
 
     async def disconnect(self) -> None:
-        if not self._owned:
+        released, self._released = self._released, None
+        if released is None:
             return
-        self._owned = False
         ray = import_ray()
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -84,3 +107,14 @@ class RayCluster:
                 f"ray.shutdown() did not return within run.shutdown_timeout_s = {self.timeout_s:g} s; Ray processes of "
                 f"this run may be left running. Stop them with `ray stop` (docs/ray.md: cleaning up).", backend="ray"
             ) from None
+        finally:
+            released.set()
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():  # connect() was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(None)
