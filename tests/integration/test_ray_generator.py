@@ -181,3 +181,20 @@ def test_every_actor_dead_for_good_fails_at_once_with_a_diagnostic(cluster):
 
     message = run(scenario(), timeout_s=60)
     assert "ray-0: dead" in message and "ray-1: dead" in message and "ray.max_restarts" in message
+
+
+def test_actors_the_cluster_cannot_place_fail_the_start_with_what_was_asked(cluster):
+    model, tokenizer = build_tiny(0)
+
+    async def scenario():
+        gen = RayGenerator(config("ray.generator.num_cpus=4", "ray.startup_timeout_s=3"), model, tokenizer)
+        try:
+            with pytest.raises(BackendDeadError) as info:
+                await gen.start()
+        finally:
+            await gen.aclose()
+        return str(info.value)
+
+    message = run(scenario(), timeout_s=60)
+    assert "ray.startup_timeout_s = 3" in message and "ray.generator.num_cpus = 4" in message and "CPU" in message
+    assert ray.available_resources().get("CPU") == 2  # the pending actors were removed
