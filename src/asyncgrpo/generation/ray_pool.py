@@ -253,6 +253,9 @@ class RayGenerator:
                 async with asyncio.timeout(_KILL_TIMEOUT_S):
                     await run_in_daemon_thread(lambda: [ray.kill(a.handle, no_restart=True) for a in actors],
                                                name="asyncgrpo-ray-kill")
+        except TimeoutError:
+            raise GenerationError(f"killing the generator actors did not return within {_KILL_TIMEOUT_S:g} s; they may be "
+                                  f"left running on the cluster (`ray list actors` shows them).", backend=self.name) from None
         finally:
             await self._cluster.disconnect()
 
