@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ def cluster():
         del os.environ["RAY_TMPDIR"]
         left = left_after(temp_dir)
         kill_processes(left)
+        shutil.rmtree(temp_dir, ignore_errors=True)
         assert not left, f"Ray processes left after ray.shutdown(): {left}"
 
 

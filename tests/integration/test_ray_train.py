@@ -7,6 +7,7 @@ Ray cluster is left. The tests follow the run through its stderr lines (no sleep
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import pytest
@@ -25,6 +26,7 @@ def ray_tmpdir():
     yield temp_dir
     left = left_after(temp_dir)
     kill_processes(left)
+    shutil.rmtree(temp_dir, ignore_errors=True)
     assert not left, f"Ray processes left after the run: {left}"
 
 
