@@ -12,8 +12,8 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU build of torch first, so the package's torch range is already satisfied.
 	$(BIN)/pip install --quiet -r requirements-cpu.txt
-	# The trackers and matplotlib too, so their tests run (about 30 s and 350 MB more; they skip when absent).
-	$(BIN)/pip install --quiet -e '.[test,sinks,plot]'
+	# The trackers, matplotlib and ray too, so their tests run (about 40 s and 0.5 GB more; each skips, naming why, when absent).
+	$(BIN)/pip install --quiet -e '.[test,sinks,plot,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)

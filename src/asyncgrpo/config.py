@@ -271,6 +271,26 @@ class LoggingConfig(_Section):
     )
 
 
+class RayRole(_Section):
+    """Ray resources one actor of a role reserves (Ray places it on a node that has them)."""
+
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per actor (Ray sets its OpenMP threads to this, at least 1).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per actor (fractions share a GPU).")
+
+
+class RayConfig(_Section):
+    """`runtime: ray`: generators as Ray actors (docs/ray.md)."""
+
+    address: str | None = Field(
+        None, description="null: start a local Ray cluster for this run and stop it at the end; else the cluster to join "
+        "('auto', 'host:6379' or 'ray://host:10001'), which is left running.")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local cluster started when ray.address is null (null: every core).")
+    generators: int = Field(2, ge=1, description="Generator actors, each an in-process engine on its own copy of the weights.")
+    generator: RayRole = Field(default_factory=RayRole)
+    max_restarts: int = Field(3, ge=0, description="Restarts of a generator actor that died; it loads the current weights before it takes work.")
+    startup_timeout_s: float = Field(120.0, gt=0, description="Time for the actors to be placed and built (Ray never places one that does not fit).")
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -282,7 +302,8 @@ class Config(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    runtime: Literal["local"] = Field("local", description="Where the run executes; only local (this process and its threads) exists.")
+    runtime: Literal["local", "ray"] = Field("local", description="local: all in this process; ray: generators as Ray actors (see the ray: section).")
+    ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -332,6 +353,19 @@ def consistency_problems(cfg: Config) -> list[str]:
         problems.append(
             "generation.backend = 'http' needs at least one server: set generation.http.base_urls, "
             "e.g. [http://127.0.0.1:8000]."
+        )
+    if cfg.runtime == "ray" and g.backend != "local":
+        problems.append(
+            f"runtime = 'ray' runs generation.backend = 'local' engines as Ray actors, but generation.backend = {g.backend!r}. "
+            f"Fix: set generation.backend: local, or runtime: local for the {g.backend} backend."
+        )
+    ray = cfg.ray
+    needed = ray.generators * ray.generator.num_cpus
+    if cfg.runtime == "ray" and ray.address is None and ray.num_cpus is not None and needed > ray.num_cpus:
+        problems.append(
+            f"ray.generators = {ray.generators} actors x ray.generator.num_cpus = {ray.generator.num_cpus:g} need "
+            f"{needed:g} CPUs, more than the local cluster's ray.num_cpus = {ray.num_cpus}: "
+            f"Ray would never place them all. Fix: lower ray.generator.num_cpus or ray.generators, or raise ray.num_cpus."
         )
     weights = cfg.reward.weights
     if weights is not None and len(weights) != len(cfg.reward.functions):

@@ -47,6 +47,7 @@ from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_r
 from asyncgrpo.errors import AsyncGRPOError, ConfigError, Diagnostic, DiskError, FatalBackendError, PipelineError
 from asyncgrpo.evaluation import eval_diagnostic, evaluate
 from asyncgrpo.generation.base import Generator
+from asyncgrpo.generation.ray_cluster import import_ray
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
@@ -87,6 +88,8 @@ def preflight(cfg: Config) -> ResumePlan:
             f"train needs generation.backend: local or http, and train.backend: torch (got {cfg.generation.backend!r} and "
             f"{cfg.train.backend!r}); the scripted backend and the stub trainer are for `asyncgrpo simulate`."
         )
+    if cfg.runtime == "ray":
+        import_ray()  # ConfigError with the install command when it is missing
     check_model_path(cfg.model.path)
     check_data_source(cfg.data.source, key="data.source")
     if cfg.eval.source is not None:
@@ -511,7 +514,11 @@ def _with_failure(result: PipelineResult, diagnostic: Diagnostic) -> PipelineRes
 
 
 def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Generator:
-    """The generation backend: the in-process engine on its own copy of the weights, or HTTP servers."""
+    """The generation backend: the in-process engine on its own copy of the weights, Ray actors of it, or HTTP servers."""
+    if cfg.runtime == "ray":
+        from asyncgrpo.generation.ray_pool import RayGenerator
+
+        return RayGenerator(cfg, copy.deepcopy(trainer.model), tokenizer, version=trainer.version)
     if cfg.generation.backend == "http":
         from asyncgrpo.generation.http import HttpGenerator
 

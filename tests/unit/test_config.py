@@ -97,3 +97,13 @@ def test_an_empty_recipe_warns_that_every_key_is_at_its_default(tmp_path, caplog
         recipe.write_text("train: {max_steps: 3}\n")
         load_config(recipe)
     assert caplog.records == []
+
+
+def test_the_ray_runtime_wraps_local_engines_and_its_actors_must_fit_the_local_cluster():
+    cfg = load_config(None, ["runtime=ray", "ray.generators=2", "ray.num_cpus=2"])
+    assert cfg.ray.address is None and cfg.ray.generator.num_cpus == 1.0
+    message = error_of("runtime=ray", "generation.backend=http", "generation.http.base_urls=[http://x:1]")
+    assert "runtime = 'ray'" in message and "generation.backend: local" in message
+    message = error_of("runtime=ray", "ray.generators=3", "ray.num_cpus=2")
+    assert "ray.generators = 3" in message and "ray.num_cpus = 2" in message and "Fix:" in message
+    load_config(None, ["runtime=ray", "ray.generators=3", "ray.num_cpus=2", "ray.address=auto"])  # a joined cluster is not checked

@@ -1,0 +1,79 @@
+"""Helpers of the Ray tests: a local cluster in its own temp dir, and the processes that belong to it.
+
+A test's cluster lives under its own `RAY_TMPDIR`, which every process of that cluster inherits
+(workers rename themselves `ray::...`, so their command line does not say it, their environment
+does): a test finds the cluster's processes by it, and checks that none is left after teardown
+without touching any other Ray cluster on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'asyncgrpo[ray]' (make test installs it)")
+
+
+def short_temp_dir() -> str:
+    """A short absolute directory for a Ray cluster (its unix socket paths must stay under 108 bytes)."""
+    return tempfile.mkdtemp(prefix="agr-ray-")
+
+
+def processes_of(temp_dir: str) -> dict[int, str]:
+    """pid -> command line of every live process started with RAY_TMPDIR=`temp_dir`."""
+    marker = f"RAY_TMPDIR={temp_dir}".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if marker in environ and "\nState:\tZ" not in status:
+            found[int(entry.name)] = cmdline.strip()
+    return found
+
+
+def left_after(temp_dir: str, grace_s: float = 15.0) -> dict[int, str]:
+    """The processes of the cluster under `temp_dir` still alive `grace_s` after this call (workers exit
+    a moment after their raylet): each is awaited through a pidfd, which becomes readable when it exits."""
+    found = processes_of(temp_dir)
+    fds = {}
+    for pid in found:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            continue
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + grace_s
+    try:
+        while fds and (left_ms := (deadline - time.monotonic()) * 1000) > 0:
+            for fd, _ in poller.poll(left_ms):
+                poller.unregister(fd)
+                os.close(fd)
+                del fds[fd]
+    finally:
+        for fd in fds:
+            os.close(fd)
+    alive = processes_of(temp_dir)
+    return {pid: cmd for pid, cmd in found.items() if pid in alive}
+
+
+def kill_processes(pids) -> None:
+    """SIGKILL these pids (ours: found by our cluster's temp dir), each by its id."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,72 @@
+"""`asyncgrpo train ... runtime=ray` as a real process, on a local Ray cluster it starts itself (2 CPUs,
+2 generator actors): a short run completes; a generator actor SIGKILLed mid-run is recovered while the
+run goes on, and SIGTERM stops the run as in the local runtime. After each, no process of the run's
+Ray cluster is left. The tests follow the run through its stderr lines (no sleeping).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import pytest
+
+from tests.integration.ray_cluster import kill_processes, left_after, processes_of, short_temp_dir
+from tests.integration.train_process import read_until, records, start_train
+
+RAY = ("runtime=ray", "ray.generators=2", "ray.num_cpus=2", "ray.generator.num_cpus=1")
+SMALL = ("rollout.groups_per_step=3", "rollout.group_size=4", "eval.every_steps=0", "checkpoint.every_steps=0")
+
+
+@pytest.fixture
+def ray_tmpdir():
+    """The run's RAY_TMPDIR; afterwards no process of its cluster may be left (any found is killed, then reported)."""
+    temp_dir = short_temp_dir()
+    yield temp_dir
+    left = left_after(temp_dir)
+    kill_processes(left)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    assert not left, f"Ray processes left after the run: {left}"
+
+
+def generator_actors(temp_dir: str) -> list[int]:
+    return sorted(pid for pid, cmdline in processes_of(temp_dir).items() if cmdline.startswith("ray::GeneratorActor"))
+
+
+@pytest.mark.timeout(300)
+def test_a_short_ray_run_with_two_generator_actors_completes(tmp_path, ray_tmpdir):
+    with start_train(tmp_path, *RAY, *SMALL, "train.max_steps=4", env={"RAY_TMPDIR": ray_tmpdir}) as proc:
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=240) == 0, rest
+    assert "completed 4 steps" in rest
+    metrics = records(tmp_path, "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3] and all(m["rollout/failed_total"] == 0 for m in metrics)
+    assert "Traceback" not in rest
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_generator_actor_is_recovered_mid_run_and_sigterm_then_stops_the_run_cleanly(tmp_path, ray_tmpdir):
+    """SIGKILL one actor's process: the run goes on, the actor restarts and is given the current weights;
+    then SIGTERM stops the run as in the local runtime (exit 143, checkpoint), with no Ray process left."""
+    with start_train(tmp_path, *RAY, *SMALL, "train.max_steps=400", "rollout.max_generation_failures=2", "run.shutdown_timeout_s=60",
+                     env={"RAY_TMPDIR": ray_tmpdir}) as proc:
+        if not read_until(proc, "step "):
+            pytest.fail(f"the run ended before training started (exit {proc.wait()}): {proc.stderr.read()}")
+        actors = generator_actors(ray_tmpdir)
+        assert len(actors) == 2, processes_of(ray_tmpdir)
+        os.kill(actors[0], signal.SIGKILL)
+        lost = next((line for line in proc.stderr if line.startswith("warning: generator actor ray-")), None)
+        if lost is None or " lost (" not in lost:
+            pytest.fail(f"the run did not report the kill before it ended (exit {proc.wait()}): {lost}")
+        name = lost.split()[3]
+        if not read_until(proc, f"warning: generator actor {name} recovered at version"):
+            pytest.fail(f"the run ended before the actor was recovered (exit {proc.wait()})")
+        assert read_until(proc, "step "), "the run did not train on after the recovery"
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == 143, rest
+    assert "interrupted by SIGTERM" in rest and "Traceback" not in rest
+    steps = len(records(tmp_path, "metrics.jsonl"))
+    assert steps < 400
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-1] == f"step_{steps:06d}"
