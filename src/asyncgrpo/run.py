@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import errno
 import logging
 import os
@@ -232,7 +231,7 @@ async def _train_claimed(cfg: Config, plan: ResumePlan, stop: Stop, run_dir: Pat
         # The engine and the trainer run at the same time: give each a share of the cores, since
         # oversubscribed OpenMP threads spin and slow both down many times over.
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, cfg.run.seed)
+    model, tokenizer = load_model_and_tokenizer(cfg.model.path, "float32", cfg.run.seed)  # the trainer's master weights
     train_rows, eval_rows = _split_rows(cfg)
     prompts, report = build_prompts(train_rows, prompt_key=cfg.data.prompt_key, tokenizer=tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens)
     warnings = [*plan.notes, *report.warnings(), *step_budget_warnings(cfg, len(prompts))]
@@ -501,9 +500,15 @@ def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Any:
             model_config=model_dir if model_dir.is_dir() else trainer.model.config.to_dict(),
             initial_version=trainer.version,
         )
-    from asyncgrpo.generation.local import LocalEngine
+    import torch
 
-    return LocalEngine(copy.deepcopy(trainer.model), tokenizer, max_batch_size=cfg.generation.local.max_batch_size, version=trainer.version)
+    from asyncgrpo.generation.local import LocalEngine, serving_copy
+    from asyncgrpo.training.device import resolve_device
+
+    local = cfg.generation.local
+    device = trainer.device if local.device == "auto" else resolve_device(local.device, key="generation.local.device")
+    served = serving_copy(trainer.base_model, trainer.generation_weights(), dtype=getattr(torch, cfg.model.dtype), device=device)
+    return LocalEngine(served, tokenizer, max_batch_size=local.max_batch_size, version=trainer.version)
 
 
 def _split_rows(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
