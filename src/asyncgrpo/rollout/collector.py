@@ -48,6 +48,7 @@ from asyncgrpo.rollout.buffer import ReplayBuffer
 from asyncgrpo.rollout.failure_log import FailureLog, Tolerated
 from asyncgrpo.rollout.failures import FailurePolicy, GroupOutcome
 from asyncgrpo.rollout.health import Health, format_traceback
+from asyncgrpo.rollout.no_signal import NoSignalWatch
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rollout.signal import StateSignal
@@ -150,6 +151,7 @@ class Collector:
             max_filtered_fraction=r.max_filtered_fraction,
         )
         self.health = Health()
+        self._no_signal = None if r.filter_zero_variance else NoSignalWatch(r.drop_window)
         self.failure_log = FailureLog(cfg.logging.failure_summary_s)
         self.ledger = ledger if ledger is not None else PromptLedger()
         self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
@@ -375,6 +377,8 @@ class Collector:
         if self.cfg.rollout.filter_zero_variance and max(rewards) == min(rewards):
             self._end_dropped(group, "filtered", None)
             return
+        if self._no_signal is not None and (warning := self._no_signal.observe(max(rewards) == min(rewards))):
+            log.warning(warning)
         advantages = group_advantages(rewards, scale_by_std=self.cfg.train.loss.scale_by_std)
         self._seq += 1
         finished = Group(
