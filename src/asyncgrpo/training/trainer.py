@@ -140,10 +140,10 @@ class TorchTrainer:
         if t.loss.kl_coef > 0:
             self.reference = copy.deepcopy(model).eval()
             self.reference.requires_grad_(False)
-        if t.gradient_checkpointing:
-            self._enable_gradient_checkpointing(model)
         self.model = lora_adapters.wrap(model, t.lora) if t.lora is not None else model
         self.model.eval()
+        if t.gradient_checkpointing:
+            self._enable_gradient_checkpointing(model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
@@ -161,7 +161,11 @@ class TorchTrainer:
                 f"train.gradient_checkpointing is on, but {type(model).__name__} does not support it. Fix: set "
                 f"train.gradient_checkpointing: false."
             )
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # transformers checkpoints a layer only while layer.training is set; setting that flag alone
         # (not .train(), which recurses) keeps every dropout inside the layers off.
         for module in model.modules():
