@@ -324,6 +324,7 @@ REWARDS: dict[str, RewardFn] = {
     "repeat_letter": repeat_letter_reward,
     "addition": addition_reward,
     "coin": coin_reward,
+    "digit_arithmetic": arithmetic_correct_reward,  # the task's own reward, like every task's
     "arithmetic_correct": arithmetic_correct_reward,
     "arithmetic_format": arithmetic_format_reward,
 }
