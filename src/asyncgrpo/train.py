@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import logging
 import os
 import signal
@@ -311,7 +310,7 @@ class TrainingRun:
             # oversubscribed OpenMP threads spin and slow both down many times over.
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         log.info("loading the model %s ...", cfg.model.path)
-        model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype, cfg.run.seed)
+        model, tokenizer = load_model_and_tokenizer(cfg.model.path, "float32", cfg.run.seed)  # the trainer's master weights
         log.info("reading the data %s ...", cfg.data.source)
         train_rows, eval_rows = _split_rows(cfg)
         tokens = {"tokenizer": tokenizer, "max_prompt_tokens": cfg.data.max_prompt_tokens}
@@ -518,7 +517,7 @@ def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Gene
     if cfg.runtime == "ray":
         from asyncgrpo.generation.ray_pool import RayGenerator
 
-        return RayGenerator(cfg, copy.deepcopy(trainer.model), tokenizer, version=trainer.version)
+        return RayGenerator(cfg, _serving_model(cfg, trainer, "cpu"), tokenizer, version=trainer.version)
     if cfg.generation.backend == "http":
         from asyncgrpo.generation.http import HttpGenerator
 
@@ -532,7 +531,21 @@ def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Gene
         )
     from asyncgrpo.generation.local import LocalEngine
 
-    return LocalEngine(copy.deepcopy(trainer.model), tokenizer, max_batch_size=cfg.generation.local.max_batch_size, version=trainer.version)
+    local = cfg.generation.local
+    served = _serving_model(cfg, trainer, local.device)
+    return LocalEngine(served, tokenizer, max_batch_size=local.max_batch_size, version=trainer.version)
+
+
+def _serving_model(cfg: Config, trainer: Any, device: str) -> Any:
+    """The generators' own copy of the trainer's (merged) weights, in the serving dtype `model.dtype`, on `device`
+    (`auto`: the trainer's). Built without a float32 intermediate."""
+    import torch
+
+    from asyncgrpo.generation.local import serving_copy
+    from asyncgrpo.training.device import resolve_device
+
+    target = trainer.device if device == "auto" else resolve_device(device, key="generation.local.device")
+    return serving_copy(trainer.base_model, trainer.generation_weights(), dtype=getattr(torch, cfg.model.dtype), device=target)
 
 
 def _split_rows(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

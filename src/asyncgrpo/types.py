@@ -44,6 +44,7 @@ class Prompt:
     columns: Mapping[str, Any] = field(default_factory=dict)
     epoch: int = 0
     requeues: int = 0
+    messages: tuple[Mapping[str, Any], ...] | None = None  # the chat messages `text` was rendered from, if any
 
 
 @dataclass(frozen=True)

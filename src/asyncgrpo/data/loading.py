@@ -333,7 +333,8 @@ def build_prompts(
                 examples.setdefault("unknown", text[:200])
             longest_kept = max(longest_kept, len(ids))
         extra = {k: v for k, v in row.items() if k != prompt_key}
-        prompts.append(Prompt(id=index, text=text, token_ids=tuple(ids), columns=extra))
+        messages = tuple(dict(m) for m in value) if not isinstance(value, str) else None
+        prompts.append(Prompt(id=index, text=text, token_ids=tuple(ids), columns=extra, messages=messages))
     report = LoadReport(
         rows_read=len(rows),
         kept=len(prompts),

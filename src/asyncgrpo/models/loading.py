@@ -1,7 +1,8 @@
 """Resolve `model.path` to a (model, tokenizer) pair, and save models in the same layout.
 
-Job: one place that knows the accepted forms of `model.path`: `builtin:<name>` (built from the
-run seed, no download) or a local Hugging Face directory (never a hub name: nothing is
+Job: one place that knows the accepted forms of `model.path`: `builtin:<name>` (`tiny`, built from
+the run seed; `smollm2-135m-instruct`, converted from an installed package, models/smollm2.py; no
+download) or a local Hugging Face directory (never a hub name: nothing is
 downloaded, `local_files_only=True`).
 
 Invariants:
@@ -25,7 +26,7 @@ from typing import Any
 
 from asyncgrpo.errors import ConfigError
 
-BUILTIN_MODELS = ("tiny",)
+BUILTIN_MODELS = ("tiny", "smollm2-135m-instruct")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -39,6 +40,10 @@ def check_model_path(path: str) -> None:
                 f"model.path = {path!r}: there is no built-in model named {name!r}. "
                 f"Fix: use one of {known}, or the path of a local Hugging Face model directory."
             )
+        if name == "smollm2-135m-instruct":
+            from asyncgrpo.models.smollm2 import check_installed
+
+            check_installed()
         return
     directory = Path(path).expanduser()
     if not directory.is_dir():
@@ -67,6 +72,10 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32", seed: int = 0) -
     """Return (causal LM, tokenizer) for `model.path`. `seed` initialises builtin models only."""
     check_model_path(path)
     torch_dtype = _torch_dtype(dtype)
+    if path == "builtin:smollm2-135m-instruct":
+        from asyncgrpo.models.smollm2 import smollm2_directory
+
+        return load_model_and_tokenizer(str(smollm2_directory()), dtype, seed)
     if path.startswith("builtin:"):
         from asyncgrpo.models.tiny import build_tiny
 

@@ -4,8 +4,10 @@ Convention (TRL's): a reward function is called with keyword arguments
 
     reward(prompts=[...], completions=[...], **columns) -> list[float | None]
 
-one prompt and one completion per entry, every column of the prompt's row repeated as a
-list aligned with `completions`. A function whose signature has no ``**kwargs`` receives
+one prompt and one completion per entry: strings for text prompts; for conversational prompts
+(chat messages) the prompt's message list and ``[{"role": "assistant", "content": text}]``, as
+TRL does (so ``completion[0]["content"]`` is the text and `trl.rewards` functions work); every
+column of the prompt's row repeated as a list aligned with `completions`. A function whose signature has no ``**kwargs`` receives
 only the columns it names. Functions may be sync or async (``async def``, or returning an
 awaitable). None means "no opinion on this completion": it is excluded from that
 function's term.
@@ -311,8 +313,7 @@ class RewardScorer:
             for name, value in prompt.columns.items()
             if name not in RESERVED_ARGUMENTS and (entry.accepted is None or name in entry.accepted)
         }
-        kwargs["prompts"] = [prompt.text] * n
-        kwargs["completions"] = list(completions)
+        kwargs["prompts"], kwargs["completions"] = trl_shaped(prompt, completions)
         deadline: asyncio.Timeout | None = None  # made when the call starts: asyncio.timeout fixes its deadline then
         try:
             if self._pool is not None and not entry.is_async:
@@ -410,6 +411,17 @@ class RewardScorer:
             prompt=prompt.text,
             completion=completion,
         )
+
+
+def trl_shaped(prompt: Prompt, completions: Sequence[str]) -> tuple[list[Any], list[Any]]:
+    """`prompts` and `completions` as TRL passes them: strings for a text prompt; for a conversational
+    prompt, its message list and ``[{"role": "assistant", "content": text}]`` per completion. Every entry
+    is a fresh list of plain dicts (a function that mutates one changes nothing else; they pickle)."""
+    n = len(completions)
+    if prompt.messages is None:
+        return [prompt.text] * n, list(completions)
+    prompts = [[dict(m) for m in prompt.messages] for _ in range(n)]
+    return prompts, [[{"role": "assistant", "content": text}] for text in completions]
 
 
 class UnscoredGroupError(RewardError):

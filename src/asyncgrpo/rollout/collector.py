@@ -43,6 +43,7 @@ from asyncgrpo.rollout.first_failure import FirstFailure
 from asyncgrpo.rollout.in_flight import InFlightGroup, rollout_request
 from asyncgrpo.rollout.judge import Drop, scored_rollouts, survivors
 from asyncgrpo.rollout.ledger import PromptLedger
+from asyncgrpo.rollout.no_signal import NoSignalWatch
 from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rollout.slots import RequestSlots, Slot
 from asyncgrpo.sync import StateSignal
@@ -103,6 +104,7 @@ class Collector:
             max_filtered_fraction=r.max_filtered_fraction,
         )
         self.first_failure = FirstFailure()
+        self._no_signal = None if r.filter_zero_variance else NoSignalWatch(r.drop_window)
         self.failure_log = FailureLog(cfg.logging.failure_summary_s)
         self.ledger = ledger if ledger is not None else PromptLedger()
         self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
@@ -288,6 +290,8 @@ class Collector:
         if isinstance(rollouts, Drop):
             self._end(group, rollouts)
             return
+        if self._no_signal is not None and (warning := self._no_signal.observe(len({r.reward for r in rollouts}) == 1)):
+            log.warning(warning)
         self._seq += 1
         finished = Group(prompt=group.prompt, rollouts=rollouts, seq=self._seq, failed_rollouts=group.size - len(completions))
         if is_stale(generation_version=finished.generation_version, step=self.next_step, max_staleness=self.max_staleness):

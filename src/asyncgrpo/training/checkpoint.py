@@ -3,7 +3,8 @@
 Layout of `run_dir/checkpoints/step_{step:06d}/`:
 - the model and tokenizer in the standard `save_pretrained` layout (config.json,
   model.safetensors or shards, tokenizer files): the directory loads anywhere
-  transformers does (`AutoModelForCausalLM.from_pretrained(path)`);
+  transformers does (`AutoModelForCausalLM.from_pretrained(path)`); with `train.lora` this is
+  the merged model, and `adapter/` holds the peft adapter (what a LoRA run resumes from);
 - `trainer_state.pt`: optimizer, LR scheduler, policy version, torch RNG state;
 - `run_config.yaml`: the run's resolved config;
 - `records/`: copies of the run's record files (metrics.jsonl, outcomes.jsonl) as they were
@@ -80,7 +81,7 @@ def save_checkpoint(
     with atomic_directory(final) as tmp:
         with trainer.lock:  # weights, optimizer and version from the same moment
             with _quiet_transformers(), library_write_errors_as_os_errors(final):
-                trainer.model.save_pretrained(tmp)
+                trainer.save_pretrained(tmp)
                 torch.save(trainer.state_dict(), tmp / TRAINER_STATE_FILE)
             version = trainer.version
         if trainer.tokenizer is not None and hasattr(trainer.tokenizer, "save_pretrained"):
@@ -110,7 +111,12 @@ def load_checkpoint(path: Path, trainer: TorchTrainer) -> dict[str, Any]:
         raise FileNotFoundError(f"{path} is not a complete checkpoint: {STATE_FILE} is missing or unreadable")
     trainer_state = torch.load(path / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
     with trainer.lock:
-        _load_weights(path, trainer.model)
+        if trainer.lora:  # the base weights are model.path's; the adapter holds what was trained
+            from asyncgrpo.training.lora import load_adapter
+
+            load_adapter(trainer.model, path)
+        else:
+            _load_weights(path, trainer.model)
         trainer.load_state_dict(trainer_state)
     return state
 

@@ -16,12 +16,22 @@ One training step on a batch of groups:
    whole mini-batch, then clipped to `train.max_grad_norm`.
 4. The LR scheduler steps once, and `version` advances by exactly 1.
 
+Hardware (training/device.py): the model, its optimizer state and every batch live on
+`train.device`. The trainer's weights are float32 master weights whatever `model.dtype` says;
+`train.precision` bfloat16/float16 runs forward and backward under autocast (float16 with a
+gradient scaler). `train.gradient_checkpointing` recomputes each decoder layer's activations in
+the backward pass. `train.lora` trains peft adapters on frozen base weights (training/lora.py).
+The LR schedule (`train.lr_schedule`): linear warm-up over `train.warmup_steps` steps, then
+constant, or linear or cosine decay to 0 at `train.max_steps`.
+
 Invariants:
 - Policy version = number of training steps applied: step s starts at version s and ends
   at s + 1, whatever `updates_per_batch` is.
 - pi_theta is computed at `generation.temperature`, the temperature the generator sampled at.
 - The model stays in eval mode (no dropout), so pi_theta of unchanged weights equals the
-  generator's pi_gen up to numerics.
+  generator's pi_gen up to numerics. (Gradient checkpointing sets only the decoder layers'
+  own `training` flag, which transformers reads to checkpoint; their submodules stay in eval.)
+- Every trainable parameter is float32, before and after any step, at any precision.
 - A non-finite loss or gradient norm raises `NonFiniteLossError` before the optimizer
   applies it; weights are never updated with NaN/inf.
 - Every metric key in `TRAIN_KEYS` is returned every step, as a finite float.
@@ -43,6 +53,8 @@ from torch import Tensor
 from asyncgrpo.config import Config
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.telemetry.keys import TRAIN_KEYS
+from asyncgrpo.training import lora as lora_adapters
+from asyncgrpo.training.device import autocast, resolve_device
 from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
 from asyncgrpo.types import Group
 
@@ -105,42 +117,76 @@ def _chunks(items: Sequence[Any], size: int) -> Iterator[list[Any]]:
 
 
 class TorchTrainer:
-    """GRPO on a Hugging Face causal LM with AdamW, linear LR warm-up and gradient accumulation.
+    """GRPO on a Hugging Face causal LM with AdamW, an LR schedule and gradient accumulation.
 
-    `model`: a causal LM (its device and dtype are used as they are). `tokenizer`: used only
-    for its pad id (None: pad with 0) and saved with checkpoints. With `train.loss.kl_coef > 0`
-    a frozen copy of `model` as passed here is the KL reference, so on resume build the
-    trainer from the initial model and then load the checkpoint.
+    `model`: a causal LM; it is moved to `train.device` and to float32 (the master weights), and
+    wrapped in LoRA adapters when `train.lora` is set. `tokenizer`: used only for its pad id
+    (None: pad with 0) and saved with checkpoints. With `train.loss.kl_coef > 0` a frozen copy
+    of `model` as passed here is the KL reference, so on resume build the trainer from the
+    initial model and then load the checkpoint.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: Config, *, version: int = 0) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
+        t = cfg.train
         self.cfg = cfg
+        self.tokenizer = tokenizer
         self.version = version
         # Held by train_step, generation_weights, state_dict and load_state_dict; hold it to
         # read or write the model consistently from another thread (checkpoints do).
         self.lock = threading.RLock()
-        t = cfg.train
+        self._device = resolve_device(t.device)
+        model = model.to(device=self._device, dtype=torch.float32)
+        self.reference: torch.nn.Module | None = None
+        if t.loss.kl_coef > 0:
+            self.reference = copy.deepcopy(model).eval()
+            self.reference.requires_grad_(False)
+        self.model = lora_adapters.wrap(model, t.lora) if t.lora is not None else model
         self.model.eval()
+        if t.gradient_checkpointing:
+            self._enable_gradient_checkpointing(model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
         self.optimizer = torch.optim.AdamW(self._params, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.reference: torch.nn.Module | None = None
-        if t.loss.kl_coef > 0:
-            self.reference = copy.deepcopy(self.model).eval()
-            self.reference.requires_grad_(False)
+        # float16 gradients underflow without loss scaling; bfloat16 has float32's range and needs none.
+        self.scaler = torch.amp.GradScaler(self._device.type) if t.precision == "float16" else None
         self.pad_id = self._pad_id(tokenizer)
-        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self.base_model.forward).parameters
+
+    @staticmethod
+    def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ValueError(
+                f"train.gradient_checkpointing is on, but {type(model).__name__} does not support it. Fix: set "
+                f"train.gradient_checkpointing: false."
+            )
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers checkpoints a layer only while layer.training is set; setting that flag alone
+        # (not .train(), which recurses) keeps every dropout inside the layers off.
+        for module in model.modules():
+            if getattr(module, "gradient_checkpointing", False):
+                module.training = True
 
     # ---------------------------------------------------------------------------------
     # Public API
 
     @property
     def device(self) -> torch.device:
-        return self._params[0].device
+        return self._device
+
+    @property
+    def lora(self) -> bool:
+        return self.cfg.train.lora is not None
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        """The transformers model (inside the LoRA wrapper when there is one): its config, its save layout."""
+        return lora_adapters.base_model(self.model) if self.lora else self.model
 
     @property
     def lr(self) -> float:
@@ -156,9 +202,26 @@ class TorchTrainer:
             return self._train_step(groups)
 
     def generation_weights(self) -> dict[str, Tensor]:
-        """A detached copy of the model's state dict (tensors cloned), safe to hand to a generator."""
+        """The weights a generator serves, under the base model's names, without copying them.
+
+        The tensors are the live (detached) parameters, so they are valid until the next
+        `train_step` or `load_state_dict`: the caller must have installed them by then (the
+        pipeline awaits each weight sync before training the next step; the local engine copies
+        them into its own weights, in its serving dtype). With LoRA, adapted linears are merged
+        into fresh tensors and every other weight is still the live one (training/lora.py)."""
         with self.lock, torch.no_grad():
-            return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+            if self.lora:
+                return lora_adapters.merged_state(self.model)
+            return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+
+    def save_pretrained(self, directory: Any) -> None:
+        """The model in the save_pretrained layout (merged, with LoRA: plus the adapter in lora.ADAPTER_DIR)."""
+        with self.lock:
+            if self.lora:
+                self.base_model.save_pretrained(directory, state_dict=lora_adapters.merged_state(self.model))
+                lora_adapters.save_adapter(self.model, directory)
+            else:
+                self.model.save_pretrained(directory)
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer, scheduler, version and torch RNG state (not the weights: those go through save_pretrained)."""
@@ -171,6 +234,7 @@ class TorchTrainer:
                 "scheduler": self.scheduler.state_dict(),
                 "version": self.version,
                 "rng": rng,
+                **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {}),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -178,6 +242,8 @@ class TorchTrainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self._apply_hyperparameters()
+            if self.scaler is not None and "scaler" in state:
+                self.scaler.load_state_dict(state["scaler"])
             self.version = int(state["version"])
             rng = state.get("rng", {})
             if "torch" in rng:
@@ -185,13 +251,23 @@ class TorchTrainer:
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
-    def _lr_factor(self, update: int) -> float:
-        """The schedule: linear warm-up over `train.warmup_steps` updates, then constant."""
-        warmup = self.cfg.train.warmup_steps
-        return min(1.0, (update + 1) / warmup) if warmup > 0 else 1.0
+    def _lr_factor(self, step: int) -> float:
+        """The schedule at `step` (0-based): linear warm-up over `train.warmup_steps` steps, then
+        `train.lr_schedule`: constant, or linear / cosine decay from 1 at the end of warm-up to 0 at
+        `train.max_steps` (so the last step trains at a small positive rate)."""
+        t = self.cfg.train
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_schedule == "constant":
+            return 1.0
+        decay_steps = max(1, t.max_steps - t.warmup_steps)
+        progress = min(1.0, (step - t.warmup_steps) / decay_steps)
+        if t.lr_schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def _apply_hyperparameters(self) -> None:
-        """Make a loaded optimizer follow this run's train.lr, weight_decay and warm-up from the next update on.
+        """Make a loaded optimizer follow this run's train.lr, weight_decay, warm-up and schedule from the next update on.
 
         A saved optimizer and scheduler carry the values of the run that saved them; a resumed
         run with changed values reports the change, so it must also train with it."""
@@ -305,11 +381,19 @@ class TorchTrainer:
                 normalization=cfg_l.normalization,
                 entropy=entropy,
             )
-            loss.backward()
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total = total + loss.detach()
             stats = stats + micro_stats
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, cfg_t.max_grad_norm)
         loss_value, norm_value = float(total), float(grad_norm)
+        if self.scaler is not None and math.isfinite(loss_value) and not math.isfinite(norm_value):
+            # float16 overflow: the scaler skips this update and lowers its scale (reported as grad_norm 0).
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            return loss_value, 0.0, stats
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(
@@ -317,7 +401,11 @@ class TorchTrainer:
                 f"applied. Try a lower train.lr (now {cfg_t.lr:g}) or train.max_grad_norm (now {cfg_t.max_grad_norm:g}), "
                 f"and check that the generator's log-probs are finite and taken at generation.temperature."
             )
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_value, norm_value, stats
 
@@ -397,7 +485,8 @@ class TorchTrainer:
         }
         if self._keeps_logits:
             kwargs["logits_to_keep"] = batch.completion_width
-        logits = model(**kwargs).logits
+        with autocast(self._device, self.cfg.train.precision):
+            logits = model(**kwargs).logits
         return logits[:, -batch.completion_width :, :]
 
     def _fill_proximal(self, seqs: list[_Sequence]) -> None:

