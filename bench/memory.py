@@ -38,7 +38,7 @@ def one(model_path: str, overrides: list[str]) -> dict:
     from asyncgrpo.config import load_config
     from asyncgrpo.generation.local import LocalEngine, serving_copy
     from asyncgrpo.models.loading import load_model_and_tokenizer
-    from asyncgrpo.training.advantages import group_advantages
+    from asyncgrpo.rollout.advantages import group_advantages
     from asyncgrpo.training.trainer import TorchTrainer
     from asyncgrpo.types import Completion, Group, Prompt, Rollout
 

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 
 from asyncgrpo.config import load_config
-from asyncgrpo.run import train
+from asyncgrpo.train import train
 
 pytestmark = [
     pytest.mark.slow,
