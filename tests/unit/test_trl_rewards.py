@@ -9,10 +9,10 @@ import textwrap
 import pytest
 
 from asyncgrpo.data.loading import build_prompts
-from asyncgrpo.tasks import arithmetic_correct_reward, arithmetic_format_reward, digit_arithmetic_eval_rows, digit_arithmetic_rows
 from asyncgrpo.models.tiny import build_tiny_tokenizer
 from asyncgrpo.rewards.scoring import RewardScorer
 from asyncgrpo.rollout.no_signal import NoSignalWatch
+from asyncgrpo.tasks import arithmetic_correct_reward, arithmetic_format_reward, digit_arithmetic_eval_rows, digit_arithmetic_rows
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -212,7 +212,10 @@ class LocalEngine:
         Cancelling the call withdraws the load only if the engine thread has not taken it yet.
         """
         if version < self._requested_version:
-            raise ValueError(f"load_weights: version {version} is older than version {self._requested_version} already loaded or queued; versions must not decrease.")
+            raise ValueError(
+                f"load_weights: version {version} is older than version {self._requested_version} already loaded or queued; "
+                f"versions must not decrease."
+            )
         if state is not None:
             self._check_state(state)
         loop = asyncio.get_running_loop()
@@ -264,7 +267,10 @@ class LocalEngine:
             raise PromptRejectedError(f"request {request.request_id}: the prompt is empty.", backend=self.name)
         bad = [t for t in prompt if not 0 <= t < self._vocab_size]
         if bad:
-            raise PromptRejectedError(f"request {request.request_id}: token ids {bad[:5]} are outside the model's vocabulary of {self._vocab_size}.", backend=self.name)
+            raise PromptRejectedError(
+                f"request {request.request_id}: token ids {bad[:5]} are outside the model's vocabulary of {self._vocab_size}.",
+                backend=self.name,
+            )
         if self._max_positions is not None and len(prompt) + s.max_new_tokens > self._max_positions:
             raise PromptRejectedError(
                 f"request {request.request_id}: prompt of {len(prompt)} tokens + max_new_tokens {s.max_new_tokens} exceeds "
@@ -397,7 +403,9 @@ class LocalEngine:
         rows = self._rows
         with self._cond:
             self._counters["waves"] += 1
-        prefill, cache = True, None
+        prefill = True
+        cache: Any = None
+        next_ids: torch.Tensor | None = None  # the last sampled token of each row, fed to the next decode step
         while rows:
             if prefill:
                 logits, cache, mask, last_pos = self._prefill(rows)
@@ -405,6 +413,7 @@ class LocalEngine:
             else:
                 mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
                 last_pos = last_pos + 1
+                assert next_ids is not None  # set at the end of every step that keeps rows without a new prefill
                 logits = self._forward(next_ids[:, None], mask, last_pos[:, None], cache)
             version = self._version  # only this thread changes it
             tokens, logprobs = self._sample(rows, logits)

@@ -86,7 +86,8 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32", seed: int = 0) -
 
     directory = Path(path).expanduser()
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch_dtype, output_loading_info=True)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch_dtype, output_loading_info=True)
+        model, info = loaded
     except Exception as exc:
         raise ConfigError(
             f"model.path = {path!r}: could not load a causal LM from this directory ({type(exc).__name__}: {exc}). "
@@ -97,7 +98,7 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32", seed: int = 0) -
         if (directory / "tokenizer.json").is_file():
             tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
         else:
-            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)  # type: ignore[assignment]
     except Exception as exc:
         raise ConfigError(
             f"model.path = {path!r}: could not load the tokenizer from this directory ({type(exc).__name__}: {exc}). "

@@ -100,7 +100,7 @@ def _convert(source: Path, target: Path) -> None:
             delattr(config, key)
     model = type(loaded)(config)
     model.load_state_dict(loaded.state_dict(), strict=True)
-    model.to(torch.float32)
+    model = model.float()
     with atomic_directory(target) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

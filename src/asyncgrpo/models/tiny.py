@@ -94,6 +94,6 @@ def build_tiny(seed: int) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    model.to(torch.float32)
+    model = model.float()
     model.eval()
     return model, build_tiny_tokenizer()

@@ -14,7 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 
@@ -51,7 +51,7 @@ def _mps_available() -> bool:
     return bool(backend is not None and backend.is_available())
 
 
-def autocast(device: torch.device, precision: str) -> ContextManager[Any]:
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
     """Autocast to `precision` on `device` (a no-op for float32)."""
     if precision == "float32":
         return contextlib.nullcontext()

@@ -50,18 +50,18 @@ def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
     return wrapped
 
 
-def base_model(model: torch.nn.Module) -> torch.nn.Module:
+def base_model(model: Any) -> Any:
     """The transformers model inside a peft wrapper (with the adapters attached)."""
     return model.get_base_model()
 
 
-def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def merged_state(model: Any) -> dict[str, torch.Tensor]:
     """The weights a generator serves: base names, adapters merged into their linears (see the module docstring)."""
     from peft.tuners.lora import LoraLayer
 
     base = base_model(model)
     merged: dict[str, torch.Tensor] = {}
-    adapted = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    adapted: dict[str, Any] = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
     with torch.no_grad():
         for name, module in adapted.items():
             weight = module.get_base_layer().weight
@@ -74,7 +74,7 @@ def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return merged
 
 
-def save_adapter(model: torch.nn.Module, directory: Path) -> None:
+def save_adapter(model: Any, directory: Path) -> None:
     model.save_pretrained(str(Path(directory) / ADAPTER_DIR))
 
 

@@ -126,7 +126,7 @@ class TorchTrainer:
     initial model and then load the checkpoint.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: Config, *, version: int = 0) -> None:
+    def __init__(self, model: Any, tokenizer: Any, cfg: Config, *, version: int = 0) -> None:
         t = cfg.train
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -155,7 +155,7 @@ class TorchTrainer:
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.base_model.forward).parameters
 
     @staticmethod
-    def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    def _enable_gradient_checkpointing(model: Any) -> None:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise ValueError(
                 f"train.gradient_checkpointing is on, but {type(model).__name__} does not support it. Fix: set "
@@ -184,7 +184,7 @@ class TorchTrainer:
         return self.cfg.train.lora is not None
 
     @property
-    def base_model(self) -> torch.nn.Module:
+    def base_model(self) -> Any:
         """The transformers model (inside the LoRA wrapper when there is one): its config, its save layout."""
         return lora_adapters.base_model(self.model) if self.lora else self.model
 
@@ -221,7 +221,7 @@ class TorchTrainer:
                 self.base_model.save_pretrained(directory, state_dict=lora_adapters.merged_state(self.model))
                 lora_adapters.save_adapter(self.model, directory)
             else:
-                self.model.save_pretrained(directory)
+                self.base_model.save_pretrained(directory)
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer, scheduler, version and torch RNG state (not the weights: those go through save_pretrained)."""
