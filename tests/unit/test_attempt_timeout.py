@@ -68,3 +68,16 @@ def test_a_latency_that_is_not_a_duration_is_refused(bad):
 def test_settings_out_of_range_are_refused():
     with pytest.raises(ValueError, match="factor >= 1"):
         LatencyTracker(cap_s=1.0, factor=0.5, floor_s=0.1)
+
+
+def test_after_a_weight_install_the_latencies_start_over_at_the_cap():
+    """A reload clears the server's cache: answers before it do not predict answers after it."""
+    t = tracker()
+    for _ in range(MIN_SAMPLES):
+        t.record(0.5)
+    assert t.timeout_s() == pytest.approx(1.5)
+    t.forget()
+    assert t.samples == 0 and t.timeout_s() == 60.0
+    for _ in range(MIN_SAMPLES):
+        t.record(2.0)  # slower now: the new timeout follows the new answers
+    assert t.timeout_s() == pytest.approx(6.0)

@@ -51,6 +51,12 @@ class LatencyTracker:
     def samples(self) -> int:
         return len(self._latencies)
 
+    def forget(self) -> None:
+        """Start over: the server changed (new weights, a cleared cache), so past latencies no longer
+        predict new ones; until MIN_SAMPLES new answers, attempts get the cap again."""
+        self._latencies.clear()
+        self._quantile = None
+
     def record(self, latency_s: float) -> None:
         """An attempt was answered after `latency_s` seconds (of its own clock)."""
         if not math.isfinite(latency_s) or latency_s < 0:

@@ -142,6 +142,7 @@ class _AttemptClock:
             self.thaw(now)
 
     def freeze(self, now: float) -> None:
+        self.budget_s = None  # an attempt that spans an install keeps only the caller's deadline
         if self._since is None:
             return
         self._used += now - self._since
@@ -531,9 +532,13 @@ class HttpGenerator:
         return True
 
     def _pause_clocks(self, server: _Server, paused: bool) -> None:
-        """Our install pauses the server: its requests' attempt clocks stand still meanwhile."""
+        """Our install pauses the server: its requests' attempt clocks stand still meanwhile. A reload
+        changes the server's speed (its prefix cache is cleared: requests resume by prefilling again),
+        so attempts that span it lose their adaptive deadline and the latencies start over."""
         now = asyncio.get_running_loop().time()
         server.installing = paused
+        if paused:
+            self._latency.forget()
         for clock in server.attempts:
             clock.freeze(now) if paused else clock.thaw(now)
         if not paused and server.quiet_since is not None:
