@@ -64,7 +64,8 @@ def _eval_line(cfg: Config, n: int) -> str:
     if not cfg.eval.every_steps:
         return "off (eval.every_steps = 0)"
     source = cfg.eval.source or (cfg.data.source if cfg.data.source.startswith("builtin:") else "the last rows of data.source")
-    return f"{n} prompts from {source}, every {cfg.eval.every_steps} steps and before the first, {cfg.eval.samples_per_prompt} samples each"
+    k = cfg.eval.samples_per_prompt
+    return f"{n} prompts from {source}, every {cfg.eval.every_steps} steps and before the first, {k} sample{'s' if k != 1 else ''} each"
 
 
 def _settings(cfg: Config) -> list[str]:
