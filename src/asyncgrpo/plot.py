@@ -19,14 +19,13 @@ files, the command fails with one paragraph saying what to do.
 from __future__ import annotations
 
 import heapq
-import json
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.rundir import METRICS_FILE, PLOTS_DIR, TIMELINE_FILE
-from asyncgrpo.telemetry.timeline import read_timeline
+from asyncgrpo.telemetry.metrics import read_jsonl
 
 COLOURS = {
     "trained": "#2e9e4f",
@@ -60,8 +59,8 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
             f"{run_dir} has no {METRICS_FILE}: it is not a run directory, or its run trained no step yet. "
             f"Fix: pass the directory a `train` run wrote (runs/<run.name>), or one given to `simulate --output-dir`."
         )
-    metrics = _read_metrics(metrics_path)
-    timeline = read_timeline(timeline_path) if timeline_path.is_file() else []
+    metrics = read_jsonl(metrics_path)
+    timeline = read_jsonl(timeline_path) if timeline_path.is_file() else []
     out = out_dir if out_dir is not None else run_dir / PLOTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     plt.rcParams.update({"figure.dpi": 100, "font.size": 9, "axes.grid": True, "grid.alpha": 0.3})
@@ -84,16 +83,6 @@ def _save(plt: Any, fig: Any, path: Path) -> Path:
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return path
-
-
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    lines = []
-    for text in path.read_text(encoding="utf-8").splitlines():
-        try:
-            lines.append(json.loads(text))
-        except json.JSONDecodeError:
-            continue  # the partial last line of a killed run
-    return lines
 
 
 def _series(metrics: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:

@@ -11,7 +11,7 @@ import pytest
 
 from asyncgrpo.cli import main
 from asyncgrpo.config import load_config
-from asyncgrpo.telemetry.timeline import read_timeline
+from asyncgrpo.telemetry.metrics import read_jsonl
 from asyncgrpo.train import train
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
@@ -37,7 +37,7 @@ def test_plot_draws_a_short_training_run(tmp_path, capsys):
     ])
     summary = asyncio.run(train(cfg))
     assert summary.result.outcome == "completed"
-    timeline = read_timeline(tmp_path / "timeline.jsonl")
+    timeline = read_jsonl(tmp_path / "timeline.jsonl")
     acc = summary.accounting
     takes = Counter(line["take"] for line in timeline if line["e"] == "take")
     assert set(takes.values()) == {1} and len(takes) == acc["taken"] - acc["in_flight"]

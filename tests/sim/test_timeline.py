@@ -7,7 +7,7 @@ from collections import Counter
 
 from asyncgrpo.config import load_config
 from asyncgrpo.simulate import simulate
-from asyncgrpo.telemetry.timeline import read_timeline
+from asyncgrpo.telemetry.metrics import read_jsonl
 
 FAULTY = [
     "train.max_steps=40",
@@ -17,7 +17,7 @@ FAULTY = [
 
 def run(tmp_path, *overrides):
     sim = simulate(load_config("recipes/simulate.yaml", [*FAULTY, *overrides]), output_dir=tmp_path)
-    return sim, read_timeline(tmp_path / "timeline.jsonl")
+    return sim, read_jsonl(tmp_path / "timeline.jsonl")
 
 
 def test_every_take_appears_once_and_the_endings_match_the_accounting(tmp_path):

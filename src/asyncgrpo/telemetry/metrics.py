@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.telemetry.keys import COUNTER_NAMES, EVAL_KEYS, PIPELINE_KEYS, STEP_KEYS, TRAIN_KEYS
 from asyncgrpo.types import StepRecord
 
@@ -84,6 +85,24 @@ class MovingRate:
         self.points.append((t, total))
         (t0, total0) = self.points[0]
         return (total - total0) / (t - t0) if t > t0 else 0.0
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file this module wrote. Only the last line may be cut short (a run
+    killed mid-write): it is left out. A damaged line anywhere else is an error naming it, never skipped."""
+    texts = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, text in enumerate(texts, start=1):
+        try:
+            records.append(json.loads(text))
+        except json.JSONDecodeError as exc:
+            if number == len(texts):
+                break
+            raise AsyncGRPOError(
+                f"{path}, line {number}, is not a JSON record ({exc.msg}): the file was damaged after it was written. "
+                f"Fix: restore it, or remove the damaged line."
+            ) from None
+    return records
 
 
 class JsonlFile:

@@ -131,13 +131,3 @@ class Timeline:
             self._file.close()
             self._file = None
 
-
-def read_timeline(path: Path) -> list[dict[str, Any]]:
-    """The lines of a timeline file (a partial last line, from a killed run, is left out)."""
-    lines = []
-    for text in path.read_text(encoding="utf-8").splitlines():
-        try:
-            lines.append(json.loads(text))
-        except json.JSONDecodeError:
-            continue
-    return lines
