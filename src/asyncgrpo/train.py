@@ -191,17 +191,17 @@ def train_cli(cfg: Config) -> int:
 
 
 def _unexpected_error(run_dir: Path, exc: BaseException) -> str:
-    where = "run with --debug to see the traceback"
+    where = "run the same command with --debug to see the traceback, and please report it with that"
     report = "".join(traceback.format_exception(exc))
     if run_dir.is_dir() and not is_foreign(run_dir):
         try:
             (run_dir / ERROR_FILE).write_text(report)
-            where = f"the traceback is in {run_dir / ERROR_FILE}"
+            where = f"the traceback is in {run_dir / ERROR_FILE}; please report it with that file"
         except OSError:
-            pass
+            pass  # error.txt is a courtesy: the paragraph still says how to see the traceback
     return (
         f"the run stopped on an unexpected {type(exc).__name__}: {exc}. This is not a recipe mistake asyncgrpo knows "
-        f"how to name; {where}. {describe_last_checkpoint(run_dir)} Please report it with that file."
+        f"how to name; {where}. {describe_last_checkpoint(run_dir)}"
     )
 
 
