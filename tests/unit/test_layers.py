@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data", "models"),
     ("generation",),
     ("rewards",),
+    ("environments",),
     ("rollout",),
     ("training",),
     ("pipeline", "assemble", "evaluation"),
