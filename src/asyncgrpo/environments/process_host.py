@@ -1,0 +1,247 @@
+"""``env.isolation: process``: one episode's environment in a worker process that can always be stopped.
+
+A Python thread cannot be stopped from outside; a process can. `ProcessHost` starts one worker
+(environments/worker.py) per episode, at `reset`, creates the environment there from
+`env.factory`, and forwards each call over a socket. `cancel(grace_s)` asks the worker to
+stop (the token is set, `close()` is called there), waits up to `grace_s`, then kills the
+worker's process group with SIGKILL and reaps the worker: the work has stopped, always.
+
+Why a fresh interpreter started with the loop's subprocess support, and not multiprocessing:
+the parent runs torch's threads and an event loop (a fork could inherit a lock held by a
+thread that does not exist in the child), `spawn` would re-import the parent's `__main__`,
+and replies are read by the event loop itself with no thread per call (as rewards/pool.py).
+Why one process per episode and not a pool: start-up is one interpreter plus the import of
+the environment's module (docs/environments.md, "Process isolation", has the measured cost),
+small next to an episode of model turns; an episode's environment then never shares a
+process with another episode's, and a killed worker needs no replacement.
+
+Invariants:
+- Every wait has a bound: the worker's start (`START_TIMEOUT_S`), `close` (`CLOSE_TIMEOUT_S`),
+  the worker's exit (`EXIT_GRACE_S`, or `grace_s` on cancel) and the reap (`REAP_TIMEOUT_S`).
+  A reset or step waits for the worker's reply, its death (end of file: an error for that
+  rollout, never a hang) or `cancel`, whichever comes first.
+- After `close` or `cancel` returns, the worker has exited and its process group has been
+  sent SIGKILL (what the environment started dies with it). A host never closed is killed the
+  same way by a finalizer at garbage collection or interpreter exit, and by the kernel when
+  the parent dies (the worker's PR_SET_PDEATHSIG).
+- What the environment raised comes back classified: `TransientEnvironmentError` stays
+  transient, `EpisodeCancelled` stays cancelled, anything else is a `RemoteEnvironmentError`
+  with the type's name and message; the traceback text is chained below (`RemoteTraceback`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.environments.protocol import (
+    EpisodeCancelled,
+    Message,
+    StepResult,
+    TransientEnvironmentError,
+    as_messages,
+    as_step_result,
+)
+from asyncgrpo.environments.worker import receive
+from asyncgrpo.rewards.pool import RemoteTraceback, describe_exit
+from asyncgrpo.rewards.worker import encode
+
+START_TIMEOUT_S = 120.0
+CLOSE_TIMEOUT_S = 30.0
+EXIT_GRACE_S = 2.0
+REAP_TIMEOUT_S = 5.0
+_SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the asyncgrpo package
+_BOOT = f"import sys; sys.path.insert(0, {_SRC!r}); from asyncgrpo.environments.worker import main; main()"
+
+
+class RemoteEnvironmentError(Exception):
+    """An environment in a worker process raised `remote_type`: `message` (the traceback is its `__cause__`)."""
+
+    def __init__(self, source: str, remote_type: str, message: str) -> None:
+        super().__init__(f"{source} raised {remote_type}: {message}")
+        self.source = source
+        self.remote_type = remote_type
+        self.message = message
+
+
+class EnvironmentProcessDied(Exception):
+    """The worker process holding an environment ended without answering a call."""
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL to the process group `pid` leads (the worker and what it started); gone already is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _kill_groups(pids: set[int]) -> None:
+    for pid in pids:
+        _kill_group(pid)
+    pids.clear()
+
+
+class ProcessHost:
+    """One episode of the environment `factory_spec` names, in its own worker process (see the module docstring)."""
+
+    def __init__(self, factory_spec: str, observation_role: str) -> None:
+        self.factory_spec = factory_spec
+        self.observation_role = observation_role
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._busy = False
+        self._cancelled = False
+        self._ended = False  # closed or cancelled: the worker is gone or going
+        self._groups: set[int] = set()  # process groups to kill if this host is dropped unclosed
+        self._finalizer = weakref.finalize(self, _kill_groups, self._groups)
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id (also its process group's), once `reset` started it."""
+        return None if self._proc is None else self._proc.pid
+
+    async def reset(self, row: Mapping[str, Any]) -> tuple[Message, ...]:
+        if self._proc is None and not self._ended:
+            await self._start()
+        return as_messages(await self._call("reset", dict(row)), self.observation_role, source=f"{self.factory_spec} reset")
+
+    async def step(self, action_text: str) -> StepResult:
+        return as_step_result(await self._call("step", action_text), self.observation_role, source=f"{self.factory_spec} step")
+
+    async def close(self) -> None:
+        """Call the environment's `close()` (bounded by `CLOSE_TIMEOUT_S`), then end the worker. Idempotent."""
+        if self._ended:
+            return
+        try:
+            if self._proc is not None:
+                async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                    await self._call("close", None)
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"env.factory = {self.factory_spec!r}: close() did not return within {CLOSE_TIMEOUT_S:g} s; the worker "
+                f"process was killed. Fix: make close() return promptly (it may not wait for work it can interrupt)."
+            ) from exc
+        finally:
+            self._ended = True
+            await self._stop(EXIT_GRACE_S)
+
+    async def cancel(self, grace_s: float) -> bool:
+        """Stop the episode: the worker sets the token and calls close(); after `grace_s` its process group is killed."""
+        self._cancelled = True
+        if self._ended:
+            return True
+        self._ended = True
+        if self._writer is not None:
+            with contextlib.suppress(ConnectionError):
+                self._writer.write(encode(("cancel", None)))
+        await self._stop(grace_s)
+        return True
+
+    async def _start(self) -> None:
+        parent, child = socket.socketpair()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _BOOT, str(child.fileno()),
+                stdin=asyncio.subprocess.DEVNULL, pass_fds=(child.fileno(),), start_new_session=True,
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self._proc = proc
+        self._groups.add(proc.pid)
+        self._reader, self._writer = await asyncio.open_connection(sock=parent)
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                self._writer.write(encode({"factory": self.factory_spec, "sys_path": list(sys.path), "parent_pid": os.getpid()}))
+                await self._writer.drain()
+                await self._answer("create")
+        except BaseException as exc:
+            self._ended = True
+            await self._stop(0.0)
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(
+                    f"env.factory = {self.factory_spec!r}: the environment's worker process did not create the environment "
+                    f"within {START_TIMEOUT_S:g} s. Fix: make the module import and the constructor faster, or use "
+                    f"env.isolation: thread."
+                ) from exc
+            raise
+
+    async def _call(self, op: str, arg: Any) -> Any:
+        if self._cancelled:
+            raise EpisodeCancelled(f"{self.factory_spec} {op}: the episode was cancelled")
+        if self._ended or self._writer is None:
+            raise RuntimeError(f"{self.factory_spec} {op}: the episode's environment is closed (or was never reset)")
+        if self._busy:
+            raise RuntimeError(f"{self.factory_spec} {op}: another call of this episode is still running; calls are one at a time")
+        self._busy = True
+        try:
+            self._writer.write(encode((op, arg)))
+            await self._writer.drain()
+            return await self._answer(op)
+        except ConnectionError as exc:
+            raise await self._died(op) from exc
+        finally:
+            self._busy = False
+
+    async def _answer(self, op: str) -> Any:
+        """The worker's reply to `op`: its value, or what the environment raised, classified."""
+        assert self._reader is not None
+        try:
+            reply = await receive(self._reader)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            raise await self._died(op) from exc
+        if reply[0] == "ok":
+            return reply[1]
+        _, kind, type_name, message, remote_traceback = reply
+        source = f"env.factory = {self.factory_spec!r}" if op == "create" else f"{self.factory_spec} {op}"
+        error: Exception
+        if kind == "transient":
+            error = TransientEnvironmentError(f"{source} raised {type_name}: {message}")
+        elif kind == "cancelled":
+            error = EpisodeCancelled(f"{source}: {message}")
+        else:
+            error = RemoteEnvironmentError(source, type_name, message)
+        error.__cause__ = RemoteTraceback(remote_traceback)
+        raise error
+
+    async def _died(self, op: str) -> Exception:
+        """The error for a call whose worker hung up: cancelled if `cancel` ended it, else the worker died."""
+        if self._cancelled:
+            return EpisodeCancelled(f"{self.factory_spec} {op}: the episode was cancelled")
+        proc = self._proc
+        assert proc is not None
+        self._ended = True
+        await self._stop(REAP_TIMEOUT_S)
+        return EnvironmentProcessDied(
+            f"env.isolation: process: the worker process (pid {proc.pid}) holding the environment {self.factory_spec!r} "
+            f"{describe_exit(proc.returncode)} during {op}; its stderr above may say why. The rollout fails (it is not "
+            f"retried: raise TransientEnvironmentError for failures worth retrying)."
+        )
+
+    async def _stop(self, grace_s: float) -> None:
+        """Hang up, give the worker `grace_s` to exit, then SIGKILL its process group, and reap it (bounded)."""
+        proc = self._proc
+        if proc is None:
+            return
+        if self._writer is not None:
+            self._writer.close()  # end of file: the worker stops its episode (as on "cancel") and exits
+        if grace_s > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace_s):
+                    await proc.wait()
+        _kill_group(proc.pid)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(REAP_TIMEOUT_S):
+                await proc.wait()
+        if proc.returncode is not None:
+            self._groups.discard(proc.pid)
