@@ -236,18 +236,53 @@ def digit_arithmetic_eval_rows(n: int, seed: int) -> list[dict[str, Any]]:
     return _arithmetic_sample(True, n, f"asyncgrpo:digit_arithmetic:eval:{seed}")
 
 
+def first_integer(text: str) -> str | None:
+    """The first integer in `text` as written ("-3" in "it is -3."), or None."""
+    found = _INTEGER_RE.search(text)
+    return None if found is None else found.group()
+
+
 def arithmetic_correct_reward(prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[Any], **_: Any) -> list[float]:
     """1.0 when the first integer in the completion equals the row's "answer", else 0.0 ("12", "it is 12." score 1)."""
-    out = []
-    for want, completion in zip(answer, completions):
-        found = _INTEGER_RE.search(content_text(completion))
-        out.append(1.0 if found is not None and found.group() == str(want).strip() else 0.0)
-    return out
+    return [1.0 if first_integer(content_text(completion)) == str(want).strip() else 0.0 for want, completion in zip(answer, completions)]
 
 
 def arithmetic_format_reward(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
     """1.0 when the completion is only an integer, optionally ending in a full stop ("12", " 12.\\n"), else 0.0."""
     return [1.0 if _INTEGER_RE.fullmatch(content_text(c).strip().removesuffix(".")) else 0.0 for c in completions]
+
+
+# ---------------------------------------------------------------------------------------
+# calculator: questions for the calculator tool environment (environments/calculator.py)
+
+_CALCULATOR_OPS = ("+", "-", "*")
+
+
+def _calculator_items(held_out: bool) -> list[tuple[int, str, int]]:
+    """(a, op, b) with a in [10, 99], b in [2, 9] (so a - b > 0); one in ten held out by hash."""
+    items = [(a, op, b) for op in _CALCULATOR_OPS for a in range(10, 100) for b in range(2, 10)]
+    return [i for i in items if (int.from_bytes(hashlib.blake2b(repr(i).encode(), digest_size=8).digest(), "little") % 10 == 0) == held_out]
+
+
+def _calculator_sample(held_out: bool, n: int, stream: str) -> list[dict[str, Any]]:
+    rng = random.Random(stream)
+    items = _calculator_items(held_out)
+    rows = []
+    for a, op, b in (rng.choice(items) for _ in range(n)):
+        question = f"what is {a}{op}{b}?"
+        rows.append({"prompt": [{"role": "user", "content": question}], "answer": str(_ARITHMETIC_OPS[op](a, b))})
+    return rows
+
+
+def calculator_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """`n` chat rows ``{"prompt": [{"role": "user", "content": "what is 37*8?"}], "answer": "296"}`` (two digits
+    with one digit; +, -, *), never a held-out item. The calculator environment scores the episodes."""
+    return _calculator_sample(False, n, f"asyncgrpo:calculator:train:{seed}")
+
+
+def calculator_eval_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """`n` held-out rows: items (a fixed tenth, by hash) disjoint from every training row of every seed."""
+    return _calculator_sample(True, n, f"asyncgrpo:calculator:eval:{seed}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -318,6 +353,14 @@ TASKS: dict[str, Task] = {
         digit_arithmetic_eval_rows,
         arithmetic_correct_reward,
     ),
+    "calculator": Task(
+        "calculator",
+        "chat 'what is 37*8?' -> '296' with a calculator tool ('calc: 37*8' -> '= 296'); "
+        "env.factory: asyncgrpo.environments.calculator:CalculatorEnv scores it",
+        calculator_rows,
+        calculator_eval_rows,
+        arithmetic_correct_reward,
+    ),
 }
 """Built-in data sources (`data.source: builtin:<name>`)."""
 
@@ -326,6 +369,7 @@ REWARDS: dict[str, RewardFn] = {
     "addition": addition_reward,
     "coin": coin_reward,
     "digit_arithmetic": arithmetic_correct_reward,  # the task's own reward, like every task's
+    "calculator": arithmetic_correct_reward,  # the final answer's integer (the environment adds the tool-use term)
     "arithmetic_correct": arithmetic_correct_reward,
     "arithmetic_format": arithmetic_format_reward,
 }
