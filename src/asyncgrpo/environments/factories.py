@@ -1,0 +1,48 @@
+"""Turning `env.factory` into the callable that makes one environment per episode.
+
+`load_factory(spec)` reads a "module:callable" spec (a dotted module importable from sys.path or
+the working directory, or a path to a .py file; the callable may be dotted, e.g. a class or
+`module:Class.create`). Prefixed forms ("<prefix>:...") are dispatched in `PREFIXES` before the
+plain form is tried, so an adapter (e.g. `openenv:`) adds one entry there.
+
+Invariants: every failure is a `ConfigError` naming `env.factory`, the value, what is wrong and the
+fix; loading imports the module but never calls the factory (a host calls it, once per episode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from asyncgrpo.environments.protocol import Environment
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.rewards.scoring import import_user_module
+
+KEY = "env.factory"
+FORM = "module:callable, e.g. my_env:MyEnv for class MyEnv with reset(row), step(action_text) and close() in my_env.py"
+
+# "<prefix>" -> loader of the rest of the spec (after "<prefix>:"); adapters register here.
+PREFIXES: dict[str, Callable[[str], Callable[[], Environment]]] = {}
+
+
+def load_factory(spec: str) -> Callable[[], Environment]:
+    """The callable named by `spec` (see the module docstring); a ConfigError names what is wrong and the fix."""
+    prefix, sep, rest = spec.partition(":")
+    if sep and prefix in PREFIXES:
+        return PREFIXES[prefix](rest)
+    module_name, sep, attr_path = spec.rpartition(":")
+    if not sep or not module_name or not attr_path:
+        raise ConfigError(f"{KEY} = {spec!r} is not of the form {FORM}.")
+    obj: object = import_user_module(module_name, KEY, spec)
+    walked: list[str] = []
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            where = f"module {module_name!r}" if not walked else f"{module_name}:{'.'.join(walked)}"
+            raise ConfigError(f"{KEY} = {spec!r}: {where} has no attribute {part!r}. Fix: name the class or function that makes an environment.")
+        obj = getattr(obj, part)
+        walked.append(part)
+    if not callable(obj):
+        raise ConfigError(
+            f"{KEY} = {spec!r}: {attr_path} is a {type(obj).__name__}, not a class or function. Fix: point it at a class "
+            f"(or a function taking no arguments) whose instances have reset(row), step(action_text) and close()."
+        )
+    return obj  # type: ignore[return-value]  # checked callable; its product is checked at reset
