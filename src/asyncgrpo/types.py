@@ -123,6 +123,7 @@ class Completion:
     text: str = ""
     loss_mask: tuple[bool, ...] | None = None  # None: every token is the model's
     episode: Episode | None = None
+    prompt_token_ids: tuple[int, ...] | None = None  # an episode whose reset observation joined its prompt: that prompt
 
     def __post_init__(self) -> None:
         if not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):
