@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from asyncgrpo.config import Config
+from asyncgrpo.config import Config, section_model
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
@@ -56,9 +56,11 @@ def _section(prefix: str, model: type[BaseModel], out: list[str]) -> None:
     rows = []
     for name, field in model.model_fields.items():
         annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            nested.append((f"{prefix}.{name}" if prefix else name, annotation))
-            continue
+        sub = section_model(annotation)
+        if sub is not None:
+            nested.append((f"{prefix}.{name}" if prefix else name, sub))
+            if sub is annotation:
+                continue  # an optional section also gets a row: its default is null
         description = (field.description or "").replace("|", "\\|").replace("\n", " ")
         rows.append(f"| `{prefix}.{name}` | {_type(annotation)} | {_default(field)} | {description} |" if prefix
                     else f"| `{name}` | {_type(annotation)} | {_default(field)} | {description} |")

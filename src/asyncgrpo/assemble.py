@@ -13,6 +13,7 @@ from typing import Any
 
 from asyncgrpo.config import Config
 from asyncgrpo.data.source import PromptSource
+from asyncgrpo.environments.conversation import CharCodec, TokenizerCodec
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rewards.scoring import Isolation, RewardScorer
 from asyncgrpo.rollout.accounting import Accounting
@@ -44,12 +45,15 @@ def build_collector(
     start_step: int = 0,
     resumed: dict[str, Any] | None = None,
     observer: RolloutObserver | None = None,
+    tokenizer: Any = None,
 ) -> Collector:
     """The collector over `prompts` on `generator`, with the recipe's source order and reward functions.
 
     `isolation` overrides `reward.isolation` (simulations score inline, on virtual time); `ledger`
     and `resumed` (a checkpoint's accounting and counters) continue a run from a checkpoint;
-    `observer` is told each rollout's and take's life (rollout/events.py; the run's timeline)."""
+    `observer` is told each rollout's and take's life (rollout/events.py; the run's timeline). With an
+    `env:` section, episodes are tokenized with `tokenizer`'s chat template, or without one (the
+    simulator) one id per character (environments/conversation.py)."""
     source = PromptSource(
         prompts,
         num_epochs=cfg.data.num_epochs,
@@ -62,6 +66,7 @@ def build_collector(
     collector = Collector(
         cfg, source=source, generator=generator, scorer=scorer, sampling=sampling_params(cfg, stop_token_ids),
         start_step=start_step, ledger=ledger, observer=observer,
+        codec=(TokenizerCodec(tokenizer) if tokenizer is not None else CharCodec()) if cfg.env is not None else None,
     )
     if resumed:
         collector.accounting = Accounting.resumed(resumed["accounting"])

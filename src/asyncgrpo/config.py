@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -77,8 +78,9 @@ class DataConfig(_Section):
 
 class RewardConfig(_Section):
     functions: list[str] = Field(
-        default_factory=lambda: ["builtin:repeat_letter"], min_length=1,
-        description="builtin:<name> or module:function, each reward(prompts, completions, **columns) -> list[float | None].",
+        default_factory=lambda: ["builtin:repeat_letter"],
+        description="builtin:<name> or module:function, each reward(prompts, completions, **columns) -> list[float | None]. May be empty "
+        "([]) when an environment (env:) gives the reward.",
     )
     weights: list[float] | None = Field(None, description="One weight per function (default 1.0 each).")
     timeout_s: float = Field(30.0, gt=0, description="Deadline for one reward call on one group.")
@@ -91,6 +93,35 @@ class RewardConfig(_Section):
     workers: int = Field(
         4, ge=1,
         description="reward.isolation: process: worker processes, i.e. sync reward calls at once; more wait for a free worker.",
+    )
+
+
+class EnvConfig(_Section):
+    """Multi-turn environments (docs/environments.md): each rollout is an episode of model turns and environment steps.
+    Absent (null): each rollout is one completion, as without environments."""
+
+    factory: str = Field(
+        ..., min_length=1,
+        description="module:callable returning a new environment (reset/step/close); called with no arguments once per episode.",
+    )
+    max_turns: int = Field(4, ge=1, description="Most model turns of one episode; the episode then ends (stop reason max_turns).")
+    max_tokens: int = Field(
+        512, ge=1,
+        description="Most tokens of one episode after the prompt, the model's and the environment's together (stop reason max_tokens).",
+    )
+    cancel_grace_s: float = Field(
+        5.0, gt=0,
+        description="A cancelled episode's environment gets this long to stop (token set, close() called) before it is killed "
+        "(process) or counted in env/abandoned_total (thread).",
+    )
+    isolation: Literal["thread", "process"] = Field(
+        "thread",
+        description="Where sync environment code runs: thread (a thread of its own per episode; one that will not stop is abandoned and "
+        "counted) or process (a worker process per episode slot, killed after the grace).",
+    )
+    observation_role: str = Field("user", min_length=1, description="Chat role of an observation given as a plain string.")
+    reward_weight: float = Field(
+        1.0, ge=0, description="Weight of the environment's episode reward, added to the weighted reward functions (0: ignore it).",
     )
 
 
@@ -252,8 +283,8 @@ class RolloutConfig(_Section):
     mask_truncated: bool = Field(False, description="Mask completions cut at max_new_tokens out of the loss.")
     stall_timeout_s: float | None = Field(
         None, gt=0,
-        description="No rollout finished and no step trained for this long raises StallError (default: rollout deadline + reward time limit of "
-        "every function + probe interval + 60 s).",
+        description="No rollout finished and no step trained for this long raises StallError (default: rollout deadline (times env.max_turns "
+        "with an env) + reward time limit of every function + probe interval + 60 s).",
     )
 
 
@@ -391,6 +422,7 @@ class Config(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     runtime: Literal["local", "ray"] = Field("local", description="local: all in this process; ray: generators as Ray actors (see the ray: section).")
     ray: RayConfig = Field(default_factory=RayConfig)
+    env: EnvConfig | None = Field(None, description="Multi-turn environments (the env: section); null: single-turn rollouts.")
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -405,7 +437,8 @@ class Config(_Section):
         if self.rollout.stall_timeout_s is not None:
             return self.rollout.stall_timeout_s
         scoring = self.reward.timeout_s * len(self.reward.functions)
-        return g.rollout_deadline_s + scoring + g.health_probe_interval_s + 60.0
+        turns = self.env.max_turns if self.env is not None else 1  # an episode generates once per turn
+        return g.rollout_deadline_s * turns + scoring + g.health_probe_interval_s + 60.0
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -453,6 +486,12 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"ray.generators = {ray.generators} actors x ray.generator.num_cpus = {ray.generator.num_cpus:g} need "
             f"{needed:g} CPUs, more than the local cluster's ray.num_cpus = {ray.num_cpus}: "
             f"Ray would never place them all. Fix: lower ray.generator.num_cpus or ray.generators, or raise ray.num_cpus."
+        )
+    if not cfg.reward.functions and (cfg.env is None or cfg.env.reward_weight == 0):
+        where = "no env: section" if cfg.env is None else "env.reward_weight = 0"
+        problems.append(
+            f"reward.functions is empty and {where}: no rollout could get a reward. Fix: list at least one reward "
+            f"function in reward.functions, or configure an environment (env.factory) with env.reward_weight > 0."
         )
     weights = cfg.reward.weights
     if weights is not None and len(weights) != len(cfg.reward.functions):
@@ -606,17 +645,24 @@ def describe_error(err: Mapping[str, Any]) -> str:
     return f"{key} = {value!r}: {msg}{why}. Fix: set {key} to a value that satisfies this."
 
 
+def section_model(annotation: Any) -> type[BaseModel] | None:
+    """The section model of a field's annotation: `X` or an optional `X | None` (env:, train.lora); None for a plain value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models[0] if len(models) == 1 and type(None) in typing.get_args(annotation) else None
+
+
 def _model_at(loc: list[str]) -> type[BaseModel] | None:
     model: type[BaseModel] = Config
     for part in loc:
         field = model.model_fields.get(part)
         if field is None:
             return None
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            model = annotation
-        else:
+        found = section_model(field.annotation)
+        if found is None:
             return None
+        model = found
     return model
 
 

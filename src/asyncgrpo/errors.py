@@ -54,6 +54,15 @@ class GenerationError(AsyncGRPOError):
         self.backend = backend
 
 
+class EpisodeError(AsyncGRPOError):
+    """An environment's reset, step or close raised: the episode's rollout fails. `backend` names the environment."""
+
+    def __init__(self, message: str, *, backend: str = "", transient: bool = False) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.transient = transient
+
+
 class TransientGenerationError(GenerationError):
     """Worth retrying: the backend may answer next time (refused, reset, timeout, 429, 5xx)."""
 

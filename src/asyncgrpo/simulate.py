@@ -24,12 +24,14 @@ from typing import Any
 from asyncgrpo.assemble import build_collector
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_rows
+from asyncgrpo.environments.hosts import check_env
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.collector import Collector
+from asyncgrpo.rollout.episode import term_names
 from asyncgrpo.rundir import METRICS_FILE, TIMELINE_FILE
 from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, metric_keys, step_metrics
 from asyncgrpo.telemetry.timeline import Timeline
@@ -92,6 +94,7 @@ def preflight_simulation(cfg: Config) -> None:
     check_simulatable(cfg)
     check_data_source(cfg.data.source, key="data.source")
     resolve_rewards(cfg.reward.functions)
+    check_env(cfg.env)
 
 
 def check_simulatable(cfg: Config) -> None:
@@ -136,7 +139,7 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     async def record(step: StepRecord) -> None:
         records.append(step)
         if report is not None:
-            report.step(step, collector, scorer.names)
+            report.step(step, collector, term_names(scorer.names, cfg.env))
 
     async def main() -> tuple[PipelineResult, float]:
         result = await run_pipeline(cfg, collector=collector, trainer=trainer, generator=generator, on_step=record)

@@ -43,6 +43,7 @@ from typing import Any
 from asyncgrpo.assemble import build_collector
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_rows, read_rows
+from asyncgrpo.environments.hosts import check_env
 from asyncgrpo.errors import AsyncGRPOError, ConfigError, Diagnostic, DiskError, FatalBackendError, PipelineError
 from asyncgrpo.evaluation import eval_diagnostic, evaluate
 from asyncgrpo.generation.base import Generator
@@ -50,6 +51,7 @@ from asyncgrpo.generation.ray_cluster import import_ray
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rollout.episode import term_names
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.run_files import describe_last_checkpoint, disk_diagnostic, disk_problem, open_record, write_or_disk_error
 from asyncgrpo.rundir import (
@@ -94,6 +96,7 @@ def preflight(cfg: Config) -> ResumePlan:
     if cfg.eval.source is not None:
         check_data_source(cfg.eval.source, key="eval.source")
     resolve_rewards(cfg.reward.functions)
+    check_env(cfg.env)
     if problems := sink_problems(cfg.logging.sinks):
         raise ConfigError("\n".join(problems))
     check_run_directory(cfg.run.directory)
@@ -282,9 +285,10 @@ class TrainingRun:
         self.scorer = RewardScorer.from_config(cfg.reward)
         self.collector = build_collector(
             cfg, prompts, self.engine, stop_token_ids=self.stop_ids, scorer=self.scorer, ledger=self.ledger, start_step=plan.step,
-            resumed=saved, observer=self.timeline,
+            resumed=saved, observer=self.timeline, tokenizer=tokenizer,
         )
-        self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.scorer.names))
+        self.reward_terms = term_names(self.scorer.names, cfg.env)
+        self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.reward_terms))
         self.trackers = Trackers(cfg, run_dir)
         self.progress = Progress(cfg, plan.step)
         self.eval_state: dict[str, float | None] = dict.fromkeys(EVAL_KEYS)
@@ -386,7 +390,7 @@ class TrainingRun:
         values = step_metrics(
             record,
             self.collector.metric_values(),
-            reward_names=self.scorer.names,
+            reward_names=self.reward_terms,
             elapsed_s=now - self.started,
             gen_tokens_per_s=self.token_rate.add(now, self.collector.counters["rollout/generated_tokens_total"]),
             eval_metrics=self.eval_state,

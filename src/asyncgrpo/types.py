@@ -5,7 +5,9 @@ PromptSource -> Prompt -> (Generator) Completion -> (Rewards) Rollout -> Group -
 Invariants:
 - Every carrier is immutable; stages build new ones instead of mutating.
 - A `Completion` carries one policy version per generated token (`versions`), so the
-  generation version of a group is the minimum over all its tokens (DESIGN.md §1).
+  generation version of a group is the minimum over all its tokens (DESIGN.md §1). The
+  completion of a multi-turn episode also holds the environment's tokens, marked out by
+  `loss_mask`; its generation version is the minimum over the model's tokens only.
 - `DropReason` is the closed set of reasons a taken prompt can end without training; the
   accounting object always reports every one of them.
 """
@@ -27,6 +29,10 @@ DROP_REASONS: tuple[DropReason, ...] = (
 )
 
 FinishReason = Literal["stop", "length"]
+
+# How an episode ended (environments/protocol.py). Only done, max_turns and max_tokens end in a
+# sample; a cancelled episode leaves no sample and an env_error one fails its rollout.
+EpisodeStop = Literal["done", "max_turns", "max_tokens", "cancelled", "env_error"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,26 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class Episode:
+    """What a multi-turn episode adds to its `Completion`.
+
+    `messages`: the conversation after the prompt (assistant turns and the environment's
+    observations, in order); `turns`: model generations; `env_reward`: the sum of the
+    environment's step rewards (None: no step gave one); `version_span`: the lowest and highest
+    policy version of the model's tokens; `drift_turns`: turns whose ids (as sampled) were not a
+    prefix of the chat template's rendering of the history (the ids were kept, never re-rendered).
+    """
+
+    messages: tuple[Mapping[str, Any], ...]
+    turns: int
+    stop_reason: EpisodeStop
+    env_reward: float | None
+    version_span: tuple[int, int]
+    drift_turns: int = 0
+    info: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class Completion:
     """What a generator returns for one request.
 
@@ -82,6 +108,11 @@ class Completion:
     `versions[t]` is the policy version whose weights produced token t.
     `dispatch_version` is the serving version when the request was dispatched; it stands
     in for the generation version of an empty completion.
+
+    An episode's completion (`episode` set) holds every token after the prompt: the model's,
+    exactly as sampled, and the environment's, with `loss_mask` False (their logprobs are 0.0
+    and their version is that of the model token before them). Only masked-in tokens are
+    trained, and only they count for the generation version.
     """
 
     token_ids: tuple[int, ...]
@@ -90,6 +121,9 @@ class Completion:
     finish_reason: FinishReason
     dispatch_version: int
     text: str = ""
+    loss_mask: tuple[bool, ...] | None = None  # None: every token is the model's
+    episode: Episode | None = None
+    prompt_token_ids: tuple[int, ...] | None = None  # an episode whose reset observation joined its prompt: that prompt
 
     def __post_init__(self) -> None:
         if not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):
@@ -97,11 +131,20 @@ class Completion:
                 f"Completion fields disagree in length: {len(self.token_ids)} token_ids, "
                 f"{len(self.logprobs)} logprobs, {len(self.versions)} versions"
             )
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.token_ids):
+            raise ValueError(f"Completion loss_mask has {len(self.loss_mask)} entries for {len(self.token_ids)} tokens")
 
     @property
     def generation_version(self) -> int:
-        """Lowest policy version that produced any token of this completion."""
-        return min(self.versions, default=self.dispatch_version)
+        """Lowest policy version that produced any of the model's tokens of this completion."""
+        if self.loss_mask is None:
+            return min(self.versions, default=self.dispatch_version)
+        return min((v for v, m in zip(self.versions, self.loss_mask) if m), default=self.dispatch_version)
+
+    @property
+    def model_tokens(self) -> int:
+        """Tokens the model generated (an episode's environment tokens excluded)."""
+        return len(self.token_ids) if self.loss_mask is None else sum(self.loss_mask)
 
     @property
     def truncated(self) -> bool:

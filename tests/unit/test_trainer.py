@@ -232,3 +232,46 @@ def test_step_without_loss_tokens_changes_nothing_but_the_version():
     assert all(torch.equal(before[k], t) for k, t in model.state_dict().items())
     assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0 and metrics["clip_frac"] == 0.0
     assert metrics["completion/truncated_frac"] == 1.0
+
+
+def episode_groups(model, env_logprob: float, *, seed: int = 3) -> list[Group]:
+    """Groups whose completions are episodes: model turns with the model's own log-probs, environment tokens
+    between them (loss mask 0) whose recorded log-probs are `env_logprob`, and versions older than the model's."""
+    rng = random.Random(seed)
+    groups = []
+    for gid in range(2):
+        prompt = [1] + [rng.randrange(3, 32) for _ in range(4)]
+        advantages = group_advantages([1.0, 0.0, 0.5, 0.0], scale_by_std=True)
+        rollouts = []
+        for k in range(4):
+            turn1, env, turn2 = ([rng.randrange(3, 32) for _ in range(n)] for n in (3, 4, 2))
+            ids = turn1 + env + turn2
+            own = own_logprobs(model, prompt, ids)
+            mask = (True,) * 3 + (False,) * 4 + (True,) * 2
+            comp = Completion(
+                token_ids=tuple(ids),
+                logprobs=tuple(lp if m else env_logprob for lp, m in zip(own, mask)),
+                versions=(5,) * 3 + (0,) * 4 + (6,) * 2,
+                finish_reason="stop",
+                dispatch_version=5,
+                loss_mask=mask,
+            )
+            rollouts.append(Rollout(completion=comp, reward=0.0, advantage=advantages[k]))
+        groups.append(Group(prompt=Prompt(id=gid, text="", token_ids=tuple(prompt)), rollouts=tuple(rollouts), seq=gid))
+    return groups
+
+
+def test_environment_tokens_of_an_episode_get_no_gradient():
+    """The loss and the update do not depend on what was recorded for the environment's tokens (loss mask 0)."""
+    results = []
+    for env_logprob in (-0.1, -9.0):
+        model = tiny_model(seed=4)
+        groups = episode_groups(model, env_logprob)
+        trainer = TorchTrainer(model, None, make_cfg())
+        metrics = trainer.train_step(groups)
+        results.append((metrics["loss"], metrics["is_ratio/max"], weights(trainer.model)))
+    (loss_a, ratio_a, weights_a), (loss_b, ratio_b, weights_b) = results
+    assert loss_a == loss_b and ratio_a == ratio_b
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    # Staleness counts the model's tokens only: the environment's older versions do not lower it.
+    assert episode_groups(tiny_model(seed=4), -1.0)[0].generation_version == 5

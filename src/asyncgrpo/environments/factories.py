@@ -1,47 +1,57 @@
-"""Resolve `env.factory` into the callable that makes one environment instance per episode.
+"""Turning `env.factory` into the callable that makes one environment per episode.
 
-Forms: ``module:callable`` (a dotted module importable from sys.path; the callable may be
-dotted, ``module:Class.make``) and ``openenv:module:Class`` (an OpenEnv server-side
-`Environment` class, wrapped by environments/openenv.py).
+`load_factory(spec)` reads a "module:callable" spec (a dotted module importable from sys.path or
+the working directory, or a path to a .py file; the callable may be dotted, e.g. a class or
+`module:Class.create`). Prefixed forms ("<prefix>:...") are dispatched in `PREFIXES` before the
+plain form is tried, so an adapter (e.g. `openenv:`) adds one entry there.
 
-Invariant: every bad spec is a `ConfigError` naming the key, the value and the fix; nothing
-here creates an environment.
+Invariants: every failure is a `ConfigError` naming `env.factory`, the value, what is wrong and the
+fix; loading imports the module but never calls the factory (a host calls it, once per episode).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from typing import Any
 
+from asyncgrpo.environments.protocol import Environment
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.rewards.scoring import import_user_module
 
-OPENENV_PREFIX = "openenv:"
+KEY = "env.factory"
+FORM = "module:callable, e.g. my_env:MyEnv for class MyEnv with reset(row), step(action_text) and close() in my_env.py"
 
 
-def load_factory(spec: str) -> Callable[[], Any]:
-    """The zero-argument callable `spec` names (see the module docstring for the forms)."""
-    if isinstance(spec, str) and spec.startswith(OPENENV_PREFIX):
-        from asyncgrpo.environments.openenv import openenv_factory
 
-        return openenv_factory(spec[len(OPENENV_PREFIX) :])
-    module_name, _, attr_path = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
-    if not module_name or not attr_path:
-        raise ConfigError(
-            f"env.factory = {spec!r} is not of the form module:callable (e.g. my_envs:MyEnv for class MyEnv in my_envs.py) "
-            f"or openenv:module:Class."
-        )
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ConfigError(
-            f"env.factory = {spec!r}: importing module {module_name!r} raised {type(exc).__name__}: {exc}. Fix: check the "
-            f"spelling and that the module is importable (run `python -c 'import {module_name}'`)."
-        ) from exc
+def _openenv(target: str) -> Callable[[], Environment]:
+    """``openenv:module:Class``: an OpenEnv Environment class (environments/openenv.py; imported only when used)."""
+    from asyncgrpo.environments.openenv import openenv_factory
+
+    return openenv_factory(target)
+
+
+# "<prefix>" -> loader of the rest of the spec (after "<prefix>:"); adapters register here.
+PREFIXES: dict[str, Callable[[str], Callable[[], Environment]]] = {"openenv": _openenv}
+
+
+def load_factory(spec: str) -> Callable[[], Environment]:
+    """The callable named by `spec` (see the module docstring); a ConfigError names what is wrong and the fix."""
+    prefix, sep, rest = spec.partition(":")
+    if sep and prefix in PREFIXES:
+        return PREFIXES[prefix](rest)
+    module_name, sep, attr_path = spec.rpartition(":")
+    if not sep or not module_name or not attr_path:
+        raise ConfigError(f"{KEY} = {spec!r} is not of the form {FORM}.")
+    obj: object = import_user_module(module_name, KEY, spec)
+    walked: list[str] = []
     for part in attr_path.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"env.factory = {spec!r}: {module_name}:{attr_path} has no attribute {part!r}. Fix: name a class or function.")
+            where = f"module {module_name!r}" if not walked else f"{module_name}:{'.'.join(walked)}"
+            raise ConfigError(f"{KEY} = {spec!r}: {where} has no attribute {part!r}. Fix: name the class or function that makes an environment.")
         obj = getattr(obj, part)
+        walked.append(part)
     if not callable(obj):
-        raise ConfigError(f"env.factory = {spec!r}: {attr_path} is a {type(obj).__name__}, not a class or function.")
-    return obj
+        raise ConfigError(
+            f"{KEY} = {spec!r}: {attr_path} is a {type(obj).__name__}, not a class or function. Fix: point it at a class "
+            f"(or a function taking no arguments) whose instances have reset(row), step(action_text) and close()."
+        )
+    return obj  # a callable; what it makes is checked at reset

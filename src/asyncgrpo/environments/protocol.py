@@ -24,7 +24,7 @@ called with no arguments once per episode. asyncgrpo drives each instance like t
 - `close()` may be called from another thread while `step` runs (to interrupt it), and must
   be idempotent.
 
-Invariants of this module: it imports nothing from asyncgrpo's upper layers and does no I/O;
+Invariants of this module: it imports nothing from asyncgrpo's upper layers (types.py only) and does no I/O;
 `CancelToken` is safe to use from any thread, and once cancelled stays cancelled.
 """
 
@@ -33,12 +33,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
+
+from asyncgrpo.types import EpisodeStop
 
 Message = Mapping[str, Any]
 Observation = str | Message | Sequence[Message] | None
 
-StopReason = Literal["done", "max_turns", "max_tokens", "cancelled", "env_error"]
+StopReason = EpisodeStop  # defined with the carriers (types.py), which record it per episode
 STOP_REASONS: tuple[StopReason, ...] = ("done", "max_turns", "max_tokens", "cancelled", "env_error")
 
 

@@ -11,7 +11,8 @@ Invariants:
   already earn some reward on the built-in tasks. In-vocabulary text round-trips exactly;
   any other character (upper case included) encodes to `<unk>`.
 - The tokenizer pads on the left and has a chat template ("user: ...\\nassistant: "), so
-  chat-message prompts render to in-vocabulary text.
+  chat-message prompts render to in-vocabulary text; an assistant message renders as
+  "assistant: ...<eos>", exactly the ids of a turn that stopped on EOS.
 - The model is a `LlamaForCausalLM` (so `AutoTokenizer` keeps our tokenizer; see
   research/cpu-environment.md §2) with tied embeddings, fp32.
 """
@@ -30,9 +31,13 @@ VOCAB: tuple[str, ...] = (
     SPECIAL_TOKENS + tuple(string.ascii_lowercase) + tuple(string.digits) + (" ",) + tuple(PUNCTUATION) + ("\n",)
 )
 
+# An assistant message ends with <eos> (the token a turn of the model stops on) instead of a newline, so
+# the ids a multi-turn episode sampled are a prefix of the template's rendering of its history (no
+# re-tokenization drift; environments/conversation.py).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% if message['role'] == 'assistant' %}assistant: {{ message['content'] }}<eos>"
+    "{% else %}{{ message['role'] }}: {{ message['content'] }}\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )

@@ -60,6 +60,8 @@ from asyncgrpo.tasks import REWARDS
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.types import Prompt
 
+Message = Mapping[str, Any]
+
 if TYPE_CHECKING:
     from asyncgrpo.config import RewardConfig
 
@@ -103,7 +105,7 @@ def resolve_reward(spec: str, index: int) -> tuple[str, Callable[..., Any]]:
     module_name, _, attr_path = spec.rpartition(":")
     if not module_name or not attr_path:
         raise ConfigError(f"{key} = {spec!r}: the module or the function name is empty. Fix: use {form}.")
-    module = _import(module_name, key, spec)
+    module = import_user_module(module_name, key, spec)
     obj: Any = module
     walked: list[str] = []
     for part in attr_path.split("."):
@@ -125,7 +127,8 @@ def resolve_rewards(specs: Sequence[str]) -> list[tuple[str, Callable[..., Any]]
     return [resolve_reward(spec, i) for i, spec in enumerate(specs)]
 
 
-def _import(module_name: str, key: str, spec: str) -> Any:
+def import_user_module(module_name: str, key: str, spec: str) -> Any:
+    """Import `module_name` (dotted, or a path to a .py file) for config key `key` = `spec`; every failure is a ConfigError naming them."""
     if module_name.endswith(".py"):
         return _import_file(Path(module_name), key, spec)
     try:
@@ -236,9 +239,8 @@ class RewardScorer:
         workers: int = 4,
     ) -> None:
         """`specs` (the ``reward.functions`` entries `functions` were resolved from) and `workers` (the most
-        worker processes) are used by ``isolation="process"`` only."""
-        if not functions:
-            raise ValueError("RewardScorer needs at least one reward function")
+        worker processes) are used by ``isolation="process"`` only. With no function (an environment gives
+        the reward) every completion scores None with no terms."""
         if weights is None:
             weights = [1.0] * len(functions)
         if len(weights) != len(functions):
@@ -293,8 +295,8 @@ class RewardScorer:
         """Function names, as used in `ScoredCompletion.terms` and the `reward/<name>` metrics."""
         return [e.name for e in self._entries]
 
-    async def score(self, prompt: Prompt, completions: Sequence[str]) -> list[ScoredCompletion]:
-        """Score `completions` (texts) of `prompt`; one result per completion, or `RewardError`."""
+    async def score(self, prompt: Prompt, completions: Sequence[str | list[Message]]) -> list[ScoredCompletion]:
+        """Score `completions` of `prompt` (texts, or an episode's messages); one result per completion, or `RewardError`."""
         completions = list(completions)
         if not completions:
             return []
@@ -306,7 +308,7 @@ class RewardScorer:
             results.append(ScoredCompletion(reward=math.fsum(used) if used else None, terms=terms))
         return results
 
-    async def _call(self, entry: _Entry, prompt: Prompt, completions: list[str]) -> list[float | None]:
+    async def _call(self, entry: _Entry, prompt: Prompt, completions: list[str | list[Message]]) -> list[float | None]:
         n = len(completions)
         kwargs: dict[str, Any] = {
             name: [value] * n
@@ -365,7 +367,7 @@ class RewardScorer:
             result = await result
         return result
 
-    def _check(self, entry: _Entry, prompt: Prompt, completions: list[str], result: Any) -> list[float | None]:
+    def _check(self, entry: _Entry, prompt: Prompt, completions: list[str | list[Message]], result: Any) -> list[float | None]:
         n = len(completions)
         contract = "return a list with one float (or None) per completion"
         if isinstance(result, (str, bytes, Mapping)) or not hasattr(result, "__len__") or not hasattr(result, "__iter__"):
@@ -403,25 +405,34 @@ class RewardScorer:
         return out
 
     @staticmethod
-    def _error(entry: _Entry, prompt: Prompt, completion: str, what: str, fix: str) -> RewardFunctionError:
+    def _error(entry: _Entry, prompt: Prompt, completion: str | list[Message], what: str, fix: str) -> RewardFunctionError:
+        text = completion if isinstance(completion, str) else repr(completion)
         return RewardFunctionError(
             f"reward function {entry.name!r} {what}. Input: prompt {_clip(prompt.text)} (id {prompt.id}), "
-            f"completion {_clip(completion)}. Fix: {fix}.",
+            f"completion {_clip(text)}. Fix: {fix}.",
             function=entry.name,
             prompt=prompt.text,
-            completion=completion,
+            completion=text,
         )
 
 
-def trl_shaped(prompt: Prompt, completions: Sequence[str]) -> tuple[list[Any], list[Any]]:
+def trl_shaped(prompt: Prompt, completions: Sequence[str | list[Message]]) -> tuple[list[Any], list[Any]]:
     """`prompts` and `completions` as TRL passes them: strings for a text prompt; for a conversational
-    prompt, its message list and ``[{"role": "assistant", "content": text}]`` per completion. Every entry
-    is a fresh list of plain dicts (a function that mutates one changes nothing else; they pickle)."""
+    prompt, its message list and ``[{"role": "assistant", "content": text}]`` per completion. An episode's
+    completion (a message list: its assistant turns and the environment's observations) is passed as its
+    messages, whatever the prompt. Every entry is a fresh list of plain dicts (a function that mutates one
+    changes nothing else; they pickle)."""
     n = len(completions)
-    if prompt.messages is None:
-        return [prompt.text] * n, list(completions)
-    prompts = [[dict(m) for m in prompt.messages] for _ in range(n)]
-    return prompts, [[{"role": "assistant", "content": text}] for text in completions]
+    prompts: list[Any] = [prompt.text] * n if prompt.messages is None else [[dict(m) for m in prompt.messages] for _ in range(n)]
+    shaped: list[Any] = []
+    for completion in completions:
+        if not isinstance(completion, str):
+            shaped.append([dict(m) for m in completion])
+        elif prompt.messages is None:
+            shaped.append(completion)
+        else:
+            shaped.append([{"role": "assistant", "content": completion}])
+    return prompts, shaped
 
 
 class UnscoredGroupError(RewardError):

@@ -30,12 +30,14 @@ import random
 from typing import Any, Protocol
 
 from asyncgrpo.config import Config
+from asyncgrpo.environments.conversation import Codec
 from asyncgrpo.errors import Diagnostic, FatalBackendError, GenerationError, RewardError, TransientGenerationError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.admission import is_stale, may_admit_group
 from asyncgrpo.rollout.buffer import ReplayBuffer
 from asyncgrpo.rollout.diagnostics import backend_fatal, policy_broken, reward_failed, stalled
+from asyncgrpo.rollout.episode import EpisodeRunner, add_env_reward, count_episode, reward_input
 from asyncgrpo.rollout.events import NoObserver, RolloutObserver, RolloutOutcome
 from asyncgrpo.rollout.failure_log import FailureLog, Tolerated
 from asyncgrpo.rollout.failures import FailurePolicy, GroupEnding
@@ -69,7 +71,7 @@ class PromptSourceLike(Protocol):
 
 
 class ScorerLike(Protocol):
-    async def score(self, prompt: Prompt, completions: list[str]) -> list[Any]: ...
+    async def score(self, prompt: Prompt, completions: list[Any]) -> list[Any]: ...
 
 
 class Collector:
@@ -84,7 +86,9 @@ class Collector:
         start_step: int = 0,
         ledger: PromptLedger | None = None,
         observer: RolloutObserver | None = None,
+        codec: Codec | None = None,
     ) -> None:
+        """`codec` renders and tokenizes an episode's messages; needed with an `env:` section (rollout/episode.py)."""
         self.cfg = cfg
         self.observer: RolloutObserver = observer if observer is not None else NoObserver()  # rollout/events.py
         self.source = source
@@ -120,6 +124,11 @@ class Collector:
         self._jitter = random.Random(cfg.run.seed)
         self._last_progress: float | None = None  # loop time of the last finished rollout or trained step
         self._task_group: asyncio.TaskGroup | None = None
+        self._episodes: EpisodeRunner | None = None  # env: each rollout is an episode, its slot held for the whole episode
+        if cfg.env is not None:
+            if codec is None:
+                raise ValueError("a Collector with an env: section needs the codec that tokenizes its episodes")
+            self._episodes = EpisodeRunner(cfg.env, cfg.generation, codec, self.counters, prompt_key=cfg.data.prompt_key, jitter=self._jitter)
 
     # ------------------------------------------------------------------ views
 
@@ -221,7 +230,10 @@ class Collector:
         self.observer.rollout_started(group.key, group.prompt.id, member, self._now())
         try:
             with slot:
-                result = await self._generate_with_retries(request, group, member, slot)
+                if self._episodes is not None:
+                    result = await self._run_episode(self._episodes, request, group, member, slot)
+                else:
+                    result = await self._generate_with_retries(request, group, member, slot)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -234,7 +246,8 @@ class Collector:
             result = exc
         if isinstance(result, Completion):
             group.completions[member] = result
-            self.counters["rollout/generated_tokens_total"] += len(result.token_ids)
+            self.counters["rollout/generated_tokens_total"] += result.model_tokens
+            count_episode(self.counters, result)
         else:
             group.errors[member] = result
             self.counters["rollout/failed_total"] += 1
@@ -247,11 +260,15 @@ class Collector:
         self.observer.rollout_ended(group.key, member, outcome, group.dispatch_versions[member], tokens, self._now())
         self._last_progress = self._now()  # a rollout finished (a cancelled one never gets here)
 
-    async def _generate_with_retries(self, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot) -> Completion:
-        """One rollout under the retry policy (rollout/retry.py); a rollout waiting to retry holds no request slot."""
+    async def _generate_with_retries(
+        self, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot, floor: int | None = None
+    ) -> Completion:
+        """One rollout under the retry policy (rollout/retry.py); a rollout waiting to retry holds no request slot.
+        `floor`: the oldest version of an episode's earlier turns, kept as the member's dispatch version."""
 
         def record_dispatch() -> None:
-            group.dispatch_versions[member] = self.generator.serving_version
+            version = self.generator.serving_version
+            group.dispatch_versions[member] = version if floor is None else min(version, floor)
 
         def count_retry(error: TransientGenerationError) -> None:
             self.counters["rollout/retries_total"] += 1
@@ -260,6 +277,18 @@ class Collector:
         return await generate_with_retries(
             self.generator, request, self.cfg.generation, jitter=self._jitter,
             before_attempt=record_dispatch, on_retry=count_retry, between_attempts=slot.released_for,
+        )
+
+    async def _run_episode(self, episodes: EpisodeRunner, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot) -> Completion:
+        """One rollout as an episode (rollout/episode.py), its turns generated under the retry policy."""
+
+        def count_retry(error: Exception) -> None:
+            self.counters["rollout/retries_total"] += 1
+            self._tolerated("retried", error)
+
+        return await episodes.run(
+            group.prompt, request, lambda turn, floor: self._generate_with_retries(turn, group, member, slot, floor),
+            on_retry=count_retry, between_attempts=slot.released_for,
         )
 
     async def _finish_group(self, group: InFlightGroup) -> None:
@@ -271,7 +300,9 @@ class Collector:
             return
         self._scoring += 1
         try:
-            scored = await self.scorer.score(group.prompt, [c.text for c in completions])
+            scored = await self.scorer.score(group.prompt, [reward_input(c) for c in completions])
+            if self.cfg.env is not None:
+                scored = add_env_reward(scored, completions, self.cfg.env.reward_weight)
         except RewardError as exc:
             self._last_progress = self._now()
             if self.cfg.reward.on_error == "fail":

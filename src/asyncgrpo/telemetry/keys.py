@@ -38,6 +38,9 @@ COUNTER_NAMES: tuple[str, ...] = (
     "rollout/requeued_total",
     "rollout/wasted_tokens_total",
     "rollout/generated_tokens_total",
+    "env/errors_total",
+    "env/abandoned_total",
+    "env/retokenization_drift_total",
 )
 EVAL_KEYS = ("eval/reward_mean", "eval/pass_rate", "eval/failed_requests")
 PIPELINE_KEYS = (
@@ -52,4 +55,5 @@ PIPELINE_KEYS = (
     "reward/mean",
     "reward/std",
     "rollout/stale_len_mean",
+    "env/turns_mean",
 )

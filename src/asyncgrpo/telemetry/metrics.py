@@ -64,6 +64,8 @@ def step_metrics(
         # completion/len_mean: stale cancellation must not quietly favour short answers.
         "rollout/stale_len_mean": _ratio(collector_values["rollout/wasted_tokens_total"], collector_values["rollout/stale_samples_total"]),
         "reward/mean": statistics.fmean(rewards),
+        # Model turns per episode of the batch; null without environments.
+        "env/turns_mean": _mean([r.completion.episode.turns if r.completion.episode else None for g in record.batch for r in g.rollouts]),
         "reward/std": statistics.pstdev(rewards),
         **per_function,
         **record.train_metrics,

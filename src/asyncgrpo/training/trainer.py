@@ -7,7 +7,9 @@ One training step on a batch of groups:
 1. Each rollout becomes one sequence: prompt token ids + completion token ids, its
    advantage (`Rollout.advantage`) and its generation log-probs (`Completion.logprobs`).
    Loss tokens are the completion tokens; a truncated completion has none when
-   `rollout.mask_truncated` is on.
+   `rollout.mask_truncated` is on. An episode's completion (rollout/episode.py) trains the
+   model's tokens only: its environment tokens are context, masked out by `loss_mask`, and
+   its prompt is `Completion.prompt_token_ids` when its reset observation joined the prompt.
 2. `decoupled`: the proximal log-probs pi_prox are those of the weights at the start of
    the step (computed once, without grad).
 3. The groups are split into `train.updates_per_batch` mini-batches (whole groups, in
@@ -73,10 +75,18 @@ class _Sequence:
     advantage: float
     has_loss: bool
     logp_prox: Tensor | None = None
+    loss_mask: tuple[bool, ...] | None = None  # an episode's: False on the environment's tokens
 
     @property
     def loss_tokens(self) -> int:
-        return len(self.completion_ids) if self.has_loss else 0
+        if not self.has_loss:
+            return 0
+        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+    def mask_row(self, width: int) -> list[bool]:
+        """Which of `width` completion columns are loss tokens (padding never is)."""
+        row = [self.has_loss and m for m in self.loss_mask] if self.loss_mask is not None else [self.has_loss] * len(self.completion_ids)
+        return row + [False] * (width - len(row))
 
 
 @dataclass
@@ -296,7 +306,7 @@ class TorchTrainer:
             # The first update starts from the step's weights, so its pi_prox is its own
             # detached pi_theta; later updates need pi_prox of the weights as they were.
             for seqs in minibatches[1:]:
-                self._fill_proximal([s for s in seqs if s.has_loss])
+                self._fill_proximal([s for s in seqs if s.loss_tokens])
 
         lr = self.lr
         stats = LossStats.zeros(self.device)
@@ -336,7 +346,7 @@ class TorchTrainer:
         """One optimizer update over `seqs`; (None, 0, zeros) when they hold no loss token."""
         cfg_t, cfg_l = self.cfg.train, self.cfg.train.loss
         stats = LossStats.zeros(self.device)
-        active = [s for s in seqs if s.has_loss and s.completion_ids]
+        active = [s for s in seqs if s.loss_tokens]
         if cfg_l.normalization == "token":
             normalizer = sum(s.loss_tokens for s in active)
         else:
@@ -428,11 +438,12 @@ class TorchTrainer:
             has_loss = not (c.truncated and self.cfg.rollout.mask_truncated)
             out.append(
                 _Sequence(
-                    prompt_ids=prompt_ids,
+                    prompt_ids=prompt_ids if c.prompt_token_ids is None else tuple(c.prompt_token_ids),
                     completion_ids=tuple(c.token_ids),
                     logp_gen=tuple(c.logprobs),
                     advantage=float(rollout.advantage),
                     has_loss=has_loss,
+                    loss_mask=c.loss_mask,
                 )
             )
         return out
@@ -452,7 +463,7 @@ class TorchTrainer:
             attn_rows.append([0] * left + [1] * len(body) + [0] * right)
             target_rows.append(list(s.completion_ids) + [pad] * (width_c - c))
             gen_rows.append(list(s.logp_gen) + [0.0] * (width_c - c))
-            mask_rows.append([s.has_loss] * c + [False] * (width_c - c))
+            mask_rows.append(s.mask_row(width_c))
             if s.logp_prox is not None:
                 prox_rows.append(torch.nn.functional.pad(s.logp_prox, (0, width_c - c)))
         device = self.device
