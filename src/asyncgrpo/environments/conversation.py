@@ -114,7 +114,9 @@ class Conversation:
             self._prompt_text += self._text(observation, generation_prompt=False)
         self.prompt_messages = len(self.messages)
         after = self._encoded(self.messages)
-        if after[: len(before)] == before:
+        if self.chat:
+            self.prompt_ids = after  # the prompt's messages and the observation, rendered as one prompt
+        elif after[: len(before)] == before:
             self.prompt_ids = self.prompt_ids + after[len(before) :]
         else:
             self.drift_turns += 1
