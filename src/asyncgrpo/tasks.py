@@ -269,14 +269,15 @@ def _calculator_sample(held_out: bool, n: int, stream: str) -> list[dict[str, An
     items = _calculator_items(held_out)
     rows = []
     for a, op, b in (rng.choice(items) for _ in range(n)):
-        question = f"what is {a}{op}{b}?"
-        rows.append({"prompt": [{"role": "user", "content": question}], "answer": str(_ARITHMETIC_OPS[op](a, b))})
+        expression = f"{a}{op}{b}"
+        rows.append({"prompt": [{"role": "user", "content": f"what is {expression}?"}], "expression": expression,
+                     "answer": str(_ARITHMETIC_OPS[op](a, b))})
     return rows
 
 
 def calculator_rows(n: int, seed: int) -> list[dict[str, Any]]:
-    """`n` chat rows ``{"prompt": [{"role": "user", "content": "what is 37*8?"}], "answer": "296"}`` (two digits
-    with one digit; +, -, *), never a held-out item. The calculator environment scores the episodes."""
+    """`n` chat rows ``{"prompt": [{"role": "user", "content": "what is 37*8?"}], "expression": "37*8", "answer": "296"}``
+    (two digits with one digit; +, -, *), never a held-out item. The calculator environment scores the episodes."""
     return _calculator_sample(False, n, f"asyncgrpo:calculator:train:{seed}")
 
 
@@ -355,7 +356,7 @@ TASKS: dict[str, Task] = {
     ),
     "calculator": Task(
         "calculator",
-        "chat 'what is 37*8?' -> '296' with a calculator tool ('calc: 37*8' -> '= 296'); "
+        "chat 'what is 37*8?' -> '296' with a calculator tool ('= 37*8' -> '= 296'); "
         "env.factory: asyncgrpo.environments.calculator:CalculatorEnv scores it",
         calculator_rows,
         calculator_eval_rows,

@@ -1,26 +1,29 @@
 """The built-in calculator environment (`env.factory: asyncgrpo.environments.calculator:CalculatorEnv`).
 
-The rows are `builtin:calculator`'s (tasks.py): a question "what is 37*8?" and its "answer".
-In each turn the model either calls the calculator or answers:
+The rows are `builtin:calculator`'s (tasks.py): a question "what is 37*8?", its "expression"
+("37*8") and its "answer". In each turn the model either calls the calculator or answers:
 
-- a call is a turn starting with ``calc:`` (after leading blanks) and an expression of
-  integers, ``+ - *`` and parentheses: ``calc: 37*8``. Only the expression's leading run of
-  those characters is read ("calc: 37*8 ok" computes 37*8). The observation is ``= 296``, or
-  ``error: ...`` for an empty or invalid expression. After `max_calls` calls the
-  observation asks for the answer instead of computing.
+- a call is a turn starting with ``=`` (after leading blanks), like a calculator's key,
+  optionally followed by an expression of integers, ``+ - *`` and parentheses: ``= 37*8``. Only
+  the expression's leading run of those characters is read ("=37*8 ok" computes 37*8); ``=``
+  alone computes the question's own expression. The observation is ``= 296``, or
+  ``error: ...`` for an invalid expression; after `max_calls` calls it asks for the answer.
 - any other turn is the final answer: the first integer in it is compared with the row's
   answer, and the episode ends.
 
 Rewards (each step's; the episode's is their sum, in [0, 1 + tool_weight]):
 
 - the answer turn: 1.0 when its first integer equals the answer, else 0.0;
-- the tool-use term, `tool_weight` x t, earned on the first turn only: t = 1 when the first
-  turn is a call whose expression computes; otherwise t = 0.5 x (how many of the first five
-  characters of the turn match "calc:" position by position) / 5. The partial credit makes
-  the syntax learnable by a model that has never seen it (the built-in tiny one: a random
-  policy matches about 1 position in 11), like repeat_letter's per-position credit.
+- the tool-use term: `tool_weight` when the first turn is a call that computes, else 0.
 
-`info` records per step "tool_use" (t, first turn only), "calls" and "correct".
+Why this syntax: a model that has never seen it must find it by sampling. ``=`` is one
+character, which a random policy of the built-in tiny model starts a turn with about once in
+55 samples: a step of 64 episodes sees a few, and GRPO takes it from there, as it learns
+repeat_letter. A multi-character keyword (``calc:`` was tried, with partial credit per matching
+character) is not learnt: the tiny model learns to repeat the first character everywhere
+("cccc..."), its entropy collapses, and the next character is never sampled again.
+
+`info` records per step "calls", "tool_use" (first turn: 1.0 or 0.0) and, at the answer, "correct".
 
 Invariants: the environment never raises on any model text (bad text is the model's mistake
 and earns its reward); expressions are evaluated on a parsed tree of integer literals and
@@ -36,7 +39,7 @@ from typing import Any
 
 from asyncgrpo.tasks import first_integer
 
-CALL_PREFIX = "calc:"
+CALL_PREFIX = "="
 MAX_EXPRESSION_CHARS = 40
 _EXPRESSION_RE = re.compile(r"[0-9+\-*() ]*")
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
@@ -64,12 +67,6 @@ def _value(node: ast.expr) -> int:
     raise ValueError("only integers, + - * and parentheses")
 
 
-def prefix_match(text: str) -> float:
-    """The fraction of the first len(CALL_PREFIX) characters of `text` (left-stripped) that match CALL_PREFIX, position by position."""
-    head = text.lstrip()[: len(CALL_PREFIX)]
-    return sum(1 for got, want in zip(head, CALL_PREFIX) if got == want) / len(CALL_PREFIX)
-
-
 class CalculatorEnv:
     """One episode: a question from the row, calculator calls, one final answer (see the module docstring)."""
 
@@ -77,6 +74,7 @@ class CalculatorEnv:
         self.tool_weight = tool_weight
         self.max_calls = max_calls
         self.answer = ""
+        self.expression = ""
         self.calls = 0
         self.turns = 0
 
@@ -87,6 +85,7 @@ class CalculatorEnv:
                 f"this row has {sorted(row)}"
             )
         self.answer = str(row["answer"]).strip()
+        self.expression = str(row.get("expression") or "")
         self.calls = self.turns = 0
         return None  # the question is the prompt itself
 
@@ -94,26 +93,22 @@ class CalculatorEnv:
         self.turns += 1
         first = self.turns == 1
         stripped = action_text.lstrip()
-        if stripped.startswith(CALL_PREFIX):
-            self.calls += 1
-            expression = _EXPRESSION_RE.match(stripped[len(CALL_PREFIX) :]).group().strip()  # type: ignore[union-attr]  # * matches
-            if self.calls > self.max_calls:
-                observation, computed = f"error: no calls left ({self.max_calls} used); give the answer", False
-            else:
-                try:
-                    observation, computed = f"= {evaluate(expression)}", True
-                except ValueError as exc:
-                    observation, computed = f"error: {exc}", False
-            tool_use = (1.0 if computed else 0.5 * prefix_match(action_text)) if first else None
-            info: dict[str, Any] = {"calls": self.calls} | ({"tool_use": tool_use} if tool_use is not None else {})
-            return observation, self.tool_weight * (tool_use or 0.0), False, info
-        correct = first_integer(action_text) == self.answer
-        info = {"calls": self.calls, "correct": correct}
-        reward = 1.0 if correct else 0.0
-        if first:
-            info["tool_use"] = 0.5 * prefix_match(action_text)
-            reward += self.tool_weight * info["tool_use"]
-        return None, reward, True, info
+        if not stripped.startswith(CALL_PREFIX):
+            correct = first_integer(action_text) == self.answer
+            info: dict[str, Any] = {"calls": self.calls, "correct": correct} | ({"tool_use": 0.0} if first else {})
+            return None, 1.0 if correct else 0.0, True, info
+        self.calls += 1
+        expression = _EXPRESSION_RE.match(stripped[len(CALL_PREFIX) :]).group().strip() or self.expression  # type: ignore[union-attr]
+        computed = False
+        if self.calls > self.max_calls:
+            observation = f"error: no calls left ({self.max_calls} used); give the answer"
+        else:
+            try:
+                observation, computed = f"= {evaluate(expression)}", True
+            except ValueError as exc:
+                observation = f"error: {exc}"
+        info = {"calls": self.calls} | ({"tool_use": 1.0 if computed else 0.0} if first else {})
+        return observation, self.tool_weight if first and computed else 0.0, False, info
 
     def close(self) -> None:
         pass
