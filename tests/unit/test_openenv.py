@@ -172,3 +172,43 @@ def test_a_server_step_that_outlives_the_grace_is_reported_abandoned_and_the_ses
     quick_stopped, stopped, host = asyncio.run(main())
     assert quick_stopped is True and stopped is False
     assert host._client is None  # the session was closed
+
+
+def test_without_openenv_its_specs_are_config_errors_naming_the_extra(monkeypatch):
+    from asyncgrpo.config import EnvConfig
+    from asyncgrpo.environments.factories import load_factory
+    from asyncgrpo.environments.hosts import check_env
+    from asyncgrpo.errors import ConfigError
+
+    for name in [n for n in sys.modules if n == "openenv" or n.startswith("openenv.")] + ["openenv"]:
+        monkeypatch.setitem(sys.modules, name, None)  # import openenv... raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'asyncgrpo\[openenv\]'"):
+        load_factory("openenv:tests.tiny_openenv:TinyEchoEnv")
+    with pytest.raises(ConfigError, match="openenv-core"):
+        check_env(EnvConfig(factory="openenv+ws://127.0.0.1:1"))
+
+
+def test_open_host_serves_process_isolation_and_server_urls():
+    from asyncgrpo.config import EnvConfig
+    from asyncgrpo.environments.hosts import open_host
+    from asyncgrpo.environments.thread_host import ThreadHost
+
+    assert isinstance(open_host(EnvConfig(factory="tests.envs:AsyncEcho", isolation="process")), ProcessHost)
+    assert isinstance(open_host(EnvConfig(factory="tests.envs:AsyncEcho")), ThreadHost)
+    needs_openenv()
+    from asyncgrpo.environments.openenv import OpenEnvServerHost
+
+    host = open_host(EnvConfig(factory="openenv+ws://127.0.0.1:1", isolation="process"))
+    assert isinstance(host, OpenEnvServerHost) and host.base_url == "ws://127.0.0.1:1"
+
+
+def test_an_openenv_class_spec_is_checked_when_loaded():
+    needs_openenv()
+    from asyncgrpo.environments.factories import load_factory
+    from asyncgrpo.errors import ConfigError
+
+    episode = load_factory("openenv:tests.tiny_openenv:TinyTextEnv")()
+    assert episode.reset({}) == "ready" and episode.step("yo") == ("heard yo", 2.0, False, {})
+    episode.close()
+    with pytest.raises(ConfigError, match="not a subclass of OpenEnv's Environment"):
+        load_factory("openenv:tests.tiny_openenv:TextAction")
