@@ -87,8 +87,9 @@ class _Episode:
         self.in_flight: asyncio.Task[None] | None = None
         self.close_called = False  # close() runs once per episode: the parent's "close", or stop()
 
-    async def invoke(self, method: Callable[..., Any], *args: Any) -> Any:
-        kwargs = {"token": self.token} if takes_token(method) else {}
+    async def invoke(self, method: Callable[..., Any], *args: Any, token: bool = True) -> Any:
+        """`method(*args)` (and `token=` if it declares it and `token`): async on the loop, sync on the environment's thread."""
+        kwargs = {"token": self.token} if token and takes_token(method) else {}
         if inspect.iscoroutinefunction(method):
             return await method(*args, **kwargs)
         result = await asyncio.get_running_loop().run_in_executor(self.thread, functools.partial(method, *args, **kwargs))
@@ -97,11 +98,11 @@ class _Episode:
     async def answer(self, op: str, arg: Any) -> None:
         try:
             if op == "create":
-                self.env = await self.invoke(arg)
+                self.env = await self.invoke(arg, token=False)  # the factory is called with no arguments
                 value = None
             elif op == "close":
                 self.close_called = True
-                await self.invoke(self.env.close)
+                await self.invoke(self.env.close, token=False)
                 value = None
             else:
                 value = await self.invoke(getattr(self.env, op), arg)
