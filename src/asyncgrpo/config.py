@@ -169,6 +169,23 @@ class WeightSyncFaultConfig(_Section):
     until_s: float | None = Field(None, gt=0)
 
 
+class ScriptedEnvConfig(_Section):
+    """The simulator's model of an environment (used instead of env.factory when generation.backend is scripted)."""
+
+    call_s: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=0.2), description="Virtual time of one reset or step.")
+    done_prob: float = Field(0.3, ge=0, le=1, description="Probability that a step ends the episode.")
+    reward_prob: float = Field(0.5, ge=0, le=1, description="Probability that a step gives reward 1.0 (else 0.0).")
+    error_prob: float = Field(0.0, ge=0, le=1, description="Probability that a reset or step raises (fails the rollout).")
+    transient_prob: float = Field(0.0, ge=0, le=1, description="Probability that a reset or step raises TransientEnvironmentError (retried).")
+    ignore_cancel_prob: float = Field(
+        0.0, ge=0, le=1, description="Probability that an episode ignores its cancellation: it outlives env.cancel_grace_s and is abandoned.",
+    )
+    stop_s: Distribution = Field(
+        default_factory=lambda: Distribution(dist="const", value=0.01),
+        description="Virtual time a cooperative episode takes to stop once cancelled (longer than the grace: abandoned).",
+    )
+
+
 class ScriptedConfig(_Section):
     latency_s: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=1.0))
     tokens: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=32))
@@ -185,6 +202,7 @@ class ScriptedConfig(_Section):
     weight_sync_faults: list[WeightSyncFaultConfig] = Field(
         default_factory=list, description="Injected weight-publication faults, each {error: fail | hang, rate, from_s, until_s}.",
     )
+    env: ScriptedEnvConfig = Field(default_factory=ScriptedEnvConfig)
 
 
 def _check_device(device: str) -> str:
