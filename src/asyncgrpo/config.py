@@ -511,6 +511,12 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"reward.functions is empty and {where}: no rollout could get a reward. Fix: list at least one reward "
             f"function in reward.functions, or configure an environment (env.factory) with env.reward_weight > 0."
         )
+    if cfg.env is not None and cfg.eval.every_steps > 0:
+        problems.append(
+            f"eval.every_steps = {cfg.eval.every_steps} with an env: section: held-out evaluation samples single completions, "
+            f"it does not play episodes yet, so its rewards would not measure the environment's task. Fix: set "
+            f"eval.every_steps: 0 (the training metrics reward/env and env/turns_mean follow the episodes)."
+        )
     weights = cfg.reward.weights
     if weights is not None and len(weights) != len(cfg.reward.functions):
         problems.append(
