@@ -117,7 +117,7 @@ def scenario(seed: int) -> dict[str, Any]:
             "cancel_grace_s": rng.choice((0.05, 0.5, 2.0)),
             "reward_weight": rng.choice((0.0, 1.0)),
         }
-        env_faults = rng.random() < 0.5
+        env_faults = rng.random() < 0.25
         scripted["env"] = {
             "call_s": {"dist": "uniform", "low": 0.0, "high": round(rng.uniform(0.01, 2.0), 3)},
             "done_prob": rng.choice((0.0, 0.3, 1.0)),
