@@ -511,6 +511,12 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"reward.functions is empty and {where}: no rollout could get a reward. Fix: list at least one reward "
             f"function in reward.functions, or configure an environment (env.factory) with env.reward_weight > 0."
         )
+    if cfg.env is not None and cfg.env.cancel_grace_s >= cfg.run.shutdown_timeout_s:
+        problems.append(
+            f"env.cancel_grace_s = {cfg.env.cancel_grace_s:g} is not below run.shutdown_timeout_s = {cfg.run.shutdown_timeout_s:g}: "
+            f"a shutdown waits for cancelled episodes up to their grace, so it could not end cleanly in time. Fix: lower "
+            f"env.cancel_grace_s or raise run.shutdown_timeout_s."
+        )
     if cfg.env is not None and cfg.eval.every_steps > 0:
         problems.append(
             f"eval.every_steps = {cfg.eval.every_steps} with an env: section: held-out evaluation samples single completions, "

@@ -28,6 +28,11 @@ def test_env_keys_are_checked_with_a_did_you_mean():
         load_config(None, ["env.factory=tests.envs:Counting", "env.max_turns=0"])
 
 
+def test_the_cancel_grace_fits_in_the_shutdown_bound():
+    with pytest.raises(ConfigError, match=r"env.cancel_grace_s = 30 is not below run.shutdown_timeout_s = 30"):
+        load_config(None, ["env.factory=tests.envs:Counting", "env.cancel_grace_s=30"])
+
+
 def test_evaluation_of_episodes_is_refused_rather_than_measuring_single_completions():
     with pytest.raises(ConfigError, match=r"eval.every_steps = 5 with an env: section"):
         load_config(None, ["env.factory=tests.envs:Counting", "eval.every_steps=5"])

@@ -407,7 +407,7 @@ class Collector:
             self.observer.buffered_ended([group.seq], "stale", step, self._now())
             self.accounting.drop_buffered("stale")
             self._count_drop("stale", group.prompt)
-            self._count_stale(len(group.rollouts), sum(len(r.completion.token_ids) for r in group.rollouts))
+            self._count_stale(len(group.rollouts), sum(r.completion.model_tokens for r in group.rollouts))
 
     # ------------------------------------------------------------------ the trainer's side
 
