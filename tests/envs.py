@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from typing import Any
 
 from asyncgrpo.environments.protocol import CancelToken, TransientEnvironmentError
@@ -114,9 +115,26 @@ class AsyncEcho(_Recorded):
 
 
 def reset_all() -> None:
-    for cls in (Cooperative, Stubborn, Counting, Transient, AsyncEcho):
+    for cls in (Cooperative, Stubborn, Counting, Transient, AsyncEcho, SlowToMake):
         cls.instances = []
     Transient.resets = itertools.count()
     Stubborn.release = threading.Event()
     while STARTED.acquire(blocking=False):
         pass
+
+
+class SlowToMake(_Recorded):
+    """Its constructor takes a moment (a sandbox starting): a cancel during it must still close what it makes."""
+
+    instances: list[Any] = []
+
+    def __init__(self) -> None:
+        STARTED.release()
+        time.sleep(0.05)
+        super().__init__()
+
+    def reset(self, row: dict[str, Any]) -> None:
+        return None
+
+    def step(self, action_text: str) -> tuple[Any, float | None, bool, dict[str, Any]]:
+        return None, None, True, {}

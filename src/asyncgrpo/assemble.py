@@ -9,11 +9,13 @@ of their own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from asyncgrpo.config import Config
+from asyncgrpo.config import Config, EnvConfig
 from asyncgrpo.data.source import PromptSource
 from asyncgrpo.environments.conversation import CharCodec, TokenizerCodec
+from asyncgrpo.environments.protocol import EnvironmentHost
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rewards.scoring import Isolation, RewardScorer
 from asyncgrpo.rollout.accounting import Accounting
@@ -46,6 +48,7 @@ def build_collector(
     resumed: dict[str, Any] | None = None,
     observer: RolloutObserver | None = None,
     tokenizer: Any = None,
+    host_factory: Callable[[EnvConfig], EnvironmentHost] | None = None,
 ) -> Collector:
     """The collector over `prompts` on `generator`, with the recipe's source order and reward functions.
 
@@ -53,7 +56,8 @@ def build_collector(
     and `resumed` (a checkpoint's accounting and counters) continue a run from a checkpoint;
     `observer` is told each rollout's and take's life (rollout/events.py; the run's timeline). With an
     `env:` section, episodes are tokenized with `tokenizer`'s chat template, or without one (the
-    simulator) one id per character (environments/conversation.py)."""
+    simulator) one id per character (environments/conversation.py), each episode's host made by
+    `host_factory` (default: environments/hosts.py's, from `env.factory`)."""
     source = PromptSource(
         prompts,
         num_epochs=cfg.data.num_epochs,
@@ -67,6 +71,7 @@ def build_collector(
         cfg, source=source, generator=generator, scorer=scorer, sampling=sampling_params(cfg, stop_token_ids),
         start_step=start_step, ledger=ledger, observer=observer,
         codec=(TokenizerCodec(tokenizer) if tokenizer is not None else CharCodec()) if cfg.env is not None else None,
+        **({"host_factory": host_factory} if host_factory is not None else {}),
     )
     if resumed:
         collector.accounting = Accounting.resumed(resumed["accounting"])

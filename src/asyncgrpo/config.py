@@ -169,6 +169,23 @@ class WeightSyncFaultConfig(_Section):
     until_s: float | None = Field(None, gt=0)
 
 
+class ScriptedEnvConfig(_Section):
+    """The simulator's model of an environment (used instead of env.factory when generation.backend is scripted)."""
+
+    call_s: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=0.2), description="Virtual time of one reset or step.")
+    done_prob: float = Field(0.3, ge=0, le=1, description="Probability that a step ends the episode.")
+    reward_prob: float = Field(0.5, ge=0, le=1, description="Probability that a step gives reward 1.0 (else 0.0).")
+    error_prob: float = Field(0.0, ge=0, le=1, description="Probability that a reset or step raises (fails the rollout).")
+    transient_prob: float = Field(0.0, ge=0, le=1, description="Probability that a reset or step raises TransientEnvironmentError (retried).")
+    ignore_cancel_prob: float = Field(
+        0.0, ge=0, le=1, description="Probability that an episode ignores its cancellation: it outlives env.cancel_grace_s and is abandoned.",
+    )
+    stop_s: Distribution = Field(
+        default_factory=lambda: Distribution(dist="const", value=0.01),
+        description="Virtual time a cooperative episode takes to stop once cancelled (longer than the grace: abandoned).",
+    )
+
+
 class ScriptedConfig(_Section):
     latency_s: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=1.0))
     tokens: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=32))
@@ -185,6 +202,7 @@ class ScriptedConfig(_Section):
     weight_sync_faults: list[WeightSyncFaultConfig] = Field(
         default_factory=list, description="Injected weight-publication faults, each {error: fail | hang, rate, from_s, until_s}.",
     )
+    env: ScriptedEnvConfig = Field(default_factory=ScriptedEnvConfig)
 
 
 def _check_device(device: str) -> str:
@@ -492,6 +510,18 @@ def consistency_problems(cfg: Config) -> list[str]:
         problems.append(
             f"reward.functions is empty and {where}: no rollout could get a reward. Fix: list at least one reward "
             f"function in reward.functions, or configure an environment (env.factory) with env.reward_weight > 0."
+        )
+    if cfg.env is not None and cfg.env.cancel_grace_s >= cfg.run.shutdown_timeout_s:
+        problems.append(
+            f"env.cancel_grace_s = {cfg.env.cancel_grace_s:g} is not below run.shutdown_timeout_s = {cfg.run.shutdown_timeout_s:g}: "
+            f"a shutdown waits for cancelled episodes up to their grace, so it could not end cleanly in time. Fix: lower "
+            f"env.cancel_grace_s or raise run.shutdown_timeout_s."
+        )
+    if cfg.env is not None and cfg.eval.every_steps > 0:
+        problems.append(
+            f"eval.every_steps = {cfg.eval.every_steps} with an env: section: held-out evaluation samples single completions, "
+            f"it does not play episodes yet, so its rewards would not measure the environment's task. Fix: set "
+            f"eval.every_steps: 0 (the training metrics reward/env and env/turns_mean follow the episodes)."
         )
     weights = cfg.reward.weights
     if weights is not None and len(weights) != len(cfg.reward.functions):

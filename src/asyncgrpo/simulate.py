@@ -24,7 +24,7 @@ from typing import Any
 from asyncgrpo.assemble import build_collector
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_rows
-from asyncgrpo.environments.hosts import check_env
+from asyncgrpo.environments.simulated import SimulatedHosts
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
@@ -60,6 +60,7 @@ class Simulation:
     records: list[StepRecord]
     virtual_time_s: float
     wall_time_s: float
+    env_hosts: SimulatedHosts | None = None  # with an env: section, the simulated environments
 
     def report(self) -> dict[str, Any]:
         """The `simulate --json` object (format documented in the README)."""
@@ -94,7 +95,6 @@ def preflight_simulation(cfg: Config) -> None:
     check_simulatable(cfg)
     check_data_source(cfg.data.source, key="data.source")
     resolve_rewards(cfg.reward.functions)
-    check_env(cfg.env)
 
 
 def check_simulatable(cfg: Config) -> None:
@@ -133,7 +133,9 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s)
     report = _Report(cfg, output_dir, generator.name) if output_dir is not None else None
     scorer = RewardScorer.from_config(cfg.reward, isolation="inline")
-    collector = build_collector(cfg, prompts, generator, scorer=scorer, observer=report.timeline if report else None)
+    # Episodes run on the simulator's model of an environment (generation.scripted.env), not env.factory.
+    env_hosts = SimulatedHosts(cfg.generation.scripted.env, cfg.run.seed) if cfg.env is not None else None
+    collector = build_collector(cfg, prompts, generator, scorer=scorer, observer=report.timeline if report else None, host_factory=env_hosts)
     records: list[StepRecord] = []
 
     async def record(step: StepRecord) -> None:
@@ -154,7 +156,7 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     finally:
         if report is not None:
             report.close()
-    simulation = Simulation(cfg, result, collector, generator, trainer, records, virtual_time, time.perf_counter() - wall_start)
+    simulation = Simulation(cfg, result, collector, generator, trainer, records, virtual_time, time.perf_counter() - wall_start, env_hosts)
     check_invariants(simulation)
     return simulation
 
@@ -195,5 +197,9 @@ def check_invariants(sim: Simulation) -> None:
     for record in sim.records:
         if any(s > k for s in record.staleness):
             raise InvariantViolation(f"step {record.step} trained staleness {max(record.staleness)} > max_staleness {k}")
+    if sim.env_hosts is not None and sim.collector.counters["env/abandoned_total"] != sim.env_hosts.abandoned:
+        raise InvariantViolation(
+            f"{sim.env_hosts.abandoned} episodes outlived their grace but env/abandoned_total = {sim.collector.counters['env/abandoned_total']}"
+        )
     if acc.trained != len(sim.trainer.trained_groups):
         raise InvariantViolation(f"accounting says {acc.trained} trained, the trainer saw {len(sim.trainer.trained_groups)}")

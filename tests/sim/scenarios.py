@@ -2,11 +2,13 @@
 
 `scenario(seed)` returns a recipe dict: at most 6 steps, at most 4 groups of at most 4 per
 step, random latencies and lengths, transient errors, non-retryable errors, outages,
-hangs, per-prompt exceptions, staleness 0-4, random tolerances, and weight publications
-that take virtual time and may fail or hang.
+hangs, per-prompt exceptions, staleness 0-4, random tolerances, weight publications
+that take virtual time and may fail or hang, and (drawn last) multi-turn episodes on the
+simulator's environments, which take time, may raise, and may ignore their cancellation.
 
 A scenario is *fault-free* (`is_fault_free`) when it injects no request fault, no
-weight-publication fault and uses the well-behaved reward; the generator then also keeps
+weight-publication fault, no environment error and uses the well-behaved reward (an episode that
+ignores its cancellation is not a fault: it is abandoned and counted, never a failure); the generator then also keeps
 its data and filter settings such that it must complete (at least one full step of data,
 no zero-variance filtering), so the suite can require zero failures and zero stalls of it.
 """
@@ -106,7 +108,25 @@ def scenario(seed: int) -> dict[str, Any]:
             start = rng.uniform(0, 20)
             fault.update(from_s=round(start, 3), until_s=round(start + rng.uniform(1, 30), 3))
         scripted["weight_sync_faults"] = [fault]
-    if not faults and "weight_sync_faults" not in scripted and recipe["reward"]["functions"] == ["builtin:coin"]:
+    if rng.random() < 0.3:
+        # Multi-turn episodes on the simulator's environments: latency, errors, episodes that ignore cancellation.
+        recipe["env"] = {
+            "factory": "simulated:env",  # not imported by the simulator
+            "max_turns": rng.randint(1, 4),
+            "max_tokens": rng.choice((32, 128, 512)),
+            "cancel_grace_s": rng.choice((0.05, 0.5, 2.0)),
+            "reward_weight": rng.choice((0.0, 1.0)),
+        }
+        env_faults = rng.random() < 0.25
+        scripted["env"] = {
+            "call_s": {"dist": "uniform", "low": 0.0, "high": round(rng.uniform(0.01, 2.0), 3)},
+            "done_prob": rng.choice((0.0, 0.3, 1.0)),
+            "error_prob": rng.choice((0.05, 0.3)) if env_faults else 0.0,
+            "transient_prob": rng.choice((0.0, 0.2)) if env_faults else 0.0,
+            "ignore_cancel_prob": rng.choice((0.0, 0.3, 1.0)),
+            "stop_s": {"dist": "uniform", "low": 0.0, "high": round(rng.uniform(0.01, 3.0), 3)},
+        }
+    if not faults and "weight_sync_faults" not in scripted and recipe["reward"]["functions"] == ["builtin:coin"] and not env_errors(recipe):
         # Fault-free: nothing may stop it but its own max_steps or end of data.
         recipe["rollout"]["filter_zero_variance"] = False
         data = recipe["data"]
@@ -115,9 +135,16 @@ def scenario(seed: int) -> dict[str, Any]:
     return recipe
 
 
+def env_errors(recipe: dict[str, Any]) -> bool:
+    """Whether the scenario's simulated environments raise."""
+    env = recipe["generation"]["scripted"].get("env", {})
+    return "env" in recipe and (env.get("error_prob", 0.0) > 0 or env.get("transient_prob", 0.0) > 0)
+
+
 def is_fault_free(cfg: Config) -> bool:
     scripted = cfg.generation.scripted
-    return not scripted.faults and not scripted.weight_sync_faults and cfg.reward.functions == ["builtin:coin"]
+    env_raises = cfg.env is not None and (scripted.env.error_prob > 0 or scripted.env.transient_prob > 0)
+    return not scripted.faults and not scripted.weight_sync_faults and cfg.reward.functions == ["builtin:coin"] and not env_raises
 
 
 def flaky_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:

@@ -52,6 +52,14 @@ def check_outcome(sim: Simulation) -> None:
     for reason, n in acc.dropped.items():
         assert counters[f"rollout/dropped/{reason}"] == n
     assert counters["rollout/requeued_total"] == acc.requeued
+    # Episodes: every environment error is a failed rollout or a retry (a cancelled episode is neither), and an
+    # episode that outlived its grace is counted (simulate() holds env/abandoned_total to the hosts' own count).
+    if cfg.env is None:
+        assert counters["env/errors_total"] == counters["env/abandoned_total"] == 0
+    else:
+        assert counters["env/errors_total"] <= counters["rollout/failed_total"] + counters["rollout/retries_total"]
+        if cfg.generation.scripted.env.ignore_cancel_prob == 0 and cfg.generation.scripted.env.stop_s.high <= cfg.env.cancel_grace_s:
+            assert counters["env/abandoned_total"] == 0
     if result.outcome == "completed":
         assert result.diagnostic is None
         if result.stop_reason == "max_steps":

@@ -129,9 +129,9 @@ def test_an_episode_records_model_tokens_as_sampled_and_environment_tokens_maske
     assert [m["role"] for m in episode.messages] == ["assistant", "user", "assistant", "user", "assistant", "user"]
     # The reset observation joined the prompt (re-rendered with it); the turns' prompts grew by exactly what was used.
     assert completion.prompt_token_ids is not None and len(completion.prompt_token_ids) > len(groups[0].prompt.token_ids)
-    # The fake's ids are not the encoding of its text, so no turn's ids are a prefix of the rendered history:
-    # counted as drift each turn, and the ids stay as sampled (above).
-    assert episode.drift_turns == 3 and collector.counters["env/retokenization_drift_total"] >= 1
+    # The fake's ids are not the encoding of its text: the ids stay as sampled (above), and the simulator's codec
+    # does not count that as drift (tests/unit/test_conversation.py counts it with a real tokenizer).
+    assert episode.drift_turns == 0 and collector.counters["env/retokenization_drift_total"] == 0
     assert collector.counters["rollout/generated_tokens_total"] >= sum(mask)
 
 

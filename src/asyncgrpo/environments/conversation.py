@@ -35,6 +35,10 @@ class Codec(Protocol):
     @property
     def has_template(self) -> bool: ...
 
+    @property
+    def exact(self) -> bool:
+        """Whether the generator's ids are this codec's encoding of its text, so a mismatch is drift worth counting."""
+
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str: ...
 
     def encode(self, text: str) -> tuple[int, ...]: ...
@@ -42,6 +46,8 @@ class Codec(Protocol):
 
 class TokenizerCodec:
     """A Hugging Face tokenizer's chat template and encoding (no special tokens added: a template holds its own)."""
+
+    exact = True
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
@@ -60,9 +66,11 @@ class TokenizerCodec:
 
 
 class CharCodec:
-    """The simulator's codec: "role: content" lines (an assistant turn ends the line itself) and one id per character."""
+    """The simulator's codec: "role: content" lines (an assistant turn ends the line itself) and one id per character.
+    The scripted backend's ids are not the encoding of its text, so drift is not counted (`exact` False)."""
 
     has_template = True
+    exact = False
 
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
         text = "".join(
@@ -92,6 +100,10 @@ class Conversation:
         self.mask: list[bool] = []
         self.drift_turns = 0
 
+    def _drifted(self) -> None:
+        if self._codec.exact:
+            self.drift_turns += 1
+
     @property
     def generated(self) -> int:
         return len(self.ids)
@@ -119,7 +131,7 @@ class Conversation:
         elif after[: len(before)] == before:
             self.prompt_ids = self.prompt_ids + after[len(before) :]
         else:
-            self.drift_turns += 1
+            self._drifted()
             self.prompt_ids = self.prompt_ids + self._codec.encode(self._text(observation, generation_prompt=True))
         self.prompt_changed = True
         self._base = after
@@ -137,7 +149,7 @@ class Conversation:
         rendered = self._relative(self.messages + list(observation), generation_prompt=True)
         if rendered is not None and rendered[: len(self.ids)] == tuple(self.ids):
             return rendered[len(self.ids) :]
-        self.drift_turns += 1
+        self._drifted()
         if self.chat:
             before = self._codec.render(self.messages, add_generation_prompt=False)
             after = self._codec.render(self.messages + list(observation), add_generation_prompt=True)
@@ -163,7 +175,7 @@ class Conversation:
         if self.mask and self.mask[-1]:
             rendered = self._relative(self.messages, generation_prompt=False)
             if rendered is None or rendered[: len(self.ids)] != tuple(self.ids):
-                self.drift_turns += 1
+                self._drifted()
 
     def episode_messages(self) -> list[Message]:
         return self.messages[self.prompt_messages :]

@@ -61,7 +61,7 @@ class _Call:
 
 
 def takes_token(method: Callable[..., Any]) -> bool:
-    """Whether `method` declares a parameter named `token` (or takes **kwargs)."""
+    """Whether `method` declares a parameter named `token`."""
     try:
         parameters = inspect.signature(method).parameters
     except (TypeError, ValueError):

@@ -27,10 +27,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from asyncgrpo.config import Config
+from asyncgrpo.config import Config, EnvConfig
 from asyncgrpo.environments.conversation import Codec
+from asyncgrpo.environments.hosts import open_host
+from asyncgrpo.environments.protocol import EnvironmentHost
 from asyncgrpo.errors import Diagnostic, FatalBackendError, GenerationError, RewardError, TransientGenerationError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rollout.accounting import Accounting
@@ -87,8 +90,10 @@ class Collector:
         ledger: PromptLedger | None = None,
         observer: RolloutObserver | None = None,
         codec: Codec | None = None,
+        host_factory: Callable[[EnvConfig], EnvironmentHost] = open_host,
     ) -> None:
-        """`codec` renders and tokenizes an episode's messages; needed with an `env:` section (rollout/episode.py)."""
+        """`codec` renders and tokenizes an episode's messages, `host_factory` makes each episode's host (the
+        simulator's own): both for an `env:` section (rollout/episode.py)."""
         self.cfg = cfg
         self.observer: RolloutObserver = observer if observer is not None else NoObserver()  # rollout/events.py
         self.source = source
@@ -128,7 +133,9 @@ class Collector:
         if cfg.env is not None:
             if codec is None:
                 raise ValueError("a Collector with an env: section needs the codec that tokenizes its episodes")
-            self._episodes = EpisodeRunner(cfg.env, cfg.generation, codec, self.counters, prompt_key=cfg.data.prompt_key, jitter=self._jitter)
+            self._episodes = EpisodeRunner(
+                cfg.env, cfg.generation, codec, self.counters, prompt_key=cfg.data.prompt_key, jitter=self._jitter, host_factory=host_factory,
+            )
 
     # ------------------------------------------------------------------ views
 
@@ -400,7 +407,7 @@ class Collector:
             self.observer.buffered_ended([group.seq], "stale", step, self._now())
             self.accounting.drop_buffered("stale")
             self._count_drop("stale", group.prompt)
-            self._count_stale(len(group.rollouts), sum(len(r.completion.token_ids) for r in group.rollouts))
+            self._count_stale(len(group.rollouts), sum(r.completion.model_tokens for r in group.rollouts))
 
     # ------------------------------------------------------------------ the trainer's side
 

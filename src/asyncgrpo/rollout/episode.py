@@ -220,6 +220,9 @@ class EpisodeRunner:
         try:
             async with asyncio.timeout(self.env.cancel_grace_s):
                 await host.close()
+        except asyncio.CancelledError:  # cancelled while closing: the close may still run, so stop it as a cancel does
+            await self._cancel(host, prompt)
+            raise
         except TimeoutError:
             if not await host.cancel(0.0):
                 self._abandoned(prompt, f"close() did not return within {self.env.cancel_grace_s:g} s (env.cancel_grace_s)")

@@ -46,7 +46,7 @@ class InFlightGroup:
         return min(versions, default=None)
 
     def finished_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.completions if c is not None)
+        return sum(c.model_tokens for c in self.completions if c is not None)
 
 
 def rollout_request(run_seed: int, prompt: Prompt, member: int, sampling: SamplingParams) -> GenerationRequest:

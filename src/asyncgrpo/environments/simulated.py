@@ -1,0 +1,77 @@
+"""The simulator's environments: `SimulatedHosts` makes one `SimulatedHost` per episode, on virtual time.
+
+Job: stand in for `env.factory` under `asyncgrpo simulate` and the chaos suite, as the scripted
+backend stands in for a generation server (generation.scripted.env holds the model). A host
+implements `EnvironmentHost` directly and runs no threads: each reset or step takes sampled virtual
+time and may raise (an error, or a `TransientEnvironmentError`); a step ends the episode with
+`done_prob`. Cancelled, a cooperative episode stops after a sampled `stop_s` (abandoned if that
+outlives the grace); one drawn to ignore cancellation always outlives the grace and is abandoned.
+
+Invariants: deterministic for a seed (host n of a run draws from its own stream, in the order the
+episodes start, which the virtual loop makes deterministic); `abandoned` counts the cancels that
+returned False, so a test can hold `env/abandoned_total` to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from asyncgrpo.config import EnvConfig, ScriptedEnvConfig
+from asyncgrpo.environments.protocol import EnvironmentHost, Message, StepResult, TransientEnvironmentError
+from asyncgrpo.generation.scripted import sample
+
+
+class SimulatedHost:
+    def __init__(self, model: ScriptedEnvConfig, rng: random.Random, role: str, hosts: SimulatedHosts) -> None:
+        self._model = model
+        self._rng = rng
+        self._role = role
+        self._hosts = hosts
+        self.ignores_cancel = rng.random() < model.ignore_cancel_prob
+
+    async def _call(self, what: str) -> None:
+        await asyncio.sleep(sample(self._model.call_s, self._rng))
+        draw = self._rng.random()
+        if draw < self._model.error_prob:
+            raise RuntimeError(f"simulated environment error in {what}")
+        if draw < self._model.error_prob + self._model.transient_prob:
+            raise TransientEnvironmentError(f"simulated transient environment error in {what}")
+
+    async def reset(self, row: Mapping[str, Any]) -> tuple[Message, ...]:
+        await self._call("reset")
+        return ({"role": self._role, "content": "start"},)
+
+    async def step(self, action_text: str) -> StepResult:
+        await self._call("step")
+        reward = 1.0 if self._rng.random() < self._model.reward_prob else 0.0
+        done = self._rng.random() < self._model.done_prob
+        return StepResult(({"role": self._role, "content": "next"},), reward, done, {})
+
+    async def close(self) -> None:
+        return None
+
+    async def cancel(self, grace_s: float) -> bool:
+        stop_s = float("inf") if self.ignores_cancel else sample(self._model.stop_s, self._rng)
+        await asyncio.sleep(min(stop_s, grace_s))
+        stopped = stop_s <= grace_s
+        self._hosts.abandoned += not stopped
+        return stopped
+
+
+class SimulatedHosts:
+    """`host_factory` for the episode runner: a new seeded `SimulatedHost` per episode."""
+
+    def __init__(self, model: ScriptedEnvConfig, seed: int) -> None:
+        self._model = model
+        self._seed = seed
+        self._made = 0
+        self.abandoned = 0
+
+    def __call__(self, env: EnvConfig) -> EnvironmentHost:
+        self._made += 1
+        digest = hashlib.blake2b(f"{self._seed}:env:{self._made}".encode(), digest_size=8).digest()
+        return SimulatedHost(self._model, random.Random(int.from_bytes(digest, "little")), env.observation_role, self)
