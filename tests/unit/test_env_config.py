@@ -7,6 +7,7 @@ import pytest
 from asyncgrpo.config import load_config
 from asyncgrpo.environments.factories import load_factory
 from asyncgrpo.environments.hosts import check_env, open_host
+from asyncgrpo.environments.process_host import ProcessHost
 from asyncgrpo.environments.thread_host import ThreadHost
 from asyncgrpo.errors import ConfigError
 from tests import envs
@@ -54,5 +55,5 @@ def test_hosts_follow_env_isolation():
     assert load_factory("tests.envs:Counting") is envs.Counting
     assert isinstance(open_host(cfg.env), ThreadHost)
     process = load_config(None, ["env.factory=tests.envs:Counting", "env.isolation=process", "eval.every_steps=0"])
-    with pytest.raises(ConfigError, match=r"env.isolation = 'process' is not available"):
-        check_env(process.env)
+    check_env(process.env)
+    assert isinstance(open_host(process.env), ProcessHost)

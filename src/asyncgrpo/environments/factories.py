@@ -21,7 +21,6 @@ KEY = "env.factory"
 FORM = "module:callable, e.g. my_env:MyEnv for class MyEnv with reset(row), step(action_text) and close() in my_env.py"
 
 
-
 def _openenv(target: str) -> Callable[[], Environment]:
     """``openenv:module:Class``: an OpenEnv Environment class (environments/openenv.py; imported only when used)."""
     from asyncgrpo.environments.openenv import openenv_factory
