@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib
 import json
 import re
 import typing
@@ -45,6 +44,7 @@ from typing import Any
 
 from asyncgrpo.environments.protocol import EpisodeCancelled, Message, StepResult, as_messages
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.rewards.scoring import import_user_module
 
 SERVER_SCHEMES = ("openenv+ws://", "openenv+wss://", "openenv+http://", "openenv+https://")
 _CALL_RE = re.compile(r"\s*([A-Za-z_][\w.-]*)\s*:[ \t]*(.*)", re.S)
@@ -74,14 +74,14 @@ def openenv_factory(target: str) -> Callable[[], OpenEnvEpisode]:
 
     module_name, _, name = target.rpartition(":")
     if not module_name or not name:
-        raise ConfigError(f"env.factory = {spec!r} is not of the form openenv:module:Class (e.g. openenv:echo_env.server:EchoEnvironment).")
-    try:
-        cls = getattr(importlib.import_module(module_name), name)
-    except Exception as exc:
         raise ConfigError(
-            f"env.factory = {spec!r}: {module_name}:{name} cannot be loaded ({type(exc).__name__}: {exc}). Fix: install the "
-            f"environment's package (OpenEnv environments are not on PyPI: pip install it from its git repository or folder)."
-        ) from exc
+            f"env.factory = {spec!r} is not of the form openenv:module:Class (e.g. openenv:my_env.server:MyEnvironment); OpenEnv "
+            f"environments are not on PyPI: pip install the environment's package from its git repository or folder."
+        )
+    module = import_user_module(module_name, "env.factory", spec)
+    if not hasattr(module, name):
+        raise ConfigError(f"env.factory = {spec!r}: module {module_name!r} has no attribute {name!r}. Fix: name the Environment class.")
+    cls = getattr(module, name)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ConfigError(f"env.factory = {spec!r}: {name} is not a subclass of OpenEnv's Environment (openenv.core.env_server.interfaces).")
     return functools.partial(OpenEnvEpisode, cls)
