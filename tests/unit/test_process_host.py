@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -49,20 +50,24 @@ class Stubborn:
 
 
 class Cooperative:
-    """Waits in step until its token is cancelled, then stops; close() leaves a mark."""
+    """Waits in step until its token is cancelled; close() (called meanwhile, from another thread) records whether the
+    step saw the token first."""
 
     def reset(self, row):
         self.path = Path(row["path"])
+        self.saw_token = threading.Event()
         return None
 
     def step(self, action_text, token):
         self.path.write_text("stepping")
-        token.wait(60)
+        if token.wait(60):
+            self.saw_token.set()
         token.raise_if_cancelled()
         return None, 0.0, True, {}
 
     def close(self):
-        self.path.write_text("closed")
+        seen = self.saw_token.wait(10)
+        self.path.write_text("closed after the step saw its token" if seen else "closed; the token never reached the step")
 
 
 class Echo:
@@ -179,7 +184,7 @@ def test_cancel_of_a_cooperative_environment_sets_its_token_and_calls_close_in_t
 
     host = asyncio.run(main())
     assert host._proc.returncode == 0  # it stopped within the grace: no kill was needed
-    assert mark.read_text() == "closed"
+    assert mark.read_text() == "closed after the step saw its token"
 
 
 def test_an_episode_runs_reset_steps_and_close_in_one_worker_process():
