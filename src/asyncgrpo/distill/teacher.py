@@ -34,9 +34,11 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.errors import TeacherError, TeacherTimeoutError
+from asyncgrpo.config import Config
+from asyncgrpo.distill.teacher_path import load_teacher
+from asyncgrpo.errors import ConfigError, TeacherError, TeacherTimeoutError
 from asyncgrpo.sync import StateSignal
-from asyncgrpo.threads import run_in_daemon_thread
+from asyncgrpo.training.device import resolve_device
 from asyncgrpo.training.loss import token_logprobs
 from asyncgrpo.types import Completion, Prompt
 
@@ -130,11 +132,11 @@ class TeacherWorker:
         self._queue: collections.deque[_Job] = collections.deque()
         self._running = 0  # samples in the batch being scored
         self._batches = 0
-        self._room = StateSignal()  # loop side: the queue has room, or the worker stopped
+        self._room = StateSignal()  # loop side: the queue has room, the worker stopped, or its thread exited
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
-        self._exited = threading.Event()  # set once by the thread's last act; read by aclose only
+        self._exited = False  # set (under the lock) by the thread's last act
         self._failure: BaseException | None = None
 
     # ----------------------------------------------------------------- caller side (event loop)
@@ -151,7 +153,7 @@ class TeacherWorker:
     def state(self) -> str:
         """For the stall diagnostic: what the teacher holds now."""
         with self._cond:
-            alive = self._thread is not None and not self._exited.is_set()
+            alive = self._thread is not None and not self._exited
             return (f"teacher {self.name}: {len(self._queue)} samples queued, {self._running} being scored, "
                     f"{self._batches} batches scored, thread {'running' if alive else 'stopped'}")
 
@@ -199,11 +201,17 @@ class TeacherWorker:
         self._room.notify()
         if thread is None:
             return
-        joined = await run_in_daemon_thread(lambda: self._exited.wait(self._close_timeout_s), name=f"asyncgrpo-teacher-{self.name}-close")
-        if not joined:
+        try:
+            async with asyncio.timeout(self._close_timeout_s):
+                await self._room.wait_for(self._has_exited)
+        except TimeoutError:
             raise TeacherError(f"teacher {self.name!r} did not stop within {self._close_timeout_s:g} s: a forward pass is still "
-                               f"running. Its thread is a daemon and will not block exit.")
-        thread.join(timeout=self._close_timeout_s)
+                               f"running. Its thread is a daemon and will not block exit.") from None
+        thread.join(timeout=self._close_timeout_s)  # the thread has already signalled its last act
+
+    def _has_exited(self) -> bool:
+        with self._cond:
+            return self._exited
 
     def _has_room(self) -> bool:
         with self._cond:
@@ -260,9 +268,10 @@ class TeacherWorker:
                 self._running = 0
             for job in pending:
                 _post(job.loop, _resolve, job.future, None, self._stopped_error())
+            with self._cond:
+                self._exited = True
             if self._loop is not None:
                 _post(self._loop, self._room.notify)
-            self._exited.set()
 
     def _score_batch(self, batch: list[_Job]) -> None:
         try:
@@ -281,3 +290,22 @@ class TeacherWorker:
             with self._cond:
                 self._running = 0
                 self._batches += 1
+
+
+def build_teacher(cfg: Config, student_tokenizer: Any) -> TeacherWorker:
+    """The recipe's teacher (`distill.*`) on `distill.device` (auto: train.device), not started.
+
+    ConfigError when its vocabulary is not the student's: it would score other tokens than were sampled."""
+    model, tokenizer = load_teacher(cfg)
+    if tokenizer.get_vocab() != student_tokenizer.get_vocab():
+        raise ConfigError(
+            f"distill.teacher = {cfg.distill.teacher!r} has a vocabulary of {len(tokenizer.get_vocab())} tokens that differs from "
+            f"the student's ({len(student_tokenizer.get_vocab())} tokens, model.path = {cfg.model.path!r}): it would score other "
+            f"tokens than the student sampled. Fix: pick a teacher that shares the student's tokenizer (the same model family)."
+        )
+    d = cfg.distill
+    device = resolve_device(d.device if d.device != "auto" else cfg.train.device, key="distill.device")
+    return TeacherWorker(
+        model.to(device), temperature=cfg.generation.temperature, batch_size=d.batch_size, queue_size=d.queue_size,
+        timeout_s=d.timeout_s, name=d.teacher, pad_id=tokenizer.pad_token_id or 0,
+    )
