@@ -2,11 +2,12 @@
 
 `scenario(seed)` returns a recipe dict: at most 6 steps, at most 4 groups of at most 4 per
 step, random latencies and lengths, transient errors, non-retryable errors, outages,
-hangs, per-prompt exceptions, staleness 0-4, random tolerances, and weight publications
-that take virtual time and may fail or hang.
+hangs, per-prompt exceptions, staleness 0-4, random tolerances, weight publications
+that take virtual time and may fail or hang, and (a quarter of them) `algorithm: distill`:
+one sample per unit, scored by a simulated teacher that takes time, fails and times out.
 
 A scenario is *fault-free* (`is_fault_free`) when it injects no request fault, no
-weight-publication fault and uses the well-behaved reward; the generator then also keeps
+weight-publication fault, no teacher fault or timeout, and uses the well-behaved reward; the generator then also keeps
 its data and filter settings such that it must complete (at least one full step of data,
 no zero-variance filtering), so the suite can require zero failures and zero stalls of it.
 """
@@ -106,6 +107,16 @@ def scenario(seed: int) -> dict[str, Any]:
             start = rng.uniform(0, 20)
             fault.update(from_s=round(start, 3), until_s=round(start + rng.uniform(1, 30), 3))
         scripted["weight_sync_faults"] = [fault]
+    if rng.random() < 0.25:
+        # algorithm: distill: each sample its own unit, a simulated teacher with latency, faults and timeouts.
+        recipe["algorithm"] = "distill"
+        recipe["rollout"].update(group_size=1, min_group_survivors=1, filter_zero_variance=False)
+        recipe["distill"] = {
+            "simulated_latency_s": {"dist": "uniform", "low": 0.01, "high": round(rng.uniform(0.02, 3), 3)},
+            "simulated_error_rate": rng.choice((0.0, 0.0, 0.0, 0.05, 0.3)),
+            "timeout_s": rng.choice((2.0, 30.0, 30.0)),
+            "on_error": rng.choice(("fail", "drop")),
+        }
     if not faults and "weight_sync_faults" not in scripted and recipe["reward"]["functions"] == ["builtin:coin"]:
         # Fault-free: nothing may stop it but its own max_steps or end of data.
         recipe["rollout"]["filter_zero_variance"] = False
@@ -116,8 +127,11 @@ def scenario(seed: int) -> dict[str, Any]:
 
 
 def is_fault_free(cfg: Config) -> bool:
-    scripted = cfg.generation.scripted
-    return not scripted.faults and not scripted.weight_sync_faults and cfg.reward.functions == ["builtin:coin"]
+    scripted, teacher = cfg.generation.scripted, cfg.distill
+    faultless_teacher = cfg.algorithm != "distill" or (
+        teacher.simulated_error_rate == 0 and (teacher.simulated_latency_s.high or 0) < teacher.timeout_s
+    )
+    return not scripted.faults and not scripted.weight_sync_faults and cfg.reward.functions == ["builtin:coin"] and faultless_teacher
 
 
 def flaky_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
