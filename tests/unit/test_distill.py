@@ -209,3 +209,18 @@ def test_distill_advantages_are_minus_the_per_token_kl_on_the_mask_only():
     got = distill_advantages(gen, teacher, mask)
     assert got.tolist() == [[-0.5, 1.0, 0.0], [-20.0, 0.0, 0.0]]  # clamped to +-20; padding 0
     assert not got.requires_grad and all(math.isfinite(v) for v in got.flatten().tolist())
+
+
+def test_a_teacher_with_another_vocabulary_than_the_student_is_refused():
+    from types import SimpleNamespace
+
+    from asyncgrpo.distill.teacher import build_teacher
+    from asyncgrpo.errors import ConfigError
+
+    cfg = cfg_distill()
+    with pytest.raises(ConfigError, match="distill.teacher = 'builtin:tiny' has a vocabulary of 55 tokens that differs from the student's .2 tokens"):
+        build_teacher(cfg, SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1}))
+    from asyncgrpo.models.tiny import build_tiny_tokenizer
+
+    teacher = build_teacher(cfg, build_tiny_tokenizer())
+    assert teacher.name == "builtin:tiny" and teacher.temperature == TEMPERATURE
