@@ -34,16 +34,18 @@ def direct_logprobs(model, prompt: list[int], completion: list[int]) -> list[flo
         return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist()
 
 
-def sample(model, prompt: list[int], n: int, rng: torch.Generator) -> tuple[list[int], list[float]]:
-    """n tokens sampled from `model` at TEMPERATURE, with their log-probs."""
-    ids, logprobs = list(prompt), []
+def sample(model, prompts: list[list[int]], n: int, rng: torch.Generator) -> list[tuple[list[int], list[float]]]:
+    """n tokens sampled from `model` at TEMPERATURE after each prompt (all of one length), with their log-probs."""
+    ids = torch.tensor(prompts)
+    logprobs = []
     with torch.no_grad():
         for _ in range(n):
-            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float() / TEMPERATURE, -1)
-            token = int(torch.multinomial(logp.exp(), 1, generator=rng))
-            ids.append(token)
-            logprobs.append(float(logp[token]))
-    return ids[len(prompt):], logprobs
+            logp = torch.log_softmax(model(input_ids=ids).logits[:, -1].float() / TEMPERATURE, -1)
+            tokens = torch.multinomial(logp.exp(), 1, generator=rng)
+            logprobs.append(logp.gather(-1, tokens))
+            ids = torch.cat([ids, tokens], dim=1)
+    width = len(prompts[0])
+    return [(row[width:], lps) for row, lps in zip(ids.tolist(), torch.cat(logprobs, dim=1).tolist())]
 
 
 def random_samples(seed: int, n: int) -> list[tuple[list[int], list[int]]]:
@@ -169,26 +171,23 @@ def cfg_distill(**train) -> Config:
 
 
 def exact_kl(student, teacher, samples: list[tuple[list[int], list[int]]]) -> float:
-    """Mean over completion positions of KL(student || teacher) over the whole vocabulary, at TEMPERATURE."""
-    total, count = 0.0, 0
+    """Mean over completion positions of KL(student || teacher) over the whole vocabulary, at TEMPERATURE
+    (prompts of one length, completions of one length)."""
+    width = len(samples[0][0])
+    ids = torch.tensor([prompt + completion for prompt, completion in samples])
     with torch.no_grad():
-        for prompt, completion in samples:
-            ids = torch.tensor([prompt + completion])
-            s = torch.log_softmax(student(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / TEMPERATURE, -1)
-            t = torch.log_softmax(teacher(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / TEMPERATURE, -1)
-            total += float((s.exp() * (s - t)).sum())
-            count += len(completion)
-    return total / count
+        s = torch.log_softmax(student(input_ids=ids).logits[:, width - 1 : -1].float() / TEMPERATURE, -1)
+        t = torch.log_softmax(teacher(input_ids=ids).logits[:, width - 1 : -1].float() / TEMPERATURE, -1)
+        return float((s.exp() * (s - t)).sum(-1).mean())
 
 
 def test_the_distillation_loss_lowers_the_student_teacher_kl_on_a_fixed_batch():
     student, teacher = tiny_llama(0), tiny_llama(1).eval()
     trainer = TorchTrainer(student, None, cfg_distill())
-    rng = torch.Generator().manual_seed(0)
+    prompts = [[1, 3 + i % 20, 4 + i % 7] for i in range(32)]
+    sampled = sample(trainer.model, prompts, 8, torch.Generator().manual_seed(0))
     groups, samples = [], []
-    for i in range(32):
-        prompt = [1, 3 + i % 20, 4 + i % 7]
-        completion, logprobs = sample(trainer.model, prompt, 8, rng)
+    for i, (prompt, (completion, logprobs)) in enumerate(zip(prompts, sampled)):
         rollouts = taught_rollouts([completion_of(completion, logprobs)], [direct_logprobs(teacher, prompt, completion)])
         groups.append(Group(prompt=prompt_of(prompt, i), rollouts=rollouts, seq=i))
         samples.append((prompt, completion))
