@@ -473,9 +473,9 @@ class TorchTrainer:
         logp_gen = torch.tensor(gen_rows, dtype=torch.float32, device=device)
         mask = torch.tensor(mask_rows, dtype=torch.bool, device=device)
         if self.cfg.algorithm == "distill":
-            teacher = [list(s.logp_teacher or ()) + [0.0] * (width_c - len(s.logp_teacher or ())) for s in seqs]
             if any(s.logp_teacher is None for s in seqs):
                 raise AssertionError("algorithm: distill, but a rollout carries no teacher log-probs")
+            teacher = [list(s.logp_teacher or ()) + [0.0] * (width_c - len(s.completion_ids)) for s in seqs]
             advantages = distill_advantages(logp_gen, torch.tensor(teacher, dtype=torch.float32, device=device), mask)
         attention_mask = torch.tensor(attn_rows, dtype=torch.long, device=device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
