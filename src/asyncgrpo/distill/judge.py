@@ -6,8 +6,8 @@ loss turns into a per-token advantage (distill/loss.py). So the rollout keeps th
 `advantage` is 0.0 (unused), and its `reward` is minus the sample's mean per-token KL estimate (0.0 for an
 empty completion), so `reward/mean` rises as the student approaches the teacher.
 
-Invariants: one rollout per completion, in order; the teacher's log-probs have one entry per completion token
-(else `TeacherError`: a teacher that answers the wrong shape is broken, never silently padded).
+Invariants: one rollout per completion, in order; the teacher's log-probs have one finite entry per completion
+token (both teachers answer so by construction: anything else is a bug, raised, never silently padded).
 """
 
 from __future__ import annotations
@@ -15,19 +15,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from asyncgrpo.errors import TeacherError
 from asyncgrpo.types import Completion, Group, Rollout
 
 
 def taught_rollouts(completions: Sequence[Completion], teacher_logprobs: Sequence[Sequence[float]]) -> tuple[Rollout, ...]:
     """The rollouts of `completions` with the teacher's log-probs of their tokens (one sequence per completion)."""
     if len(teacher_logprobs) != len(completions):
-        raise TeacherError(f"the teacher returned {len(teacher_logprobs)} answers for {len(completions)} samples")
+        raise AssertionError(f"the teacher returned {len(teacher_logprobs)} answers for {len(completions)} samples")
     rollouts = []
     for completion, logprobs in zip(completions, teacher_logprobs):
         teacher = tuple(float(v) for v in logprobs)
         if len(teacher) != len(completion.token_ids) or not all(math.isfinite(v) for v in teacher):
-            raise TeacherError(
+            raise AssertionError(
                 f"the teacher returned {len(teacher)} log-probs (finite: {all(math.isfinite(v) for v in teacher)}) for a "
                 f"completion of {len(completion.token_ids)} tokens; it must return one finite log-prob per token"
             )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -276,6 +277,8 @@ class TeacherWorker:
     def _score_batch(self, batch: list[_Job]) -> None:
         try:
             rows = teacher_logprobs(self._model, [(j.prompt_ids, j.completion_ids) for j in batch], self.temperature, pad_id=self._pad_id)
+            if not all(math.isfinite(v) for row in rows for v in row):
+                raise FloatingPointError("the teacher's log-probs are not all finite (NaN or inf in its weights or logits)")
         except Exception as exc:  # noqa: BLE001 - classified: the batch's samples fail with it, the worker goes on
             for job in batch:
                 error = TeacherError(
