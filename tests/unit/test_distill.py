@@ -110,7 +110,10 @@ def test_teacher_errors_are_classified_and_the_worker_goes_on():
         if fail["next"]:
             fail["next"] = False
             raise RuntimeError("CUDA out of memory (simulated)")
-        return forward(*args, **kwargs)
+        out = forward(*args, **kwargs)
+        if fail.pop("nan", False):
+            out.logits[:] = float("nan")
+        return out
 
     teacher.forward = flaky_forward
 
@@ -123,6 +126,9 @@ def test_teacher_errors_are_classified_and_the_worker_goes_on():
             with pytest.raises(TeacherError, match="failed to score a batch of 1 samples: RuntimeError: CUDA out of memory") as info:
                 await w.score(prompt_of([1, 2]), [completion_of([5, 6])])
             assert isinstance(info.value.__cause__, RuntimeError)
+            fail["nan"] = True
+            with pytest.raises(TeacherError, match="FloatingPointError: the teacher's log-probs are not all finite"):
+                await w.score(prompt_of([1, 2]), [completion_of([5, 6])])
             return await w.score(prompt_of([1, 2]), [completion_of([5, 6])])  # the next batch is scored
         finally:
             await w.aclose()
