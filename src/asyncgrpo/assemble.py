@@ -19,7 +19,7 @@ from asyncgrpo.environments.protocol import EnvironmentHost
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rewards.scoring import Isolation, RewardScorer
 from asyncgrpo.rollout.accounting import Accounting
-from asyncgrpo.rollout.collector import Collector
+from asyncgrpo.rollout.collector import Collector, ScorerLike
 from asyncgrpo.rollout.events import RolloutObserver
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.types import Prompt, SamplingParams
@@ -41,7 +41,7 @@ def build_collector(
     generator: Generator,
     *,
     stop_token_ids: tuple[int, ...] = (),
-    scorer: RewardScorer | None = None,
+    scorer: ScorerLike | None = None,
     isolation: Isolation | None = None,
     ledger: PromptLedger | None = None,
     start_step: int = 0,
@@ -52,6 +52,7 @@ def build_collector(
 ) -> Collector:
     """The collector over `prompts` on `generator`, with the recipe's source order and reward functions.
 
+    `scorer`: the recipe's reward functions when None; under `algorithm: distill`, the teacher (distill/).
     `isolation` overrides `reward.isolation` (simulations score inline, on virtual time); `ledger`
     and `resumed` (a checkpoint's accounting and counters) continue a run from a checkpoint;
     `observer` is told each rollout's and take's life (rollout/events.py; the run's timeline). With an

@@ -274,7 +274,9 @@ class GenerationConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    group_size: int = Field(8, ge=2, description="Completions per prompt; GRPO compares completions within a group, so at least 2.")
+    group_size: int = Field(
+        8, ge=1, description="Completions per prompt; GRPO compares completions within a group, so at least 2 (algorithm: distill: 1).",
+    )
     groups_per_step: int = Field(16, ge=1, description="Groups trained per optimizer step.")
     max_staleness: int = Field(
         1, ge=0,
@@ -284,7 +286,9 @@ class RolloutConfig(_Section):
         "requeue", description="A group cancelled as stale: requeue its prompt (generated again later) or drop it (counted as dropped/stale).",
     )
     max_requeues: int = Field(2, ge=0, description="Times one prompt may be requeued as stale; after that it is dropped as stale.")
-    min_group_survivors: int = Field(2, ge=2, description="A group with fewer surviving rollouts is dropped (advantages need 2).")
+    min_group_survivors: int = Field(
+        2, ge=1, description="A group with fewer surviving rollouts is dropped (GRPO's advantages need 2; algorithm: distill: 1).",
+    )
     max_generation_failures: int = Field(0, ge=0, description="Consecutive all-failed groups tolerated; one more fails the run.")
     drop_window: int = Field(64, ge=1, description="Groups in the window of the drop-fraction rules (they apply once this many finished).")
     max_drop_fraction: float = Field(
@@ -302,7 +306,7 @@ class RolloutConfig(_Section):
     stall_timeout_s: float | None = Field(
         None, gt=0,
         description="No rollout finished and no step trained for this long raises StallError (default: rollout deadline (times env.max_turns "
-        "with an env) + reward time limit of every function + probe interval + 60 s).",
+        "with an env) + reward time limit of every function (distill: distill.timeout_s) + probe interval + 60 s).",
     )
 
 
@@ -407,6 +411,30 @@ class LoggingConfig(_Section):
     )
 
 
+class DistillConfig(_Section):
+    """`algorithm: distill`: on-policy distillation from a teacher that scores the student's sampled tokens (distill/)."""
+
+    teacher: str = Field(
+        "builtin:tiny", min_length=1, description="The teacher: builtin:tiny, or a local Hugging Face model directory with the student's tokenizer.",
+    )
+    teacher_seed: int | None = Field(
+        None, ge=0, description="Seed the builtin:tiny teacher is built from (null: run.seed + 1, a different model than the student).",
+    )
+    batch_size: int = Field(32, ge=1, description="Most samples the teacher scores in one forward pass.")
+    queue_size: int = Field(256, ge=1, description="Most samples waiting for the teacher; more wait to be queued.")
+    timeout_s: float = Field(60.0, gt=0, description="Deadline for the teacher to score one sample, queueing included.")
+    device: Device = Field("auto", description="Where the teacher runs: auto (train.device), cpu, cuda, cuda:N or mps.")
+    on_error: Literal["fail", "drop"] = Field(
+        "fail",
+        description="fail: a teacher error is fatal (teacher_error); drop: the sample is dropped as reward_error (the failure policy counts it).",
+    )
+    simulated_latency_s: Distribution = Field(
+        default_factory=lambda: Distribution(dist="const", value=0.05),
+        description="simulate only: virtual time the simulated teacher takes per batch.",
+    )
+    simulated_error_rate: float = Field(0.0, ge=0, le=1, description="simulate only: probability that a simulated teacher batch fails.")
+
+
 class RayRole(_Section):
     """Ray resources one actor of a role reserves (Ray places it on a node that has them)."""
 
@@ -441,6 +469,10 @@ class Config(_Section):
     runtime: Literal["local", "ray"] = Field("local", description="local: all in this process; ray: generators as Ray actors (see the ray: section).")
     ray: RayConfig = Field(default_factory=RayConfig)
     env: EnvConfig | None = Field(None, description="Multi-turn environments (the env: section); null: single-turn rollouts.")
+    algorithm: Literal["grpo", "distill"] = Field(
+        "grpo", description="grpo: rewards and group-relative advantages; distill: per-token reverse KL to distill.teacher, one sample per unit.",
+    )
+    distill: DistillConfig = Field(default_factory=DistillConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -454,7 +486,7 @@ class Config(_Section):
         g = self.generation
         if self.rollout.stall_timeout_s is not None:
             return self.rollout.stall_timeout_s
-        scoring = self.reward.timeout_s * len(self.reward.functions)
+        scoring = self.distill.timeout_s if self.algorithm == "distill" else self.reward.timeout_s * len(self.reward.functions)
         turns = self.env.max_turns if self.env is not None else 1  # an episode generates once per turn
         return g.rollout_deadline_s * turns + scoring + g.health_probe_interval_s + 60.0
 
@@ -466,6 +498,7 @@ def consistency_problems(cfg: Config) -> list[str]:
     """Cross-field rules; each message names the dotted keys, their values and the fix."""
     problems: list[str] = []
     r, g = cfg.rollout, cfg.generation
+    problems += algorithm_problems(cfg)
     if r.min_group_survivors > r.group_size:
         problems.append(
             f"rollout.min_group_survivors = {r.min_group_survivors} exceeds rollout.group_size = {r.group_size}: "
@@ -505,7 +538,7 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"{needed:g} CPUs, more than the local cluster's ray.num_cpus = {ray.num_cpus}: "
             f"Ray would never place them all. Fix: lower ray.generator.num_cpus or ray.generators, or raise ray.num_cpus."
         )
-    if not cfg.reward.functions and (cfg.env is None or cfg.env.reward_weight == 0):
+    if cfg.algorithm == "grpo" and not cfg.reward.functions and (cfg.env is None or cfg.env.reward_weight == 0):
         where = "no env: section" if cfg.env is None else "env.reward_weight = 0"
         problems.append(
             f"reward.functions is empty and {where}: no rollout could get a reward. Fix: list at least one reward "
@@ -516,6 +549,11 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"env.cancel_grace_s = {cfg.env.cancel_grace_s:g} is not below run.shutdown_timeout_s = {cfg.run.shutdown_timeout_s:g}: "
             f"a shutdown waits for cancelled episodes up to their grace, so it could not end cleanly in time. Fix: lower "
             f"env.cancel_grace_s or raise run.shutdown_timeout_s."
+        )
+    if cfg.env is not None and cfg.algorithm == "distill":
+        problems.append(
+            "algorithm = 'distill' with an env: section: the teacher scores single completions, it does not score "
+            "episodes yet (their environment tokens and per-turn prompts). Fix: remove the env: section, or use algorithm: grpo."
         )
     if cfg.env is not None and cfg.eval.every_steps > 0:
         problems.append(
@@ -530,6 +568,29 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"give one weight per function, or drop reward.weights to weigh each 1.0."
         )
     return problems
+
+
+def algorithm_problems(cfg: Config) -> list[str]:
+    """GRPO needs groups of at least 2 (advantages compare completions within a group); distillation
+    makes each sample its own unit (group size 1), so staleness and cancellation are per sample."""
+    r = cfg.rollout
+    if cfg.algorithm == "distill":
+        wrong = [f"rollout.{key} = {getattr(r, key)}" for key in ("group_size", "min_group_survivors") if getattr(r, key) != 1]
+        if r.filter_zero_variance:
+            wrong.append("rollout.filter_zero_variance = true")
+        if wrong:
+            return [
+                f"algorithm = 'distill' makes each sample its own unit, but {', '.join(wrong)}. Fix: set "
+                f"rollout.group_size: 1 and rollout.min_group_survivors: 1 (rollout.groups_per_step is then the samples per "
+                f"step), and leave rollout.filter_zero_variance off (there are no rewards to compare)."
+            ]
+        return []
+    return [
+        f"rollout.{key} = {getattr(r, key)}: GRPO compares the completions of a group, so it needs at least 2. Fix: set "
+        f"rollout.{key} to 2 or more (a group size of 1 is for algorithm: distill)."
+        for key in ("group_size", "min_group_survivors")
+        if getattr(r, key) < 2
+    ]
 
 
 def tolerance_warnings(cfg: Config) -> list[str]:

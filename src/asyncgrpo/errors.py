@@ -101,6 +101,15 @@ class RewardError(AsyncGRPOError):
     """A reward function raised, timed out, or returned something that is not one score per completion."""
 
 
+class TeacherError(AsyncGRPOError):
+    """The distillation teacher could not score a sample (`algorithm: distill`): its forward pass raised, the
+    sample does not fit the teacher, or the teacher worker stopped. `distill.on_error` decides: fatal or dropped."""
+
+
+class TeacherTimeoutError(TeacherError):
+    """The teacher did not score a sample within `distill.timeout_s` (queueing included)."""
+
+
 FatalKind = str  # one of DIAGNOSTIC_KINDS
 
 DIAGNOSTIC_KINDS = (
@@ -110,6 +119,7 @@ DIAGNOSTIC_KINDS = (
     "backend_dead",
     "misconfigured_backend",
     "reward_error",
+    "teacher_error",
     "stall",
     "no_steps",
     "step_error",

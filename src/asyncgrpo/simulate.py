@@ -1,7 +1,8 @@
 """`asyncgrpo simulate`: the whole pipeline on virtual time, with the scripted backend and the stub trainer.
 
 The collector, buffer, policies, reward scoring and the training loop are the real ones;
-only generation (seeded latencies, lengths and faults) and the optimizer step (a fixed
+only generation (seeded latencies, lengths and faults), the distillation teacher (`algorithm:
+distill`: seeded latency and faults, distill/simulated.py) and the optimizer step (a fixed
 virtual duration) are scripted. A simulated hour of the shipped recipe takes a few seconds
 (docs/benchmarks.md, "Simulator speed"), so users can tune staleness, concurrency and
 failure tolerance, and chaos-test a recipe, before spending GPU hours; the test suite uses
@@ -24,6 +25,7 @@ from typing import Any
 from asyncgrpo.assemble import build_collector
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_rows
+from asyncgrpo.distill.simulated import SimulatedTeacher
 from asyncgrpo.environments.simulated import SimulatedHosts
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.base import Generator
@@ -135,7 +137,9 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     scorer = RewardScorer.from_config(cfg.reward, isolation="inline")
     # Episodes run on the simulator's model of an environment (generation.scripted.env), not env.factory.
     env_hosts = SimulatedHosts(cfg.generation.scripted.env, cfg.run.seed) if cfg.env is not None else None
-    collector = build_collector(cfg, prompts, generator, scorer=scorer, observer=report.timeline if report else None, host_factory=env_hosts)
+    teacher = SimulatedTeacher(cfg.distill, seed=cfg.run.seed) if cfg.algorithm == "distill" else None
+    collector = build_collector(cfg, prompts, generator, scorer=teacher or scorer, observer=report.timeline if report else None,
+                                host_factory=env_hosts)
     records: list[StepRecord] = []
 
     async def record(step: StepRecord) -> None:
@@ -177,7 +181,7 @@ class _Report:
     def step(self, record: StepRecord, collector: Collector, reward_names: list[str]) -> None:
         now = asyncio.get_running_loop().time()
         self.timeline.step(record, now)
-        keys = metric_keys(reward_names)
+        keys = metric_keys(reward_names, distill=self.cfg.algorithm == "distill")
         values = step_metrics(
             record, collector.metric_values(), reward_names=reward_names, elapsed_s=now,
             gen_tokens_per_s=self.rate.add(now, collector.counters["rollout/generated_tokens_total"]), eval_metrics={},

@@ -43,6 +43,7 @@ from typing import Any
 from asyncgrpo.assemble import build_collector
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_rows, read_rows
+from asyncgrpo.distill.teacher_path import check_teacher_path
 from asyncgrpo.environments.hosts import check_env
 from asyncgrpo.errors import AsyncGRPOError, ConfigError, Diagnostic, DiskError, FatalBackendError, PipelineError
 from asyncgrpo.evaluation import eval_diagnostic, evaluate
@@ -92,6 +93,8 @@ def preflight(cfg: Config) -> ResumePlan:
     if cfg.runtime == "ray":
         import_ray()  # ConfigError with the install command when it is missing
     check_model_path(cfg.model.path)
+    if cfg.algorithm == "distill":
+        check_teacher_path(cfg)
     check_data_source(cfg.data.source, key="data.source")
     if cfg.eval.source is not None:
         check_data_source(cfg.eval.source, key="eval.source")
@@ -265,7 +268,7 @@ class TrainingRun:
     thread, so checkpoint writes (on the same thread) never overlap a step."""
 
     def __init__(self, cfg: Config, plan: ResumePlan, run_dir: Path, stop: Stop, trainer: Any, tokenizer: Any,
-                 prompts: list[Prompt], eval_prompts: list[Prompt], warnings: list[str]) -> None:
+                 prompts: list[Prompt], eval_prompts: list[Prompt], warnings: list[str], teacher: Any = None) -> None:
         self.cfg, self.plan, self.run_dir, self.stop = cfg, plan, run_dir, stop
         self.trainer = trainer
         self.warnings = warnings
@@ -283,12 +286,13 @@ class TrainingRun:
             group_size=cfg.rollout.group_size, max_rollout_spans=cfg.logging.timeline_max_rollouts,
         )
         self.scorer = RewardScorer.from_config(cfg.reward)
+        self.teacher = teacher  # algorithm: distill: it scores the samples instead of the reward functions
         self.collector = build_collector(
-            cfg, prompts, self.engine, stop_token_ids=self.stop_ids, scorer=self.scorer, ledger=self.ledger, start_step=plan.step,
-            resumed=saved, observer=self.timeline, tokenizer=tokenizer,
+            cfg, prompts, self.engine, stop_token_ids=self.stop_ids, scorer=teacher or self.scorer, ledger=self.ledger,
+            start_step=plan.step, resumed=saved, observer=self.timeline, tokenizer=tokenizer,
         )
         self.reward_terms = term_names(self.scorer.names, cfg.env)
-        self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.reward_terms))
+        self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.reward_terms, distill=teacher is not None))
         self.trackers = Trackers(cfg, run_dir)
         self.progress = Progress(cfg, plan.step)
         self.eval_state: dict[str, float | None] = dict.fromkeys(EVAL_KEYS)
@@ -322,7 +326,13 @@ class TrainingRun:
         eval_key = "eval.source" if cfg.eval.source else "data.prompt_key"
         eval_prompts = build_prompts(eval_rows, prompt_key=cfg.data.prompt_key, key=eval_key, **tokens)[0] if eval_rows else []
         warnings = [*plan.notes, *report.warnings(), *step_budget_warnings(cfg, len(prompts))]
-        run = cls(cfg, plan, run_dir, stop, TorchTrainer(model, tokenizer, cfg), tokenizer, prompts, eval_prompts, warnings)
+        teacher = None
+        if cfg.algorithm == "distill":
+            from asyncgrpo.distill.teacher import build_teacher
+
+            log.info("loading the teacher %s ...", cfg.distill.teacher)
+            teacher = build_teacher(cfg, tokenizer)
+        run = cls(cfg, plan, run_dir, stop, TorchTrainer(model, tokenizer, cfg), tokenizer, prompts, eval_prompts, warnings, teacher)
         if plan.checkpoint is not None:
             log.warning("resuming from %s (step %d)", plan.checkpoint, plan.step)
             for change in plan.changed:
@@ -361,6 +371,8 @@ class TrainingRun:
         else:
             self.progress.stage("starting the generation engine")
         await self.engine.start()
+        if self.teacher is not None:
+            await self.teacher.start()
         if cfg.generation.backend == "http":
             # Cold sync: the servers serve exactly the trainer's weights (a fresh run's, or the checkpoint's).
             async with asyncio.timeout(cfg.generation.weight_sync_timeout_s):
@@ -451,6 +463,8 @@ class TrainingRun:
         self.timeline.close()
         self.trackers.close()
         await self.scorer.aclose()
+        if self.teacher is not None:
+            await self.teacher.aclose()
         await self.engine.aclose()
         # A step in progress finishes before the thread is released (the pipeline completes a
         # started step even when cancelled), so the weights match the accounting saved after it.

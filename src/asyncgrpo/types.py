@@ -153,12 +153,22 @@ class Completion:
 
 @dataclass(frozen=True)
 class Rollout:
-    """A scored completion inside a group. `reward_terms` maps reward function name to its value (None: excluded)."""
+    """A scored completion inside a group. `reward_terms` maps reward function name to its value (None: excluded).
+
+    `teacher_logprobs` (`algorithm: distill`): log pi_teacher of each of `completion.token_ids`, at the
+    sampling temperature; one per token, like `completion.logprobs`."""
 
     completion: Completion
     reward: float
     advantage: float
     reward_terms: Mapping[str, float | None] = field(default_factory=dict)
+    teacher_logprobs: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.completion.token_ids):
+            raise ValueError(
+                f"Rollout has {len(self.teacher_logprobs)} teacher logprobs for {len(self.completion.token_ids)} completion tokens"
+            )
 
 
 @dataclass(frozen=True)

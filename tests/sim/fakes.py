@@ -95,7 +95,8 @@ class ProgrammedGenerator:
 
 
 def recipe(**sections: dict[str, Any]):
-    """A small simulate recipe with deterministic prompt order (0, 1, 2, ...); sections override the defaults."""
+    """A small simulate recipe with deterministic prompt order (0, 1, 2, ...); sections override the defaults.
+    A `distill` section makes it `algorithm: distill`."""
     base: dict[str, Any] = {
         "run": {"name": "test", "seed": 0},
         "data": {"source": "builtin:repeat_letter", "builtin_size": 40, "shuffle": False},
@@ -107,6 +108,8 @@ def recipe(**sections: dict[str, Any]):
     }
     for name, values in sections.items():
         base[name] = {**base.get(name, {}), **values}
+    if "distill" in sections:
+        base["algorithm"] = "distill"
     return validate_config(base)
 
 

@@ -3,12 +3,14 @@
 `scenario(seed)` returns a recipe dict: at most 6 steps, at most 4 groups of at most 4 per
 step, random latencies and lengths, transient errors, non-retryable errors, outages,
 hangs, per-prompt exceptions, staleness 0-4, random tolerances, weight publications
-that take virtual time and may fail or hang, and (drawn last) multi-turn episodes on the
-simulator's environments, which take time, may raise, and may ignore their cancellation.
+that take virtual time and may fail or hang, (drawn last) multi-turn episodes on the
+simulator's environments, which take time, may raise, and may ignore their cancellation, and (a quarter
+of the others) `algorithm: distill`: one sample per unit, scored by a simulated teacher that takes time,
+fails and times out.
 
 A scenario is *fault-free* (`is_fault_free`) when it injects no request fault, no
-weight-publication fault, no environment error and uses the well-behaved reward (an episode that
-ignores its cancellation is not a fault: it is abandoned and counted, never a failure); the generator then also keeps
+weight-publication fault, no environment error, no teacher fault or timeout, and uses the well-behaved reward (an
+episode that ignores its cancellation is not a fault: it is abandoned and counted, never a failure); the generator then also keeps
 its data and filter settings such that it must complete (at least one full step of data,
 no zero-variance filtering), so the suite can require zero failures and zero stalls of it.
 """
@@ -126,6 +128,16 @@ def scenario(seed: int) -> dict[str, Any]:
             "ignore_cancel_prob": rng.choice((0.0, 0.3, 1.0)),
             "stop_s": {"dist": "uniform", "low": 0.0, "high": round(rng.uniform(0.01, 3.0), 3)},
         }
+    if rng.random() < 0.25 and "env" not in recipe:  # distillation does not play episodes (config.py refuses both)
+        # algorithm: distill: each sample its own unit, a simulated teacher with latency, faults and timeouts.
+        recipe["algorithm"] = "distill"
+        recipe["rollout"].update(group_size=1, min_group_survivors=1, filter_zero_variance=False)
+        recipe["distill"] = {
+            "simulated_latency_s": {"dist": "uniform", "low": 0.01, "high": round(rng.uniform(0.02, 3), 3)},
+            "simulated_error_rate": rng.choice((0.0, 0.0, 0.0, 0.05, 0.3)),
+            "timeout_s": rng.choice((2.0, 30.0, 30.0)),
+            "on_error": rng.choice(("fail", "drop")),
+        }
     if not faults and "weight_sync_faults" not in scripted and recipe["reward"]["functions"] == ["builtin:coin"] and not env_errors(recipe):
         # Fault-free: nothing may stop it but its own max_steps or end of data.
         recipe["rollout"]["filter_zero_variance"] = False
@@ -142,9 +154,13 @@ def env_errors(recipe: dict[str, Any]) -> bool:
 
 
 def is_fault_free(cfg: Config) -> bool:
-    scripted = cfg.generation.scripted
+    scripted, teacher = cfg.generation.scripted, cfg.distill
     env_raises = cfg.env is not None and (scripted.env.error_prob > 0 or scripted.env.transient_prob > 0)
-    return not scripted.faults and not scripted.weight_sync_faults and cfg.reward.functions == ["builtin:coin"] and not env_raises
+    faultless_teacher = cfg.algorithm != "distill" or (
+        teacher.simulated_error_rate == 0 and (teacher.simulated_latency_s.high or 0) < teacher.timeout_s
+    )
+    return (not scripted.faults and not scripted.weight_sync_faults and cfg.reward.functions == ["builtin:coin"]
+            and not env_raises and faultless_teacher)
 
 
 def flaky_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:

@@ -71,13 +71,24 @@ def check_outcome(sim: Simulation) -> None:
     else:
         d = result.diagnostic
         assert d is not None and d.kind in {
-            "generation_failures", "drop_fraction", "filtered_fraction", "misconfigured_backend", "reward_error", "no_steps", "weight_sync"
+            "generation_failures", "drop_fraction", "filtered_fraction", "misconfigured_backend", "reward_error", "no_steps", "weight_sync",
+            "teacher_error",
         }
         if d.kind == "generation_failures":
             assert d.count == cfg.rollout.max_generation_failures + 1
             assert d.original is not None and d.traceback
+    if cfg.algorithm == "distill":
+        check_per_sample(sim)
     if is_fault_free(cfg):
         check_fault_free(sim)
+
+
+def check_per_sample(sim: Simulation) -> None:
+    """Distillation: every unit is one sample, scored by the teacher; a stale unit is one stale sample."""
+    counters = sim.collector.counters
+    assert all(len(g.rollouts) == 1 and g.rollouts[0].teacher_logprobs is not None for g in sim.trainer.trained_groups)
+    assert counters["rollout/stale_samples_total"] == counters["rollout/stale_groups_total"], counters
+    assert counters["rollout/dropped/filtered"] == counters["rollout/dropped/too_few_survivors"] == 0, counters
 
 
 def check_fault_free(sim: Simulation) -> None:
@@ -112,10 +123,12 @@ def test_chaos_scenarios_keep_every_invariant(chaos_seeds: list[int]) -> None:
         fault_free += is_fault_free(sim.cfg)
         slow_publications += sim.cfg.generation.scripted.weight_sync_s.dist != "const" or sim.cfg.generation.scripted.weight_sync_s.value > 0
     if len(chaos_seeds) >= 500:
-        # Enough fault-free runs to hold them to zero failures, and publications that take time (the
+        # Enough fault-free runs to hold them to zero failures (about a fifth: environment and teacher
+        # faults are drawn on top of request and publication faults), and publications that take time (the
         # wake-up after a publication is needed only when the new version arrives after the waiters slept).
-        assert fault_free >= len(chaos_seeds) // 5 and slow_publications >= len(chaos_seeds) // 2, (fault_free, slow_publications)
+        assert fault_free >= len(chaos_seeds) // 6 and slow_publications >= len(chaos_seeds) // 2, (fault_free, slow_publications)
         # The sweep must exercise the interesting paths, not only happy runs.
         for expected in ("completed:max_steps", "completed:data_exhausted", "failed:generation_failures", "failed:drop_fraction",
-                         "failed:reward_error", "failed:misconfigured_backend", "failed:filtered_fraction", "failed:weight_sync"):
+                         "failed:reward_error", "failed:misconfigured_backend", "failed:filtered_fraction", "failed:weight_sync",
+                         "failed:teacher_error"):
             assert outcomes[expected] > 0, f"no scenario reached {expected}: {outcomes}"

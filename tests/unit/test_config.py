@@ -36,8 +36,19 @@ def test_a_misspelled_key_suggests_the_right_one():
 
 
 def test_an_out_of_range_value_names_key_value_and_limit():
-    message = error_of("rollout.group_size=1")
-    assert "rollout.group_size = 1" in message and "greater than or equal to 2" in message and "Fix:" in message
+    message = error_of("rollout.groups_per_step=0")
+    assert "rollout.groups_per_step = 0" in message and "greater than or equal to 1" in message and "Fix:" in message
+
+
+def test_group_size_one_is_for_distillation_only():
+    message = error_of("rollout.group_size=1", "rollout.min_group_survivors=1")
+    assert "rollout.group_size = 1: GRPO compares the completions of a group" in message
+    assert "rollout.min_group_survivors = 1" in message and "algorithm: distill" in message
+    cfg = load_config(None, ["algorithm=distill", "rollout.group_size=1", "rollout.min_group_survivors=1"])
+    assert cfg.algorithm == "distill" and cfg.stall_timeout_s > cfg.distill.timeout_s
+    message = error_of("algorithm=distill")
+    assert "algorithm = 'distill' makes each sample its own unit, but rollout.group_size = 8, rollout.min_group_survivors = 2" in message
+    assert "Fix: set rollout.group_size: 1 and rollout.min_group_survivors: 1" in message
 
 
 def test_a_wrong_type_names_key_and_value():
@@ -57,7 +68,7 @@ def test_weight_sync_slower_than_the_staleness_bound_is_rejected():
 
 
 def test_every_problem_is_reported_at_once():
-    message = error_of("rollout.group_size=1", "train.lr=-1", "bogus=1")
+    message = error_of("rollout.groups_per_step=0", "train.lr=-1", "bogus=1")
     assert "3 config problems" in message
 
 

@@ -25,8 +25,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("generation",),
     ("rewards",),
     ("environments",),
-    ("rollout",),
-    ("training",),
+    ("rollout", "distill"),  # distill: the pure judge and the simulated teacher
+    ("training", "distill.teacher", "distill.loss"),
     ("pipeline", "assemble", "evaluation"),
     ("telemetry",),
     ("train", "run_files", "simulate", "plot", "check", "cli"),

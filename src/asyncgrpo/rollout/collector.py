@@ -31,15 +31,16 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from asyncgrpo.config import Config, EnvConfig
+from asyncgrpo.distill.judge import taught_rollouts
 from asyncgrpo.environments.conversation import Codec
 from asyncgrpo.environments.hosts import open_host
 from asyncgrpo.environments.protocol import EnvironmentHost
-from asyncgrpo.errors import Diagnostic, FatalBackendError, GenerationError, RewardError, TransientGenerationError
+from asyncgrpo.errors import Diagnostic, FatalBackendError, GenerationError, RewardError, TeacherError, TransientGenerationError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.admission import is_stale, may_admit_group
 from asyncgrpo.rollout.buffer import ReplayBuffer
-from asyncgrpo.rollout.diagnostics import backend_fatal, policy_broken, reward_failed, stalled
+from asyncgrpo.rollout.diagnostics import backend_fatal, policy_broken, reward_failed, stalled, teacher_failed
 from asyncgrpo.rollout.episode import EpisodeRunner, add_env_reward, count_episode, reward_input
 from asyncgrpo.rollout.events import NoObserver, RolloutObserver, RolloutOutcome
 from asyncgrpo.rollout.failure_log import FailureLog, Tolerated
@@ -74,6 +75,9 @@ class PromptSourceLike(Protocol):
 
 
 class ScorerLike(Protocol):
+    """Scores a group's survivors: the reward functions get their texts (an episode's messages, rollout/episode.py);
+    under `algorithm: distill` the teacher (distill/teacher.py) gets the completions themselves (it scores their token ids)."""
+
     async def score(self, prompt: Prompt, completions: list[Any]) -> list[Any]: ...
 
 
@@ -113,7 +117,8 @@ class Collector:
             max_filtered_fraction=r.max_filtered_fraction,
         )
         self.first_failure = FirstFailure()
-        self._no_signal = None if r.filter_zero_variance else NoSignalWatch(r.drop_window)
+        self.per_sample = cfg.algorithm == "distill"  # each sample is its own unit, scored by the teacher (distill/)
+        self._no_signal = None if r.filter_zero_variance or self.per_sample else NoSignalWatch(r.drop_window)
         self.failure_log = FailureLog(cfg.logging.failure_summary_s)
         self.ledger = ledger if ledger is not None else PromptLedger()
         self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
@@ -307,13 +312,16 @@ class Collector:
             return
         self._scoring += 1
         try:
-            scored = await self.scorer.score(group.prompt, [reward_input(c) for c in completions])
+            scored = await self.scorer.score(group.prompt, completions if self.per_sample else [reward_input(c) for c in completions])
             if self.cfg.env is not None:
                 scored = add_env_reward(scored, completions, self.cfg.env.reward_weight)
-        except RewardError as exc:
+        except (RewardError, TeacherError) as exc:
             self._last_progress = self._now()
-            if self.cfg.reward.on_error == "fail":
-                self._fail_run(reward_failed(exc, group.version_floor(), self.next_step))
+            on_error = self.cfg.distill.on_error if isinstance(exc, TeacherError) else self.cfg.reward.on_error
+            if on_error == "fail":
+                version = group.version_floor()
+                self._fail_run(teacher_failed(exc, version, self.next_step) if isinstance(exc, TeacherError)
+                               else reward_failed(exc, version, self.next_step))
             else:
                 self._tolerated("reward_error", exc)
             self._end(group, Drop("reward_error", exc))
@@ -321,7 +329,7 @@ class Collector:
         finally:
             self._scoring -= 1
         self._last_progress = self._now()  # scoring a group is progress, however long the reward took
-        rollouts = scored_rollouts(
+        rollouts = taught_rollouts(completions, scored) if self.per_sample else scored_rollouts(
             group.prompt, completions, scored, min_survivors=r.min_group_survivors,
             filter_zero_variance=r.filter_zero_variance, scale_by_std=self.cfg.train.loss.scale_by_std,
         )
@@ -356,7 +364,9 @@ class Collector:
         else:
             if group.task is not None and group.task is not asyncio.current_task():
                 group.task.cancel()
-            self._count_stale(sum(c is not None for c in group.completions), group.finished_tokens())
+            # A group's stale samples are its finished ones; a distilled sample is the unit, so it counts finished or not.
+            self._count_stale(group.live_members() if self.per_sample else sum(c is not None for c in group.completions),
+                              group.finished_tokens())
             prompt = group.prompt
             if self.cfg.rollout.on_stale == "requeue" and prompt.requeues < self.cfg.rollout.max_requeues:
                 self.observer.take_ended(group.key, prompt.id, "requeued", None, self._now())
@@ -388,7 +398,10 @@ class Collector:
         self._fail_run(policy_broken(verdict, self.generator.name, version, self.next_step))
 
     def _tolerated(self, what: Tolerated, error: BaseException) -> None:
-        source = "the reward functions" if isinstance(error, RewardError) else getattr(error, "backend", "") or self.generator.name
+        if isinstance(error, (RewardError, TeacherError)):
+            source = "the teacher" if isinstance(error, TeacherError) else "the reward functions"
+        else:
+            source = getattr(error, "backend", "") or self.generator.name
         for line in self.failure_log.record(what, type(error).__name__, source, str(error), self._now()):
             log.warning(line)
 
@@ -470,6 +483,7 @@ class Collector:
         self._signal.notify()
 
     def _stalled(self, step: int, stall_timeout_s: float) -> Diagnostic:
+        scoring = f"{self._scoring} being scored" + (f" by the teacher ({self.scorer.state()})" if self.per_sample else "")  # type: ignore[attr-defined]
         state = (f"{len(self.buffer)} buffered, {len(self._in_flight)} groups in flight with {self._slots.open} requests "
-                 f"open and {self._scoring} being scored, source exhausted: {self.source.exhausted}")
+                 f"open and {scoring}, source exhausted: {self.source.exhausted}")
         return stalled(step, stall_timeout_s, self.groups_per_step, state, self.generator.name, self.generator.serving_version)

@@ -7,7 +7,7 @@ of the failure policy, and a stall. Versions and the trainer's step say where th
 
 from __future__ import annotations
 
-from asyncgrpo.errors import Diagnostic, FatalBackendError, RewardError
+from asyncgrpo.errors import Diagnostic, FatalBackendError, RewardError, TeacherError
 from asyncgrpo.rollout.failures import Verdict
 from asyncgrpo.rollout.first_failure import format_traceback
 
@@ -30,6 +30,18 @@ def reward_failed(error: RewardError, version: int | None, step: int) -> Diagnos
         kind="reward_error",
         message=f"A reward function failed: {error}. Fix the function, or set reward.on_error: drop "
         f"to drop such groups (counted as reward_error) instead of stopping.",
+        generation_version=version,
+        trainer_step=step,
+        original=error,
+        traceback=format_traceback(error),
+    )
+
+
+def teacher_failed(error: TeacherError, version: int | None, step: int) -> Diagnostic:
+    return Diagnostic(
+        kind="teacher_error",
+        message=f"The distillation teacher failed: {error}. Fix the cause, or set distill.on_error: drop to drop "
+        f"such samples (counted as reward_error, under rollout.max_drop_fraction) instead of stopping.",
         generation_version=version,
         trainer_step=step,
         original=error,

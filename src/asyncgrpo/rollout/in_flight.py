@@ -45,6 +45,10 @@ class InFlightGroup:
                 versions.append(dispatched)
         return min(versions, default=None)
 
+    def live_members(self) -> int:
+        """Members dispatched that have not failed: finished, or still being generated."""
+        return sum(d is not None and e is None for d, e in zip(self.dispatch_versions, self.errors))
+
     def finished_tokens(self) -> int:
         return sum(c.model_tokens for c in self.completions if c is not None)
 

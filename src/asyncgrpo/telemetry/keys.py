@@ -25,6 +25,8 @@ TRAIN_KEYS = (
     "completion/len_max",
     "completion/truncated_frac",
 )
+# Reported by the trainers under `algorithm: distill` only (distill/judge.py).
+DISTILL_KEYS = ("distill/kl_mean",)
 # The collector's state at the end of a step (`Collector.metric_values()`).
 COLLECTOR_GAUGES = ("rollout/inflight", "buffer/size")
 # The collector's running totals since the start of the run (kept across a resume).

@@ -20,16 +20,18 @@ from pathlib import Path
 from typing import IO, Any
 
 from asyncgrpo.errors import AsyncGRPOError
-from asyncgrpo.telemetry.keys import COUNTER_NAMES, EVAL_KEYS, PIPELINE_KEYS, STEP_KEYS, TRAIN_KEYS
+from asyncgrpo.telemetry.keys import COUNTER_NAMES, DISTILL_KEYS, EVAL_KEYS, PIPELINE_KEYS, STEP_KEYS, TRAIN_KEYS
 from asyncgrpo.types import StepRecord
 
 
-def metric_keys(reward_names: Iterable[str]) -> tuple[str, ...]:
+def metric_keys(reward_names: Iterable[str], *, distill: bool = False) -> tuple[str, ...]:
+    """Every key of a run's metrics lines; `distill` (`algorithm: distill`) adds `DISTILL_KEYS`."""
     return (
         *STEP_KEYS,
         *PIPELINE_KEYS,
         *(f"reward/{name}" for name in reward_names),
         *TRAIN_KEYS,
+        *(DISTILL_KEYS if distill else ()),
         *COUNTER_NAMES,
         *EVAL_KEYS,
     )

@@ -105,13 +105,15 @@ def grpo_token_terms(
     logp_ref: Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> TokenTerms:
-    """Per-token loss terms. logp_* `[B, T]`, advantages `[B]`, mask `[B, T]` (bool or 0/1).
+    """Per-token loss terms. logp_* `[B, T]`, advantages `[B]` (one per sequence) or `[B, T]` (one per
+    token: distillation, distill/loss.py), mask `[B, T]` (bool or 0/1).
 
     Only `logp_new` carries gradient; `logp_gen`, `logp_prox` and `logp_ref` are treated as
     constants (detached here).
     """
     mask = mask.bool()
-    adv = advantages.to(logp_new.dtype).unsqueeze(-1).expand_as(logp_new)
+    adv = advantages.detach().to(logp_new.dtype)
+    adv = (adv if adv.dim() == 2 else adv.unsqueeze(-1)).expand_as(logp_new)
     logp_gen = logp_gen.detach().to(logp_new.dtype)
     if objective == "behaviour":
         ratio = torch.exp(_safe_log_ratio(logp_new, logp_gen, mask))
@@ -230,7 +232,7 @@ def grpo_loss(
 ) -> tuple[Tensor, LossStats]:
     """The loss of one micro-batch, scaled for gradient accumulation over its update batch.
 
-    logp_new/logp_gen/logp_prox/logp_ref `[B, T]`, advantages `[B]`, mask `[B, T]` (1 on the
+    logp_new/logp_gen/logp_prox/logp_ref `[B, T]`, advantages `[B]` or `[B, T]`, mask `[B, T]` (1 on the
     completion tokens that count; prompt, padding and masked-out completions 0), entropy
     `[B, T]` (statistics only, optional). `normalizer` (> 0): the update batch's loss tokens
     (`token`) or its sequences with at least one loss token (`sequence`).
@@ -244,8 +246,10 @@ def grpo_loss(
             f"grpo_loss needs aligned [B, T] tensors: logp_new {tuple(logp_new.shape)}, "
             f"logp_gen {tuple(logp_gen.shape)}, mask {tuple(mask.shape)}"
         )
-    if advantages.shape != logp_new.shape[:1]:
-        raise ValueError(f"advantages must be [B] = {tuple(logp_new.shape[:1])}, got {tuple(advantages.shape)}")
+    if advantages.shape not in (logp_new.shape[:1], logp_new.shape):
+        raise ValueError(
+            f"advantages must be [B] = {tuple(logp_new.shape[:1])} or [B, T] = {tuple(logp_new.shape)}, got {tuple(advantages.shape)}"
+        )
     mask = mask.bool()
     terms = grpo_token_terms(
         logp_new,

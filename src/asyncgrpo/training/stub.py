@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
+from asyncgrpo.distill.judge import kl_mean
 from asyncgrpo.types import Group
 
 
@@ -23,10 +24,13 @@ class StubTrainer:
         await asyncio.sleep(self.step_time_s)
         self.trained_groups.extend(groups)
         completions = [r.completion for g in groups for r in g.rollouts]
-        return {
+        metrics = {
             "completion/len_mean": sum(len(c.token_ids) for c in completions) / len(completions),
             "completion/len_max": float(max(len(c.token_ids) for c in completions)),
         }
+        if any(r.teacher_logprobs is not None for g in groups for r in g.rollouts):  # algorithm: distill
+            metrics["distill/kl_mean"] = kl_mean(groups)
+        return metrics
 
     def generation_weights(self) -> Mapping[str, Any] | None:
         return None

@@ -36,7 +36,10 @@ Invariants:
 - Every trainable parameter is float32, before and after any step, at any precision.
 - A non-finite loss or gradient norm raises `NonFiniteLossError` before the optimizer
   applies it; weights are never updated with NaN/inf.
-- Every metric key in `TRAIN_KEYS` is returned every step, as a finite float.
+- Every metric key in `TRAIN_KEYS` (and `DISTILL_KEYS` under `algorithm: distill`) is returned every
+  step, as a finite float.
+- `algorithm: distill`: the advantages are per token, -(log pi_gen - log pi_teacher) (distill/loss.py),
+  with the same importance correction against pi_gen; `Rollout.advantage` is not used.
 """
 
 from __future__ import annotations
@@ -53,8 +56,10 @@ import torch
 from torch import Tensor
 
 from asyncgrpo.config import Config
+from asyncgrpo.distill.judge import kl_mean
+from asyncgrpo.distill.loss import distill_advantages
 from asyncgrpo.errors import AsyncGRPOError
-from asyncgrpo.telemetry.keys import TRAIN_KEYS
+from asyncgrpo.telemetry.keys import DISTILL_KEYS, TRAIN_KEYS
 from asyncgrpo.training import lora as lora_adapters
 from asyncgrpo.training.device import autocast, resolve_device
 from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
@@ -67,7 +72,7 @@ class NonFiniteLossError(AsyncGRPOError):
 
 @dataclass
 class _Sequence:
-    """One rollout as the trainer sees it. `logp_prox` `[C]` is filled for `decoupled`."""
+    """One rollout as the trainer sees it. `logp_prox` `[C]` is filled for `decoupled`; `logp_teacher` under distill."""
 
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
@@ -76,6 +81,7 @@ class _Sequence:
     has_loss: bool
     logp_prox: Tensor | None = None
     loss_mask: tuple[bool, ...] | None = None  # an episode's: False on the environment's tokens
+    logp_teacher: tuple[float, ...] | None = None
 
     @property
     def loss_tokens(self) -> int:
@@ -95,7 +101,7 @@ class _MicroBatch:
     completion starts at the same column and only the last C logits are needed.
 
     input_ids/attention_mask/position_ids `[B, P + C - 1]`; targets/logp_gen/mask (and
-    logp_prox) `[B, C]`; advantages `[B]`.
+    logp_prox) `[B, C]`; advantages `[B]`, or `[B, C]` per token under distill (distill/loss.py).
     """
 
     input_ids: Tensor
@@ -206,7 +212,7 @@ class TorchTrainer:
     def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
         """Train one step on `groups` (whole groups; at least one). Advances `version` by 1.
 
-        Returns every key of `TRAIN_KEYS` as a float.
+        Returns every key of `TRAIN_KEYS` (and `DISTILL_KEYS` under distill) as a float.
         """
         with self.lock:
             return self._train_step(groups)
@@ -321,7 +327,10 @@ class TorchTrainer:
         self.scheduler.step()
         self.version += 1
 
-        advantages = [float(r.advantage) for r in rollouts]
+        if self.cfg.algorithm == "distill":  # per-token advantages (distill/loss.py): -(log pi_gen - log pi_teacher)
+            advantages = [t - g for r in rollouts for g, t in zip(r.completion.logprobs, r.teacher_logprobs or ())] or [0.0]
+        else:
+            advantages = [float(r.advantage) for r in rollouts]
         lengths = [len(r.completion.token_ids) for r in rollouts]
         adv_mean = sum(advantages) / len(advantages)
         adv_std = math.sqrt(sum((a - adv_mean) ** 2 for a in advantages) / len(advantages))
@@ -340,6 +349,9 @@ class TorchTrainer:
             "completion/len_max": float(max(lengths)),
             "completion/truncated_frac": sum(r.completion.truncated for r in rollouts) / len(rollouts),
         }
+        if self.cfg.algorithm == "distill":
+            metrics["distill/kl_mean"] = kl_mean(groups)
+            return {key: float(metrics[key]) for key in (*TRAIN_KEYS, *DISTILL_KEYS)}
         return {key: float(metrics[key]) for key in TRAIN_KEYS}
 
     def _update(self, seqs: list[_Sequence], *, first: bool) -> tuple[float | None, float, LossStats]:
@@ -444,6 +456,7 @@ class TorchTrainer:
                     advantage=float(rollout.advantage),
                     has_loss=has_loss,
                     loss_mask=c.loss_mask,
+                    logp_teacher=rollout.teacher_logprobs,
                 )
             )
         return out
@@ -467,6 +480,14 @@ class TorchTrainer:
             if s.logp_prox is not None:
                 prox_rows.append(torch.nn.functional.pad(s.logp_prox, (0, width_c - c)))
         device = self.device
+        advantages = torch.tensor([s.advantage for s in seqs], dtype=torch.float32, device=device)
+        logp_gen = torch.tensor(gen_rows, dtype=torch.float32, device=device)
+        mask = torch.tensor(mask_rows, dtype=torch.bool, device=device)
+        if self.cfg.algorithm == "distill":
+            if any(s.logp_teacher is None for s in seqs):
+                raise AssertionError("algorithm: distill, but a rollout carries no teacher log-probs")
+            teacher = [list(s.logp_teacher or ()) + [0.0] * (width_c - len(s.completion_ids)) for s in seqs]
+            advantages = distill_advantages(logp_gen, torch.tensor(teacher, dtype=torch.float32, device=device), mask)
         attention_mask = torch.tensor(attn_rows, dtype=torch.long, device=device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         logp_prox = None
@@ -479,10 +500,10 @@ class TorchTrainer:
             attention_mask=attention_mask,
             position_ids=position_ids,
             targets=torch.tensor(target_rows, dtype=torch.long, device=device),
-            logp_gen=torch.tensor(gen_rows, dtype=torch.float32, device=device),
+            logp_gen=logp_gen,
             logp_prox=logp_prox,
-            mask=torch.tensor(mask_rows, dtype=torch.bool, device=device),
-            advantages=torch.tensor([s.advantage for s in seqs], dtype=torch.float32, device=device),
+            mask=mask,
+            advantages=advantages,
             completion_width=width_c,
         )
 
