@@ -39,6 +39,12 @@ def test_evaluation_of_episodes_is_refused_rather_than_measuring_single_completi
         load_config(None, ["env.factory=tests.envs:Counting", "eval.every_steps=5"])
 
 
+def test_distillation_of_episodes_is_refused_until_the_teacher_scores_them():
+    with pytest.raises(ConfigError, match=r"algorithm = 'distill' with an env: section"):
+        load_config(None, ["env.factory=tests.envs:Counting", "algorithm=distill", "rollout.group_size=1", "rollout.min_group_survivors=1",
+                           "rollout.filter_zero_variance=false"])
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     ("no_colon", r"env.factory = 'no_colon' is not of the form module:callable"),
     ("tests.envs:Nope", r"env.factory = 'tests.envs:Nope': module 'tests.envs' has no attribute 'Nope'"),
