@@ -67,3 +67,14 @@ def test_publication_faults_are_seeded_per_version():
 
     assert failing_versions(0) == failing_versions(0) and 5 < len(failing_versions(0)) < 25
     assert failing_versions(0) != failing_versions(1)
+
+
+def test_a_zero_latency_runs_with_the_trainer_as_the_bound():
+    # const 0 is a valid latency (generation costs nothing); it used to divide by zero in the report's
+    # generation capacity, then was refused. The bound is then the training capacity alone.
+    cfg = recipe(generation={"scripted": {"latency_s": {"dist": "const", "value": 0.0}}}, train={"max_steps": 5})
+    sim = simulate(cfg)
+    report = sim.report()
+    assert sim.result.outcome == "completed" and sim.result.steps == 5
+    assert report["capacity_bound_completions_per_s"] == 2.0  # groups_per_step 1 x group_size 2 / step_time_s 1
+    assert 0.9 <= report["efficiency"] <= 1.0
