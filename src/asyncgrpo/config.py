@@ -138,9 +138,38 @@ class WeightSyncFaultConfig(_Section):
     until_s: float | None = Field(None, gt=0)
 
 
+class TokenModelConfig(_Section):
+    """The scripted backend's token model: lengths drawn per prompt, latency from tokens (generation/scripted.py)."""
+
+    rollout_sigma: float = Field(
+        0.3, ge=0,
+        description="Spread of one rollout's length around its prompt's: the lognormal sigma of a factor of median 1. The prompt's "
+        "length is drawn from generation.scripted.tokens once per (run seed, prompt id), so a group's members share it and it "
+        "survives requeues.",
+    )
+    prefill_s: float = Field(0.0, ge=0, description="Time to the first token of a request.")
+    decode_s_per_token: float = Field(0.001, gt=0, description="Time per generated token of a sequence decoded at full speed.")
+    batch_knee: int = Field(
+        64, ge=1,
+        description="Requests the server decodes at full per-sequence speed; with n > batch_knee open at dispatch, each token takes "
+        "n / batch_knee times longer, so the server's throughput saturates at batch_knee sequences' worth.",
+    )
+
+
 class ScriptedConfig(_Section):
-    latency_s: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=1.0))
-    tokens: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=32))
+    latency_s: Distribution = Field(
+        default_factory=lambda: Distribution(dist="const", value=1.0),
+        description="Latency of one attempt, drawn independently of its length (unused with token_model).",
+    )
+    tokens: Distribution = Field(
+        default_factory=lambda: Distribution(dist="const", value=32),
+        description="Completion length: drawn per attempt, or with token_model once per prompt (then spread per rollout).",
+    )
+    token_model: TokenModelConfig | None = Field(
+        None,
+        description="Opt-in: lengths drawn per prompt and latency = prefill_s + tokens x decode time slowed by concurrency, "
+        "instead of latency_s drawn apart from the length.",
+    )
     faults: list[FaultConfig] = Field(
         default_factory=list,
         description="Injected request faults, each {error, rate, from_s, until_s, prompts}: error is one of http_500, http_429, "
@@ -301,6 +330,10 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")
     updates_per_batch: int = Field(1, ge=1, description="Optimizer updates per step, each on a slice of the step's batch.")
     step_time_s: float = Field(1.0, gt=0, description="Virtual duration of one step of the stub trainer (simulate only).")
+    token_time_s: float | None = Field(
+        None, gt=0,
+        description="Simulate only: a stub-trainer step takes this times its batch's completion tokens instead of step_time_s.",
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,9 @@ from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.collector import Collector
+from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rundir import METRICS_FILE, TIMELINE_FILE
+from asyncgrpo.sim_metrics import population_length, token_capacities, token_metrics
 from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, metric_keys, step_metrics
 from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.training.stub import StubTrainer
@@ -59,15 +60,15 @@ class Simulation:
     records: list[StepRecord]
     virtual_time_s: float
     wall_time_s: float
+    outcomes: list[dict[str, Any]]  # the ledger's records: how each take ended for good
 
     def report(self) -> dict[str, Any]:
         """The `simulate --json` object (format documented in the README)."""
         cfg, r = self.cfg, self.result
         trained_completions = sum(len(g.rollouts) for g in self.trainer.trained_groups)
-        mean_latency = mean_of(cfg.generation.scripted.latency_s)  # 0 is valid: generation is free, the trainer bounds
-        generation_capacity = cfg.generation.max_inflight / mean_latency if mean_latency > 0 else math.inf
-        training_capacity = cfg.rollout.groups_per_step * cfg.rollout.group_size / cfg.train.step_time_s
-        bound = min(generation_capacity, training_capacity)
+        drawn = getattr(self.generator, "drawn_lengths", {})
+        length = population_length(drawn) or max(1.0, mean_of(cfg.generation.scripted.tokens))  # lengths are at least 1
+        bound = min(token_capacities(cfg, length)) / length  # completions/s; a latency of 0 leaves the training capacity
         rate = trained_completions / self.virtual_time_s if self.virtual_time_s > 0 else 0.0
         return {
             "outcome": r.outcome,
@@ -82,6 +83,7 @@ class Simulation:
             "efficiency": round(rate / bound, 6) if bound > 0 else 0.0,
             "trained_completions": trained_completions,
             "capacity_bound_completions_per_s": round(bound, 6),
+            **token_metrics(cfg, self.collector.counters, drawn, self.outcomes, self.virtual_time_s),
         }
 
     @property
@@ -123,10 +125,12 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
         log.warning("warning: %s", warning)
     if generator is None:
         generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
-    trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s)
+    trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s, cfg.train.token_time_s)
     report = _Report(cfg, output_dir, generator.name) if output_dir is not None else None
     scorer = RewardScorer.from_config(cfg.reward, isolation="inline")
-    collector = build_collector(cfg, prompts, generator, scorer=scorer, observer=report.timeline if report else None)
+    outcomes: list[dict[str, Any]] = []
+    collector = build_collector(cfg, prompts, generator, scorer=scorer, observer=report.timeline if report else None,
+                                ledger=PromptLedger(sink=outcomes.append))
     records: list[StepRecord] = []
 
     async def record(step: StepRecord) -> None:
@@ -147,7 +151,7 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     finally:
         if report is not None:
             report.close()
-    simulation = Simulation(cfg, result, collector, generator, trainer, records, virtual_time, time.perf_counter() - wall_start)
+    simulation = Simulation(cfg, result, collector, generator, trainer, records, virtual_time, time.perf_counter() - wall_start, outcomes)
     check_invariants(simulation)
     return simulation
 

@@ -123,13 +123,15 @@ class Group:
     """One prompt and its surviving scored rollouts: the unit of admission, training and accounting.
 
     `seq` is the completion order (ties in the buffer break by it); `failed_rollouts` counts
-    members that failed after their retries (they are not in `rollouts`).
+    members that failed after their retries (they are not in `rollouts`); `generation_s` is the
+    generator time of its `rollouts` (each from its start to its end, retries included).
     """
 
     prompt: Prompt
     rollouts: tuple[Rollout, ...]
     seq: int
     failed_rollouts: int = 0
+    generation_s: float = 0.0
 
     @property
     def generation_version(self) -> int:

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from asyncgrpo.config import Config
 from asyncgrpo.errors import Diagnostic, FatalBackendError, GenerationError, RewardError, TransientGenerationError
 from asyncgrpo.generation.base import Generator
+from asyncgrpo.rollout import token_books
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.admission import is_stale, may_admit_group
 from asyncgrpo.rollout.buffer import ReplayBuffer
@@ -218,7 +219,8 @@ class Collector:
     async def _run_rollout(self, group: InFlightGroup, member: int, slot: Slot) -> None:
         request = rollout_request(self.cfg.run.seed, group.prompt, member, self.sampling)
         result: Completion | Exception
-        self.observer.rollout_started(group.key, group.prompt.id, member, self._now())
+        started = self._now()
+        self.observer.rollout_started(group.key, group.prompt.id, member, started)
         try:
             with slot:
                 result = await self._generate_with_retries(request, group, member, slot)
@@ -226,6 +228,7 @@ class Collector:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 self.observer.rollout_ended(group.key, member, "cancelled", group.dispatch_versions[member], 0, self._now())
+                token_books.rollout_ended(self.counters, self._now() - started)
                 raise  # we were cancelled (stale, shutdown): not a failure
             # The backend raised CancelledError on its own (some clients do): a failed rollout.
             result = GenerationError(f"the backend cancelled request {request.request_id} by itself", backend=self.generator.name)
@@ -245,6 +248,8 @@ class Collector:
         tokens = len(result.token_ids) if isinstance(result, Completion) else 0
         outcome: RolloutOutcome = "finished" if isinstance(result, Completion) else "failed"
         self.observer.rollout_ended(group.key, member, outcome, group.dispatch_versions[member], tokens, self._now())
+        group.seconds[member] = self._now() - started
+        token_books.rollout_ended(self.counters, group.seconds[member])
         self._last_progress = self._now()  # a rollout finished (a cancelled one never gets here)
 
     async def _generate_with_retries(self, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot) -> Completion:
@@ -293,7 +298,10 @@ class Collector:
         if self._no_signal is not None and (warning := self._no_signal.observe(len({r.reward for r in rollouts}) == 1)):
             log.warning(warning)
         self._seq += 1
-        finished = Group(prompt=group.prompt, rollouts=rollouts, seq=self._seq, failed_rollouts=group.size - len(completions))
+        kept = [r.completion for r in rollouts]
+        token_books.group_wasted(self.counters, "failed", group.finished_tokens() - sum(len(c.token_ids) for c in kept))  # unscored
+        finished = Group(prompt=group.prompt, rollouts=rollouts, seq=self._seq, failed_rollouts=group.size - len(completions),
+                         generation_s=group.seconds_of(kept))
         if is_stale(generation_version=finished.generation_version, step=self.next_step, max_staleness=self.max_staleness):
             self._end(group, STALE)
         else:
@@ -314,6 +322,7 @@ class Collector:
             self.observer.take_ended(group.key, group.prompt.id, ending.reason, None, self._now())
             self.accounting.drop_in_flight(ending.reason)
             self._count_drop(ending.reason, group.prompt)
+            token_books.group_wasted(self.counters, ending.reason, group.finished_tokens())
             self._judge_ending(group, ending.reason, ending.error)  # type: ignore[arg-type]
         else:
             if group.task is not None and group.task is not asyncio.current_task():
@@ -336,6 +345,7 @@ class Collector:
         self.counters["rollout/stale_groups_total"] += 1
         self.counters["rollout/stale_samples_total"] += samples
         self.counters["rollout/wasted_tokens_total"] += tokens
+        token_books.group_wasted(self.counters, "stale", tokens)
 
     def _count_drop(self, reason: DropReason, prompt: Prompt) -> None:
         self.counters["rollout/dropped_groups_total"] += 1
@@ -420,6 +430,7 @@ class Collector:
     def step_trained(self) -> None:
         """The step that took `in_training` has completed and its weights are published."""
         self.accounting.train_buffered(len(self.in_training))
+        token_books.step_trained(self.counters, self.in_training)
         self.observer.buffered_ended([g.seq for g in self.in_training], "trained", self.next_step - 1, self._now())
         for group in self.in_training:
             self.ledger.trained(group.prompt, self.next_step - 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asyncgrpo.types import Completion, GenerationRequest, Prompt, SamplingParams
@@ -26,11 +27,13 @@ class InFlightGroup:
     dispatch_versions: list[int | None] = field(default_factory=list)
     completions: list[Completion | None] = field(default_factory=list)
     errors: list[BaseException | None] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # a finished member's time from its start to its end
 
     def __post_init__(self) -> None:
         self.dispatch_versions = [None] * self.size
         self.completions = [None] * self.size
         self.errors = [None] * self.size
+        self.seconds = [0.0] * self.size
 
     def version_floor(self) -> int | None:
         """Lowest version any of its surviving tokens has or can have (a member being retried counts with
@@ -47,6 +50,11 @@ class InFlightGroup:
 
     def finished_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions if c is not None)
+
+    def seconds_of(self, kept: Sequence[Completion]) -> float:
+        """Generator time of the members whose completions are in `kept` (compared by identity)."""
+        ids = {id(c) for c in kept}
+        return sum(s for c, s in zip(self.completions, self.seconds) if id(c) in ids)
 
 
 def rollout_request(run_seed: int, prompt: Prompt, member: int, sampling: SamplingParams) -> GenerationRequest:
