@@ -260,8 +260,15 @@ class RolloutConfig(_Section):
         1, ge=0,
         description="K: most steps between the version that generated a group and the step that trains it; 0 = synchronous on-policy.",
     )
-    on_stale: Literal["requeue", "drop"] = Field(
-        "requeue", description="A group cancelled as stale: requeue its prompt (generated again later) or drop it (counted as dropped/stale).",
+    on_stale: Literal["requeue", "drop", "wait", "patience"] = Field(
+        "requeue",
+        description="The staleness policy (rollout/stale_policy.py; docs/benchmarks.md, 'Staleness policies'). requeue: a group cancelled "
+        "as stale has its prompt generated again later; drop: it is dropped (dropped/stale); wait: each group targets a step and "
+        "that step waits for its own groups (no waste, no length bias, less throughput); patience: requeue, but a ready batch waits "
+        "up to rollout.patience_share of a step for groups the next step would cancel.",
+    )
+    patience_share: float = Field(
+        0.5, ge=0, description="on_stale: patience: longest wait for stragglers, as a share of the last step's training time.",
     )
     max_requeues: int = Field(2, ge=0, description="Times one prompt may be requeued as stale; after that it is dropped as stale.")
     min_group_survivors: int = Field(2, ge=2, description="A group with fewer surviving rollouts is dropped (advantages need 2).")

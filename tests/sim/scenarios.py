@@ -1,8 +1,9 @@
 """Random small pipeline scenarios for the chaos suite, each fully determined by one integer seed.
 
 `scenario(seed)` returns a recipe dict: at most 6 steps, at most 4 groups of at most 4 per
-step, random latencies and lengths, transient errors, non-retryable errors, outages,
-hangs, per-prompt exceptions, staleness 0-4, random tolerances, and weight publications
+step, random latencies and lengths (or the token model: lengths per prompt, latency from
+tokens), transient errors, non-retryable errors, outages, hangs, per-prompt exceptions,
+staleness 0-4 under every staleness policy, random tolerances, and weight publications
 that take virtual time and may fail or hang.
 
 A scenario is *fault-free* (`is_fault_free`) when it injects no request fault, no
@@ -106,6 +107,15 @@ def scenario(seed: int) -> dict[str, Any]:
             start = rng.uniform(0, 20)
             fault.update(from_s=round(start, 3), until_s=round(start + rng.uniform(1, 30), 3))
         scripted["weight_sync_faults"] = [fault]
+    if rng.random() < 0.5:  # the staleness policies that wait (rollout/stale_policy.py)
+        recipe["rollout"]["on_stale"] = rng.choice(("wait", "patience"))
+        recipe["rollout"]["patience_share"] = rng.choice((0.0, 0.5, 2.0))
+    if rng.random() < 0.3:  # the token model (at most 64 tokens x 10 ms x 16 / 4 + 50 ms: under request_timeout_s)
+        scripted["token_model"] = {"rollout_sigma": rng.choice((0.0, 0.5)), "prefill_s": rng.choice((0.0, 0.05)),
+                                   "decode_s_per_token": rng.choice((0.002, 0.01)), "batch_knee": rng.randint(4, 16)}
+        scripted["tokens"] = {"dist": "lognormal", "median": rng.randint(4, 32), "sigma": rng.choice((0.3, 1.0)), "max": 64}
+        if rng.random() < 0.5:
+            recipe["train"]["token_time_s"] = rng.choice((0.001, 0.01))
     if not faults and "weight_sync_faults" not in scripted and recipe["reward"]["functions"] == ["builtin:coin"]:
         # Fault-free: nothing may stop it but its own max_steps or end of data.
         recipe["rollout"]["filter_zero_variance"] = False

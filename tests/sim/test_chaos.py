@@ -13,6 +13,7 @@ import pytest
 
 from asyncgrpo.config import validate_config
 from asyncgrpo.simulate import Simulation, simulate
+from asyncgrpo.telemetry.keys import WASTE_REASONS
 from tests.sim.scenarios import is_fault_free, scenario
 
 BATCH = 100
@@ -52,6 +53,10 @@ def check_outcome(sim: Simulation) -> None:
     for reason, n in acc.dropped.items():
         assert counters[f"rollout/dropped/{reason}"] == n
     assert counters["rollout/requeued_total"] == acc.requeued
+    check_tokens(sim)
+    if cfg.rollout.on_stale == "wait":  # each group trains at the step it targets (or earlier, at the end of data): never stale
+        assert counters["rollout/stale_groups_total"] == 0, counters
+        assert all(g.target_step is not None and g.target_step >= r.step for r in sim.records for g in r.batch)
     if result.outcome == "completed":
         assert result.diagnostic is None
         if result.stop_reason == "max_steps":
@@ -70,6 +75,17 @@ def check_outcome(sim: Simulation) -> None:
             assert d.original is not None and d.traceback
     if is_fault_free(cfg):
         check_fault_free(sim)
+
+
+def check_tokens(sim: Simulation) -> None:
+    """Every generated token is trained, wasted for a reason, or still held (in flight, buffered, in training)."""
+    collector, counters = sim.collector, sim.collector.counters
+    held = sum(g.finished_tokens() for g in collector._in_flight.values())
+    held += sum(len(r.completion.token_ids) for g in collector.buffer.groups() + collector.in_training for r in g.rollouts)
+    wasted = sum(counters[f"rollout/wasted_tokens/{reason}"] for reason in WASTE_REASONS)
+    assert counters["rollout/generated_tokens_total"] == counters["rollout/trained_tokens_total"] + wasted + held, counters
+    assert counters["rollout/wasted_tokens/stale"] == counters["rollout/wasted_tokens_total"]
+    assert counters["rollout/trained_generation_ms_total"] <= counters["rollout/generation_ms_total"]
 
 
 def check_fault_free(sim: Simulation) -> None:

@@ -23,17 +23,18 @@ class InFlightGroup:
     prompt: Prompt
     size: int
     task: asyncio.Task[None] | None = None
+    target_step: int | None = None  # rollout.on_stale: wait: the step that trains it (rollout/stale_policy.py)
     dispatched: int = 0
     dispatch_versions: list[int | None] = field(default_factory=list)
     completions: list[Completion | None] = field(default_factory=list)
     errors: list[BaseException | None] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)  # a finished member's time from its start to its end
+    ms: list[int] = field(default_factory=list)  # a finished member's time from its start to its end, in milliseconds
 
     def __post_init__(self) -> None:
         self.dispatch_versions = [None] * self.size
         self.completions = [None] * self.size
         self.errors = [None] * self.size
-        self.seconds = [0.0] * self.size
+        self.ms = [0] * self.size
 
     def version_floor(self) -> int | None:
         """Lowest version any of its surviving tokens has or can have (a member being retried counts with
@@ -51,10 +52,10 @@ class InFlightGroup:
     def finished_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions if c is not None)
 
-    def seconds_of(self, kept: Sequence[Completion]) -> float:
+    def ms_of(self, kept: Sequence[Completion]) -> int:
         """Generator time of the members whose completions are in `kept` (compared by identity)."""
         ids = {id(c) for c in kept}
-        return sum(s for c, s in zip(self.completions, self.seconds) if id(c) in ids)
+        return sum(ms for c, ms in zip(self.completions, self.ms) if id(c) in ids)
 
 
 def rollout_request(run_seed: int, prompt: Prompt, member: int, sampling: SamplingParams) -> GenerationRequest:

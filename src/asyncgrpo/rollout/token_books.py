@@ -31,8 +31,11 @@ def waste_reason(reason: DropReason) -> str:
     return reason if reason in WASTE_REASONS else "failed"
 
 
-def rollout_ended(counters: MutableMapping[str, int], seconds: float) -> None:
-    counters["rollout/generation_ms_total"] += round(seconds * 1000)
+def rollout_ended(counters: MutableMapping[str, int], seconds: float) -> int:
+    """Count a rollout's generator time; returns it in whole milliseconds (what `Group.generation_ms` sums)."""
+    ms = round(seconds * 1000)
+    counters["rollout/generation_ms_total"] += ms
+    return ms
 
 
 def group_wasted(counters: MutableMapping[str, int], reason: DropReason, tokens: int) -> None:
@@ -43,4 +46,4 @@ def step_trained(counters: MutableMapping[str, int], groups: Iterable[Group]) ->
     for group in groups:
         counters["rollout/trained_completions_total"] += len(group.rollouts)
         counters["rollout/trained_tokens_total"] += sum(len(r.completion.token_ids) for r in group.rollouts)
-        counters["rollout/trained_generation_ms_total"] += round(group.generation_s * 1000)
+        counters["rollout/trained_generation_ms_total"] += group.generation_ms
