@@ -267,6 +267,11 @@ class RolloutConfig(_Section):
         "that step waits for its own groups (no waste, no length bias, less throughput); patience: requeue, but a ready batch waits "
         "up to rollout.patience_share of a step for groups the next step would cancel.",
     )
+    over_admit_groups: int = Field(
+        0, ge=0,
+        description="Opt-in: admit this many groups beyond the staleness capacity; they race for the steps within the bound and the "
+        "slowest are cancelled as stale (more throughput at K=1, more waste and length bias; not with on_stale: wait).",
+    )
     patience_share: float = Field(
         0.5, ge=0, description="on_stale: patience: longest wait for stragglers, as a share of the last step's training time.",
     )
@@ -465,6 +470,12 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"generation.weight_sync_every = {g.weight_sync_every} exceeds rollout.max_staleness + 1 = {r.max_staleness + 1}: "
             f"generators would serve weights older than the staleness bound allows. Fix: set "
             f"generation.weight_sync_every <= {r.max_staleness + 1} or raise rollout.max_staleness."
+        )
+    if r.on_stale == "wait" and r.over_admit_groups:
+        problems.append(
+            f"rollout.over_admit_groups = {r.over_admit_groups} with rollout.on_stale = 'wait': wait trains every admitted group "
+            f"at the step it targets, so a group beyond the capacity would have no step. Fix: set rollout.over_admit_groups: 0, "
+            f"or choose another rollout.on_stale."
         )
     if g.request_timeout_s > g.rollout_deadline_s:
         problems.append(

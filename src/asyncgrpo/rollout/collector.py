@@ -168,6 +168,7 @@ class Collector:
             serving_version=self.generator.serving_version,
             free_request_slots=self._slots.free,
             undispatched_rollouts=self._undispatched(),
+            over_admit_groups=self.cfg.rollout.over_admit_groups,
         )
 
     def _data_done(self) -> bool:
