@@ -261,7 +261,7 @@ class RolloutConfig(_Section):
         description="K: most steps between the version that generated a group and the step that trains it; 0 = synchronous on-policy.",
     )
     on_stale: Literal["requeue", "drop", "wait", "patience"] = Field(
-        "requeue",
+        "patience",
         description="The staleness policy (rollout/stale_policy.py; docs/benchmarks.md, 'Staleness policies'). requeue: a group cancelled "
         "as stale has its prompt generated again later; drop: it is dropped (dropped/stale); wait: each group targets a step and "
         "that step waits for its own groups (no waste, no length bias, less throughput); patience: requeue, but a ready batch waits "
@@ -273,7 +273,7 @@ class RolloutConfig(_Section):
         "slowest are cancelled as stale (more throughput at K=1, more waste and length bias; not with on_stale: wait).",
     )
     patience_share: float = Field(
-        0.5, ge=0, description="on_stale: patience: longest wait for stragglers, as a share of the last step's training time.",
+        1.0, ge=0, description="on_stale: patience: longest wait for stragglers, as a share of the last step's training time.",
     )
     max_requeues: int = Field(2, ge=0, description="Times one prompt may be requeued as stale; after that it is dropped as stale.")
     min_group_survivors: int = Field(2, ge=2, description="A group with fewer surviving rollouts is dropped (advantages need 2).")

@@ -110,6 +110,8 @@ def scenario(seed: int) -> dict[str, Any]:
     if rng.random() < 0.5:  # the staleness policies that wait (rollout/stale_policy.py)
         recipe["rollout"]["on_stale"] = rng.choice(("wait", "patience"))
         recipe["rollout"]["patience_share"] = rng.choice((0.0, 0.5, 2.0))
+    if recipe["rollout"]["on_stale"] != "wait" and rng.random() < 0.2:
+        recipe["rollout"]["over_admit_groups"] = rng.randint(1, 3)
     if rng.random() < 0.3:  # the token model (at most 64 tokens x 10 ms x 16 / 4 + 50 ms: under request_timeout_s)
         scripted["token_model"] = {"rollout_sigma": rng.choice((0.0, 0.5)), "prefill_s": rng.choice((0.0, 0.05)),
                                    "decode_s_per_token": rng.choice((0.002, 0.01)), "batch_knee": rng.randint(4, 16)}
