@@ -59,7 +59,8 @@ def main() -> None:
     logging.getLogger("asyncgrpo").setLevel(logging.ERROR)  # the coin reward's no-signal warning is not the point here
     started = time.perf_counter()
     rows = []
-    print("| workload | K | policy | token efficiency | x wait | length bias | wasted tokens | goodput | longest quarter dropped | rollout efficiency |")
+    print("| workload | K | policy | token efficiency | x wait | length bias | wasted tokens | goodput | "
+          "longest quarter dropped | rollout efficiency |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for workload in WORKLOADS:
         for k in (int(k) for k in args.k.split(",")):
