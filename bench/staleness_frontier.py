@@ -2,7 +2,7 @@
 
 For each workload (recipes/simulate_nemo.yaml: the NeMo-comparable one with length-proportional
 latency; recipes/simulate_reasoning.yaml: long-tail reasoning), each staleness bound K and each
-policy (`rollout.on_stale`, with patience shares and over-admission), runs `asyncgrpo simulate`
+policy (`rollout.on_stale`, with patience shares, over-admission and partial groups), runs `asyncgrpo simulate`
 and prints a markdown table of what `simulate --json` reports: token efficiency (and its ratio to
 `wait`, NeMo-RL's semantics, at the same K), length bias, wasted share of the generated tokens,
 goodput, the share of the longest quarter of prompts dropped as stale, and the rollouts-per-second
@@ -34,6 +34,7 @@ POLICIES: dict[str, list[str]] = {
     "patience 2": ["rollout.on_stale=patience", "rollout.patience_share=2"],
     "patience 4": ["rollout.on_stale=patience", "rollout.patience_share=4"],
     "requeue, over-admit 4": ["rollout.on_stale=requeue", "rollout.over_admit_groups=4"],
+    "patience 1, partial groups": ["rollout.on_stale=patience", "rollout.patience_share=1", "rollout.partial_groups=true"],
 }
 
 
@@ -83,7 +84,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    markers = dict(zip(POLICIES, "osD^v<>P"))
+    markers = dict(zip(POLICIES, "osD^v<>PX"))
     ks = sorted({r["k"] for r in rows})
     colours = dict(zip(ks, ("#7f7f7f", "#1f5fbf", "#2e9e4f", "#d62728", "#9467bd")))
     workloads = list(WORKLOADS)

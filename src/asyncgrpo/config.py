@@ -272,6 +272,11 @@ class RolloutConfig(_Section):
         description="Opt-in: admit this many groups beyond the staleness capacity; they race for the steps within the bound and the "
         "slowest are cancelled as stale (more throughput at K=1, more waste and length bias; not with on_stale: wait).",
     )
+    partial_groups: bool = Field(
+        False,
+        description="Opt-in: when a batch is ready, a group the next step would cancel as stale that has at least min_group_survivors "
+        "finished members ends with them (the others cancelled) and is trained now: less waste, more length bias (not with on_stale: wait).",
+    )
     patience_share: float = Field(
         1.0, ge=0, description="on_stale: patience: longest wait for stragglers, as a share of the last step's training time.",
     )
@@ -470,6 +475,11 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"generation.weight_sync_every = {g.weight_sync_every} exceeds rollout.max_staleness + 1 = {r.max_staleness + 1}: "
             f"generators would serve weights older than the staleness bound allows. Fix: set "
             f"generation.weight_sync_every <= {r.max_staleness + 1} or raise rollout.max_staleness."
+        )
+    if r.on_stale == "wait" and r.partial_groups:
+        problems.append(
+            "rollout.partial_groups = true with rollout.on_stale = 'wait': wait never leaves a group behind, so no group would finish "
+            "early. Fix: set rollout.partial_groups: false, or choose another rollout.on_stale."
         )
     if r.on_stale == "wait" and r.over_admit_groups:
         problems.append(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from asyncgrpo.errors import GenerationError
 from asyncgrpo.simulate import simulate
-from tests.sim.fakes import OK, Fate, ProgrammedGenerator, recipe
+from tests.sim.fakes import OK, Fate, ProgrammedGenerator, member, recipe
 
 
 def slow_prompt(prompt_id: int, after_s: float) -> ProgrammedGenerator:
@@ -54,3 +54,18 @@ def test_patience_waits_for_a_straggler_within_its_share_of_a_step():
 def test_patience_gives_up_on_a_straggler_past_its_share():
     sim, trained = run("patience", slow_prompt(1, 3.7), patience_share=0.5)
     assert trained[:2] == [0, 2] and sim.collector.counters["rollout/stale_groups_total"] >= 1
+
+
+def test_partial_groups_train_a_stragglers_finished_members_and_cancel_the_rest():
+    # Groups of 4: prompt 1's members 2 and 3 take 6 s. When step 1's batch is ready (t=3) prompt 1 is a
+    # straggler with 2 finished members: it ends with them and is trained at step 1 (oldest first).
+    slow_half = ProgrammedGenerator(lambda r, a: Fate(after_s=6.0) if r.prompt_id == 1 and member(r) >= 2 else OK)
+    cfg = recipe(rollout={"on_stale": "requeue", "partial_groups": True, "group_size": 4}, train={"max_steps": 5})
+    sim = simulate(cfg, slow_half)
+    assert sim.result.outcome == "completed"
+    trained = sim.trainer.trained_groups
+    assert [g.prompt.id for g in trained] == [0, 1, 2, 3, 4]
+    assert len(trained[1].rollouts) == 2 and trained[1].failed_rollouts == 0  # cut members are cancelled, not failed
+    assert {"1-0-0-2", "1-0-0-3"} <= set(sim.generator.aborted)
+    counters = sim.collector.counters
+    assert counters["rollout/failed_total"] == counters["rollout/stale_groups_total"] == 0

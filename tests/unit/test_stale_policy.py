@@ -10,7 +10,7 @@ import pytest
 from asyncgrpo.rollout import token_books
 from asyncgrpo.rollout.admission import group_capacity
 from asyncgrpo.rollout.buffer import ReplayBuffer
-from asyncgrpo.rollout.stale_policy import StepTargets, is_straggler, patience_deadline
+from asyncgrpo.rollout.stale_policy import StepTargets, is_straggler, may_finish_early, patience_deadline
 from asyncgrpo.telemetry.keys import COUNTER_NAMES
 from asyncgrpo.types import Completion, Group, Prompt, Rollout
 
@@ -42,6 +42,14 @@ def test_targets_find_room_exactly_when_the_admission_rule_admits():
 def test_a_straggler_is_trainable_now_and_stale_at_the_next_step():
     assert [is_straggler(version_floor=v, step=5, max_staleness=2) for v in (2, 3, 4, 5)] == [False, True, False, False]
     assert not is_straggler(version_floor=None, step=5, max_staleness=2)  # nothing dispatched: served at the new version
+
+
+def test_only_a_fully_dispatched_straggler_with_enough_finished_members_finishes_early():
+    base = dict(version_floor=3, step=5, max_staleness=2, min_survivors=2)
+    assert may_finish_early(dispatched=True, finished=2, **base)
+    assert not may_finish_early(dispatched=True, finished=1, **base)  # too few would survive
+    assert not may_finish_early(dispatched=False, finished=3, **base)  # a member still waits for a slot
+    assert not may_finish_early(dispatched=True, finished=2, **{**base, "version_floor": 4})  # not a straggler
 
 
 def test_patience_waits_its_share_of_the_last_step():

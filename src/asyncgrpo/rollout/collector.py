@@ -48,7 +48,7 @@ from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.no_signal import NoSignalWatch
 from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rollout.slots import RequestSlots, Slot
-from asyncgrpo.rollout.stale_policy import StepTargets, is_straggler, patience_deadline
+from asyncgrpo.rollout.stale_policy import StepTargets, is_straggler, may_finish_early, patience_deadline
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.telemetry.keys import COUNTER_NAMES
 from asyncgrpo.types import Completion, DropReason, GenerationRequest, Group, Prompt, SamplingParams
@@ -221,6 +221,7 @@ class Collector:
                 slot = await self._slots.acquire()
                 group.dispatched += 1
                 task = members.create_task(self._run_rollout(group, member, slot), name=f"rollout-{group.prompt.id}-{member}")
+                group.member_tasks[member] = task
                 slot.release_with(task)
         await self._finish_group(group)
 
@@ -277,7 +278,7 @@ class Collector:
     async def _finish_group(self, group: InFlightGroup) -> None:
         """Judge the finished group (rollout/judge.py) around the scoring of its survivors, and end it."""
         r = self.cfg.rollout
-        completions = survivors(group.completions, group.errors, min_survivors=r.min_group_survivors)
+        completions = survivors(*group.kept(), min_survivors=r.min_group_survivors)
         if isinstance(completions, Drop):
             self._end(group, completions)
             return
@@ -307,7 +308,7 @@ class Collector:
         self._seq += 1
         kept = [r.completion for r in rollouts]
         token_books.group_wasted(self.counters, "failed", group.finished_tokens() - sum(len(c.token_ids) for c in kept))  # unscored
-        finished = Group(prompt=group.prompt, rollouts=rollouts, seq=self._seq, failed_rollouts=group.size - len(completions),
+        finished = Group(prompt=group.prompt, rollouts=rollouts, seq=self._seq, failed_rollouts=sum(e is not None for e in group.errors),
                          generation_ms=group.ms_of(kept), target_step=group.target_step)
         if is_stale(generation_version=finished.generation_version, step=self.next_step, max_staleness=self.max_staleness):
             self._end(group, STALE)
@@ -413,6 +414,8 @@ class Collector:
             if self._ready(step):
                 if self.cfg.rollout.on_stale == "patience":
                     await self._wait_for_stragglers(step)
+                if self.cfg.rollout.partial_groups:
+                    await self._finish_stragglers_early(step)
                 return self._take(step, self.groups_per_step)
             if self._data_done():
                 if len(self.buffer) and not self.cfg.data.drop_last:
@@ -446,6 +449,21 @@ class Collector:
                     is_straggler(version_floor=g.version_floor(), step=step, max_staleness=k) for g in self._in_flight.values()))
         except TimeoutError:
             pass  # the stragglers left are cancelled when the steps move past them
+        self.raise_if_failed()
+
+    async def _finish_stragglers_early(self, step: int) -> None:
+        """`rollout.partial_groups`: stragglers with enough finished members end now with them, scored in time for this step."""
+        r = self.cfg.rollout
+        early = [g for g in self._in_flight.values() if may_finish_early(
+            version_floor=g.version_floor(), step=step, max_staleness=self.max_staleness, dispatched=g.dispatched == g.size,
+            finished=sum(c is not None for c in g.completions), min_survivors=r.min_group_survivors)]
+        for group in early:
+            group.finish_early()
+        try:
+            async with asyncio.timeout(self.cfg.stall_timeout_s):  # their scoring ends within the reward time limits
+                await self._signal.wait_for(lambda: self.first_failure.failed or all(g.key not in self._in_flight for g in early))
+        except TimeoutError:
+            pass  # those still scoring are cancelled as stale when the steps move past them
         self.raise_if_failed()
 
     def _take(self, step: int, n: int) -> list[Group]:

@@ -29,25 +29,41 @@ class InFlightGroup:
     completions: list[Completion | None] = field(default_factory=list)
     errors: list[BaseException | None] = field(default_factory=list)
     ms: list[int] = field(default_factory=list)  # a finished member's time from its start to its end, in milliseconds
+    member_tasks: list[asyncio.Task[None] | None] = field(default_factory=list)
+    cut: list[bool] = field(default_factory=list)  # rollout.partial_groups: members cancelled so the group could end early
 
     def __post_init__(self) -> None:
         self.dispatch_versions = [None] * self.size
         self.completions = [None] * self.size
         self.errors = [None] * self.size
         self.ms = [0] * self.size
+        self.member_tasks = [None] * self.size
+        self.cut = [False] * self.size
 
     def version_floor(self) -> int | None:
         """Lowest version any of its surviving tokens has or can have (a member being retried counts with
         its current attempt's version); None while nothing live is dispatched."""
         versions: list[int] = []
-        for completion, dispatched, error in zip(self.completions, self.dispatch_versions, self.errors):
-            if error is not None:
+        for completion, dispatched, error, cut in zip(self.completions, self.dispatch_versions, self.errors, self.cut):
+            if error is not None or cut:
                 continue
             if completion is not None:
                 versions.append(completion.generation_version)
             elif dispatched is not None:
                 versions.append(dispatched)
         return min(versions, default=None)
+
+    def finish_early(self) -> None:
+        """End the group with the members that have ended: cancel the others (a cancellation, not a failure)."""
+        for member, task in enumerate(self.member_tasks):
+            if task is not None and not task.done():
+                self.cut[member] = True
+                task.cancel()
+
+    def kept(self) -> tuple[list[Completion | None], list[BaseException | None]]:
+        """The completions and errors of the members not cut (what the group is judged on)."""
+        keep = [not cut for cut in self.cut]
+        return [c for c, k in zip(self.completions, keep) if k], [e for e, k in zip(self.errors, keep) if k]
 
     def finished_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions if c is not None)

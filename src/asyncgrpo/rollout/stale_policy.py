@@ -17,6 +17,11 @@ check before every take enforces it whatever the policy). They differ in what th
   still within the bound at this step that the next step would cancel (`is_straggler`). Finished
   in time, they are the oldest in the buffer, so they are trained first.
 
+An opt-in for `requeue`, `drop` and `patience`, `rollout.partial_groups` (`may_finish_early`): when a
+batch is ready, a straggler with at least `min_group_survivors` finished members ends with them,
+its unfinished members cancelled, and is trained in this step. It wastes less and biases more: the
+members it keeps are the group's fast (short) ones.
+
 Admission is the same for every policy (rollout/admission.py): `StepTargets.assign` finds room
 exactly when `may_admit_group` admits, since the admitted groups not yet taken are the ones
 holding targets in [next_step, serving_version + K].
@@ -65,6 +70,13 @@ def is_straggler(*, version_floor: int | None, step: int, max_staleness: int) ->
     return not is_stale(generation_version=version_floor, step=step, max_staleness=max_staleness) and is_stale(
         generation_version=version_floor, step=step + 1, max_staleness=max_staleness
     )
+
+
+def may_finish_early(*, version_floor: int | None, step: int, max_staleness: int, dispatched: bool, finished: int,
+                     min_survivors: int) -> bool:
+    """`rollout.partial_groups`: end a straggler now with its finished members (its others cancelled) so that step
+    `step` can train it? Only a fully dispatched straggler with at least `min_survivors` finished members."""
+    return dispatched and finished >= min_survivors and is_straggler(version_floor=version_floor, step=step, max_staleness=max_staleness)
 
 
 def patience_deadline(*, now: float, last_step_s: float | None, share: float) -> float:
