@@ -69,3 +69,19 @@ def test_partial_groups_train_a_stragglers_finished_members_and_cancel_the_rest(
     assert {"1-0-0-2", "1-0-0-3"} <= set(sim.generator.aborted)
     counters = sim.collector.counters
     assert counters["rollout/failed_total"] == counters["rollout/stale_groups_total"] == 0
+
+
+def test_metrics_jsonl_carries_the_token_books(tmp_path):
+    # What a real run can see of the bias (trained vs stale lengths) and its goodput, per step in metrics.jsonl.
+    from asyncgrpo.config import load_config
+    from asyncgrpo.telemetry.metrics import read_jsonl
+
+    cfg = load_config("recipes/simulate_nemo.yaml", ["train.max_steps=30", "rollout.on_stale=requeue"])
+    sim = simulate(cfg, output_dir=tmp_path)
+    last = read_jsonl(tmp_path / "metrics.jsonl")[-1]
+    report = sim.report()
+    assert last["rollout/trained_tokens_total"] == report["trained_tokens"] > 0
+    assert abs(last["rollout/trained_len_mean"] - report["trained_len_mean"]) < 1e-6
+    assert last["rollout/trained_len_mean"] < last["rollout/stale_len_mean"]  # the short ones were trained
+    assert 0 < last["rollout/goodput"] < 1  # (the report's also counts the rollouts cancelled at the end)
+    assert report["length_bias"] < 0.95 and report["wasted_tokens"]["stale"] == last["rollout/wasted_tokens/stale"] > 0
