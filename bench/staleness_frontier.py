@@ -85,8 +85,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     markers = dict(zip(POLICIES, "osD^v<>PX"))
-    ks = sorted({r["k"] for r in rows})
-    colours = dict(zip(ks, ("#7f7f7f", "#1f5fbf", "#2e9e4f", "#d62728", "#9467bd")))
+    palette = {0: "#7f7f7f", 1: "#1f5fbf", 2: "#2e9e4f", 4: "#d62728", 8: "#9467bd", 16: "#8c564b"}
+    colours = {k: palette.get(k, "#000000") for k in sorted({r["k"] for r in rows})}
     workloads = list(WORKLOADS)
     fig, axes = plt.subplots(1, len(workloads), figsize=(10, 4.2), sharey=True)
     for ax, workload in zip(axes, workloads):
