@@ -113,7 +113,9 @@ def scenario(seed: int) -> dict[str, Any]:
     if recipe["rollout"]["on_stale"] != "wait" and rng.random() < 0.2:
         recipe["rollout"]["over_admit_groups"] = rng.randint(1, 3)
     if recipe["rollout"]["on_stale"] != "wait" and rng.random() < 0.3:
-        recipe["rollout"]["partial_groups"] = True
+        recipe["rollout"]["partial_groups"] = True  # ending early needs groups larger than their survivors
+        recipe["rollout"]["group_size"] = max(3, recipe["rollout"]["group_size"])
+        recipe["rollout"]["min_group_survivors"] = 2
     if rng.random() < 0.3:  # the token model (at most 64 tokens x 10 ms x 16 / 4 + 50 ms: under request_timeout_s)
         scripted["token_model"] = {"rollout_sigma": rng.choice((0.0, 0.5)), "prefill_s": rng.choice((0.0, 0.05)),
                                    "decode_s_per_token": rng.choice((0.002, 0.01)), "batch_knee": rng.randint(4, 16)}
