@@ -25,7 +25,7 @@ def main() -> None:
         for sigma in GRID_SIGMA:
             for k in GRID_K:
                 overrides = [f"rollout.max_staleness={k}", f"generation.scripted.latency_s.sigma={sigma}",
-                             "generation.weight_sync_every=1"]
+                             "generation.weight_sync_every=1", "rollout.on_stale=requeue"]  # the table's policy (before patience)
                 if not faults:
                     overrides.append("generation.scripted.faults=[]")
                 started = time.perf_counter()

@@ -145,6 +145,8 @@ def _format_simulation(report: dict) -> str:
         f"outcome: {report['outcome']} ({report['stop_reason']}) after {report['steps']} steps, "
         f"{report['virtual_time_s']:.1f} virtual s in {report['wall_time_s']:.2f} wall s",
         f"efficiency: {report['efficiency']:.2f} of the bound {report['capacity_bound_completions_per_s']:.2f} completions/s",
+        f"tokens: efficiency {_maybe(report['token_efficiency'])}, goodput {_maybe(report['goodput'])}, "
+        f"length bias {_maybe(report['length_bias'])}, wasted " + ", ".join(f"{k} {v}" for k, v in report["wasted_tokens"].items()),
         f"prompts: taken {acc['taken']}, trained {acc['trained']}, requeued {acc['requeued']}, dropped: {dropped}, "
         f"in flight at exit {acc['in_flight']}, buffered at exit {acc['buffered']}",
         f"max staleness trained: {report['staleness_max']}",
@@ -153,6 +155,10 @@ def _format_simulation(report: dict) -> str:
     if report["error"]:
         lines.append(f"error ({report['error']['kind']}): {report['error']['message']}")
     return "\n".join(lines)
+
+
+def _maybe(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _report(exc: BaseException, debug: bool, prefix: str, suffix: str = "") -> None:

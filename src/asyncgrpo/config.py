@@ -186,9 +186,38 @@ class ScriptedEnvConfig(_Section):
     )
 
 
+class TokenModelConfig(_Section):
+    """The scripted backend's token model: lengths drawn per prompt, latency from tokens (generation/scripted.py)."""
+
+    rollout_sigma: float = Field(
+        0.3, ge=0,
+        description="Spread of one rollout's length around its prompt's: the lognormal sigma of a factor of median 1. The prompt's "
+        "length is drawn from generation.scripted.tokens once per (run seed, prompt id), so a group's members share it and it "
+        "survives requeues.",
+    )
+    prefill_s: float = Field(0.0, ge=0, description="Time to the first token of a request.")
+    decode_s_per_token: float = Field(0.001, gt=0, description="Time per generated token of a sequence decoded at full speed.")
+    batch_knee: int = Field(
+        64, ge=1,
+        description="Requests the server decodes at full per-sequence speed; with n > batch_knee open at dispatch, each token takes "
+        "n / batch_knee times longer, so the server's throughput saturates at batch_knee sequences' worth.",
+    )
+
+
 class ScriptedConfig(_Section):
-    latency_s: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=1.0))
-    tokens: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=32))
+    latency_s: Distribution = Field(
+        default_factory=lambda: Distribution(dist="const", value=1.0),
+        description="Latency of one attempt, drawn independently of its length (unused with token_model).",
+    )
+    tokens: Distribution = Field(
+        default_factory=lambda: Distribution(dist="const", value=32),
+        description="Completion length: drawn per attempt, or with token_model once per prompt (then spread per rollout).",
+    )
+    token_model: TokenModelConfig | None = Field(
+        None,
+        description="Opt-in: lengths drawn per prompt and latency = prefill_s + tokens x decode time slowed by concurrency, "
+        "instead of latency_s drawn apart from the length.",
+    )
     faults: list[FaultConfig] = Field(
         default_factory=list,
         description="Injected request faults, each {error, rate, from_s, until_s, prompts}: error is one of http_500, http_429, "
@@ -282,8 +311,25 @@ class RolloutConfig(_Section):
         1, ge=0,
         description="K: most steps between the version that generated a group and the step that trains it; 0 = synchronous on-policy.",
     )
-    on_stale: Literal["requeue", "drop"] = Field(
-        "requeue", description="A group cancelled as stale: requeue its prompt (generated again later) or drop it (counted as dropped/stale).",
+    on_stale: Literal["requeue", "drop", "wait", "patience"] = Field(
+        "patience",
+        description="The staleness policy (rollout/stale_policy.py; docs/benchmarks.md, 'Staleness policies'). requeue: a group cancelled "
+        "as stale has its prompt generated again later; drop: it is dropped (dropped/stale); wait: each group targets a step and "
+        "that step waits for its own groups (no waste, no length bias, less throughput); patience: requeue, but a ready batch waits "
+        "up to rollout.patience_share of a step for groups the next step would cancel.",
+    )
+    over_admit_groups: int = Field(
+        0, ge=0,
+        description="Opt-in: admit this many groups beyond the staleness capacity; they race for the steps within the bound and the "
+        "slowest are cancelled as stale (more throughput at K=1, more waste and length bias; not with on_stale: wait).",
+    )
+    partial_groups: bool = Field(
+        False,
+        description="Opt-in: when a batch is ready, a group the next step would cancel as stale that has at least min_group_survivors "
+        "finished members ends with them (the others cancelled) and is trained now: less waste, more length bias (not with on_stale: wait).",
+    )
+    patience_share: float = Field(
+        1.0, ge=0, description="on_stale: patience: longest wait for stragglers, as a share of the last step's training time.",
     )
     max_requeues: int = Field(2, ge=0, description="Times one prompt may be requeued as stale; after that it is dropped as stale.")
     min_group_survivors: int = Field(
@@ -354,6 +400,10 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")
     updates_per_batch: int = Field(1, ge=1, description="Optimizer updates per step, each on a slice of the step's batch.")
     step_time_s: float = Field(1.0, gt=0, description="Virtual duration of one step of the stub trainer (simulate only).")
+    token_time_s: float | None = Field(
+        None, gt=0,
+        description="Simulate only: a stub-trainer step takes this times its batch's completion tokens instead of step_time_s.",
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
 
 
@@ -509,6 +559,17 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"generation.weight_sync_every = {g.weight_sync_every} exceeds rollout.max_staleness + 1 = {r.max_staleness + 1}: "
             f"generators would serve weights older than the staleness bound allows. Fix: set "
             f"generation.weight_sync_every <= {r.max_staleness + 1} or raise rollout.max_staleness."
+        )
+    if r.on_stale == "wait" and r.partial_groups:
+        problems.append(
+            "rollout.partial_groups = true with rollout.on_stale = 'wait': wait never leaves a group behind, so no group would finish "
+            "early. Fix: set rollout.partial_groups: false, or choose another rollout.on_stale."
+        )
+    if r.on_stale == "wait" and r.over_admit_groups:
+        problems.append(
+            f"rollout.over_admit_groups = {r.over_admit_groups} with rollout.on_stale = 'wait': wait trains every admitted group "
+            f"at the step it targets, so a group beyond the capacity would have no step. Fix: set rollout.over_admit_groups: 0, "
+            f"or choose another rollout.on_stale."
         )
     if g.request_timeout_s > g.rollout_deadline_s:
         problems.append(

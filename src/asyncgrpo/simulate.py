@@ -34,7 +34,9 @@ from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warning
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.rollout.episode import term_names
+from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rundir import METRICS_FILE, TIMELINE_FILE
+from asyncgrpo.sim_metrics import population_length, token_capacities, token_metrics
 from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, metric_keys, step_metrics
 from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.training.stub import StubTrainer
@@ -62,15 +64,16 @@ class Simulation:
     records: list[StepRecord]
     virtual_time_s: float
     wall_time_s: float
+    outcomes: list[dict[str, Any]]  # the ledger's records: how each take ended for good
     env_hosts: SimulatedHosts | None = None  # with an env: section, the simulated environments
 
     def report(self) -> dict[str, Any]:
         """The `simulate --json` object (format documented in the README)."""
         cfg, r = self.cfg, self.result
         trained_completions = sum(len(g.rollouts) for g in self.trainer.trained_groups)
-        generation_capacity = cfg.generation.max_inflight / mean_of(cfg.generation.scripted.latency_s)
-        training_capacity = cfg.rollout.groups_per_step * cfg.rollout.group_size / cfg.train.step_time_s
-        bound = min(generation_capacity, training_capacity)
+        drawn = getattr(self.generator, "drawn_lengths", {})
+        length = population_length(drawn) or max(1.0, mean_of(cfg.generation.scripted.tokens))  # lengths are at least 1
+        bound = min(token_capacities(cfg, length)) / length  # completions/s; a latency of 0 leaves the training capacity
         rate = trained_completions / self.virtual_time_s if self.virtual_time_s > 0 else 0.0
         return {
             "outcome": r.outcome,
@@ -85,6 +88,7 @@ class Simulation:
             "efficiency": round(rate / bound, 6) if bound > 0 else 0.0,
             "trained_completions": trained_completions,
             "capacity_bound_completions_per_s": round(bound, 6),
+            **token_metrics(cfg, self.collector.counters, drawn, self.outcomes, self.virtual_time_s),
         }
 
     @property
@@ -105,12 +109,6 @@ def check_simulatable(cfg: Config) -> None:
         problems.append(f"generation.backend = {cfg.generation.backend!r}: simulate needs 'scripted'. Fix: add generation.backend=scripted.")
     if cfg.train.backend != "stub":
         problems.append(f"train.backend = {cfg.train.backend!r}: simulate needs 'stub'. Fix: add train.backend=stub.")
-    if mean_of(cfg.generation.scripted.latency_s) <= 0:
-        problems.append(
-            "generation.scripted.latency_s has a mean of 0: every completion would take no virtual time, so the "
-            "generation capacity is unbounded and the simulation measures nothing. Fix: give a latency above 0 "
-            "(e.g. {dist: const, value: 0.5})."
-        )
     if problems:
         raise ConfigError("simulate runs on virtual time with a scripted generator and a stub trainer:\n" + "\n".join(f"  - {p}" for p in problems))
 
@@ -132,14 +130,15 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
         log.warning("warning: %s", warning)
     if generator is None:
         generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
-    trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s)
+    trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s, cfg.train.token_time_s)
     report = _Report(cfg, output_dir, generator.name) if output_dir is not None else None
     scorer = RewardScorer.from_config(cfg.reward, isolation="inline")
     # Episodes run on the simulator's model of an environment (generation.scripted.env), not env.factory.
     env_hosts = SimulatedHosts(cfg.generation.scripted.env, cfg.run.seed) if cfg.env is not None else None
     teacher = SimulatedTeacher(cfg.distill, seed=cfg.run.seed) if cfg.algorithm == "distill" else None
+    outcomes: list[dict[str, Any]] = []
     collector = build_collector(cfg, prompts, generator, scorer=teacher or scorer, observer=report.timeline if report else None,
-                                host_factory=env_hosts)
+                                host_factory=env_hosts, ledger=PromptLedger(sink=outcomes.append))
     records: list[StepRecord] = []
 
     async def record(step: StepRecord) -> None:
@@ -160,7 +159,9 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     finally:
         if report is not None:
             report.close()
-    simulation = Simulation(cfg, result, collector, generator, trainer, records, virtual_time, time.perf_counter() - wall_start, env_hosts)
+    simulation = Simulation(
+        cfg, result, collector, generator, trainer, records, virtual_time, time.perf_counter() - wall_start, outcomes, env_hosts,
+    )
     check_invariants(simulation)
     return simulation
 

@@ -176,13 +176,16 @@ class Group:
     """One prompt and its surviving scored rollouts: the unit of admission, training and accounting.
 
     `seq` is the completion order (ties in the buffer break by it); `failed_rollouts` counts
-    members that failed after their retries (they are not in `rollouts`).
+    members that failed after their retries (they are not in `rollouts`); `generation_ms` is the
+    generator time of its `rollouts` (each from its start to its end, retries included).
     """
 
     prompt: Prompt
     rollouts: tuple[Rollout, ...]
     seq: int
     failed_rollouts: int = 0
+    generation_ms: int = 0
+    target_step: int | None = None  # rollout.on_stale: wait: the step that trains it
 
     @property
     def generation_version(self) -> int:

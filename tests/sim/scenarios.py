@@ -1,9 +1,10 @@
 """Random small pipeline scenarios for the chaos suite, each fully determined by one integer seed.
 
 `scenario(seed)` returns a recipe dict: at most 6 steps, at most 4 groups of at most 4 per
-step, random latencies and lengths, transient errors, non-retryable errors, outages,
-hangs, per-prompt exceptions, staleness 0-4, random tolerances, weight publications
-that take virtual time and may fail or hang, (drawn last) multi-turn episodes on the
+step, random latencies and lengths (or the token model: lengths per prompt, latency from
+tokens), transient errors, non-retryable errors, outages, hangs, per-prompt exceptions,
+staleness 0-4 under every staleness policy, random tolerances, weight publications
+that take virtual time and may fail or hang, (drawn after those) multi-turn episodes on the
 simulator's environments, which take time, may raise, and may ignore their cancellation, and (a quarter
 of the others) `algorithm: distill`: one sample per unit, scored by a simulated teacher that takes time,
 fails and times out.
@@ -110,6 +111,21 @@ def scenario(seed: int) -> dict[str, Any]:
             start = rng.uniform(0, 20)
             fault.update(from_s=round(start, 3), until_s=round(start + rng.uniform(1, 30), 3))
         scripted["weight_sync_faults"] = [fault]
+    if rng.random() < 0.5:  # the staleness policies that wait (rollout/stale_policy.py)
+        recipe["rollout"]["on_stale"] = rng.choice(("wait", "patience"))
+        recipe["rollout"]["patience_share"] = rng.choice((0.0, 0.5, 2.0))
+    if recipe["rollout"]["on_stale"] != "wait" and rng.random() < 0.2:
+        recipe["rollout"]["over_admit_groups"] = rng.randint(1, 3)
+    if recipe["rollout"]["on_stale"] != "wait" and rng.random() < 0.3:
+        recipe["rollout"]["partial_groups"] = True  # ending early needs groups larger than their survivors
+        recipe["rollout"]["group_size"] = max(3, recipe["rollout"]["group_size"])
+        recipe["rollout"]["min_group_survivors"] = 2
+    if rng.random() < 0.3:  # the token model (at most 64 tokens x 10 ms x 16 / 4 + 50 ms: under request_timeout_s)
+        scripted["token_model"] = {"rollout_sigma": rng.choice((0.0, 0.5)), "prefill_s": rng.choice((0.0, 0.05)),
+                                   "decode_s_per_token": rng.choice((0.002, 0.01)), "batch_knee": rng.randint(4, 16)}
+        scripted["tokens"] = {"dist": "lognormal", "median": rng.randint(4, 32), "sigma": rng.choice((0.3, 1.0)), "max": 64}
+        if rng.random() < 0.5:
+            recipe["train"]["token_time_s"] = rng.choice((0.001, 0.01))
     if rng.random() < 0.3:
         # Multi-turn episodes on the simulator's environments: latency, errors, episodes that ignore cancellation.
         recipe["env"] = {
@@ -128,7 +144,8 @@ def scenario(seed: int) -> dict[str, Any]:
             "ignore_cancel_prob": rng.choice((0.0, 0.3, 1.0)),
             "stop_s": {"dist": "uniform", "low": 0.0, "high": round(rng.uniform(0.01, 3.0), 3)},
         }
-    if rng.random() < 0.25 and "env" not in recipe:  # distillation does not play episodes (config.py refuses both)
+    if rng.random() < 0.25 and "env" not in recipe and not recipe["rollout"].get("partial_groups"):
+        # (distillation plays no episodes, config.py refuses both; its units of 1 cannot end early)
         # algorithm: distill: each sample its own unit, a simulated teacher with latency, faults and timeouts.
         recipe["algorithm"] = "distill"
         recipe["rollout"].update(group_size=1, min_group_survivors=1, filter_zero_variance=False)

@@ -13,6 +13,7 @@ import pytest
 
 from asyncgrpo.config import validate_config
 from asyncgrpo.simulate import Simulation, simulate
+from asyncgrpo.telemetry.keys import WASTE_REASONS
 from tests.sim.scenarios import is_fault_free, scenario
 
 BATCH = 100
@@ -60,6 +61,10 @@ def check_outcome(sim: Simulation) -> None:
         assert counters["env/errors_total"] <= counters["rollout/failed_total"] + counters["rollout/retries_total"]
         if cfg.generation.scripted.env.ignore_cancel_prob == 0 and cfg.generation.scripted.env.stop_s.high <= cfg.env.cancel_grace_s:
             assert counters["env/abandoned_total"] == 0
+    check_tokens(sim)
+    if cfg.rollout.on_stale == "wait":  # each group trains at the step it targets (or earlier, at the end of data): never stale
+        assert counters["rollout/stale_groups_total"] == 0, counters
+        assert all(g.target_step is not None and g.target_step >= r.step for r in sim.records for g in r.batch)
     if result.outcome == "completed":
         assert result.diagnostic is None
         if result.stop_reason == "max_steps":
@@ -89,6 +94,17 @@ def check_per_sample(sim: Simulation) -> None:
     assert all(len(g.rollouts) == 1 and g.rollouts[0].teacher_logprobs is not None for g in sim.trainer.trained_groups)
     assert counters["rollout/stale_samples_total"] == counters["rollout/stale_groups_total"], counters
     assert counters["rollout/dropped/filtered"] == counters["rollout/dropped/too_few_survivors"] == 0, counters
+
+
+def check_tokens(sim: Simulation) -> None:
+    """Every generated token is trained, wasted for a reason, or still held (in flight, buffered, in training)."""
+    collector, counters = sim.collector, sim.collector.counters
+    held = sum(g.finished_tokens() for g in collector._in_flight.values())
+    held += sum(r.completion.model_tokens for g in collector.buffer.groups() + collector.in_training for r in g.rollouts)
+    wasted = sum(counters[f"rollout/wasted_tokens/{reason}"] for reason in WASTE_REASONS)
+    assert counters["rollout/generated_tokens_total"] == counters["rollout/trained_tokens_total"] + wasted + held, counters
+    assert counters["rollout/wasted_tokens/stale"] == counters["rollout/wasted_tokens_total"]
+    assert counters["rollout/trained_generation_ms_total"] <= counters["rollout/generation_ms_total"]
 
 
 def check_fault_free(sim: Simulation) -> None:

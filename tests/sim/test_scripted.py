@@ -67,3 +67,72 @@ def test_publication_faults_are_seeded_per_version():
 
     assert failing_versions(0) == failing_versions(0) and 5 < len(failing_versions(0)) < 25
     assert failing_versions(0) != failing_versions(1)
+
+
+def test_a_zero_latency_runs_with_the_trainer_as_the_bound():
+    # const 0 is a valid latency (generation costs nothing); it used to divide by zero in the report's
+    # generation capacity, then was refused. The bound is then the training capacity alone.
+    cfg = recipe(generation={"scripted": {"latency_s": {"dist": "const", "value": 0.0}}}, train={"max_steps": 5})
+    sim = simulate(cfg)
+    report = sim.report()
+    assert sim.result.outcome == "completed" and sim.result.steps == 5
+    assert report["capacity_bound_completions_per_s"] == 2.0  # groups_per_step 1 x group_size 2 / step_time_s 1
+    assert 0.9 <= report["efficiency"] <= 1.0
+
+
+def _request(prompt_id: int, take: int, member: int, max_new_tokens: int = 4096):
+    from asyncgrpo.types import GenerationRequest, SamplingParams
+
+    return GenerationRequest(
+        request_id=f"{prompt_id}-0-{take}-{member}", prompt_id=prompt_id, prompt_token_ids=(1,),
+        sampling=SamplingParams(max_new_tokens=max_new_tokens), seed=0,
+    )
+
+
+TOKEN_MODEL = {"tokens": {"dist": "lognormal", "median": 200, "sigma": 1.0},
+               "token_model": {"rollout_sigma": 0.0, "prefill_s": 0.5, "decode_s_per_token": 0.01, "batch_knee": 2}}
+
+
+def test_token_model_lengths_belong_to_the_prompt_across_members_and_requeues():
+    gen = ScriptedGenerator(ScriptedConfig.model_validate(TOKEN_MODEL), seed=3, max_new_tokens=4096)
+
+    async def lengths(prompt_id):
+        return [len((await gen.generate(_request(prompt_id, take, member))).token_ids) for take in range(3) for member in range(2)]
+
+    per_prompt = [run_virtual(lengths(p)) for p in range(6)]
+    assert all(len(set(ls)) == 1 for ls in per_prompt)  # no rollout spread: every take and member of a prompt alike
+    assert len({ls[0] for ls in per_prompt}) == 6  # prompts differ
+    assert gen.drawn_lengths == {p: ls for p, ls in enumerate(per_prompt)}
+    again = ScriptedGenerator(ScriptedConfig.model_validate(TOKEN_MODEL), seed=3, max_new_tokens=4096)
+    assert [run_virtual(again.generate(_request(p, 5, 9))).token_ids.__len__() for p in range(6)] == [ls[0] for ls in per_prompt]
+
+
+def test_token_model_latency_is_prefill_plus_decode_slowed_past_the_knee():
+    gen = ScriptedGenerator(ScriptedConfig.model_validate(TOKEN_MODEL), seed=0, max_new_tokens=4096)
+
+    async def finish_times(n):
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        ends = []
+
+        async def one(member):
+            completion = await gen.generate(_request(0, 0, member))
+            ends.append((loop.time() - start, len(completion.token_ids)))
+
+        async with asyncio.TaskGroup() as tg:
+            for member in range(n):
+                tg.create_task(one(member))
+        return ends
+
+    (alone, tokens), = run_virtual(finish_times(1))
+    assert alone == 0.5 + tokens * 0.01
+    # Four at once on a knee of 2: the later dispatches see 3 and 4 open, so decode at 1.5x and 2x.
+    assert sorted(t for t, _ in run_virtual(finish_times(4))) == [0.5 + tokens * 0.01 * s for s in (1, 1, 1.5, 2)]
+
+
+def test_the_stub_trainer_takes_time_per_trained_token():
+    cfg = recipe(generation={"scripted": {"tokens": {"dist": "const", "value": 25}}}, train={"token_time_s": 0.02, "max_steps": 3})
+    sim = simulate(cfg)
+    assert [r.step_s for r in sim.records] == [1.0, 1.0, 1.0]  # 1 group x 2 completions x 25 tokens x 20 ms
+    report = sim.report()
+    assert report["trained_tokens"] == 150 and report["capacity_tokens_per_s"]["training"] == 50.0

@@ -65,3 +65,11 @@ def test_stale_exhaustively():
 def test_a_serving_version_ahead_of_the_steps_is_a_bug_and_says_so():
     with pytest.raises(ValueError, match=r"^serving version 3 is ahead of the steps taken \(2\)$"):
         group_capacity(max_staleness=1, groups_per_step=1, next_step=2, serving_version=3)
+
+
+def test_over_admission_raises_only_an_open_capacity():
+    base = dict(max_staleness=1, groups_per_step=2, free_request_slots=8, undispatched_rollouts=0)
+    assert may_admit_group(occupancy=4, next_step=3, serving_version=3, over_admit_groups=1, **base)
+    assert not may_admit_group(occupancy=5, next_step=3, serving_version=3, over_admit_groups=1, **base)
+    # While K = 0 trains a step nothing may start: a group admitted now could never be trained.
+    assert not may_admit_group(occupancy=0, next_step=4, serving_version=3, over_admit_groups=3, **{**base, "max_staleness": 0})

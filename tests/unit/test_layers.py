@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training", "distill.teacher", "distill.loss"),
     ("pipeline", "assemble", "evaluation"),
     ("telemetry",),
-    ("train", "run_files", "simulate", "plot", "check", "cli"),
+    ("train", "run_files", "simulate", "sim_metrics", "plot", "check", "cli"),
 )
 
 

@@ -9,7 +9,23 @@ Per attempt it first applies the configured faults, in order (each with its prob
 inside its time window, for its prompts), then waits the sampled latency and returns a
 completion of the sampled length, stamped with the serving version at dispatch (as an
 HTTP server would). Its token ids and logprobs are a slice, at a random offset, of a pool
-drawn once per generator: drawing them per token took three quarters of a simulation's time. Fault kinds and the error class each raises:
+drawn once per generator: drawing them per token took three quarters of a simulation's time.
+
+Two ways to draw latency and length:
+- `latency_s` mode (the default): latency and length are drawn apart, per attempt.
+- `token_model` mode: a completion costs its tokens. A prompt's length is drawn from `tokens` once
+  per (run seed, prompt id), so a group's members share it and a requeued prompt keeps it (a hard
+  prompt stays hard); each attempt multiplies it by a lognormal factor of median 1
+  (`rollout_sigma`) and clamps it to [1, max_new_tokens]. The attempt then takes
+  `prefill_s + tokens * decode_s_per_token * max(1, n / batch_knee)`, n being the requests open at
+  its dispatch (itself included): a batch-throughput curve where a server decodes up to
+  `batch_knee` sequences at full speed and shares a fixed token throughput among more.
+
+`drawn_lengths` keeps, per prompt id, the length of every attempt the policy asked for (token
+mode: drawn at dispatch, whether it finished or was cancelled; latency mode: the finished ones,
+whose length does not depend on their latency) - the population a length bias is measured against.
+
+Fault kinds and the error class each raises:
 
     http_500, http_429, connection_refused  -> TransientGenerationError (retried)
     http_400                                -> GenerationError (not retried)
@@ -73,6 +89,8 @@ class ScriptedGenerator:
         self.aborted = 0  # requests cancelled while in progress (the server stopped generating them)
         self.completed = 0
         self.in_progress = 0
+        self.drawn_lengths: dict[int, list[int]] = {}
+        self._prompt_lengths: dict[int, float] = {}
         pool_rng = random.Random(_stream_seed(seed, "token-pool", 0))
         pool_size = max_new_tokens + TOKEN_POOL_SLACK
         self._token_pool = tuple(pool_rng.randrange(4, 64) for _ in range(pool_size))
@@ -105,18 +123,28 @@ class ScriptedGenerator:
         rng = random.Random(_stream_seed(self.seed, request.request_id, self._attempts[request.request_id]))
         dispatch_version = self._version
         now = asyncio.get_running_loop().time()
+        model = self.cfg.token_model
+        length = None
+        if model is not None:
+            length = self._draw(request, self._prompt_length(request.prompt_id) * math.exp(model.rollout_sigma * rng.gauss(0.0, 1.0)))
         self.in_progress += 1
         try:
             for fault in self.cfg.faults:
                 if _applies(fault, request.prompt_id, now) and rng.random() < fault.rate:
                     await self._inject(fault, request)
-            await asyncio.sleep(sample(self.cfg.latency_s, rng))
+            if model is None:
+                await asyncio.sleep(sample(self.cfg.latency_s, rng))
+            else:
+                assert length is not None
+                slowdown = max(1.0, self.in_progress / model.batch_knee)
+                await asyncio.sleep(model.prefill_s + length * model.decode_s_per_token * slowdown)
         except asyncio.CancelledError:
             self.aborted += 1
             raise
         finally:
             self.in_progress -= 1
-        length = max(1, min(self.max_new_tokens, request.sampling.max_new_tokens, round(sample(self.cfg.tokens, rng))))
+        if length is None:
+            length = self._draw(request, sample(self.cfg.tokens, rng))
         self.completed += 1
         start = rng.randrange(len(self._token_pool) - length + 1)
         return Completion(
@@ -127,6 +155,18 @@ class ScriptedGenerator:
             dispatch_version=dispatch_version,
             text=f"{request.request_id}:{rng.getrandbits(32)}",
         )
+
+    def _prompt_length(self, prompt_id: int) -> float:
+        """The prompt's own length (token mode): drawn once per (run seed, prompt id)."""
+        if prompt_id not in self._prompt_lengths:
+            self._prompt_lengths[prompt_id] = sample(self.cfg.tokens, random.Random(_stream_seed(self.seed, "prompt-length", prompt_id)))
+        return self._prompt_lengths[prompt_id]
+
+    def _draw(self, request: GenerationRequest, tokens: float) -> int:
+        """A drawn length clamped to [1, max_new_tokens], recorded in `drawn_lengths`."""
+        length = max(1, min(self.max_new_tokens, request.sampling.max_new_tokens, round(tokens)))
+        self.drawn_lengths.setdefault(request.prompt_id, []).append(length)
+        return length
 
     async def _inject(self, fault: FaultConfig, request: GenerationRequest) -> None:
         where = f"scripted fault for request {request.request_id}"

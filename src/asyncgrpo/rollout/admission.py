@@ -44,15 +44,23 @@ def may_admit_group(
     serving_version: int,
     free_request_slots: int,
     undispatched_rollouts: int,
+    over_admit_groups: int = 0,
 ) -> bool:
     """Start a new group? Only under the group capacity, and only when a request slot would be free for it
-    (rollouts of already-admitted groups that still wait for a slot go first)."""
+    (rollouts of already-admitted groups that still wait for a slot go first).
+
+    `over_admit_groups` (`rollout.over_admit_groups`, an opt-in) raises a non-zero capacity by that many
+    groups: they race the others for the steps within the bound, and the slowest are cancelled as stale
+    (more throughput, more waste, more length bias). The bound itself stays hard: the buffer and the
+    cancellation on advance enforce it whatever admission did."""
     capacity = group_capacity(
         max_staleness=max_staleness,
         groups_per_step=groups_per_step,
         next_step=next_step,
         serving_version=serving_version,
     )
+    if capacity > 0:
+        capacity += over_admit_groups
     return occupancy < capacity and free_request_slots > undispatched_rollouts
 
 

@@ -41,9 +41,19 @@ class ReplayBuffer:
             heapq.heapify(self._heap)
         return stale
 
-    def take(self, n: int) -> list[Group]:
-        """Remove and return up to `n` groups, oldest generation version first."""
-        return [heapq.heappop(self._heap)[2] for _ in range(min(n, len(self._heap)))]
+    def take(self, n: int, prefer_target: int | None = None) -> list[Group]:
+        """Remove and return up to `n` groups, oldest generation version first; with `prefer_target`, the groups
+        targeting that step (`Group.target_step`) before any other."""
+        if prefer_target is None:
+            return [heapq.heappop(self._heap)[2] for _ in range(min(n, len(self._heap)))]
+        ordered = sorted(self._heap, key=lambda entry: (entry[2].target_step != prefer_target, entry[:2]))
+        self._heap = ordered[n:]
+        heapq.heapify(self._heap)
+        return [entry[2] for entry in ordered[:n]]
+
+    def count_target(self, step: int) -> int:
+        """Buffered groups that target `step`."""
+        return sum(entry[2].target_step == step for entry in self._heap)
 
     def groups(self) -> list[Group]:
         return [g for _, _, g in sorted(self._heap)]

@@ -11,7 +11,8 @@ Invariants (DESIGN.md §2):
   and only a group still there can be ended.
 - No stale group (staleness > K) reaches the trainer: `next_batch` drops stale buffered
   groups right before taking a batch, and in-flight groups that are stale at the next step are
-  cancelled (requests aborted, slots freed) as soon as the steps move past them.
+  cancelled (requests aborted, slots freed) as soon as the steps move past them; the staleness
+  policy (rollout/stale_policy.py) decides what a step waits for before it moves.
 - Errors are never swallowed: a rollout error is retried (transient), or fails the rollout
   (counted); group endings feed the failure policy; a broken budget, a misconfigured
   backend or a fatal reward error becomes the run's sticky diagnostic, which the trainer
@@ -37,6 +38,7 @@ from asyncgrpo.environments.hosts import open_host
 from asyncgrpo.environments.protocol import EnvironmentHost
 from asyncgrpo.errors import Diagnostic, FatalBackendError, GenerationError, RewardError, TeacherError, TransientGenerationError
 from asyncgrpo.generation.base import Generator
+from asyncgrpo.rollout import token_books
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.admission import is_stale, may_admit_group
 from asyncgrpo.rollout.buffer import ReplayBuffer
@@ -52,6 +54,7 @@ from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.no_signal import NoSignalWatch
 from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rollout.slots import RequestSlots, Slot
+from asyncgrpo.rollout.stale_policy import StepTargets, is_straggler, may_finish_early, patience_deadline
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.telemetry.keys import COUNTER_NAMES
 from asyncgrpo.types import Completion, DropReason, GenerationRequest, Group, Prompt, SamplingParams
@@ -141,6 +144,9 @@ class Collector:
             self._episodes = EpisodeRunner(
                 cfg.env, cfg.generation, codec, self.counters, prompt_key=cfg.data.prompt_key, jitter=self._jitter, host_factory=host_factory,
             )
+        self._targets = StepTargets(r.groups_per_step) if r.on_stale == "wait" else None  # rollout/stale_policy.py
+        self._step_started: float | None = None  # loop time the batch in training was taken
+        self._last_step_s: float | None = None  # how long the last step trained (the unit of rollout.patience_share)
 
     # ------------------------------------------------------------------ views
 
@@ -183,6 +189,7 @@ class Collector:
             serving_version=self.generator.serving_version,
             free_request_slots=self._slots.free,
             undispatched_rollouts=self._undispatched(),
+            over_admit_groups=self.cfg.rollout.over_admit_groups,
         )
 
     def _data_done(self) -> bool:
@@ -213,6 +220,8 @@ class Collector:
         assert self._task_group is not None
         self._takes += 1
         group = InFlightGroup(key=self._takes, prompt=prompt, size=self.group_size)
+        if self._targets is not None:
+            group.target_step = self._targets.assign(self.next_step, self.generator.serving_version + self.max_staleness)
         self.accounting.take()
         self._in_flight[group.key] = group
         group.task = self._task_group.create_task(self._run_group(group), name=f"group-{prompt.id}")
@@ -233,13 +242,15 @@ class Collector:
                 slot = await self._slots.acquire()
                 group.dispatched += 1
                 task = members.create_task(self._run_rollout(group, member, slot), name=f"rollout-{group.prompt.id}-{member}")
+                group.member_tasks[member] = task
                 slot.release_with(task)
         await self._finish_group(group)
 
     async def _run_rollout(self, group: InFlightGroup, member: int, slot: Slot) -> None:
         request = rollout_request(self.cfg.run.seed, group.prompt, member, self.sampling)
         result: Completion | Exception
-        self.observer.rollout_started(group.key, group.prompt.id, member, self._now())
+        started = self._now()
+        self.observer.rollout_started(group.key, group.prompt.id, member, started)
         try:
             with slot:
                 if self._episodes is not None:
@@ -250,6 +261,7 @@ class Collector:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 self.observer.rollout_ended(group.key, member, "cancelled", group.dispatch_versions[member], 0, self._now())
+                token_books.rollout_ended(self.counters, self._now() - started)
                 raise  # we were cancelled (stale, shutdown): not a failure
             # The backend raised CancelledError on its own (some clients do): a failed rollout.
             result = GenerationError(f"the backend cancelled request {request.request_id} by itself", backend=self.generator.name)
@@ -270,6 +282,7 @@ class Collector:
         tokens = len(result.token_ids) if isinstance(result, Completion) else 0
         outcome: RolloutOutcome = "finished" if isinstance(result, Completion) else "failed"
         self.observer.rollout_ended(group.key, member, outcome, group.dispatch_versions[member], tokens, self._now())
+        group.ms[member] = token_books.rollout_ended(self.counters, self._now() - started)
         self._last_progress = self._now()  # a rollout finished (a cancelled one never gets here)
 
     async def _generate_with_retries(
@@ -306,7 +319,7 @@ class Collector:
     async def _finish_group(self, group: InFlightGroup) -> None:
         """Judge the finished group (rollout/judge.py) around the scoring of its survivors, and end it."""
         r = self.cfg.rollout
-        completions = survivors(group.completions, group.errors, min_survivors=r.min_group_survivors)
+        completions = survivors(*group.kept(), min_survivors=r.min_group_survivors)
         if isinstance(completions, Drop):
             self._end(group, completions)
             return
@@ -339,7 +352,10 @@ class Collector:
         if self._no_signal is not None and (warning := self._no_signal.observe(len({r.reward for r in rollouts}) == 1)):
             log.warning(warning)
         self._seq += 1
-        finished = Group(prompt=group.prompt, rollouts=rollouts, seq=self._seq, failed_rollouts=group.size - len(completions))
+        kept = [r.completion for r in rollouts]
+        token_books.group_wasted(self.counters, "failed", group.finished_tokens() - sum(c.model_tokens for c in kept))  # unscored
+        finished = Group(prompt=group.prompt, rollouts=rollouts, seq=self._seq, failed_rollouts=sum(e is not None for e in group.errors),
+                         generation_ms=group.ms_of(kept), target_step=group.target_step)
         if is_stale(generation_version=finished.generation_version, step=self.next_step, max_staleness=self.max_staleness):
             self._end(group, STALE)
         else:
@@ -351,6 +367,8 @@ class Collector:
         """The one way an in-flight group ends: buffered (a `Group`), dropped (a `Drop`), or `STALE`:
         cancelled because no remaining step can train it (its rollouts aborted, its prompt requeued or dropped)."""
         del self._in_flight[group.key]
+        if not isinstance(ending, Group):
+            self._untarget(group.target_step)
         if isinstance(ending, Group):
             self.observer.take_ended(group.key, group.prompt.id, "buffered", ending.seq, self._now())
             self.accounting.buffer()
@@ -360,6 +378,7 @@ class Collector:
             self.observer.take_ended(group.key, group.prompt.id, ending.reason, None, self._now())
             self.accounting.drop_in_flight(ending.reason)
             self._count_drop(ending.reason, group.prompt)
+            token_books.group_wasted(self.counters, ending.reason, group.finished_tokens())
             self._judge_ending(group, ending.reason, ending.error)  # type: ignore[arg-type]
         else:
             if group.task is not None and group.task is not asyncio.current_task():
@@ -368,7 +387,7 @@ class Collector:
             self._count_stale(group.live_members() if self.per_sample else sum(c is not None for c in group.completions),
                               group.finished_tokens())
             prompt = group.prompt
-            if self.cfg.rollout.on_stale == "requeue" and prompt.requeues < self.cfg.rollout.max_requeues:
+            if self.cfg.rollout.on_stale in ("requeue", "patience") and prompt.requeues < self.cfg.rollout.max_requeues:
                 self.observer.take_ended(group.key, prompt.id, "requeued", None, self._now())
                 self.accounting.requeue_in_flight()
                 self.counters["rollout/requeued_total"] += 1
@@ -384,6 +403,11 @@ class Collector:
         self.counters["rollout/stale_groups_total"] += 1
         self.counters["rollout/stale_samples_total"] += samples
         self.counters["rollout/wasted_tokens_total"] += tokens
+        token_books.group_wasted(self.counters, "stale", tokens)
+
+    def _untarget(self, step: int | None) -> None:
+        if self._targets is not None and step is not None:
+            self._targets.release(step)
 
     def _count_drop(self, reason: DropReason, prompt: Prompt) -> None:
         self.counters["rollout/dropped_groups_total"] += 1
@@ -419,6 +443,7 @@ class Collector:
         for group in self.buffer.remove_stale(step):
             self.observer.buffered_ended([group.seq], "stale", step, self._now())
             self.accounting.drop_buffered("stale")
+            self._untarget(group.target_step)
             self._count_drop("stale", group.prompt)
             self._count_stale(len(group.rollouts), sum(r.completion.model_tokens for r in group.rollouts))
 
@@ -437,7 +462,11 @@ class Collector:
         while True:
             self.raise_if_failed()
             self._drop_stale_buffered(step)
-            if len(self.buffer) >= self.groups_per_step:
+            if self._ready(step):
+                if self.cfg.rollout.on_stale == "patience":
+                    await self._wait_for_stragglers(step)
+                if self.cfg.rollout.partial_groups:
+                    await self._finish_stragglers_early(step)
                 return self._take(step, self.groups_per_step)
             if self._data_done():
                 if len(self.buffer) and not self.cfg.data.drop_last:
@@ -450,18 +479,52 @@ class Collector:
                 continue
             try:
                 async with asyncio.timeout_at(deadline):
-                    await self._signal.wait_for(
-                        lambda: len(self.buffer) >= self.groups_per_step or self._data_done() or self.first_failure.failed
-                    )
+                    await self._signal.wait_for(lambda: self._ready(step) or self._data_done() or self.first_failure.failed)
             except TimeoutError:
                 pass  # the loop re-checks: progress may have moved the deadline
 
+    def _ready(self, step: int) -> bool:
+        """A full batch for `step` is buffered; with `wait`, of its own groups, or of any once none of its own is left to come."""
+        if self._targets is None or self.buffer.count_target(step) >= self.groups_per_step:
+            return len(self.buffer) >= self.groups_per_step
+        own_coming = any(g.target_step == step for g in self._in_flight.values())
+        return self.source.exhausted and not own_coming and len(self.buffer) >= self.groups_per_step
+
+    async def _wait_for_stragglers(self, step: int) -> None:
+        """`patience`: wait, up to its share of a step, until no in-flight group is one the next step would cancel."""
+        deadline = patience_deadline(now=self._now(), last_step_s=self._last_step_s, share=self.cfg.rollout.patience_share)
+        k = self.max_staleness
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._signal.wait_for(lambda: self.first_failure.failed or not any(
+                    is_straggler(version_floor=g.version_floor(), step=step, max_staleness=k) for g in self._in_flight.values()))
+        except TimeoutError:
+            pass  # the stragglers left are cancelled when the steps move past them
+        self.raise_if_failed()
+
+    async def _finish_stragglers_early(self, step: int) -> None:
+        """`rollout.partial_groups`: stragglers with enough finished members end now with them, scored in time for this step."""
+        r = self.cfg.rollout
+        early = [g for g in self._in_flight.values() if may_finish_early(
+            version_floor=g.version_floor(), step=step, max_staleness=self.max_staleness, dispatched=g.dispatched == g.size,
+            finished=sum(c is not None for c in g.completions), min_survivors=r.min_group_survivors)]
+        for group in early:
+            group.finish_early()
+        try:
+            async with asyncio.timeout(self.cfg.stall_timeout_s):  # their scoring ends within the reward time limits
+                await self._signal.wait_for(lambda: self.first_failure.failed or all(g.key not in self._in_flight for g in early))
+        except TimeoutError:
+            pass  # those still scoring are cancelled as stale when the steps move past them
+        self.raise_if_failed()
+
     def _take(self, step: int, n: int) -> list[Group]:
-        batch = self.buffer.take(n)
+        batch = self.buffer.take(n, prefer_target=step if self._targets is not None else None)
         for group in batch:
+            self._untarget(group.target_step)
             if is_stale(generation_version=group.generation_version, step=step, max_staleness=self.max_staleness):
                 raise AssertionError(f"group of version {group.generation_version} taken for step {step} with K={self.max_staleness}")
         self.in_training = batch
+        self._step_started = self._now()
         self.next_step = step + 1
         self._cancel_stale()
         self._drop_stale_buffered(self.next_step)
@@ -471,11 +534,14 @@ class Collector:
     def step_trained(self) -> None:
         """The step that took `in_training` has completed and its weights are published."""
         self.accounting.train_buffered(len(self.in_training))
+        token_books.step_trained(self.counters, self.in_training)
         self.observer.buffered_ended([g.seq for g in self.in_training], "trained", self.next_step - 1, self._now())
         for group in self.in_training:
             self.ledger.trained(group.prompt, self.next_step - 1)
         self.in_training = []
         self._last_progress = self._now()
+        if self._step_started is not None:
+            self._last_step_s = self._last_progress - self._step_started
         self._signal.notify()
 
     def weights_published(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asyncgrpo.types import Completion, GenerationRequest, Prompt, SamplingParams
@@ -22,22 +23,29 @@ class InFlightGroup:
     prompt: Prompt
     size: int
     task: asyncio.Task[None] | None = None
+    target_step: int | None = None  # rollout.on_stale: wait: the step that trains it (rollout/stale_policy.py)
     dispatched: int = 0
     dispatch_versions: list[int | None] = field(default_factory=list)
     completions: list[Completion | None] = field(default_factory=list)
     errors: list[BaseException | None] = field(default_factory=list)
+    ms: list[int] = field(default_factory=list)  # a finished member's time from its start to its end, in milliseconds
+    member_tasks: list[asyncio.Task[None] | None] = field(default_factory=list)
+    cut: list[bool] = field(default_factory=list)  # rollout.partial_groups: members cancelled so the group could end early
 
     def __post_init__(self) -> None:
         self.dispatch_versions = [None] * self.size
         self.completions = [None] * self.size
         self.errors = [None] * self.size
+        self.ms = [0] * self.size
+        self.member_tasks = [None] * self.size
+        self.cut = [False] * self.size
 
     def version_floor(self) -> int | None:
         """Lowest version any of its surviving tokens has or can have (a member being retried counts with
         its current attempt's version); None while nothing live is dispatched."""
         versions: list[int] = []
-        for completion, dispatched, error in zip(self.completions, self.dispatch_versions, self.errors):
-            if error is not None:
+        for completion, dispatched, error, cut in zip(self.completions, self.dispatch_versions, self.errors, self.cut):
+            if error is not None or cut:
                 continue
             if completion is not None:
                 versions.append(completion.generation_version)
@@ -49,8 +57,25 @@ class InFlightGroup:
         """Members dispatched that have not failed: finished, or still being generated."""
         return sum(d is not None and e is None for d, e in zip(self.dispatch_versions, self.errors))
 
+    def finish_early(self) -> None:
+        """End the group with the members that have ended: cancel the others (a cancellation, not a failure)."""
+        for member, task in enumerate(self.member_tasks):
+            if task is not None and not task.done():
+                self.cut[member] = True
+                task.cancel()
+
+    def kept(self) -> tuple[list[Completion | None], list[BaseException | None]]:
+        """The completions and errors of the members not cut (what the group is judged on)."""
+        keep = [not cut for cut in self.cut]
+        return [c for c, k in zip(self.completions, keep) if k], [e for e, k in zip(self.errors, keep) if k]
+
     def finished_tokens(self) -> int:
         return sum(c.model_tokens for c in self.completions if c is not None)
+
+    def ms_of(self, kept: Sequence[Completion]) -> int:
+        """Generator time of the members whose completions are in `kept` (compared by identity)."""
+        ids = {id(c) for c in kept}
+        return sum(ms for c, ms in zip(self.completions, self.ms) if id(c) in ids)
 
 
 def rollout_request(run_seed: int, prompt: Prompt, member: int, sampling: SamplingParams) -> GenerationRequest:

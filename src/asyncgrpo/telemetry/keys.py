@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from asyncgrpo.types import DROP_REASONS
 
+WASTE_REASONS = ("stale", "failed", "filtered")  # rollout/token_books.py: the buckets of wasted tokens
+
 STEP_KEYS = ("step", "version")
 
 TRAIN_KEYS = (
@@ -43,6 +45,12 @@ COUNTER_NAMES: tuple[str, ...] = (
     "env/errors_total",
     "env/abandoned_total",
     "env/retokenization_drift_total",
+    # Where tokens and generator time end up (rollout/token_books.py).
+    "rollout/trained_tokens_total",
+    "rollout/trained_completions_total",
+    *(f"rollout/wasted_tokens/{reason}" for reason in WASTE_REASONS),
+    "rollout/generation_ms_total",
+    "rollout/trained_generation_ms_total",
 )
 EVAL_KEYS = ("eval/reward_mean", "eval/pass_rate", "eval/failed_requests")
 PIPELINE_KEYS = (
@@ -58,4 +66,6 @@ PIPELINE_KEYS = (
     "reward/std",
     "rollout/stale_len_mean",
     "env/turns_mean",
+    "rollout/trained_len_mean",
+    "rollout/goodput",
 )

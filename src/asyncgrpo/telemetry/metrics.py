@@ -65,6 +65,9 @@ def step_metrics(
         # Mean length of the finished completions thrown away as stale, to compare with
         # completion/len_mean: stale cancellation must not quietly favour short answers.
         "rollout/stale_len_mean": _ratio(collector_values["rollout/wasted_tokens_total"], collector_values["rollout/stale_samples_total"]),
+        "rollout/trained_len_mean": _ratio(collector_values["rollout/trained_tokens_total"], collector_values["rollout/trained_completions_total"]),
+        # Share of generator time (rollouts' start to end) that ended in trained tokens.
+        "rollout/goodput": _ratio(collector_values["rollout/trained_generation_ms_total"], collector_values["rollout/generation_ms_total"]),
         "reward/mean": statistics.fmean(rewards),
         # Model turns per episode of the batch; null without environments.
         "env/turns_mean": _mean([r.completion.episode.turns if r.completion.episode else None for g in record.batch for r in g.rollouts]),

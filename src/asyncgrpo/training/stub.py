@@ -1,8 +1,10 @@
-"""The stub trainer of the simulator: a step takes `train.step_time_s` of (virtual) time and learns nothing.
+"""The stub trainer of the simulator: a step takes virtual time and learns nothing.
 
-It reports only what it can measure honestly from the batch (no loss, no gradients), and
-publishes no weights (`generation_weights()` is None), so the scripted backend only
-records the new serving version.
+A step takes `train.step_time_s`, or, with `train.token_time_s`, that many seconds per
+completion token of its batch (training time proportional to trained tokens). It reports
+only what it can measure honestly from the batch (no loss, no gradients), and publishes no
+weights (`generation_weights()` is None), so the scripted backend only records the new
+serving version.
 """
 
 from __future__ import annotations
@@ -16,16 +18,18 @@ from asyncgrpo.types import Group
 
 
 class StubTrainer:
-    def __init__(self, step_time_s: float) -> None:
+    def __init__(self, step_time_s: float, token_time_s: float | None = None) -> None:
         self.step_time_s = step_time_s
+        self.token_time_s = token_time_s
         self.trained_groups: list[Group] = []
 
     async def train_step(self, groups: list[Group]) -> dict[str, float]:
-        await asyncio.sleep(self.step_time_s)
-        self.trained_groups.extend(groups)
         completions = [r.completion for g in groups for r in g.rollouts]
+        tokens = sum(len(c.token_ids) for c in completions)
+        await asyncio.sleep(self.step_time_s if self.token_time_s is None else self.token_time_s * tokens)
+        self.trained_groups.extend(groups)
         metrics = {
-            "completion/len_mean": sum(len(c.token_ids) for c in completions) / len(completions),
+            "completion/len_mean": tokens / len(completions),
             "completion/len_max": float(max(len(c.token_ids) for c in completions)),
         }
         if any(r.teacher_logprobs is not None for g in groups for r in g.rollouts):  # algorithm: distill

@@ -1,0 +1,87 @@
+"""The staleness policies end to end on virtual time (rollout/stale_policy.py): what each does with a straggler.
+
+K = 1, one group of 2 per step, 1 s steps; prompts are taken in order 0, 1, 2, ... and every
+request takes 1 s except the ones a test slows down.
+"""
+
+from __future__ import annotations
+
+from asyncgrpo.errors import GenerationError
+from asyncgrpo.simulate import simulate
+from tests.sim.fakes import OK, Fate, ProgrammedGenerator, member, recipe
+
+
+def slow_prompt(prompt_id: int, after_s: float) -> ProgrammedGenerator:
+    return ProgrammedGenerator(lambda r, a: Fate(after_s=after_s) if r.prompt_id == prompt_id else OK)
+
+
+def run(on_stale: str, generator: ProgrammedGenerator, **rollout):
+    cfg = recipe(rollout={"on_stale": on_stale, **rollout}, train={"max_steps": 5})
+    sim = simulate(cfg, generator)
+    assert sim.result.outcome == "completed" and sim.result.steps == 5
+    return sim, [g.prompt.id for g in sim.trainer.trained_groups]
+
+
+def test_requeue_cancels_the_straggler_and_trains_the_fast_prompts():
+    sim, trained = run("requeue", slow_prompt(1, 6.0))
+    assert trained[:3] == [0, 2, 3] and sim.collector.counters["rollout/stale_groups_total"] >= 1
+
+
+def test_wait_trains_each_step_its_own_groups_and_never_cancels():
+    sim, trained = run("wait", slow_prompt(1, 6.0))
+    assert trained == [0, 1, 2, 3, 4]
+    assert [g.target_step for r in sim.records for g in r.batch] == [0, 1, 2, 3, 4]
+    assert sim.collector.counters["rollout/stale_groups_total"] == 0 and sim.collector.counters["rollout/requeued_total"] == 0
+    assert sim.records[1].wait_s >= 3.0  # step 1 waited for its slow group
+    assert sim.report()["wasted_tokens"] == {"stale": 0, "failed": 0, "filtered": 0}
+
+
+def test_wait_replaces_a_dropped_group_in_the_same_step():
+    failing = ProgrammedGenerator(lambda r, a: Fate(after_s=0.5, error=GenerationError("400", backend="programmed")) if r.prompt_id == 1 else OK)
+    sim, trained = run("wait", failing, max_generation_failures=1)
+    assert trained == [0, 2, 3, 4, 5]
+    assert [g.target_step for r in sim.records for g in r.batch] == [0, 1, 2, 3, 4]
+
+
+def test_patience_waits_for_a_straggler_within_its_share_of_a_step():
+    # Prompt 1 (version 0) is due at t=3.4; step 1's batch (prompt 2, version 1) is ready at t=3, and the
+    # next step would cancel prompt 1. Half a step (0.5 s) of patience covers it: it is trained at step 1.
+    sim, trained = run("patience", slow_prompt(1, 3.4), patience_share=0.5)
+    assert trained == [0, 1, 2, 3, 4] and sim.collector.counters["rollout/stale_groups_total"] == 0
+    assert 1.39 < sim.records[1].wait_s < 1.41  # from t=2 to the straggler at t=3.4, not to the end of its patience
+
+
+def test_patience_gives_up_on_a_straggler_past_its_share():
+    sim, trained = run("patience", slow_prompt(1, 3.7), patience_share=0.5)
+    assert trained[:2] == [0, 2] and sim.collector.counters["rollout/stale_groups_total"] >= 1
+
+
+def test_partial_groups_train_a_stragglers_finished_members_and_cancel_the_rest():
+    # Groups of 4: prompt 1's members 2 and 3 take 6 s. When step 1's batch is ready (t=3) prompt 1 is a
+    # straggler with 2 finished members: it ends with them and is trained at step 1 (oldest first).
+    slow_half = ProgrammedGenerator(lambda r, a: Fate(after_s=6.0) if r.prompt_id == 1 and member(r) >= 2 else OK)
+    cfg = recipe(rollout={"on_stale": "requeue", "partial_groups": True, "group_size": 4}, train={"max_steps": 5})
+    sim = simulate(cfg, slow_half)
+    assert sim.result.outcome == "completed"
+    trained = sim.trainer.trained_groups
+    assert [g.prompt.id for g in trained] == [0, 1, 2, 3, 4]
+    assert len(trained[1].rollouts) == 2 and trained[1].failed_rollouts == 0  # cut members are cancelled, not failed
+    assert {"1-0-0-2", "1-0-0-3"} <= set(sim.generator.aborted)
+    counters = sim.collector.counters
+    assert counters["rollout/failed_total"] == counters["rollout/stale_groups_total"] == 0
+
+
+def test_metrics_jsonl_carries_the_token_books(tmp_path):
+    # What a real run can see of the bias (trained vs stale lengths) and its goodput, per step in metrics.jsonl.
+    from asyncgrpo.config import load_config
+    from asyncgrpo.telemetry.metrics import read_jsonl
+
+    cfg = load_config("recipes/simulate_nemo.yaml", ["train.max_steps=30", "rollout.on_stale=requeue"])
+    sim = simulate(cfg, output_dir=tmp_path)
+    last = read_jsonl(tmp_path / "metrics.jsonl")[-1]
+    report = sim.report()
+    assert last["rollout/trained_tokens_total"] == report["trained_tokens"] > 0
+    assert abs(last["rollout/trained_len_mean"] - report["trained_len_mean"]) < 1e-6
+    assert last["rollout/trained_len_mean"] < last["rollout/stale_len_mean"]  # the short ones were trained
+    assert 0 < last["rollout/goodput"] < 1  # (the report's also counts the rollouts cancelled at the end)
+    assert report["length_bias"] < 0.95 and report["wasted_tokens"]["stale"] == last["rollout/wasted_tokens/stale"] > 0
