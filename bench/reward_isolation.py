@@ -54,7 +54,8 @@ async def measure(isolation: str, groups: int, chars: int) -> dict[str, float]:
 
 def main() -> None:
     groups = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
-    print("| completion chars | isolation | first call ms | latency per group, median ms | p90 ms | loop CPU µs per group | groups/s sequential | groups/s 8 at once |")
+    print("| completion chars | isolation | first call ms | latency per group, median ms | p90 ms | loop CPU µs per group | "
+          "groups/s sequential | groups/s 8 at once |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for chars in (64, 4096):
         rows = {isolation: asyncio.run(measure(isolation, groups, chars)) for isolation in ("thread", "process")}
