@@ -25,6 +25,7 @@ from asyncgrpo.assemble import build_collector
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_rows
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.gc_pauses import quiet_gc
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
@@ -147,7 +148,8 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
 
     wall_start = time.perf_counter()
     try:
-        result, virtual_time = run_virtual(main())
+        with quiet_gc():
+            result, virtual_time = run_virtual(main())
     finally:
         if report is not None:
             report.close()
