@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 DropReason = Literal["stale", "failed", "too_few_survivors", "invalid_prompt", "filtered", "reward_error"]
@@ -98,7 +99,7 @@ class Completion:
                 f"{len(self.logprobs)} logprobs, {len(self.versions)} versions"
             )
 
-    @property
+    @cached_property  # read on every staleness check: a min over the tokens once, not per read
     def generation_version(self) -> int:
         """Lowest policy version that produced any token of this completion."""
         return min(self.versions, default=self.dispatch_version)
@@ -131,7 +132,7 @@ class Group:
     seq: int
     failed_rollouts: int = 0
 
-    @property
+    @cached_property
     def generation_version(self) -> int:
         return min(r.completion.generation_version for r in self.rollouts)
 
