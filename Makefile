@@ -59,13 +59,13 @@ mutate: $(STAMP)
 # memory.py runs on builtin:tiny here (SmolLM2 takes minutes and 4 GB); gpu_smoke.sh only where CUDA is.
 bench: $(STAMP)
 	@set -e; py=$(abspath $(BIN))/python; export PYTHONPATH=$(CURDIR)/src; \
-	run() { echo; echo "== bench/$$*"; "$$py" bench/$$*; }; \
+	run() { echo; echo "== bench/$$*"; f=$$1; shift; "$$py" "bench/$$f" "$$@"; }; \
 	run orchestration_overhead.py --rollouts 24000; \
 	run prompt_source.py 100000; \
 	run reward_isolation.py 500; \
 	run simulate_efficiency.py; \
 	run http_overhead.py --rounds 2; \
-	run http_throughput.py --steps 12 --backoffs ""; \
+	run http_throughput.py --steps 12 --backoffs=; \
 	run async_speedup.py --steps 20; \
 	run ray_generators.py 12; \
 	run memory.py --model builtin:tiny; \

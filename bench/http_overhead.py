@@ -9,8 +9,10 @@ turns against it, each with 16 requests open:
   then POSTing again). What the server, loopback and a minimal client allow; 16 slots over a 25 ms mean latency
   allow 640/s in theory.
 - asyncgrpo: `run_pipeline` with the collector over `HttpGenerator` and a stub trainer (steps take ~0), groups of
-  `--group-size`, 8 groups per step, `rollout.max_staleness` 1, an inline length reward; samples trained per second
-  after the first step, and the client process's CPU per sample.
+  `--group-size`, 8 groups per step, `rollout.max_staleness` 1, an inline length reward. Two rates: requests the
+  server answered per second (the HTTP path's own share of the bound, whatever training then does with them), and
+  samples trained per second after the first step (less the groups the staleness policy threw away); and the
+  client process's CPU per trained sample.
 
 Runs alternate (bound, asyncgrpo, bound, asyncgrpo, ...) so load on the machine hits both alike; each asyncgrpo
 run's ratio is over the mean of the bound runs beside it.
@@ -68,7 +70,8 @@ def asyncgrpo_run(url: str, args, profiler: cProfile.Profile | None = None):
         profiler.enable()
     try:
         return asyncio.run(measure(url, failure_rate=0.0, backoff_s=None, steps=args.steps, seed=0,
-                                   group_size=args.group_size, groups_per_step=GROUPS_PER_STEP, tokens=args.tokens))
+                                   group_size=args.group_size, groups_per_step=GROUPS_PER_STEP, tokens=args.tokens,
+                                   max_staleness=args.max_staleness))
     finally:
         if profiler is not None:
             profiler.disable()
@@ -80,6 +83,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps per asyncgrpo run")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=24, help="completion tokens per answer")
+    parser.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
@@ -93,14 +97,17 @@ def main() -> None:
             bounds.append(asyncio.run(bound(server.url, samples, args.tokens)))
             rows.append((run, statistics.fmean(b[0] for b in bounds[-2:])))
         print(f"{CONCURRENCY} requests open, server latency uniform 0-50 ms, {args.tokens}-token completions, groups of "
-              f"{args.group_size}, {GROUPS_PER_STEP} groups/step, {args.steps} steps ({samples} samples) per asyncgrpo run; "
-              f"bound runs of {samples} requests before and after each:\n")
-        print("| run | bound req/s (mean of the two beside it) | asyncgrpo samples/s | ratio | asyncgrpo client CPU ms/sample |")
-        print("| --- | --- | --- | --- | --- |")
+              f"{args.group_size}, {GROUPS_PER_STEP} groups/step, max_staleness {args.max_staleness}, {args.steps} steps "
+              f"({samples} samples) per asyncgrpo run; bound runs of {samples} requests before and after each:\n")
+        print("| run | bound req/s (mean of the two beside it) | asyncgrpo requests answered/s | ratio | asyncgrpo samples "
+              "trained/s | ratio | stale groups | asyncgrpo client CPU ms/sample |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for i, (run, beside) in enumerate(rows, 1):
-            print(f"| {i} | {beside:.0f} | {run.samples_per_s:.0f} | {run.samples_per_s / beside:.3f} | {run.cpu_ms_per_sample:.3f} |")
+            print(f"| {i} | {beside:.0f} | {run.requests_per_s:.0f} | {run.requests_per_s / beside:.3f} | "
+                  f"{run.samples_per_s:.0f} | {run.samples_per_s / beside:.3f} | {run.stale_groups} | "
+                  f"{run.cpu_ms_per_sample:.3f} |")
         ratios = [run.samples_per_s / beside for run, beside in rows]
-        print(f"\nmedian ratio {statistics.median(ratios):.3f}; bound client CPU ms/request: "
+        print(f"\nmedian ratio of samples trained {statistics.median(ratios):.3f}; bound client CPU ms/request: "
               f"{statistics.fmean(b[1] for b in bounds):.3f}")
         if args.profile:
             profiler = cProfile.Profile(time.thread_time)  # CPU time: a busy machine's preemptions charge nothing
