@@ -8,6 +8,9 @@ was measured landing on the loop (issue 15), where it delays every request, time
 `quiet_gc()` brackets the run after its setup:
 - `gc.collect()` then `gc.freeze()`: everything alive after setup moves to the permanent
   generation, which collections never walk (setup objects live for the whole run anyway).
+  `collect=False` skips the collection (tens of ms on a large heap): for callers that run many
+  short pipelines in one process (the chaos suite's thousands of simulations); garbage left
+  by setup is then frozen too, and freed after the block.
 - generation 0's threshold rises from 700 to `GEN0_THRESHOLD` allocations, so the loop's many
   short-lived objects (futures, handles, requests) die young in far fewer, still short, collections.
 On exit the thresholds are restored and the frozen objects unfrozen (collectable again).
@@ -24,10 +27,11 @@ GEN0_THRESHOLD = 10_000
 
 
 @contextmanager
-def quiet_gc() -> Iterator[None]:
+def quiet_gc(*, collect: bool = True) -> Iterator[None]:
     """Freeze what setup left alive and collect young objects less often, for the duration of the block."""
     thresholds = gc.get_threshold()
-    gc.collect()
+    if collect:
+        gc.collect()
     gc.freeze()
     gc.set_threshold(max(GEN0_THRESHOLD, thresholds[0]), *thresholds[1:])
     try:

@@ -148,7 +148,7 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
 
     wall_start = time.perf_counter()
     try:
-        with quiet_gc():
+        with quiet_gc(collect=False):  # a full collection per simulation would cost more than a small one runs
             result, virtual_time = run_virtual(main())
     finally:
         if report is not None:
