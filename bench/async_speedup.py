@@ -9,7 +9,10 @@ effect from the machine's:
   spans), and the mean number open: whether the generator had work;
 - CPU: this process's CPU seconds per wall second (trainer, collector and, with the local backend, the engine
   thread), and the server process's (HTTP). On 2 cores their sum cannot pass 2: when it is near 2, generation and
-  training compete for the cores and more overlap cannot make steps faster.
+  training compete for the cores and more overlap cannot make steps faster; when it is far below 2, the run got
+  only part of the cores (other jobs on the machine), and s/step says more about them than about the scheduler.
+- CPU s per step: all the run's processes together, the work a step costs whatever the cores it got; with the
+  trainer's waiting gone and this unchanged, the scheduler did its part and the rest is the cores.
 
     PYTHONPATH=src .venv/bin/python bench/async_speedup.py [--steps 40] [--backends local,http]
 """
@@ -128,6 +131,7 @@ def measure(k: int, steps: int, backend: str, tmp: Path) -> dict[str, float]:
         "mean_open": sum(b - a for a, b in spans) / (t1 - t0),
         "cpu": (after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime) / elapsed,
         "server_cpu": server_cpu / elapsed,
+        "cpu_per_step": (after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime + (server_cpu if server else 0.0)) / len(rows),
         "reward_last10": statistics.fmean(r["reward/mean"] for r in rows[-10:]),
     }
 
@@ -142,8 +146,8 @@ def main() -> None:
           f"row, eval and checkpoints off; http: one `asyncgrpo serve builtin:tiny` process (OMP_NUM_THREADS=1, "
           f"--max-batch-size 128) per row\n")
     print(f"| backend | max_staleness | s/step | speed-up vs K=0 | trainer waiting | generator busy | mean rollouts open | "
-          f"CPU/s trainer process | CPU/s server process | reward, last 10 of {args.steps} |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"CPU/s trainer process | CPU/s server process | CPU s per step | reward, last 10 of {args.steps} |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         for backend in args.backends.split(","):
             results = {k: measure(k, args.steps, backend, Path(tmp)) for k in (0, 1, 2)}
@@ -151,7 +155,8 @@ def main() -> None:
             for k, r in results.items():
                 server = "-" if r["server_cpu"] != r["server_cpu"] else f"{r['server_cpu']:.2f}"
                 print(f"| {backend} | {k} | {r['s_per_step']:.3f} | {base / r['s_per_step']:.2f}x | {r['wait_share']:.0%} | "
-                      f"{r['gen_busy']:.0%} | {r['mean_open']:.1f} | {r['cpu']:.2f} | {server} | {r['reward_last10']:.3f} |",
+                      f"{r['gen_busy']:.0%} | {r['mean_open']:.1f} | {r['cpu']:.2f} | {server} | {r['cpu_per_step']:.3f} | "
+                      f"{r['reward_last10']:.3f} |",
                       flush=True)
 
 
