@@ -66,6 +66,7 @@ bench: $(STAMP)
 	run simulate_efficiency.py; \
 	run http_overhead.py --rounds 2; \
 	run http_throughput.py --steps 12 --backoffs=; \
+	run gc_pauses.py --steps 60; \
 	run async_speedup.py --steps 20; \
 	run ray_generators.py 12; \
 	run memory.py --model builtin:tiny; \
