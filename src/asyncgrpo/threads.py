@@ -17,7 +17,8 @@ cost about a tenth of the event loop's CPU), with the same two guarantees:
   abandoned (cancelled, timed out) is written off at once: the pool forgets it, so a later call
   gets a new thread, and the abandoned one exits by itself if its call ever returns. Pool
   threads are daemons: none, idle or stuck, keeps the process from exiting.
-- `close` ends the idle threads and writes off the busy ones; later calls raise `PoolClosed`.
+- `close` ends the idle threads and waits for them to exit (bounded by `CLOSE_JOIN_S` each:
+  an idle thread exits at once), writes off the busy ones, and later calls raise `PoolClosed`.
   A pool that is never closed ends its idle threads when it is garbage-collected.
 
 The result comes back with `call_soon_threadsafe`; a result for a caller that gave up, or
@@ -37,6 +38,7 @@ from typing import Any, TypeVar
 from asyncgrpo.sync import StateSignal
 
 T = TypeVar("T")
+CLOSE_JOIN_S = 1.0
 _Job = tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
 
 
@@ -152,8 +154,11 @@ class DaemonThreadPool:
             self._signal.notify()
 
     def close(self) -> None:
-        """End the idle threads; busy ones end when their call returns. Later calls raise `PoolClosed`."""
+        """End the idle threads (they are gone on return); busy ones end when their call returns. Later calls raise `PoolClosed`."""
         self._closed = True
         self._count -= len(self._idle)
+        idle = [t.thread for t in self._idle]
         _end_all(self._idle)
+        for thread in idle:
+            thread.join(CLOSE_JOIN_S)  # idle: it exits as soon as it reads the end
         self._signal.notify()
