@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test chaos mutate install clean vllm-venv vllm-venv-if-possible
+.PHONY: demo test chaos mutate bench install clean vllm-venv vllm-venv-if-possible
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,26 @@ mutate: $(STAMP)
 	rm -rf mutants
 	env -u PYTHONPATH nice -n 10 $(BIN)/mutmut run --max-children 1
 	$(BIN)/mutmut results
+
+# Every benchmark in bench/, with short settings, printing its tables (about 6-8 minutes on 2 cores; not part of
+# `make test`: numbers are never asserted). docs/benchmarks.md has longer runs of each, with their commands.
+# memory.py runs on builtin:tiny here (SmolLM2 takes minutes and 4 GB); gpu_smoke.sh only where CUDA is.
+bench: $(STAMP)
+	@set -e; py=$(abspath $(BIN))/python; export PYTHONPATH=$(CURDIR)/src; \
+	run() { echo; echo "== bench/$$*"; f=$$1; shift; "$$py" "bench/$$f" "$$@"; }; \
+	run orchestration_overhead.py --rollouts 24000; \
+	run prompt_source.py 100000; \
+	run reward_isolation.py 500; \
+	run simulate_efficiency.py; \
+	run http_overhead.py --rounds 2; \
+	run http_throughput.py --steps 12 --backoffs=; \
+	run gc_pauses.py --steps 60; \
+	run async_speedup.py --steps 20; \
+	run ray_generators.py 12; \
+	run memory.py --model builtin:tiny; \
+	if "$$py" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		echo; echo "== bench/gpu_smoke.sh"; PYTHON="$$py" bash bench/gpu_smoke.sh; \
+	else echo; echo "== bench/gpu_smoke.sh: skipped (no CUDA device)"; fi
 
 clean:
 	rm -rf $(VENV) .venv-vllm runs .pytest_cache mutants

@@ -36,17 +36,24 @@ CONCURRENCY = 16
 GROUP_SIZE = 8
 GROUPS_PER_STEP = 8
 LATENCY_S = (0.0, 0.05)
-COMPLETION = {"text": "abcdefgh", "token_ids": [10, 11, 12, 13, 14, 15, 16, 17],
-              "logprobs": {"token_logprobs": [-1.0] * 8, "tokens": list("abcdefgh")}, "finish_reason": "length"}
+TOKENS = 8
+
+
+def canned_completion(tokens: int) -> dict:
+    """The completion every request gets: `tokens` tokens, finish_reason length."""
+    text = "".join(chr(ord("a") + i % 26) for i in range(tokens))
+    return {"text": text, "token_ids": [10 + i % 40 for i in range(tokens)],
+            "logprobs": {"token_logprobs": [-1.0] * tokens, "tokens": list(text)}, "finish_reason": "length"}
 
 
 # ----------------------------------------------------------------------------- the fake server (child process)
 
 
-def serve(port_out, control, seed: int, latency_s: tuple[float, float] = LATENCY_S) -> None:
+def serve(port_out, control, seed: int, latency_s: tuple[float, float] = LATENCY_S, tokens: int = TOKENS) -> None:
     """Run the fake server until `control` receives anything; report its port through `port_out`."""
     from aiohttp import web
 
+    completion = canned_completion(tokens)
     rng = random.Random(seed)
     state = {"failure_rate": 0.0, "hang_rate": 0.0, "requests": 0, "failed": 0, "hung": 0}
 
@@ -61,7 +68,7 @@ def serve(port_out, control, seed: int, latency_s: tuple[float, float] = LATENCY
             state["failed"] += 1
             return web.json_response({"error": {"message": "injected failure", "code": 500}}, status=500)
         return web.json_response({"id": "cmpl", "object": "text_completion", "model": "fake",
-                                  "choices": [{"index": 0, **COMPLETION}]})
+                                  "choices": [{"index": 0, **completion}]})
 
     async def configure(request: web.Request) -> web.Response:
         body = await request.json()
@@ -92,11 +99,11 @@ def serve(port_out, control, seed: int, latency_s: tuple[float, float] = LATENCY
 
 
 class FakeServerProcess:
-    def __init__(self, seed: int = 0, latency_s: tuple[float, float] = LATENCY_S) -> None:
+    def __init__(self, seed: int = 0, latency_s: tuple[float, float] = LATENCY_S, tokens: int = TOKENS) -> None:
         ctx = multiprocessing.get_context("spawn")
         port_recv, port_send = ctx.Pipe(duplex=False)
         self._control_recv, self._control_send = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=serve, args=(port_send, self._control_recv, seed, latency_s),
+        self.process = ctx.Process(target=serve, args=(port_send, self._control_recv, seed, latency_s, tokens),
                                    name="fake-completion-server")
         self.process.start()
         if not port_recv.poll(60):
@@ -131,6 +138,7 @@ class Measurement:
     server_hangs: int
     attempt_timeouts: int
     seconds: float
+    cpu_ms_per_sample: float  # this process's CPU (the client side: pipeline, collector, HTTP client) per trained sample
 
 
 async def _post(session, url: str, body=None):
@@ -143,7 +151,8 @@ async def _post(session, url: str, body=None):
 
 async def measure(url: str, *, failure_rate: float, backoff_s: float | None, steps: int, seed: int,
                   max_staleness: int = 1, hang_rate: float = 0.0, group_size: int = GROUP_SIZE,
-                  http_overrides: dict | None = None, groups_per_step: int = GROUPS_PER_STEP) -> Measurement:
+                  http_overrides: dict | None = None, groups_per_step: int = GROUPS_PER_STEP,
+                  tokens: int = TOKENS) -> Measurement:
     import aiohttp
 
     from asyncgrpo.assemble import build_collector
@@ -154,7 +163,7 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
     from asyncgrpo.training.stub import StubTrainer
     from asyncgrpo.types import Prompt
 
-    generation = {"backend": "http", "max_new_tokens": 8, "max_inflight": CONCURRENCY,
+    generation = {"backend": "http", "max_new_tokens": tokens, "max_inflight": CONCURRENCY,
                   "http": {"base_urls": [url], **(http_overrides or {})}}
     if backoff_s is not None:
         generation["retry_backoff_s"] = backoff_s
@@ -173,10 +182,10 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
     scorer = RewardScorer([("length", length_reward)], None, 30.0, isolation="inline")
     generator = HttpGenerator(cfg.generation)
     collector = build_collector(cfg, prompts, generator, scorer=scorer, stop_token_ids=(2,))
-    ends: list[tuple[float, int]] = []  # (time a step ended, samples trained in it)
+    ends: list[tuple[float, int, float]] = []  # (time a step ended, samples trained in it, process CPU time then)
 
     async def on_step(record) -> None:
-        ends.append((time.perf_counter(), sum(len(g.rollouts) for g in record.batch)))
+        ends.append((time.perf_counter(), sum(len(g.rollouts) for g in record.batch), time.process_time()))
 
     async with aiohttp.ClientSession() as control:
         await _post(control, f"{url}/configure", {"failure_rate": failure_rate, "hang_rate": hang_rate})
@@ -191,7 +200,7 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
     if result.outcome != "completed" or result.steps != steps:
         raise RuntimeError(f"the pipeline did not complete {steps} steps: {result.outcome} {result.diagnostic}")
     seconds = ends[-1][0] - ends[0][0]
-    samples = sum(n for _, n in ends[1:])
+    samples = sum(n for _, n, _ in ends[1:])
     return Measurement(
         failure_rate=failure_rate,
         hang_rate=hang_rate,
@@ -206,6 +215,7 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
         server_hangs=server["hung"],
         attempt_timeouts=generator.stats()["attempt_timeouts"],
         seconds=seconds,
+        cpu_ms_per_sample=1000 * (ends[-1][2] - ends[0][2]) / samples,
     )
 
 

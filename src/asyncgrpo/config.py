@@ -87,12 +87,12 @@ class RewardConfig(_Section):
     on_error: Literal["fail", "drop"] = Field("fail", description="fail: a reward exception is fatal; drop: the group is dropped as reward_error.")
     isolation: Literal["thread", "process"] = Field(
         "process",
-        description="Where sync functions run: thread (a daemon thread per call) or process (worker processes, killed and replaced on timeout; "
-        "needs functions importable by name).",
+        description="Where sync functions run: thread (reused daemon threads; one whose call timed out is written off) or process (worker "
+        "processes, killed and replaced on timeout; needs functions importable by name).",
     )
     workers: int = Field(
         4, ge=1,
-        description="reward.isolation: process: worker processes, i.e. sync reward calls at once; more wait for a free worker.",
+        description="Worker processes (isolation: process) or threads (thread), i.e. sync reward calls at once; more wait for a free worker.",
     )
 
 

@@ -28,6 +28,7 @@ from asyncgrpo.data.loading import build_prompts, check_data_source, read_rows
 from asyncgrpo.distill.simulated import SimulatedTeacher
 from asyncgrpo.environments.simulated import SimulatedHosts
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.gc_pauses import quiet_gc
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
@@ -155,7 +156,8 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
 
     wall_start = time.perf_counter()
     try:
-        result, virtual_time = run_virtual(main())
+        with quiet_gc(collect=False):  # a full collection per simulation would cost more than a small one runs
+            result, virtual_time = run_virtual(main())
     finally:
         if report is not None:
             report.close()

@@ -47,6 +47,7 @@ from asyncgrpo.distill.teacher_path import check_teacher_path
 from asyncgrpo.environments.hosts import check_env
 from asyncgrpo.errors import AsyncGRPOError, ConfigError, Diagnostic, DiskError, FatalBackendError, PipelineError
 from asyncgrpo.evaluation import eval_diagnostic, evaluate
+from asyncgrpo.gc_pauses import quiet_gc
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.ray_cluster import import_ray
 from asyncgrpo.models.loading import check_model_path
@@ -355,8 +356,8 @@ class TrainingRun:
         """The baseline evaluation and the pipeline, until the data, max_steps, an error or a stop ends them."""
         stop = self.stop
         try:
-            with LoopWatchdog(asyncio.get_running_loop(), threshold_s=self.cfg.logging.blocked_loop_warn_s):
-                return await self._stages()  # from the engine's start on, nothing may block the loop
+            with LoopWatchdog(asyncio.get_running_loop(), threshold_s=self.cfg.logging.blocked_loop_warn_s), quiet_gc():
+                return await self._stages()  # from the engine's start on, nothing may block the loop (nor the collector)
         except asyncio.CancelledError:
             if not (stop.received and stop.pipeline is not None and stop.pipeline.cancelled()):
                 raise

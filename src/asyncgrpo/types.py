@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 DropReason = Literal["stale", "failed", "too_few_survivors", "invalid_prompt", "filtered", "reward_error"]
@@ -134,7 +135,7 @@ class Completion:
         if self.loss_mask is not None and len(self.loss_mask) != len(self.token_ids):
             raise ValueError(f"Completion loss_mask has {len(self.loss_mask)} entries for {len(self.token_ids)} tokens")
 
-    @property
+    @cached_property  # read on every staleness check: a min over the tokens once, not per read
     def generation_version(self) -> int:
         """Lowest policy version that produced any of the model's tokens of this completion."""
         if self.loss_mask is None:
@@ -187,7 +188,7 @@ class Group:
     generation_ms: int = 0
     target_step: int | None = None  # rollout.on_stale: wait: the step that trains it
 
-    @property
+    @cached_property
     def generation_version(self) -> int:
         return min(r.completion.generation_version for r in self.rollouts)
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asyncgrpo.generation.attempt_timeout import MIN_SAMPLES, WINDOW, LatencyTracker
 
@@ -81,3 +85,19 @@ def test_after_a_weight_install_the_latencies_start_over_at_the_cap():
     for _ in range(MIN_SAMPLES):
         t.record(2.0)  # slower now: the new timeout follows the new answers
     assert t.timeout_s() == pytest.approx(6.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.floats(0, 10, allow_nan=False), st.none()), max_size=3 * WINDOW))
+def test_the_quantile_is_that_of_the_last_window_of_answers_since_the_last_forget(events):
+    t, seen = tracker(), []
+    for latency in events:  # None: a weight install (forget)
+        if latency is None:
+            t.forget()
+            seen = []
+        else:
+            t.record(latency)
+            seen.append(latency)
+        window = sorted(seen[-WINDOW:])
+        expected = None if len(window) < MIN_SAMPLES else window[min(len(window) - 1, math.ceil(0.99 * len(window)) - 1)]
+        assert t.quantile_s() == expected and t.samples == len(window)

@@ -165,3 +165,21 @@ def test_a_budget_of_40_in_the_default_window_is_reachable_at_the_start_and_the_
     assert "can never be reached" not in warning
     assert "applies only until the first 64 groups" in warning and "after 33 consecutive all-failed groups" in warning
     assert first_verdict_kind(policy(max_generation_failures=40, max_drop_fraction=0.5), successes_first=0) == "generation_failures"
+
+
+@given(st.lists(st.sampled_from(OUTCOMES), max_size=40), st.integers(1, 6), st.sampled_from([0.0, 0.25, 0.5]))
+def test_the_trickle_rules_judge_exactly_the_last_window_of_endings(outcomes, window, fraction):
+    p = policy(max_generation_failures=10**6, drop_window=window, max_drop_fraction=fraction, max_filtered_fraction=fraction)
+    for i, outcome in enumerate(outcomes):
+        verdict = p.record(outcome)
+        last = outcomes[max(0, i + 1 - window) : i + 1]
+        dropped = sum(o in ("failed", "too_few_survivors", "invalid_prompt", "reward_error") for o in last)
+        filtered = last.count("filtered")
+        if i + 1 < window:
+            assert verdict is None
+        elif dropped > fraction * window:
+            assert verdict is not None and verdict.kind == "drop_fraction" and verdict.count == dropped
+        elif filtered > fraction * window:
+            assert verdict is not None and verdict.kind == "filtered_fraction" and verdict.count == filtered
+        else:
+            assert verdict is None

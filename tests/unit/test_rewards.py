@@ -392,3 +392,26 @@ def test_unscored_group_error_names_the_functions_that_returned_none():
     assert "only 1 of 3 completions" in msg and "rollout.min_group_survivors = 2" in msg
     assert "'judge' returned None for all 3 completions" in msg and "'partial' returned None for 2 of 3 completions" in msg
     assert "None means no score (TRL's semantics)" in msg and "Fix" in msg
+
+
+def test_a_sync_call_that_times_out_does_not_starve_later_calls_of_threads():
+    release = threading.Event()
+    calls = []
+
+    def sometimes_stuck(prompts, completions, **kw):
+        calls.append(threading.get_ident())
+        if len(calls) == 1:
+            release.wait(60)
+        return [1.0] * len(completions)
+
+    async def main():
+        async with RewardScorer([("f", sometimes_stuck)], timeout_s=0.05, isolation="thread", workers=1) as scorer:
+            with pytest.raises(RewardError, match="did not return within"):
+                await scorer.score(PROMPT, ["a"])
+            scored = await scorer.score(PROMPT, ["a", "b"])  # one worker thread, and it is stuck: a new one runs this
+        assert [s.reward for s in scored] == [1.0, 1.0] and calls[0] != calls[1]
+
+    try:
+        run(main())
+    finally:
+        release.set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import pytest
@@ -188,3 +189,39 @@ def test_remaining_counts_prompts_done_in_later_epochs_without_building_their_or
     taken = [source.take() for _ in range(10)]
     assert all(p is not None for p in taken) and source.exhausted and source.take() is None
     assert sorted(p.id for p in taken if p.epoch == 2) == [2, 3]
+
+
+def trace_events(read) -> int:
+    """How many Python calls and lines `read()` executes: a count, so a cost that grows shows without a clock."""
+    events = 0
+
+    def tracer(frame, event, arg):
+        nonlocal events
+        events += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        read()
+    finally:
+        sys.settrace(None)
+    return events
+
+
+def test_remaining_does_not_grow_with_the_epochs_a_resumed_ledger_names():
+    def resumed(epochs_done: int) -> PromptSource:
+        done = {epoch: [0, 1, 2, 3] for epoch in range(epochs_done)} | {epochs_done: [0]}
+        source = PromptSource(make_prompts(4), num_epochs=epochs_done + 3, shuffle=True, seed=0, done=done)
+        assert source.take().epoch == epochs_done  # every fully done epoch is skipped
+        return source
+
+    few, many = resumed(3), resumed(3000)
+    assert few.remaining == many.remaining == 2 + 4 + 4
+    assert trace_events(lambda: many.exhausted) == trace_events(lambda: few.exhausted)
+
+
+def test_an_astronomical_number_of_epochs_costs_no_more_than_two():
+    huge = PromptSource(make_prompts(4), num_epochs=10**15, shuffle=True, seed=0, done={10**14: [1]})
+    small = PromptSource(make_prompts(4), num_epochs=2, shuffle=True, seed=0, done={1: [1]})
+    assert huge.remaining == 4 * 10**15 - 1 and not huge.exhausted
+    assert trace_events(lambda: huge.exhausted) == trace_events(lambda: small.exhausted)

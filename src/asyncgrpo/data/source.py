@@ -56,6 +56,9 @@ class PromptSource:
         # Prompts already done per epoch, so the size of any epoch is known without building its order:
         # `remaining` runs on every wake-up of the collector and must not grow with num_epochs.
         self._done_counts = {epoch: len(ids & self._ids) for epoch, ids in self._done.items()}
+        # ... and of every epoch after the current one, kept up to date as epochs advance: a resumed
+        # ledger names every epoch trained so far, and `remaining` must not grow with that either.
+        self._done_later = sum(count for epoch, count in self._done_counts.items() if 0 < epoch < num_epochs)
         self._epoch = 0
         self._order: list[int] = self._epoch_order(0)
         self._cursor = 0
@@ -86,9 +89,7 @@ class PromptSource:
     def remaining(self) -> int:
         """How many more takes can succeed right now (requeued prompts included)."""
         rest_of_epoch = len(self._order) - self._cursor
-        later_epochs = (self.num_epochs - self._epoch - 1) * len(self._prompts) - sum(
-            count for epoch, count in self._done_counts.items() if self._epoch < epoch < self.num_epochs
-        )
+        later_epochs = (self.num_epochs - self._epoch - 1) * len(self._prompts) - self._done_later
         return len(self._requeued) + rest_of_epoch + later_epochs
 
     @property
@@ -107,6 +108,7 @@ class PromptSource:
             if self._epoch + 1 >= self.num_epochs or not self._prompts:
                 return None
             self._epoch += 1
+            self._done_later -= self._done_counts.get(self._epoch, 0)
             self._order = self._epoch_order(self._epoch)
             self._cursor = 0
         prompt = self._prompts[self._order[self._cursor]]
@@ -125,6 +127,8 @@ class PromptSource:
     # -- internals ---------------------------------------------------------------------
 
     def _epoch_order(self, epoch: int) -> list[int]:
+        if self._done_counts.get(epoch) == len(self._prompts):  # done before a resume: nothing to shuffle
+            return []
         order = list(range(len(self._prompts)))
         if self.shuffle:
             random.Random(f"asyncgrpo:prompt-order:{self.seed}:{epoch}").shuffle(order)

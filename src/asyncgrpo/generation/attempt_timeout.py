@@ -27,6 +27,7 @@ is unknown, not its timeout); the result is always in ``[min(floor_s, cap_s), ca
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 
@@ -44,8 +45,8 @@ class LatencyTracker:
         self.cap_s = cap_s
         self.factor = factor
         self.floor_s = floor_s
-        self._latencies: collections.deque[float] = collections.deque(maxlen=WINDOW)
-        self._quantile: float | None = None  # cached; None when it must be recomputed
+        self._latencies: collections.deque[float] = collections.deque()  # the window, oldest first
+        self._sorted: list[float] = []  # the same values, kept sorted: the quantile is one lookup, not a sort per answer
 
     @property
     def samples(self) -> int:
@@ -55,23 +56,23 @@ class LatencyTracker:
         """Start over: the server changed (new weights, a cleared cache), so past latencies no longer
         predict new ones; until MIN_SAMPLES new answers, attempts get the cap again."""
         self._latencies.clear()
-        self._quantile = None
+        self._sorted.clear()
 
     def record(self, latency_s: float) -> None:
         """An attempt was answered after `latency_s` seconds (of its own clock)."""
         if not math.isfinite(latency_s) or latency_s < 0:
             raise ValueError(f"latency must be a finite number >= 0, got {latency_s!r}")
+        if len(self._latencies) == WINDOW:
+            del self._sorted[bisect.bisect_left(self._sorted, self._latencies.popleft())]
         self._latencies.append(latency_s)
-        self._quantile = None
+        bisect.insort(self._sorted, latency_s)
 
     def quantile_s(self) -> float | None:
         """The QUANTILE of the recent latencies (nearest rank), None before MIN_SAMPLES."""
-        if len(self._latencies) < MIN_SAMPLES:
+        n = len(self._sorted)
+        if n < MIN_SAMPLES:
             return None
-        if self._quantile is None:
-            ordered = sorted(self._latencies)
-            self._quantile = ordered[min(len(ordered) - 1, math.ceil(QUANTILE * len(ordered)) - 1)]
-        return self._quantile
+        return self._sorted[min(n - 1, math.ceil(QUANTILE * n) - 1)]
 
     def base_s(self) -> float:
         """The timeout of a request's first attempt."""

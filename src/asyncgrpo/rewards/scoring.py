@@ -25,10 +25,12 @@ Invariants:
 - Functions are called one after another, in config order, once per group.
 
 Isolation of sync functions (``reward.isolation``; async functions always run on the loop):
-- ``thread`` (real runs): each call on a daemon thread of its own (asyncgrpo.threads), so a slow
-  one blocks neither generation nor training. A call that times out is abandoned (Python cannot
-  stop a thread); it holds no executor worker and does not keep the process from exiting, but
-  one stuck in C code that holds the GIL (a catastrophic regex) starves the event loop for good.
+- ``thread``: each call on one of up to ``reward.workers`` reusable daemon threads
+  (asyncgrpo.threads.DaemonThreadPool), so a slow one blocks neither generation nor training.
+  A call that times out is abandoned (Python cannot stop a thread) and its thread written off:
+  a later call gets a new one, and no thread keeps the process from exiting; but one stuck in C
+  code that holds the GIL (a catastrophic regex) starves the event loop for good. Waiting for a
+  free thread is not part of ``reward.timeout_s``. `aclose` ends the idle threads.
 - ``process``: each call in a worker process (rewards/pool.py) that re-resolves the functions by
   name. A call that times out has its worker killed (SIGKILL) and replaced; a worker that dies
   (segfault, os._exit) is a `RewardError` naming the function and the exit code. `aclose` ends
@@ -57,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from asyncgrpo.errors import ConfigError, RewardError
 from asyncgrpo.rewards.pool import RewardWorkerPool, WorkerCrashed, WorkerStartError
 from asyncgrpo.tasks import REWARDS
-from asyncgrpo.threads import run_in_daemon_thread
+from asyncgrpo.threads import DaemonThreadPool, PoolClosed
 from asyncgrpo.types import Prompt
 
 Message = Mapping[str, Any]
@@ -238,9 +240,9 @@ class RewardScorer:
         specs: Sequence[str] | None = None,
         workers: int = 4,
     ) -> None:
-        """`specs` (the ``reward.functions`` entries `functions` were resolved from) and `workers` (the most
-        worker processes) are used by ``isolation="process"`` only. With no function (an environment gives
-        the reward) every completion scores None with no terms."""
+        """`specs` (the ``reward.functions`` entries `functions` were resolved from) is used by
+        ``isolation="process"`` only; `workers` is the most worker processes or threads (process, thread).
+        With no function (an environment gives the reward) every completion scores None with no terms."""
         if weights is None:
             weights = [1.0] * len(functions)
         if len(weights) != len(functions):
@@ -262,10 +264,13 @@ class RewardScorer:
         self.timeout_s = float(timeout_s)
         self.isolation = isolation
         self._pool: RewardWorkerPool | None = None
+        self._threads: DaemonThreadPool | None = None
         if isolation == "process" and not all(e.is_async for e in entries):
             if specs is None or len(specs) != len(functions):
                 raise ValueError("isolation='process' needs `specs`, one per function, for the workers to resolve them by")
             self._pool = RewardWorkerPool(specs, workers)
+        elif isolation == "thread" and not all(e.is_async for e in entries):
+            self._threads = DaemonThreadPool(workers, name="asyncgrpo-reward")
 
     @classmethod
     def from_config(cls, reward: RewardConfig, *, isolation: Isolation | None = None) -> RewardScorer:
@@ -280,7 +285,9 @@ class RewardScorer:
         )
 
     async def aclose(self) -> None:
-        """End the worker processes, if any (bounded); a later `score` raises RewardError."""
+        """End the worker processes or threads, if any (bounded); a later `score` raises RewardError."""
+        if self._threads is not None:
+            self._threads.close()
         if self._pool is not None:
             await self._pool.aclose()
 
@@ -322,11 +329,17 @@ class RewardScorer:
                 async with self._pool.worker() as worker:  # waiting for or starting a worker is not part of the deadline
                     async with (deadline := asyncio.timeout(self.timeout_s)):
                         result = await worker.call(entry.index, kwargs)
+            elif self._threads is not None and not entry.is_async:
+                async with self._threads.worker() as thread:  # waiting for a free thread is not part of the deadline
+                    async with (deadline := asyncio.timeout(self.timeout_s)):
+                        result = await _awaited(await thread.call(functools.partial(entry.fn, **kwargs)))
             else:
                 async with (deadline := asyncio.timeout(self.timeout_s)):
                     result = await self._run(entry, kwargs)
         except WorkerStartError:
             raise
+        except PoolClosed as exc:
+            raise WorkerStartError("reward.isolation: thread: the reward thread pool is closed (the run is ending).") from exc
         except REWARD_FAILURES as exc:
             if deadline is not None and deadline.expired():
                 raise self._error(
@@ -356,16 +369,8 @@ class RewardScorer:
         return self._check(entry, prompt, completions, result)
 
     async def _run(self, entry: _Entry, kwargs: dict[str, Any]) -> Any:
-        """One call in this process: awaited, on a daemon thread, or inline."""
-        if entry.is_async:
-            result = await entry.fn(**kwargs)
-        elif self.isolation == "inline":
-            result = entry.fn(**kwargs)
-        else:
-            result = await run_in_daemon_thread(functools.partial(entry.fn, **kwargs), name=f"asyncgrpo-reward-{entry.name}")
-        if inspect.isawaitable(result):
-            result = await result
-        return result
+        """One call on the loop: awaited, or inline."""
+        return await _awaited(await entry.fn(**kwargs) if entry.is_async else entry.fn(**kwargs))
 
     def _check(self, entry: _Entry, prompt: Prompt, completions: list[str | list[Message]], result: Any) -> list[float | None]:
         n = len(completions)
@@ -458,6 +463,11 @@ def unscored_group_error(prompt: Prompt, scored: Sequence[ScoredCompletion], nee
         f"a completion that no function scores is left out of training. Fix: return a number where the "
         f"function can judge (e.g. 0.0 for a wrong answer), or check why it cannot judge these completions."
     )
+
+
+async def _awaited(result: Any) -> Any:
+    """A sync function may return an awaitable (TRL allows it): its value."""
+    return await result if inspect.isawaitable(result) else result
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:

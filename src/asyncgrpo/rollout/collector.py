@@ -181,7 +181,9 @@ class Collector:
         return sum(g.size - g.dispatched for g in self._in_flight.values())
 
     def _may_admit(self) -> bool:
-        return not self.source.exhausted and may_admit_group(
+        # Evaluated on every wake-up: the cheap necessary condition first (with no slot free no group may start),
+        # before the sum over in-flight groups that may_admit_group needs.
+        return self._slots.free > 0 and not self.source.exhausted and may_admit_group(
             occupancy=self.occupancy(),
             max_staleness=self.max_staleness,
             groups_per_step=self.groups_per_step,

@@ -57,6 +57,7 @@ class FailurePolicy:
         self.max_filtered_fraction = max_filtered_fraction
         self.streak = 0
         self._window: deque[tuple[GroupEnding, BaseException | None]] = deque(maxlen=drop_window)
+        self._counts: Counter[GroupEnding] = Counter()  # endings in the window, kept as it slides (not recounted per group)
         self._finished = 0
 
     def record(self, ending: GroupEnding, error: BaseException | None = None) -> Verdict | None:
@@ -65,7 +66,10 @@ class FailurePolicy:
             self.streak = 0
         elif ending == "failed":
             self.streak += 1
+        if len(self._window) == self._window.maxlen:
+            self._counts[self._window[0][0]] -= 1  # the oldest ending leaves the window
         self._window.append((ending, error))
+        self._counts[ending] += 1
         self._finished += 1
 
         if self.streak > self.max_generation_failures:
@@ -84,7 +88,7 @@ class FailurePolicy:
             )
         if self._finished < self.drop_window:
             return None
-        counts = Counter(ending for ending, _ in self._window)
+        counts = self._counts
         dropped = sum(counts[r] for r in WINDOW_DROP_REASONS)
         if dropped > self.max_drop_fraction * self.drop_window:
             by_reason: dict[str, int] = {r: counts[r] for r in WINDOW_DROP_REASONS if counts[r]}

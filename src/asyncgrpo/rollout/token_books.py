@@ -9,7 +9,8 @@ resume) at the three places a completion's fate is sealed:
   (cancelled or dropped as stale), `filtered` (zero reward variance), `failed` (every other drop:
   failed, too few survivors, invalid prompt, reward error); also the completions of a trained
   group that got no reward.
-- `step_trained`: a step trained its groups; their completions' tokens (the model's: an episode's environment tokens are not generated) and generator time are
+- `step_trained`: a step trained its groups; their completions' tokens (the model's only: an
+  episode's environment tokens are not generated) and generator time are
   the useful part (`rollout/trained_tokens_total`, `rollout/trained_generation_ms_total`).
 
 Derived (telemetry/metrics.py): goodput = trained generation time / generation time, the trained
