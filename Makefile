@@ -64,12 +64,14 @@ bench: $(STAMP)
 	run prompt_source.py 100000; \
 	run reward_isolation.py 500; \
 	run simulate_efficiency.py; \
+	run staleness_frontier.py --k 1,2; \
 	run http_overhead.py --rounds 2; \
 	run http_throughput.py --steps 12 --backoffs=; \
 	run gc_pauses.py --steps 60; \
 	run async_speedup.py --steps 20; \
 	run ray_generators.py 12; \
 	run memory.py --model builtin:tiny; \
+	run env_isolation.py 20; \
 	if "$$py" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 		echo; echo "== bench/gpu_smoke.sh"; PYTHON="$$py" bash bench/gpu_smoke.sh; \
 	else echo; echo "== bench/gpu_smoke.sh: skipped (no CUDA device)"; fi
