@@ -27,8 +27,9 @@ Design and invariants:
   actor, `generate` and `load_weights` wait on a `StateSignal` predicate and raise
   `BackendDeadError` (naming every actor and its last error) after
   `generation.backend_dead_after_s`, at once when every actor is dead for good.
-- **Weights.** `load_weights(state, version)` puts `state` into the object store once (`ray.put`)
-  and installs the reference on every usable actor concurrently, one install per actor at a time
+- **Weights.** `load_weights(state, version)` puts `state` into the object store once (`ray.put`;
+  a `StoredWeights` is there already: its reference is used) and installs the reference on every
+  usable actor concurrently, one install per actor at a time
   (a per-actor lock); an actor that dies meanwhile is recovered at the newest version. It returns
   once at least one actor serves `version`. `state=None`: same weights, the version advances.
 - **Lifecycle.** `aclose` cancels the recoveries, kills the actors and disconnects from Ray
@@ -48,6 +49,7 @@ from asyncgrpo.config import Config
 from asyncgrpo.errors import BackendDeadError, GenerationError, TransientGenerationError
 from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.generation.ray_cluster import RayCluster, import_ray
+from asyncgrpo.generation.ray_weights import StoredWeights
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.types import Completion, GenerationRequest
@@ -344,7 +346,9 @@ class RayGenerator:
                              f"versions must not decrease.")
         await self._acquire(lambda a: True, f"publishing weights of version {version}")
         ref = self._latest[0]
-        if state is not None:
+        if isinstance(state, StoredWeights):  # already in the object store (a trainer on Ray): the actors read it there
+            ref = state.ref
+        elif state is not None:
             ray = import_ray()
             ref = await run_in_daemon_thread(lambda: ray.put(dict(state)), name="asyncgrpo-ray-put")
         self._latest = (ref, version)

@@ -1,0 +1,125 @@
+"""`RayTrainer` on a local Ray cluster (2 CPUs, one per module): 2 data-parallel ranks make the step one process
+makes on the same batch (loss, metrics, updated weights), publish rank 0's weights by reference, and a rank killed
+between steps fails the next step naming it, with every rank stopped.
+
+Tolerance of the comparison: the ranks compute the same sums as one process, grouped differently (each rank adds
+its sequences' gradients, then the two partial sums are added; the micro-batches, and so the padded shapes of
+the matrix products, differ too). In float32 that changes the last bits of the loss, the gradient norm and the
+statistics: they must agree to 1e-5 relative (float32 resolves ~6e-8). `grad_norm` is the direct check of the
+gradients' scale: averaged instead of summed over the ranks, it would be half, while AdamW's update is nearly
+blind to a gradient's scale. The weights are compared after the step's three AdamW updates (each moves a weight
+by up to lr = 1e-2): AdamW divides each gradient by its own running magnitude, which turns the last-bit
+differences of nearly-cancelling gradients into visible differences of the update. So the bound on the weights
+is the one process's own float32 noise, measured in the test: how far its weights move when only its
+micro-batch size changes (3 -> 1; 3.0e-4 on this batch). The two ranks stay within it (5.8e-5 measured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import signal
+
+import pytest
+import torch
+
+from asyncgrpo.config import load_config
+from asyncgrpo.generation.ray_weights import StoredWeights
+from asyncgrpo.models.loading import load_model_and_tokenizer
+from asyncgrpo.telemetry.keys import TRAIN_KEYS
+from asyncgrpo.training.ray_trainer import RayTrainer, TrainerRankError
+from asyncgrpo.training.trainer import TorchTrainer
+from tests.integration.ray_cluster import local_cluster, processes_of, still_running
+from tests.unit.test_trainer import TEMPERATURE, make_groups
+
+pytestmark = pytest.mark.timeout(240)
+
+LR = 1e-2
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_cluster(num_cpus=2) as temp_dir:
+        yield temp_dir
+
+
+def config(*overrides: str):
+    # 4 groups in 3 updates (2, 1 and 1 groups): in the last two, rank 1 has no sequence and joins with a zero loss;
+    # micro-batches of 3 sequences: the ranks make different numbers of forward passes per update.
+    return load_config(None, ["model.path=builtin:tiny", f"generation.temperature={TEMPERATURE}", f"train.lr={LR}",
+                              "train.updates_per_batch=3", "train.micro_batch_size=3", "train.device=cpu",
+                              "rollout.group_size=4", "rollout.mask_truncated=true", *overrides])
+
+
+def run(coro, timeout_s: float = 200.0):
+    async def bounded():
+        async with asyncio.timeout(timeout_s):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+def test_two_ranks_make_the_single_process_step(cluster):
+    model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
+    groups = make_groups(model, 4, seed=5, truncated_every=3)
+    single = TorchTrainer(copy.deepcopy(model), tokenizer, config())
+    expected = single.train_step(groups)
+    expected_weights = single.generation_weights()
+    regrouped = TorchTrainer(copy.deepcopy(model), tokenizer, config("train.micro_batch_size=1"))
+    regrouped.train_step(groups)
+    float32_noise = largest_difference(regrouped.generation_weights(), expected_weights)
+
+    async def scenario():
+        trainer = RayTrainer(config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=1"), tokenizer,
+                             checkpoint=None, version=0)
+        await trainer.start()
+        try:
+            metrics = await asyncio.to_thread(trainer.train_step, groups)
+            published = trainer.generation_weights()
+            assert isinstance(published, StoredWeights)
+            return metrics, await asyncio.to_thread(dict, published), trainer.version
+        finally:
+            await trainer.aclose()
+
+    metrics, weights, version = run(scenario())
+    assert version == 1 and set(metrics) == set(TRAIN_KEYS)
+    assert metrics["loss"] != 0.0
+    for key in TRAIN_KEYS:
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-9), key
+    assert weights.keys() == expected_weights.keys()
+    assert 0 < float32_noise < LR / 10
+    assert largest_difference(weights, expected_weights) <= float32_noise
+
+
+def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+def test_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(cluster):
+    model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
+    groups = make_groups(model, 2, seed=1)
+
+    async def scenario():
+        trainer = RayTrainer(config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=1", "ray.trainer_timeout_s=60"),
+                             tokenizer, checkpoint=None, version=0)
+        await trainer.start()
+        try:
+            await asyncio.to_thread(trainer.train_step, groups)
+            pids = trainer.rank_pids
+            ranks = {pid for pid, cmd in processes_of(cluster).items() if cmd.startswith("ray::TrainerRank")}
+            assert set(pids) == ranks and len(ranks) == 2
+            os.kill(pids[1], signal.SIGKILL)
+            with pytest.raises(TrainerRankError) as failed:
+                await asyncio.to_thread(trainer.train_step, groups)
+            with pytest.raises(TrainerRankError):  # lost for good: no checkpoint from half a trainer
+                trainer.state_dict()
+            return str(failed.value), trainer.version, pids
+        finally:
+            await trainer.aclose()
+
+    message, version, pids = run(scenario())
+    assert f"trainer rank 1 of 2 (pid {pids[1]} on " in message and "died" in message and "during training step 1" in message
+    assert "rank 0" not in message and "resumes from the newest checkpoint" in message and "\n" not in message
+    assert version == 1
+    assert not still_running(pids), "a rank outlived the failure"
