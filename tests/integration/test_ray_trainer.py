@@ -25,10 +25,11 @@ import pytest
 import torch
 
 from asyncgrpo.config import load_config
+from asyncgrpo.errors import TrainerRankError
 from asyncgrpo.generation.ray_weights import StoredWeights
 from asyncgrpo.models.loading import load_model_and_tokenizer
 from asyncgrpo.telemetry.keys import TRAIN_KEYS
-from asyncgrpo.training.ray_trainer import RayTrainer, TrainerRankError
+from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.trainer import TorchTrainer
 from tests.integration.ray_cluster import local_cluster, processes_of, still_running
 from tests.unit.test_trainer import TEMPERATURE, make_groups

@@ -23,6 +23,7 @@ Invariants:
 
 # No `from __future__ import annotations`: DDP checks the communication hook's annotations at run time.
 import contextlib
+import warnings
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -49,9 +50,12 @@ class DataParallel:
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs the torch.distributed process group to be initialised first")
         self.rank, self.world_size = rank, world_size
-        self.module = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
-        )
+        with warnings.catch_warnings():
+            # torch 2.13 renames broadcast_buffers=False (torch >= 2.4 has no other name for it), and warns.
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            self.module = DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+            )
         self.module.register_comm_hook(None, _sum_gradients)
 
     def share(self, items: Sequence[T]) -> list[T]:

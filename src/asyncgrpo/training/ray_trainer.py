@@ -15,8 +15,11 @@ Design and invariants:
   the ranks' weights stay identical. Rank 0 answers for all: its metrics, its weights.
 - **Weights.** `generation_weights()` returns at once a `StoredWeights`: the reference of rank
   0's weights in the object store, which the generator actors read themselves (the driver never
-  holds them). Rank 0 is a sequential actor, so they are the weights after every step sent before.
-  The version protocol is unchanged: version = steps trained.
+  holds them). A step whose version is due to be published returns them with its metrics (a
+  second return of rank 0's task), so they are in the store, stored by the driver's own
+  reference, before the step counts as done: a rank that dies before they exist fails the step
+  and is named, never a generator's weight install. The version protocol is unchanged: version
+  = steps trained.
 - **Checkpoints.** Rank 0 writes the weights (`save_pretrained`, into the run directory); its
   optimizer state comes through the object store to the driver, which writes the rest
   (training/checkpoint.py, unchanged).
@@ -35,6 +38,7 @@ Design and invariants:
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
@@ -45,18 +49,16 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.config import Config
-from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.errors import TrainerRankError
 from asyncgrpo.generation.ray_cluster import RayCluster, import_ray
 from asyncgrpo.generation.ray_weights import StoredWeights
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.types import Group
 
+log = logging.getLogger("asyncgrpo")
+
 _FAILURE_GRACE_S = 10.0  # after one rank failed, how long the others may take to report (a dead process is seen in < 1 s)
 _KILL_TIMEOUT_S = 10.0
-
-
-class TrainerRankError(AsyncGRPOError):
-    """A rank of the data-parallel trainer died, failed or did not answer in time; every rank was stopped."""
 
 
 class TrainerRank:
@@ -64,11 +66,13 @@ class TrainerRank:
 
     def __init__(self, cfg: Config, rank: int, world_size: int, checkpoint: str | None) -> None:
         import torch
+        from transformers.utils import logging as hf_logging
 
         from asyncgrpo.models.loading import load_model_and_tokenizer
         from asyncgrpo.training.checkpoint import load_checkpoint
         from asyncgrpo.training.trainer import TorchTrainer
 
+        hf_logging.disable_progress_bar()  # Ray forwards a rank's output to the run's console: no bars from checkpoint writes
         torch.manual_seed(cfg.run.seed)
         model, tokenizer = load_model_and_tokenizer(cfg.model.path, "float32", cfg.run.seed)
         self.trainer = TorchTrainer(model, tokenizer, cfg)
@@ -98,8 +102,10 @@ class TrainerRank:
         self.trainer.join_data_parallel(self.rank, self.world_size)
         return self.trainer.version, os.getpid(), import_ray().util.get_node_ip_address()
 
-    def train_step(self, groups: list[Group]) -> dict[str, float]:
-        return self.trainer.train_step(groups)
+    def train_step(self, groups: list[Group], with_weights: bool) -> tuple[dict[str, float], dict[str, Any] | None]:
+        """The step's metrics and (`with_weights`) the weights after it: two returns, so the weights stay in the store."""
+        metrics = self.trainer.train_step(groups)
+        return metrics, self.trainer.generation_weights() if with_weights else None
 
     def generation_weights(self) -> dict[str, Any]:
         return self.trainer.generation_weights()
@@ -138,6 +144,7 @@ class RayTrainer:
         self._checkpoint = checkpoint
         self._cluster = RayCluster(cfg.ray, timeout_s=cfg.run.shutdown_timeout_s)
         self._ranks: list[_Rank] = []
+        self._weights: tuple[int, Any] = (-1, None)  # (version, reference) of the weights rank 0 put into the store
 
     @property
     def world_size(self) -> int:
@@ -164,6 +171,7 @@ class RayTrainer:
         except BaseException:
             await self.aclose()
             raise
+        log.info("trainer ranks: %s", "; ".join(rank.describe(self.world_size) for rank in self._ranks))
 
     def _join(self) -> None:
         timeout_s, what = self.cfg.ray.startup_timeout_s, "starting (placing the actor, loading the model, joining the process group)"
@@ -195,18 +203,34 @@ class RayTrainer:
     # ------------------------------------------------------------------ the trainer interface
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
-        """One step on every rank (blocking, bounded by ray.trainer_timeout_s); rank 0's metrics."""
+        """One step on every rank (blocking, bounded by ray.trainer_timeout_s); rank 0's metrics. When the new version
+        is due to be published (generation.weight_sync_every), rank 0 also puts its weights into the store."""
         ray = import_ray()
         with self.lock:
             batch = ray.put(list(groups))
-            metrics = self._call(self._ranks, lambda r: r.handle.train_step.remote(batch), f"training step {self.version}")
+            publish = (self.version + 1) % self.cfg.generation.weight_sync_every == 0
+            weights: list[Any] = []
+
+            def submit(rank: _Rank) -> Any:
+                metrics_ref, weights_ref = rank.handle.train_step.options(num_returns=2).remote(batch, publish and rank.index == 0)
+                if rank.index == 0:
+                    weights.append(weights_ref)
+                return metrics_ref
+
+            metrics = self._call(self._ranks, submit, f"training step {self.version}")
             self.version += 1
+            if publish:
+                self._weights = (self.version, weights[0])
             return metrics[0]
 
     def generation_weights(self) -> StoredWeights:
-        """Rank 0's weights, by reference (returns at once; the generators read them from the object store)."""
+        """Rank 0's weights, by reference (returns at once; the generators read them from the object store). After a
+        step due to be published they are already there (they came with the step, so a rank's death shows there)."""
         self._raise_if_lost()
-        return StoredWeights(self._ranks[0].handle.generation_weights.remote(), timeout_s=self.cfg.ray.trainer_timeout_s)
+        version, ref = self._weights
+        if version != self.version:
+            ref = self._ranks[0].handle.generation_weights.remote()
+        return StoredWeights(ref, timeout_s=self.cfg.ray.trainer_timeout_s)
 
     def save_pretrained(self, directory: Any) -> None:
         with self.lock:
