@@ -29,6 +29,7 @@ from asyncgrpo.errors import TrainerRankError
 from asyncgrpo.generation.ray_weights import StoredWeights
 from asyncgrpo.models.loading import load_model_and_tokenizer
 from asyncgrpo.telemetry.keys import TRAIN_KEYS
+from asyncgrpo.training.checkpoint import save_checkpoint
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.trainer import TorchTrainer
 from tests.integration.ray_cluster import local_cluster, processes_of, still_running
@@ -97,7 +98,7 @@ def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max(float((a[name] - b[name]).abs().max()) for name in a)
 
 
-def test_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(cluster):
+def test_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(cluster, tmp_path):
     model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
     groups = make_groups(model, 2, seed=1)
 
@@ -113,8 +114,8 @@ def test_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(c
             os.kill(pids[1], signal.SIGKILL)
             with pytest.raises(TrainerRankError) as failed:
                 await asyncio.to_thread(trainer.train_step, groups)
-            with pytest.raises(TrainerRankError):  # lost for good: no checkpoint from half a trainer
-                trainer.state_dict()
+            with pytest.raises(TrainerRankError):  # lost for good: no checkpoint from half a trainer, and no disk blamed
+                save_checkpoint(tmp_path, 1, trainer, "", {})
             return str(failed.value), trainer.version, pids
         finally:
             await trainer.aclose()
