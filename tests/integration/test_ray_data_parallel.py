@@ -1,7 +1,8 @@
 """`asyncgrpo train ... train.world_size=2` as a real process on a local Ray cluster it starts itself (2 CPUs: one
 generator actor and two trainer ranks): a trainer rank SIGKILLed mid-run fails the run with one paragraph naming the
-rank, no Ray process of the run is left, and the same command then resumes from the newest checkpoint and trains
-every prompt of every epoch exactly once. The test follows the run through its stderr lines (no sleeping).
+rank; the same command resumes from the newest checkpoint, SIGTERM stops it with a final checkpoint, and the same
+command again trains to the end, every prompt of every epoch exactly once. After each run no Ray process of it is
+left. The test follows the runs through their stderr lines (no sleeping).
 """
 
 from __future__ import annotations
@@ -40,13 +41,17 @@ def trainer_ranks(temp_dir: str) -> list[int]:
     return sorted(pid for pid, cmdline in processes_of(temp_dir).items() if cmdline.startswith("ray::TrainerRank"))
 
 
+def newest_checkpoint(run_dir) -> int:
+    return max(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+
+
 def rank_pids(started: str) -> list[int]:
     """The pids, in rank order, of the driver's line 'trainer ranks: trainer rank 0 of 2 (pid P on NODE); ...'."""
     return [int(part.split("(pid ")[1].split()[0]) for part in started.split("; ")]
 
 
 @pytest.mark.timeout(600)
-def test_a_killed_trainer_rank_fails_the_run_naming_it_and_the_resume_trains_every_prompt_exactly_once(tmp_path, ray_tmpdir):
+def test_a_killed_trainer_rank_fails_the_run_naming_it_sigterm_stops_the_resume_and_every_prompt_trains_once(tmp_path, ray_tmpdir):
     run_dir = tmp_path / "run"
     env = {"RAY_TMPDIR": ray_tmpdir}
     with start_train(run_dir, *RECIPE, *RAY, env=env) as proc:
@@ -60,14 +65,28 @@ def test_a_killed_trainer_rank_fails_the_run_naming_it_and_the_resume_trains_eve
         rest = proc.stderr.read()
         assert proc.wait(timeout=180) == 1, rest
     # The kill lands in a step (step_error) or in writing a checkpoint after one (step_report).
-    error = next((line for line in rest.splitlines() if line.startswith(("  error (step_error): ", "  error (step_report): "))), rest)
+    error = next((line for line in rest.splitlines() if line.startswith(("  error (step_error): ", "  error (step_report): "))), None)
+    assert error is not None, rest
     assert f"trainer rank 0 of 2 (pid {rank0} on " in error and " died (" in error, error
     assert "run the same command again: it resumes from the newest checkpoint" in error
     assert "checkpoint of" not in error and "  checkpoint: " not in rest  # none can be written without all ranks
     assert "Traceback" not in rest
     assert not left_after(ray_tmpdir), "Ray processes outlived the failed run"
-    failed_at = len(records(run_dir, "metrics.jsonl"))
-    assert 2 <= failed_at < 20
+    resume_from = newest_checkpoint(run_dir)
+    assert 2 <= resume_from <= len(records(run_dir, "metrics.jsonl")) < 20
+
+    # SIGTERM stops a resumed run as in the local runtime: the step in progress finishes, rank 0 writes the final
+    # checkpoint, exit 143, and no Ray process is left.
+    with start_train(run_dir, *RECIPE, *RAY, env=env) as proc:
+        if not (read_until(proc, "resuming from") and read_until(proc, "step ")):
+            pytest.fail(f"the resumed run ended before a step (exit {proc.wait()}): {proc.stderr.read()}")
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=180) == 143, rest
+    assert "interrupted by SIGTERM" in rest and "Traceback" not in rest
+    stopped_at = len(records(run_dir, "metrics.jsonl"))
+    assert resume_from < stopped_at < 20 and newest_checkpoint(run_dir) == stopped_at
+    assert not left_after(ray_tmpdir), "Ray processes outlived the stopped run"
 
     with start_train(run_dir, *RECIPE, *RAY, env=env) as proc:
         rest = proc.stderr.read()
