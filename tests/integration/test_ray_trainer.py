@@ -1,6 +1,7 @@
 """`RayTrainer` on a local Ray cluster (2 CPUs, one per module): 2 data-parallel ranks make the step one process
-makes on the same batch (loss, metrics, updated weights), publish rank 0's weights by reference, and a rank killed
-between steps fails the next step naming it, with every rank stopped.
+makes on the same batch (loss, metrics, updated weights) and publish rank 0's weights by reference, which a
+generator actor installs with the usual version protocol; a rank killed between steps fails the next step naming
+it, with every rank stopped.
 
 Tolerance of the comparison: the ranks compute the same sums as one process, grouped differently (each rank adds
 its sequences' gradients, then the two partial sums are added; the micro-batches, and so the padded shapes of
@@ -26,12 +27,15 @@ import torch
 
 from asyncgrpo.config import load_config
 from asyncgrpo.errors import TrainerRankError
+from asyncgrpo.generation.local import LocalEngine
+from asyncgrpo.generation.ray_pool import RayGenerator
 from asyncgrpo.generation.ray_weights import StoredWeights
 from asyncgrpo.models.loading import load_model_and_tokenizer
 from asyncgrpo.telemetry.keys import TRAIN_KEYS
 from asyncgrpo.training.checkpoint import save_checkpoint
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.trainer import TorchTrainer
+from asyncgrpo.types import GenerationRequest, SamplingParams
 from tests.integration.ray_cluster import local_cluster, processes_of, still_running
 from tests.unit.test_trainer import TEMPERATURE, make_groups
 
@@ -73,18 +77,25 @@ def test_two_ranks_make_the_single_process_step(cluster):
     float32_noise = largest_difference(regrouped.generation_weights(), expected_weights)
 
     async def scenario():
-        trainer = RayTrainer(config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=1"), tokenizer,
-                             checkpoint=None, version=0)
+        cfg = config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=0.5", "ray.generators=1",
+                     "ray.generator.num_cpus=0.5", "generation.backend_dead_after_s=60")
+        trainer = RayTrainer(cfg, tokenizer, checkpoint=None, version=0)
+        generator = RayGenerator(cfg, copy.deepcopy(model), tokenizer)
         await trainer.start()
+        await generator.start()
         try:
             metrics = await asyncio.to_thread(trainer.train_step, groups)
             published = trainer.generation_weights()
             assert isinstance(published, StoredWeights)
-            return metrics, await asyncio.to_thread(dict, published), trainer.version
+            await generator.load_weights(published, trainer.version)  # the actor reads them from the store ...
+            assert published._fetched is None  # ... and this process never held them
+            served = [await generator.generate(greedy(i, tokenizer)) for i in range(3)]
+            return metrics, await asyncio.to_thread(dict, published), trainer.version, served
         finally:
+            await generator.aclose()
             await trainer.aclose()
 
-    metrics, weights, version = run(scenario())
+    metrics, weights, version, served = run(scenario())
     assert version == 1 and set(metrics) == set(TRAIN_KEYS)
     assert metrics["loss"] != 0.0
     for key in TRAIN_KEYS:
@@ -92,6 +103,23 @@ def test_two_ranks_make_the_single_process_step(cluster):
     assert weights.keys() == expected_weights.keys()
     assert 0 < float32_noise < LR / 10
     assert largest_difference(weights, expected_weights) <= float32_noise
+
+    async def reference():  # rank 0's weights in an in-process engine: the generator actor served exactly them
+        engine = LocalEngine(copy.deepcopy(model).requires_grad_(False), tokenizer)
+        await engine.start()
+        try:
+            await engine.load_weights(weights, 1)
+            return [await engine.generate(greedy(i, tokenizer)) for i in range(3)]
+        finally:
+            await engine.aclose()
+
+    assert all(set(c.versions) == {1} for c in served)
+    assert [c.token_ids for c in served] == [c.token_ids for c in run(reference())]
+
+
+def greedy(index: int, tokenizer) -> GenerationRequest:
+    ids = tuple(tokenizer(f"say {'abc'[index]}: ")["input_ids"])
+    return GenerationRequest(f"r{index}", index, ids, SamplingParams(max_new_tokens=8, temperature=0.0), seed=index)
 
 
 def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
