@@ -66,18 +66,20 @@ def run(coro, timeout_s: float = 200.0):
     return asyncio.run(bounded())
 
 
-def test_two_ranks_make_the_single_process_step(cluster):
+@pytest.mark.parametrize("loss", [(), ("train.loss.objective=decoupled", "train.loss.normalization=sequence", "train.loss.kl_coef=0.1")],
+                         ids=["behaviour-token", "decoupled-sequence-kl"])
+def test_two_ranks_make_the_single_process_step(cluster, loss):
     model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
     groups = make_groups(model, 4, seed=5, truncated_every=3)
-    single = TorchTrainer(copy.deepcopy(model), tokenizer, config())
+    single = TorchTrainer(copy.deepcopy(model), tokenizer, config(*loss))
     expected = single.train_step(groups)
     expected_weights = single.generation_weights()
-    regrouped = TorchTrainer(copy.deepcopy(model), tokenizer, config("train.micro_batch_size=1"))
+    regrouped = TorchTrainer(copy.deepcopy(model), tokenizer, config(*loss, "train.micro_batch_size=1"))
     regrouped.train_step(groups)
     float32_noise = largest_difference(regrouped.generation_weights(), expected_weights)
 
     async def scenario():
-        cfg = config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=0.5", "ray.generators=1",
+        cfg = config(*loss, "runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=0.5", "ray.generators=1",
                      "ray.generator.num_cpus=0.5", "generation.backend_dead_after_s=60")
         trainer = RayTrainer(cfg, tokenizer, checkpoint=None, version=0)
         generator = RayGenerator(cfg, copy.deepcopy(model), tokenizer)
