@@ -155,3 +155,18 @@ def test_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(c
     assert "rank 0" not in message and "resumes from the newest checkpoint" in message and "\n" not in message
     assert version == 1
     assert not still_running(pids), "a rank outlived the failure"
+
+
+def test_ranks_the_cluster_cannot_place_fail_the_start_in_bounded_time_naming_what_they_ask(cluster):
+    _, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
+    cfg = config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=4", "ray.startup_timeout_s=3")
+
+    async def scenario():
+        trainer = RayTrainer(cfg, tokenizer, checkpoint=None, version=0)
+        with pytest.raises(TrainerRankError) as failed:
+            await trainer.start()
+        return str(failed.value)
+
+    message = run(scenario(), timeout_s=60)
+    assert "trainer rank 0 of 2 (not started) did not answer within ray.startup_timeout_s = 3 s" in message
+    assert "ray.trainer.num_cpus = 4" in message

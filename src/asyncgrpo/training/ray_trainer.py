@@ -174,10 +174,13 @@ class RayTrainer:
         log.info("trainer ranks: %s", "; ".join(rank.describe(self.world_size) for rank in self._ranks))
 
     def _join(self) -> None:
-        timeout_s, what = self.cfg.ray.startup_timeout_s, "starting (placing the actor, loading the model, joining the process group)"
-        setting = f"ray.startup_timeout_s = {timeout_s:g} s"
-        [address] = self._gather([self._ranks[0]], lambda r: r.handle.rendezvous.remote(), what, timeout_s, setting)
-        joined = self._gather(self._ranks, lambda r: r.handle.join.remote(address), what, timeout_s, setting)
+        rc = self.cfg.ray
+        deadline = time.monotonic() + rc.startup_timeout_s
+        what = (f"starting (placed with ray.trainer.num_cpus = {rc.trainer.num_cpus:g} and num_gpus = {rc.trainer.num_gpus:g}, "
+                f"loading model.path, joining the process group)")
+        setting = f"ray.startup_timeout_s = {rc.startup_timeout_s:g} s"
+        [address] = self._gather([self._ranks[0]], lambda r: r.handle.rendezvous.remote(), what, deadline, setting)
+        joined = self._gather(self._ranks, lambda r: r.handle.join.remote(address), what, deadline, setting)
         for rank, (version, pid, node) in zip(self._ranks, joined, strict=True):
             rank.pid, rank.node = pid, node
             if version != self.version:
@@ -191,6 +194,9 @@ class RayTrainer:
             if ranks:
                 async with asyncio.timeout(_KILL_TIMEOUT_S):
                     await run_in_daemon_thread(lambda: self._kill(ranks), name="asyncgrpo-ray-trainer-kill")
+        except TimeoutError:
+            raise TrainerRankError(f"killing the trainer ranks did not return within {_KILL_TIMEOUT_S:g} s; they may be left "
+                                   f"running on the cluster (`ray list actors` shows them).") from None
         finally:
             await self._cluster.disconnect()
 
@@ -251,21 +257,20 @@ class RayTrainer:
     def _call(self, ranks: list[_Rank], submit: Any, what: str) -> list[Any]:
         self._raise_if_lost()
         timeout_s = self.cfg.ray.trainer_timeout_s
-        return self._gather(ranks, submit, what, timeout_s, f"ray.trainer_timeout_s = {timeout_s:g} s")
+        return self._gather(ranks, submit, what, time.monotonic() + timeout_s, f"ray.trainer_timeout_s = {timeout_s:g} s")
 
-    def _gather(self, ranks: list[_Rank], submit: Any, what: str, timeout_s: float, setting: str) -> list[Any]:
-        """`submit(rank)` on each of `ranks`, and their results in order; on the first failure or at the deadline,
-        every rank is stopped and TrainerRankError names the rank responsible."""
+    def _gather(self, ranks: list[_Rank], submit: Any, what: str, deadline: float, setting: str) -> list[Any]:
+        """`submit(rank)` on each of `ranks`, and their results in order; on the first failure or at `deadline`
+        (time.monotonic), every rank is stopped and TrainerRankError names the rank responsible."""
         ray = import_ray()
         refs = {submit(rank): rank for rank in ranks}
         results: dict[int, Any] = {}
         pending = list(refs)
-        deadline = time.monotonic() + timeout_s
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 late = ", ".join(refs[ref].describe(self.world_size) for ref in pending)
-                self._fail(f"{late} did not finish {what} within {setting}", what)
+                self._fail(f"{late} did not answer within {setting}", what)
             try:
                 results[refs[ready[0]].index] = ray.get(ready[0])
             except ray.exceptions.RayError as exc:
