@@ -366,6 +366,16 @@ class RayRole(_Section):
 
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per actor (Ray sets its OpenMP threads to this, at least 1).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per actor (fractions share a GPU).")
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
+        None, description="null: Ray places each actor where it fits; else the role's actors are one placement group of this "
+        "strategy (PACK: as few nodes as possible, SPREAD: as many; STRICT_: or not at all).")
+
+    @model_validator(mode="after")
+    def _bundle(self) -> RayRole:
+        if self.placement is not None and self.num_cpus == 0 and self.num_gpus == 0:
+            raise ValueError(f"placement = {self.placement} reserves a bundle per actor, but num_cpus and num_gpus are both 0. "
+                             f"Fix: give the role num_cpus or num_gpus, or set placement: null.")
+        return self
 
 
 class RayConfig(_Section):

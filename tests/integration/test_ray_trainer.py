@@ -36,7 +36,7 @@ from asyncgrpo.training.checkpoint import save_checkpoint
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.trainer import TorchTrainer
 from asyncgrpo.types import GenerationRequest, SamplingParams
-from tests.integration.ray_cluster import local_cluster, processes_of, still_running
+from tests.integration.ray_cluster import local_cluster, processes_of, ray, still_running
 from tests.unit.test_trainer import TEMPERATURE, make_groups
 
 pytestmark = pytest.mark.timeout(240)
@@ -80,12 +80,14 @@ def test_two_ranks_make_the_single_process_step(cluster, loss):
 
     async def scenario():
         cfg = config(*loss, "runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=0.5", "ray.generators=1",
-                     "ray.generator.num_cpus=0.5", "generation.backend_dead_after_s=60")
+                     "ray.generator.num_cpus=0.5", "generation.backend_dead_after_s=60",
+                     "ray.trainer.placement=PACK", "ray.generator.placement=SPREAD")  # each role in its placement group
         trainer = RayTrainer(cfg, tokenizer, checkpoint=None, version=0)
         generator = RayGenerator(cfg, copy.deepcopy(model), tokenizer)
         await trainer.start()
         await generator.start()
         try:
+            assert live_placement_groups() == ["PACK", "SPREAD"]
             metrics = await asyncio.to_thread(trainer.train_step, groups)
             published = trainer.generation_weights()
             assert isinstance(published, StoredWeights)
@@ -98,6 +100,7 @@ def test_two_ranks_make_the_single_process_step(cluster, loss):
             await trainer.aclose()
 
     metrics, weights, version, served = run(scenario())
+    assert live_placement_groups() == []
     assert version == 1 and set(metrics) == set(TRAIN_KEYS)
     assert metrics["loss"] != 0.0
     for key in TRAIN_KEYS:
@@ -117,6 +120,11 @@ def test_two_ranks_make_the_single_process_step(cluster, loss):
 
     assert all(set(c.versions) == {1} for c in served)
     assert [c.token_ids for c in served] == [c.token_ids for c in run(reference())]
+
+
+def live_placement_groups() -> list[str]:
+    """The strategies of the cluster's placement groups not removed."""
+    return sorted(group["strategy"] for group in ray.util.placement_group_table().values() if group["state"] != "REMOVED")
 
 
 def greedy(index: int, tokenizer) -> GenerationRequest:
@@ -170,3 +178,19 @@ def test_ranks_the_cluster_cannot_place_fail_the_start_in_bounded_time_naming_wh
     message = run(scenario(), timeout_s=60)
     assert "trainer rank 0 of 2 (not started) did not answer within ray.startup_timeout_s = 3 s" in message
     assert "ray.trainer.num_cpus = 4" in message
+
+
+def test_a_placement_group_the_cluster_cannot_hold_fails_the_start_naming_it(cluster):
+    _, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
+    cfg = config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=0.5", "ray.trainer.placement=STRICT_SPREAD",
+                 "ray.startup_timeout_s=3")  # two nodes asked of a one-node cluster
+
+    async def scenario():
+        trainer = RayTrainer(cfg, tokenizer, checkpoint=None, version=0)
+        with pytest.raises(TrainerRankError) as failed:
+            await trainer.start()
+        return str(failed.value)
+
+    message = run(scenario(), timeout_s=60)
+    assert "placement group within ray.startup_timeout_s = 3 s" in message
+    assert "ray.trainer.placement = STRICT_SPREAD: 2 bundles of {'CPU': 0.5}" in message

@@ -31,7 +31,8 @@ Design and invariants:
   newest one. Which rank to name: the others are given `_FAILURE_GRACE_S` to report, and a rank
   whose process died is named before ranks whose collectives failed because of it.
 - **Lifecycle.** `start()` connects to Ray (ray_cluster.py; it owns the local cluster when it
-  connects first, so it is also the last to let go) and places the ranks; `aclose()` kills them
+  connects first, so it is also the last to let go), reserves the ranks' placement group when
+  `ray.trainer.placement` asks for one (ray_placement.py) and places the ranks; `aclose()` kills them
   and disconnects (bounded, idempotent).
 """
 
@@ -51,6 +52,7 @@ from typing import Any
 from asyncgrpo.config import Config
 from asyncgrpo.errors import TrainerRankError
 from asyncgrpo.generation.ray_cluster import RayCluster, import_ray
+from asyncgrpo.generation.ray_placement import RolePlacement
 from asyncgrpo.generation.ray_weights import StoredWeights
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.types import Group
@@ -143,6 +145,7 @@ class RayTrainer:
         self.lost: str | None = None  # the paragraph of the failure that stopped every rank
         self._checkpoint = checkpoint
         self._cluster = RayCluster(cfg.ray, timeout_s=cfg.run.shutdown_timeout_s)
+        self._placement = RolePlacement(cfg.ray.trainer, cfg.train.world_size, key="ray.trainer")
         self._ranks: list[_Rank] = []
         self._weights: tuple[int, Any] = (-1, None)  # (version, reference) of the weights rank 0 put into the store
 
@@ -162,11 +165,20 @@ class RayTrainer:
         await self._cluster.connect()
         ray = import_ray()
         rc = self.cfg.ray
-        remote = ray.remote(TrainerRank).options(num_cpus=rc.trainer.num_cpus, num_gpus=rc.trainer.num_gpus,
-                                                 max_restarts=0, max_task_retries=0)
+        actor_class = ray.remote(TrainerRank)
         checkpoint = str(self._checkpoint) if self._checkpoint is not None else None
-        self._ranks = [_Rank(i, remote.remote(self.cfg, i, self.world_size, checkpoint)) for i in range(self.world_size)]
         try:
+            try:
+                await self._placement.reserve(rc.startup_timeout_s)
+            except TimeoutError:
+                raise TrainerRankError(
+                    f"the cluster could not hold the trainer ranks' placement group within ray.startup_timeout_s = "
+                    f"{rc.startup_timeout_s:g} s ({self._placement.describe()}; free: {ray.available_resources()}). Fix: "
+                    f"another ray.trainer.placement, fewer or smaller ranks, or more nodes.") from None
+            for i in range(self.world_size):
+                remote = actor_class.options(num_cpus=rc.trainer.num_cpus, num_gpus=rc.trainer.num_gpus, max_restarts=0,
+                                             max_task_retries=0, **self._placement.options(i))
+                self._ranks.append(_Rank(i, remote.remote(self.cfg, i, self.world_size, checkpoint)))
             await run_in_daemon_thread(self._join, name="asyncgrpo-ray-trainer-start")
         except BaseException:
             await self.aclose()
@@ -198,6 +210,7 @@ class RayTrainer:
             raise TrainerRankError(f"killing the trainer ranks did not return within {_KILL_TIMEOUT_S:g} s; they may be left "
                                    f"running on the cluster (`ray list actors` shows them).") from None
         finally:
+            await self._placement.release()
             await self._cluster.disconnect()
 
     @staticmethod
