@@ -1,5 +1,6 @@
-"""Seconds per step of the demo training with the generators in process (runtime: local) and as 1 and 2
-Ray actors (runtime: ray, a local Ray cluster of 2 CPUs started by each run).
+"""Steps per second of the demo training with the generators in process (runtime: local), as 1 and 2 Ray actors
+(runtime: ray, a local Ray cluster of 2 CPUs started by each run), and with the trainer as 2 data-parallel Ray
+ranks (train.world_size: 2) beside 1 or 2 generator actors (CPUs shared out so every row fits the 2 CPUs).
 
 Same recipe, seed and step count for each row. The first 5 steps are left out of the time per step,
 so the Ray cluster's start (a few seconds) is not counted; it is reported on its own. Absolute
@@ -23,10 +24,14 @@ from asyncgrpo.train import train
 
 SKIP = 5
 
+RAY = ["runtime=ray", "ray.num_cpus=2"]
 ROWS = {
     "local (in process)": [],
-    "ray, 1 generator actor": ["runtime=ray", "ray.generators=1", "ray.num_cpus=2"],
-    "ray, 2 generator actors": ["runtime=ray", "ray.generators=2", "ray.num_cpus=2"],
+    "ray, 1 generator actor, trainer in the driver": [*RAY, "ray.generators=1"],
+    "ray, 2 generator actors, trainer in the driver": [*RAY, "ray.generators=2"],
+    "ray, 1 generator actor, 2 trainer ranks": [*RAY, "ray.generators=1", "train.world_size=2", "ray.trainer.num_cpus=0.5"],
+    "ray, 2 generator actors, 2 trainer ranks": [*RAY, "ray.generators=2", "ray.generator.num_cpus=0.5", "train.world_size=2",
+                                                 "ray.trainer.num_cpus=0.5"],
 }
 
 
@@ -52,10 +57,11 @@ def main() -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 60
     results = {name: measure(overrides, steps) for name, overrides in ROWS.items()}
     base = results["local (in process)"]["s_per_step"]
-    print(f"| generators | s/step (steps {SKIP + 1}-{steps}) | vs local | first {SKIP} steps, start included (s) | reward, last 10 |")
-    print("| --- | --- | --- | --- | --- |")
+    print(f"| runtime | steps/s (steps {SKIP + 1}-{steps}) | s/step | vs local | first {SKIP} steps, start included (s) | reward, last 10 |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
-        print(f"| {name} | {r['s_per_step']:.3f} | {base / r['s_per_step']:.2f}x | {r['first_steps_s']:.1f} | {r['reward_last10']:.3f} |")
+        print(f"| {name} | {1 / r['s_per_step']:.2f} | {r['s_per_step']:.3f} | {base / r['s_per_step']:.2f}x | {r['first_steps_s']:.1f} "
+              f"| {r['reward_last10']:.3f} |")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
 from openenv.core.env_server.types import Action, Observation, State
 
-SLOW_S = 3.0
+SLOW_S = 60.0  # far longer than any test waits: a cancelled step is still running when the test looks (the server is killed at teardown)
 
 
 class TinyEchoEnv(MCPEnvironment):

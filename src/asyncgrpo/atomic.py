@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from asyncgrpo.errors import AsyncGRPOError
+
 TEMP_PREFIX = ".tmp-"
 
 
@@ -83,7 +85,7 @@ def library_write_errors_as_os_errors(target: Path) -> Iterator[None]:
     No space left on device (os error 28)", torch.save a RuntimeError ("unexpected pos 64 vs 0")."""
     try:
         yield
-    except OSError:
+    except (OSError, AsyncGRPOError):  # asyncgrpo's own errors (a trainer rank lost mid-write) keep their diagnosis
         raise
     except Exception as exc:
         code = re.search(r"os error (\d+)", str(exc))

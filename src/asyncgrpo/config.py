@@ -399,6 +399,9 @@ class TrainConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")
     updates_per_batch: int = Field(1, ge=1, description="Optimizer updates per step, each on a slice of the step's batch.")
+    world_size: int = Field(
+        1, ge=1, description="Trainer ranks: above 1 (runtime: ray), Ray actors that train data-parallel (DDP) on shares of each "
+        "step's groups, with the loss normalised over the whole batch; 1: the trainer runs in the driver.")
     step_time_s: float = Field(1.0, gt=0, description="Virtual duration of one step of the stub trainer (simulate only).")
     token_time_s: float | None = Field(
         None, gt=0,
@@ -490,10 +493,20 @@ class RayRole(_Section):
 
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per actor (Ray sets its OpenMP threads to this, at least 1).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per actor (fractions share a GPU).")
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
+        None, description="null: Ray places each actor where it fits; else the role's actors are one placement group of this "
+        "strategy (PACK: as few nodes as possible, SPREAD: as many; STRICT_: or not at all).")
+
+    @model_validator(mode="after")
+    def _bundle(self) -> RayRole:
+        if self.placement is not None and self.num_cpus == 0 and self.num_gpus == 0:
+            raise ValueError(f"placement = {self.placement} reserves a bundle per actor, but num_cpus and num_gpus are both 0. "
+                             f"Fix: give the role num_cpus or num_gpus, or set placement: null.")
+        return self
 
 
 class RayConfig(_Section):
-    """`runtime: ray`: generators as Ray actors (docs/ray.md)."""
+    """`runtime: ray`: generators (and, with train.world_size > 1, trainer ranks) as Ray actors (docs/ray.md)."""
 
     address: str | None = Field(
         None, description="null: start a local Ray cluster for this run and stop it at the end; else the cluster to join "
@@ -503,6 +516,10 @@ class RayConfig(_Section):
     generator: RayRole = Field(default_factory=RayRole)
     max_restarts: int = Field(3, ge=0, description="Restarts of a generator actor that died; it loads the current weights before it takes work.")
     startup_timeout_s: float = Field(120.0, gt=0, description="Time for the actors to be placed and built (Ray never places one that does not fit).")
+    trainer: RayRole = Field(default_factory=RayRole, description="Resources of each trainer rank (train.world_size > 1).")
+    trainer_timeout_s: float = Field(
+        1800.0, gt=0, description="Longest wait for the trainer ranks in one call (a step, the weights, a checkpoint); "
+        "a rank that takes longer fails the run, named.")
 
 
 class Config(_Section):
@@ -591,13 +608,20 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"runtime = 'ray' runs generation.backend = 'local' engines as Ray actors, but generation.backend = {g.backend!r}. "
             f"Fix: set generation.backend: local, or runtime: local for the {g.backend} backend."
         )
+    if cfg.train.world_size > 1 and cfg.runtime != "ray":
+        problems.append(
+            f"train.world_size = {cfg.train.world_size} trains on Ray actors, but runtime = {cfg.runtime!r}. "
+            f"Fix: set runtime: ray, or train.world_size: 1."
+        )
     ray = cfg.ray
-    needed = ray.generators * ray.generator.num_cpus
+    ranks = cfg.train.world_size if cfg.train.world_size > 1 else 0
+    needed = ray.generators * ray.generator.num_cpus + ranks * ray.trainer.num_cpus
     if cfg.runtime == "ray" and ray.address is None and ray.num_cpus is not None and needed > ray.num_cpus:
         problems.append(
-            f"ray.generators = {ray.generators} actors x ray.generator.num_cpus = {ray.generator.num_cpus:g} need "
-            f"{needed:g} CPUs, more than the local cluster's ray.num_cpus = {ray.num_cpus}: "
-            f"Ray would never place them all. Fix: lower ray.generator.num_cpus or ray.generators, or raise ray.num_cpus."
+            f"ray.generators = {ray.generators} actors x ray.generator.num_cpus = {ray.generator.num_cpus:g}"
+            + (f" and train.world_size = {ranks} ranks x ray.trainer.num_cpus = {ray.trainer.num_cpus:g}" if ranks else "")
+            + f" need {needed:g} CPUs, more than the local cluster's ray.num_cpus = {ray.num_cpus}: Ray would never place "
+            f"them all. Fix: lower the per-actor num_cpus, ray.generators or train.world_size, or raise ray.num_cpus."
         )
     if cfg.algorithm == "grpo" and not cfg.reward.functions and (cfg.env is None or cfg.env.reward_weight == 0):
         where = "no env: section" if cfg.env is None else "env.reward_weight = 0"

@@ -46,6 +46,11 @@ class DiskError(AsyncGRPOError):
     """A file of the run could not be written (disk full, unwritable, read-only): names the path, the free space and the fix."""
 
 
+class TrainerRankError(AsyncGRPOError):
+    """A rank of the data-parallel trainer died, failed or did not answer in time: every rank was stopped, and no
+    checkpoint can be written after it (the run resumes from its newest one)."""
+
+
 class GenerationError(AsyncGRPOError):
     """A generator could not produce a completion. `backend` names the generator."""
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from asyncgrpo.config import Config
-from asyncgrpo.errors import Diagnostic, FatalBackendError, PipelineError, StallError
+from asyncgrpo.errors import Diagnostic, FatalBackendError, PipelineError, StallError, TrainerRankError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.rollout.first_failure import format_traceback
@@ -218,10 +218,13 @@ def step_diagnostic(step: int, exc: BaseException, *, phase: str = "") -> Diagno
     """The diagnostic of an error in step `step`: in training it (no phase), or after it trained (`phase` says where)."""
     if phase:
         kind = "weight_sync" if phase.startswith("publishing") else "step_report"
-        what = f"Step {step} trained, then failed while {phase}: {exc}. Its metrics are written and a checkpoint of its weights is saved"
+        saved = "" if isinstance(exc, TrainerRankError) else " and a checkpoint of its weights is saved"
+        what = f"Step {step} trained, then failed while {phase}: {exc}. Its metrics are written{saved}"
     else:
         kind = "step_error"
-        what = f"Training step {step} failed: {exc}. The weights are those of the last completed step; a checkpoint of them is saved"
+        saved = "" if isinstance(exc, TrainerRankError) else "; a checkpoint of them is saved"
+        what = f"Training step {step} failed: {exc}. The weights are those of the last completed step{saved}"
+    # (A trainer that lost a rank writes no checkpoint; the run resumes from its newest one.)
     fatal = exc if isinstance(exc, FatalBackendError) else None  # e.g. no server took the new weights: its own kind
     return Diagnostic(
         kind=fatal.kind if fatal else kind,

@@ -75,6 +75,7 @@ from asyncgrpo.telemetry.progress import Progress, RunTotals
 from asyncgrpo.telemetry.sinks import Trackers, sink_problems
 from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.threads import run_in_daemon_thread
+from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import Group, Prompt, StepRecord
 from asyncgrpo.watchdog import LoopWatchdog
@@ -250,8 +251,12 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
         if plan.checkpoint is None:
             _start_over(run_dir)
         run = TrainingRun.prepare(cfg, plan, run_dir, stop)
-        result = await run.generate_and_train()
-        return run.finish(result)
+        try:
+            result = await run.generate_and_train()
+            return run.finish(result)
+        finally:
+            if run.ranks is not None:  # last: they write the final checkpoint, and own the local Ray cluster
+                await run.ranks.aclose()
 
 
 def _start_over(run_dir: Path) -> None:
@@ -282,6 +287,10 @@ class TrainingRun:
         self.samples_file = open_record(run_dir / SAMPLES_FILE, offsets, warnings)
         self.ledger = PromptLedger(saved.get("done"), sink=self.outcomes.append)
         self.engine = _generator(cfg, trainer, tokenizer, run_dir)
+        # train.world_size > 1: ranks on Ray train from here on (`trainer` only restored the run and built the engine).
+        self.ranks = _ranks(cfg, plan, tokenizer, trainer.version)
+        if self.ranks is not None:
+            self.trainer = self.ranks
         self.timeline = Timeline(
             run_dir / TIMELINE_FILE, server=self.engine.name, max_inflight=cfg.generation.max_inflight,
             group_size=cfg.rollout.group_size, max_rollout_spans=cfg.logging.timeline_max_rollouts,
@@ -371,6 +380,9 @@ class TrainingRun:
             self.progress.stage(f"waiting for the generation servers ({', '.join(cfg.generation.http.base_urls)})")
         else:
             self.progress.stage("starting the generation engine")
+        if self.ranks is not None:
+            self.progress.stage(f"starting {cfg.train.world_size} trainer ranks on Ray")
+            await self.ranks.start()  # first: so they own the local Ray cluster, and let go of it last
         await self.engine.start()
         if self.teacher is not None:
             await self.teacher.start()
@@ -475,7 +487,7 @@ class TrainingRun:
 
     def finish(self, result: PipelineResult) -> RunSummary:
         """The final checkpoint, the records closed, error.txt when the run failed, and the summary."""
-        if self.trainer.version > 0:
+        if self.trainer.version > 0 and (self.ranks is None or self.ranks.lost is None):  # a lost rank: none can be saved
             extra, records = self._checkpoint_state()
             try:
                 self.final_checkpoint = self._save_checkpoint(self.trainer.version, extra, records)
@@ -553,6 +565,13 @@ def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Gene
     local = cfg.generation.local
     served = _serving_model(cfg, trainer, local.device)
     return LocalEngine(served, tokenizer, max_batch_size=local.max_batch_size, version=trainer.version)
+
+
+def _ranks(cfg: Config, plan: ResumePlan, tokenizer: Any, version: int) -> RayTrainer | None:
+    """The data-parallel trainer on Ray (train.world_size > 1; not started), or None: the trainer runs in this process."""
+    if cfg.train.world_size == 1:
+        return None
+    return RayTrainer(cfg, tokenizer, checkpoint=plan.checkpoint, version=version)
 
 
 def _serving_model(cfg: Config, trainer: Any, device: str) -> Any:

@@ -8,11 +8,14 @@ without touching any other Ray cluster on the machine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,8 +50,28 @@ def left_after(temp_dir: str, grace_s: float = 15.0) -> dict[int, str]:
     """The processes of the cluster under `temp_dir` still alive `grace_s` after this call (workers exit
     a moment after their raylet): each is awaited through a pidfd, which becomes readable when it exits."""
     found = processes_of(temp_dir)
+    _await_exit(found, grace_s)
+    alive = processes_of(temp_dir)
+    return {pid: cmd for pid, cmd in found.items() if pid in alive}
+
+
+def still_running(pids, grace_s: float = 15.0) -> list[int]:
+    """Those of `pids` still alive `grace_s` after this call."""
+    _await_exit(pids, grace_s)
+    return [pid for pid in pids if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def _await_exit(pids, grace_s: float) -> None:
+    """Return once every one of `pids` has exited, or after `grace_s`: each is awaited through a pidfd, readable at its exit."""
     fds = {}
-    for pid in found:
+    for pid in pids:
         try:
             fds[os.pidfd_open(pid)] = pid
         except ProcessLookupError:
@@ -66,8 +89,6 @@ def left_after(temp_dir: str, grace_s: float = 15.0) -> dict[int, str]:
     finally:
         for fd in fds:
             os.close(fd)
-    alive = processes_of(temp_dir)
-    return {pid: cmd for pid, cmd in found.items() if pid in alive}
 
 
 def kill_processes(pids) -> None:
@@ -77,3 +98,21 @@ def kill_processes(pids) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@contextlib.contextmanager
+def local_cluster(num_cpus: int = 2) -> Iterator[str]:
+    """A local Ray cluster of `num_cpus` CPUs under its own RAY_TMPDIR (yielded), connected in this process; afterwards no
+    process of it may be left (any found is killed, then reported)."""
+    temp_dir = short_temp_dir()
+    os.environ["RAY_TMPDIR"] = temp_dir  # inherited by the cluster's processes: how they are found
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        yield temp_dir
+    finally:
+        ray.shutdown()
+        del os.environ["RAY_TMPDIR"]
+        left = left_after(temp_dir)
+        kill_processes(left)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not left, f"Ray processes left after ray.shutdown(): {left}"

@@ -118,3 +118,18 @@ def test_the_ray_runtime_wraps_local_engines_and_its_actors_must_fit_the_local_c
     message = error_of("runtime=ray", "ray.generators=3", "ray.num_cpus=2")
     assert "ray.generators = 3" in message and "ray.num_cpus = 2" in message and "Fix:" in message
     load_config(None, ["runtime=ray", "ray.generators=3", "ray.num_cpus=2", "ray.address=auto"])  # a joined cluster is not checked
+
+
+def test_a_data_parallel_trainer_needs_the_ray_runtime_and_its_ranks_count_in_the_local_cluster():
+    message = error_of("train.world_size=2")
+    assert "train.world_size = 2" in message and "runtime: ray" in message
+    message = error_of("runtime=ray", "ray.generators=1", "ray.num_cpus=2", "train.world_size=2")
+    assert "train.world_size = 2 ranks x ray.trainer.num_cpus = 1" in message and "need 3 CPUs" in message
+    load_config(None, ["runtime=ray", "ray.generators=1", "ray.num_cpus=2", "train.world_size=2", "ray.generator.num_cpus=0.5",
+                       "ray.trainer.num_cpus=0.5"])
+
+
+def test_a_placement_group_needs_resources_to_reserve():
+    message = error_of("ray.trainer.placement=SPREAD", "ray.trainer.num_cpus=0")
+    assert "placement = SPREAD" in message and "num_cpus and num_gpus are both 0" in message and "Fix:" in message
+    assert load_config(None, ["ray.generator.placement=PACK"]).ray.generator.placement == "PACK"

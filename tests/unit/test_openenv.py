@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,10 @@ def server(tmp_path):
     )
     listener.close()
     try:
+        # The socket listens already, so this one request waits for uvicorn (importing openenv takes seconds
+        # on a loaded machine) instead of each test's first call running out of its own timeout.
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=150) as answer:
+            assert answer.status == 200
         yield f"127.0.0.1:{port}"
     finally:
         proc.kill()

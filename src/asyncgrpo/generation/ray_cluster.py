@@ -16,8 +16,9 @@ Invariants:
   (not the event loop's: the start takes seconds; not a short-lived worker thread: the cluster would
   die with it). If the process ends without `disconnect()` (but not by SIGKILL), the cluster ends too.
 - SIGINT and SIGTERM stay asyncgrpo's (signals.py): Ray's failure signal handler is turned off
-  (`RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1`, unless the environment sets it), which would otherwise
-  dump a stack and abort the process after a clean stop.
+  (`RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1`, unless the environment sets it, before Ray is first
+  imported: Ray reads it then), which would otherwise dump a stack and abort the process after a
+  clean stop.
 - `ray` is imported only here and in the actor modules, so the local runtime does not need it.
 """
 
@@ -37,6 +38,9 @@ INSTALL_HINT = "pip install 'asyncgrpo[ray]'"
 
 def import_ray() -> Any:
     """The `ray` module, or a ConfigError that says how to install it."""
+    # Ray's failure signal handler (absl) would take SIGTERM from asyncgrpo's own handling (signals.py): it prints a
+    # stack dump and aborts the process after the clean stop. Ray reads this once, when it is first imported.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     try:
         import ray
     except ImportError as exc:
@@ -68,9 +72,6 @@ class RayCluster:
         else:
             kwargs = {"address": self.cfg.address}
             where = f"the Ray cluster at ray.address = {self.cfg.address!r}"
-        # Ray's failure signal handler (absl) would take SIGTERM from asyncgrpo's own handling (signals.py):
-        # it prints a stack dump and aborts the process after the clean stop. Set before Ray starts.
-        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         loop = asyncio.get_running_loop()
         connected: asyncio.Future[None] = loop.create_future()
         released = threading.Event()

@@ -5,7 +5,8 @@ of the weights, and present them to the collector as one generator, so the colle
 failure policy and every DESIGN invariant work as with any other backend.
 
 Design and invariants:
-- **Actors.** `start()` connects to Ray (ray_cluster.py), puts the model and tokenizer into the
+- **Actors.** `start()` connects to Ray (ray_cluster.py), reserves their placement group when
+  `ray.generator.placement` asks for one (ray_placement.py), puts the model and tokenizer into the
   object store once and creates the actors (`ray.generator.num_cpus` / `num_gpus` each, restarted
   up to `ray.max_restarts` times), then waits until every one has built its engine, within
   `ray.startup_timeout_s` (a cluster without the resources asked for never places an actor: the
@@ -27,8 +28,9 @@ Design and invariants:
   actor, `generate` and `load_weights` wait on a `StateSignal` predicate and raise
   `BackendDeadError` (naming every actor and its last error) after
   `generation.backend_dead_after_s`, at once when every actor is dead for good.
-- **Weights.** `load_weights(state, version)` puts `state` into the object store once (`ray.put`)
-  and installs the reference on every usable actor concurrently, one install per actor at a time
+- **Weights.** `load_weights(state, version)` puts `state` into the object store once (`ray.put`;
+  a `StoredWeights` is there already: its reference is used) and installs the reference on every
+  usable actor concurrently, one install per actor at a time
   (a per-actor lock); an actor that dies meanwhile is recovered at the newest version. It returns
   once at least one actor serves `version`. `state=None`: same weights, the version advances.
 - **Lifecycle.** `aclose` cancels the recoveries, kills the actors and disconnects from Ray
@@ -48,6 +50,8 @@ from asyncgrpo.config import Config
 from asyncgrpo.errors import BackendDeadError, GenerationError, TransientGenerationError
 from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.generation.ray_cluster import RayCluster, import_ray
+from asyncgrpo.generation.ray_placement import RolePlacement
+from asyncgrpo.generation.ray_weights import StoredWeights
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.types import Completion, GenerationRequest
@@ -142,6 +146,7 @@ class RayGenerator:
         self.cfg = cfg
         self._model, self._tokenizer = model, tokenizer
         self._cluster = RayCluster(cfg.ray, timeout_s=cfg.run.shutdown_timeout_s)
+        self._placement = RolePlacement(cfg.ray.generator, cfg.ray.generators, key="ray.generator")
         self._actors: list[_Actor] = []
         self._initial_version = version
         self._required = version  # the last version installed by load_weights
@@ -191,8 +196,13 @@ class RayGenerator:
     async def _create_actors(self) -> None:
         ray = import_ray()
         rc = self.cfg.ray
-        remote = ray.remote(GeneratorActor).options(num_cpus=rc.generator.num_cpus, num_gpus=rc.generator.num_gpus,
-                                                    max_restarts=rc.max_restarts, max_task_retries=0)
+        actor_class = ray.remote(GeneratorActor)
+        options = {"num_cpus": rc.generator.num_cpus, "num_gpus": rc.generator.num_gpus, "max_restarts": rc.max_restarts,
+                   "max_task_retries": 0}
+        try:
+            await self._placement.reserve(rc.startup_timeout_s)
+        except TimeoutError:
+            raise BackendDeadError(self._placement_problem(ray), backend=self.name) from None
         model_ref, tokenizer_ref = await run_in_daemon_thread(lambda: (ray.put(self._model), ray.put(self._tokenizer)),
                                                               name="asyncgrpo-ray-put")
         # The object store holds them now. The references are kept: a restarted actor is built from them again
@@ -202,6 +212,7 @@ class RayGenerator:
         batch = self.cfg.generation.local.max_batch_size
         for index in range(rc.generators):
             name = f"{self.name}-{index}"
+            remote = actor_class.options(**options, **self._placement.options(index))
             handle = remote.remote(model_ref, tokenizer_ref, self._initial_version, batch, name)
             self._actors.append(_Actor(name, handle, self._initial_version))
         try:
@@ -227,7 +238,8 @@ class RayGenerator:
         return (
             f"the {rc.generators} generator actors were not all placed and started within ray.startup_timeout_s = "
             f"{rc.startup_timeout_s:g} s. Each asks for ray.generator.num_cpus = {rc.generator.num_cpus:g} and "
-            f"ray.generator.num_gpus = {rc.generator.num_gpus:g}; the cluster has free: {available}. Fix: lower "
+            f"ray.generator.num_gpus = {rc.generator.num_gpus:g} ({self._placement.describe()}); the cluster has free: "
+            f"{available}. Fix: lower "
             f"ray.generators or the per-actor resources, give the cluster more nodes, or raise ray.startup_timeout_s "
             f"if building the engines is slow."
         )
@@ -257,6 +269,7 @@ class RayGenerator:
             raise GenerationError(f"killing the generator actors did not return within {_KILL_TIMEOUT_S:g} s; they may be "
                                   f"left running on the cluster (`ray list actors` shows them).", backend=self.name) from None
         finally:
+            await self._placement.release()
             await self._cluster.disconnect()
 
     # ------------------------------------------------------------------ generation
@@ -344,7 +357,9 @@ class RayGenerator:
                              f"versions must not decrease.")
         await self._acquire(lambda a: True, f"publishing weights of version {version}")
         ref = self._latest[0]
-        if state is not None:
+        if isinstance(state, StoredWeights):  # already in the object store (a trainer on Ray): the actors read it there
+            ref = state.ref
+        elif state is not None:
             ray = import_ray()
             ref = await run_in_daemon_thread(lambda: ray.put(dict(state)), name="asyncgrpo-ray-put")
         self._latest = (ref, version)

@@ -44,13 +44,14 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -64,6 +65,9 @@ from asyncgrpo.training import lora as lora_adapters
 from asyncgrpo.training.device import autocast, resolve_device
 from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
 from asyncgrpo.types import Group
+
+if TYPE_CHECKING:
+    from asyncgrpo.training.data_parallel import DataParallel
 
 
 class NonFiniteLossError(AsyncGRPOError):
@@ -169,6 +173,7 @@ class TorchTrainer:
         self.scaler = torch.amp.GradScaler(self._device.type) if t.precision == "float16" else None
         self.pad_id = self._pad_id(tokenizer)
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.base_model.forward).parameters
+        self._parallel: DataParallel | None = None
 
     @staticmethod
     def _enable_gradient_checkpointing(model: Any) -> None:
@@ -203,6 +208,14 @@ class TorchTrainer:
     def base_model(self) -> Any:
         """The transformers model (inside the LoRA wrapper when there is one): its config, its save layout."""
         return lora_adapters.base_model(self.model) if self.lora else self.model
+
+    def join_data_parallel(self, rank: int, world_size: int) -> None:
+        """From now on train as rank `rank` of `world_size` in the initialised torch.distributed group: each update
+        runs this rank's share of the batch and sums the gradients over the ranks (training/data_parallel.py)."""
+        from asyncgrpo.training.data_parallel import DataParallel
+
+        with self.lock:
+            self._parallel = DataParallel(self.model, rank=rank, world_size=world_size, device=self._device)
 
     @property
     def lr(self) -> float:
@@ -304,22 +317,19 @@ class TorchTrainer:
         per_group = [self._sequences(g) for g in groups]
         rollouts = [r for g in groups for r in g.rollouts]
 
-        minibatches = [
-            [s for seqs in chunk for s in seqs]
-            for chunk in _split_even(per_group, min(cfg_t.updates_per_batch, len(per_group)))
-        ]
+        minibatches = _split_even(per_group, min(cfg_t.updates_per_batch, len(per_group)))  # each: its groups' sequences
         if cfg_l.objective == "decoupled":
             # The first update starts from the step's weights, so its pi_prox is its own
             # detached pi_theta; later updates need pi_prox of the weights as they were.
-            for seqs in minibatches[1:]:
-                self._fill_proximal([s for s in seqs if s.loss_tokens])
+            for update_groups in minibatches[1:]:
+                self._fill_proximal([s for seqs in self._share(update_groups) for s in seqs if s.loss_tokens])
 
         lr = self.lr
         stats = LossStats.zeros(self.device)
         losses: list[float] = []
         grad_norms: list[float] = []
-        for index, seqs in enumerate(minibatches):
-            loss, grad_norm, update_stats = self._update(seqs, first=index == 0)
+        for index, update_groups in enumerate(minibatches):
+            loss, grad_norm, update_stats = self._update(update_groups, first=index == 0)
             if loss is not None:
                 losses.append(loss)
                 grad_norms.append(grad_norm)
@@ -354,11 +364,14 @@ class TorchTrainer:
             return {key: float(metrics[key]) for key in (*TRAIN_KEYS, *DISTILL_KEYS)}
         return {key: float(metrics[key]) for key in TRAIN_KEYS}
 
-    def _update(self, seqs: list[_Sequence], *, first: bool) -> tuple[float | None, float, LossStats]:
-        """One optimizer update over `seqs`; (None, 0, zeros) when they hold no loss token."""
+    def _update(self, groups: list[list[_Sequence]], *, first: bool) -> tuple[float | None, float, LossStats]:
+        """One optimizer update over the sequences of `groups`; (None, 0, zeros) when they hold no loss token.
+
+        Data-parallel, this rank trains its share of `groups`, and the normaliser, the loss and the
+        statistics are those of all of them (training/data_parallel.py)."""
         cfg_t, cfg_l = self.cfg.train, self.cfg.train.loss
         stats = LossStats.zeros(self.device)
-        active = [s for s in seqs if s.loss_tokens]
+        active = [s for seqs in groups for s in seqs if s.loss_tokens]
         if cfg_l.normalization == "token":
             normalizer = sum(s.loss_tokens for s in active)
         else:
@@ -371,41 +384,22 @@ class TorchTrainer:
             self.optimizer.step()
             return None, 0.0, stats
         total = torch.zeros((), device=self.device)
+        mine = [s for seqs in self._share(groups) for s in seqs if s.loss_tokens]
         # Similar lengths together: less padding, same sum.
-        active.sort(key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)))
-        for chunk in _chunks(active, cfg_t.micro_batch_size):
-            batch = self._collate(chunk)
-            logits = self._logits(self.model, batch)
-            logp_new, entropy = token_logprobs(logits, batch.targets, self.cfg.generation.temperature)
-            del logits
-            logp_prox = None
-            if cfg_l.objective == "decoupled":
-                logp_prox = logp_new.detach() if first else batch.logp_prox
-            logp_ref = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logits = self._logits(self.reference, batch)
-                    logp_ref, _ = token_logprobs(ref_logits, batch.targets, self.cfg.generation.temperature, with_entropy=False)
-                    del ref_logits
-            loss, micro_stats = grpo_loss(
-                logp_new,
-                batch.logp_gen,
-                batch.advantages,
-                batch.mask,
-                normalizer,
-                objective=cfg_l.objective,
-                clip_low=cfg_l.clip_low,
-                clip_high=cfg_l.clip_high,
-                logp_prox=logp_prox,
-                is_cap=cfg_l.is_cap,
-                logp_ref=logp_ref,
-                kl_coef=cfg_l.kl_coef,
-                normalization=cfg_l.normalization,
-                entropy=entropy,
-            )
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        mine.sort(key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)))
+        # A rank without a sequence of this update still makes its one backward pass (zero loss) that sums the gradients.
+        chunks = list(_chunks(mine, cfg_t.micro_batch_size)) or [[]]
+        for index, chunk in enumerate(chunks):
+            with self._gradient_sync(last=index == len(chunks) - 1):
+                if not chunk:
+                    self._backward_without_sequences()
+                    continue
+                loss, micro_stats = self._micro_batch_loss(chunk, normalizer, first=first)
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total = total + loss.detach()
             stats = stats + micro_stats
+        if self._parallel is not None:
+            total, stats = self._parallel.reduce(total, stats)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, cfg_t.max_grad_norm)
@@ -430,6 +424,59 @@ class TorchTrainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_value, norm_value, stats
+
+    def _micro_batch_loss(self, chunk: list[_Sequence], normalizer: int, *, first: bool) -> tuple[Tensor, LossStats]:
+        """The loss (with grad, scaled by the update's `normalizer`) and statistics of one micro-batch."""
+        cfg_l = self.cfg.train.loss
+        batch = self._collate(chunk)
+        logits = self._logits(self._training_model, batch)
+        logp_new, entropy = token_logprobs(logits, batch.targets, self.cfg.generation.temperature)
+        del logits
+        logp_prox = None
+        if cfg_l.objective == "decoupled":
+            logp_prox = logp_new.detach() if first else batch.logp_prox
+        logp_ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self._logits(self.reference, batch)
+                logp_ref, _ = token_logprobs(ref_logits, batch.targets, self.cfg.generation.temperature, with_entropy=False)
+                del ref_logits
+        return grpo_loss(
+            logp_new,
+            batch.logp_gen,
+            batch.advantages,
+            batch.mask,
+            normalizer,
+            objective=cfg_l.objective,
+            clip_low=cfg_l.clip_low,
+            clip_high=cfg_l.clip_high,
+            logp_prox=logp_prox,
+            is_cap=cfg_l.is_cap,
+            logp_ref=logp_ref,
+            kl_coef=cfg_l.kl_coef,
+            normalization=cfg_l.normalization,
+            entropy=entropy,
+        )
+
+    # ---------------------------------------------------------------------------------
+    # Data parallelism (training/data_parallel.py); each is the identity in a single process
+
+    @property
+    def _training_model(self) -> torch.nn.Module:
+        """What the loss's forward runs through: the DDP wrapper when data-parallel (its backward sums the gradients)."""
+        return self.model if self._parallel is None else self._parallel.module
+
+    def _share(self, groups: list[list[_Sequence]]) -> list[list[_Sequence]]:
+        return groups if self._parallel is None else self._parallel.share(groups)
+
+    def _gradient_sync(self, *, last: bool) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if self._parallel is None else self._parallel.sync(last=last)
+
+    def _backward_without_sequences(self) -> None:
+        """A zero-loss forward and backward over one pad token: this rank's part of the gradient sum when it has no
+        sequence in an update (every rank must make the same collectives). Adds exactly 0 to every gradient."""
+        filler = _Sequence(prompt_ids=(self.pad_id,), completion_ids=(self.pad_id,), logp_gen=(0.0,), advantage=0.0, has_loss=False)
+        (self._logits(self._training_model, self._collate([filler])).sum() * 0.0).backward()
 
     # ---------------------------------------------------------------------------------
     # Helpers

@@ -1,0 +1,332 @@
+"""`RayTrainer`: a data-parallel trainer of `train.world_size` ranks, each a Ray actor (`runtime: ray`).
+
+Job: start the ranks, join them into one `torch.distributed` process group (gloo on CPU, NCCL on
+GPU) and present them to the run as the in-process `TorchTrainer` is presented: `train_step`
+(blocking; the run calls it on its trainer thread), `version`, `generation_weights()`, and what
+`save_checkpoint` reads (`lock`, `save_pretrained`, `state_dict`, `cfg`, `tokenizer`).
+
+Design and invariants:
+- **Ranks.** Each rank builds its `TorchTrainer` as a single-process run does: from `model.path`
+  (seeded by `run.seed`), then, on resume, from the checkpoint (so the KL reference and LoRA's base
+  weights are the initial model's). The run directory must be visible to every rank's node.
+- **A step.** Every rank gets the whole batch (one object in the store) and trains its share of
+  each update; the normaliser is the whole update's and the gradients are summed over the ranks
+  (training/data_parallel.py). So a step equals the single-process step on the same batch, and
+  the ranks' weights stay identical. Rank 0 answers for all: its metrics, its weights.
+- **Weights.** `generation_weights()` returns at once a `StoredWeights`: the reference of rank
+  0's weights in the object store, which the generator actors read themselves (the driver never
+  holds them). A step whose version is due to be published returns them with its metrics (a
+  second return of rank 0's task), so they are in the store, stored by the driver's own
+  reference, before the step counts as done: a rank that dies before they exist fails the step
+  and is named, never a generator's weight install. The version protocol is unchanged: version
+  = steps trained.
+- **Checkpoints.** Rank 0 writes the weights (`save_pretrained`, into the run directory); its
+  optimizer state comes through the object store to the driver, which writes the rest
+  (training/checkpoint.py, unchanged).
+- **Faults.** Ranks are not restarted (a new process cannot rejoin the group mid-run). Every wait
+  on a rank is bounded: `ray.startup_timeout_s` for the start, `ray.trainer_timeout_s` for any
+  later call. When a rank dies, raises or does not answer in time, every rank is killed (the others
+  would wait in a collective for it) and the call raises `TrainerRankError`, one paragraph naming
+  the rank; from then on the trainer is `lost` and writes no checkpoint: the run resumes from its
+  newest one. Which rank to name: the others are given `_FAILURE_GRACE_S` to report, and a rank
+  whose process died is named before ranks whose collectives failed because of it.
+- **Lifecycle.** `start()` connects to Ray (ray_cluster.py; it owns the local cluster when it
+  connects first, so it is also the last to let go), reserves the ranks' placement group when
+  `ray.trainer.placement` asks for one (ray_placement.py) and places the ranks; `aclose()` kills them
+  and disconnects (bounded, idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.config import Config
+from asyncgrpo.errors import TrainerRankError
+from asyncgrpo.generation.ray_cluster import RayCluster, import_ray
+from asyncgrpo.generation.ray_placement import RolePlacement
+from asyncgrpo.generation.ray_weights import StoredWeights
+from asyncgrpo.threads import run_in_daemon_thread
+from asyncgrpo.types import Group
+
+log = logging.getLogger("asyncgrpo")
+
+_FAILURE_GRACE_S = 10.0  # after one rank failed, how long the others may take to report (a dead process is seen in < 1 s)
+_KILL_TIMEOUT_S = 10.0
+
+
+class TrainerRank:
+    """One rank's body (a Ray actor, one task at a time): a `TorchTrainer` that joins the process group."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int, checkpoint: str | None) -> None:
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        from asyncgrpo.models.loading import load_model_and_tokenizer
+        from asyncgrpo.training.checkpoint import load_checkpoint
+        from asyncgrpo.training.trainer import TorchTrainer
+
+        hf_logging.disable_progress_bar()  # Ray forwards a rank's output to the run's console: no bars from checkpoint writes
+        torch.manual_seed(cfg.run.seed)
+        model, tokenizer = load_model_and_tokenizer(cfg.model.path, "float32", cfg.run.seed)
+        self.trainer = TorchTrainer(model, tokenizer, cfg)
+        if checkpoint is not None:
+            load_checkpoint(Path(checkpoint), self.trainer)
+        self.rank, self.world_size, self.timeout_s = rank, world_size, cfg.ray.trainer_timeout_s
+
+    def rendezvous(self) -> str:
+        """Rank 0: the address of the process group's store, on this node at a free port."""
+        ray = import_ray()
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, address: str) -> tuple[int, int, str]:
+        """Join the process group at `address` (every rank at once) and wrap the model in DDP. Returns
+        (version, pid, node address) for the driver's messages."""
+        import torch
+        import torch.distributed as dist
+
+        device = self.trainer.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=address, rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s))
+        self.trainer.join_data_parallel(self.rank, self.world_size)
+        return self.trainer.version, os.getpid(), import_ray().util.get_node_ip_address()
+
+    def train_step(self, groups: list[Group], with_weights: bool) -> tuple[dict[str, float], dict[str, Any] | None]:
+        """The step's metrics and (`with_weights`) the weights after it: two returns, so the weights stay in the store."""
+        metrics = self.trainer.train_step(groups)
+        return metrics, self.trainer.generation_weights() if with_weights else None
+
+    def generation_weights(self) -> dict[str, Any]:
+        return self.trainer.generation_weights()
+
+    def save_pretrained(self, directory: str) -> None:
+        self.trainer.save_pretrained(directory)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+
+@dataclass(eq=False)
+class _Rank:
+    index: int
+    handle: Any
+    pid: int | None = None  # known once joined
+    node: str = ""
+
+    def describe(self, world_size: int) -> str:
+        where = f"pid {self.pid} on {self.node}" if self.pid is not None else "not started"
+        return f"trainer rank {self.index} of {world_size} ({where})"
+
+
+class RayTrainer:
+    """`train.world_size` ranks on Ray behind the trainer interface; see the module docstring.
+
+    `tokenizer` is the run's (saved with checkpoints); `checkpoint` the one to resume from (None:
+    a fresh start); `version` that checkpoint's version (0 for a fresh start)."""
+
+    def __init__(self, cfg: Config, tokenizer: Any, *, checkpoint: Path | None, version: int) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.version = version
+        self.lock = threading.RLock()  # held by each call, so a checkpoint's parts come from one moment
+        self.lost: str | None = None  # the paragraph of the failure that stopped every rank
+        self._checkpoint = checkpoint
+        self._cluster = RayCluster(cfg.ray, timeout_s=cfg.run.shutdown_timeout_s)
+        self._placement = RolePlacement(cfg.ray.trainer, cfg.train.world_size, key="ray.trainer")
+        self._ranks: list[_Rank] = []
+        self._weights: tuple[int, Any] = (-1, None)  # (version, reference) of the weights rank 0 put into the store
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg.train.world_size
+
+    @property
+    def rank_pids(self) -> list[int | None]:
+        """The ranks' process ids, in rank order (None before a rank joined)."""
+        return [r.pid for r in self._ranks]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Connect to Ray, place the ranks and join them into one process group, within ray.startup_timeout_s."""
+        await self._cluster.connect()
+        ray = import_ray()
+        rc = self.cfg.ray
+        actor_class = ray.remote(TrainerRank)
+        checkpoint = str(self._checkpoint) if self._checkpoint is not None else None
+        try:
+            try:
+                await self._placement.reserve(rc.startup_timeout_s)
+            except TimeoutError:
+                raise TrainerRankError(
+                    f"the cluster could not hold the trainer ranks' placement group within ray.startup_timeout_s = "
+                    f"{rc.startup_timeout_s:g} s ({self._placement.describe()}; free: {ray.available_resources()}). Fix: "
+                    f"another ray.trainer.placement, fewer or smaller ranks, or more nodes.") from None
+            for i in range(self.world_size):
+                remote = actor_class.options(num_cpus=rc.trainer.num_cpus, num_gpus=rc.trainer.num_gpus, max_restarts=0,
+                                             max_task_retries=0, **self._placement.options(i))
+                self._ranks.append(_Rank(i, remote.remote(self.cfg, i, self.world_size, checkpoint)))
+            await run_in_daemon_thread(self._join, name="asyncgrpo-ray-trainer-start")
+        except BaseException:
+            await self.aclose()
+            raise
+        log.info("trainer ranks: %s", "; ".join(rank.describe(self.world_size) for rank in self._ranks))
+
+    def _join(self) -> None:
+        rc = self.cfg.ray
+        deadline = time.monotonic() + rc.startup_timeout_s
+        what = (f"starting (placed with ray.trainer.num_cpus = {rc.trainer.num_cpus:g} and num_gpus = {rc.trainer.num_gpus:g}, "
+                f"loading model.path, joining the process group)")
+        setting = f"ray.startup_timeout_s = {rc.startup_timeout_s:g} s"
+        [address] = self._gather([self._ranks[0]], lambda r: r.handle.rendezvous.remote(), what, deadline, setting)
+        joined = self._gather(self._ranks, lambda r: r.handle.join.remote(address), what, deadline, setting)
+        for rank, (version, pid, node) in zip(self._ranks, joined, strict=True):
+            rank.pid, rank.node = pid, node
+            if version != self.version:
+                raise TrainerRankError(f"{rank.describe(self.world_size)} loaded version {version}, the run expects {self.version}: "
+                                       f"the checkpoint {self._checkpoint} changed while the run started. Run the command again.")
+
+    async def aclose(self) -> None:
+        """Kill the ranks and let go of Ray. Bounded and idempotent."""
+        ranks, self._ranks = self._ranks, []
+        try:
+            if ranks:
+                async with asyncio.timeout(_KILL_TIMEOUT_S):
+                    await run_in_daemon_thread(lambda: self._kill(ranks), name="asyncgrpo-ray-trainer-kill")
+        except TimeoutError:
+            raise TrainerRankError(f"killing the trainer ranks did not return within {_KILL_TIMEOUT_S:g} s; they may be left "
+                                   f"running on the cluster (`ray list actors` shows them).") from None
+        finally:
+            await self._placement.release()
+            await self._cluster.disconnect()
+
+    @staticmethod
+    def _kill(ranks: list[_Rank]) -> None:
+        ray = import_ray()
+        for rank in ranks:
+            ray.kill(rank.handle, no_restart=True)
+
+    # ------------------------------------------------------------------ the trainer interface
+
+    def train_step(self, groups: list[Group]) -> dict[str, float]:
+        """One step on every rank (blocking, bounded by ray.trainer_timeout_s); rank 0's metrics. When the new version
+        is due to be published (generation.weight_sync_every), rank 0 also puts its weights into the store."""
+        ray = import_ray()
+        with self.lock:
+            batch = ray.put(list(groups))
+            publish = (self.version + 1) % self.cfg.generation.weight_sync_every == 0
+            weights: list[Any] = []
+
+            def submit(rank: _Rank) -> Any:
+                metrics_ref, weights_ref = rank.handle.train_step.options(num_returns=2).remote(batch, publish and rank.index == 0)
+                if rank.index == 0:
+                    weights.append(weights_ref)
+                return metrics_ref
+
+            metrics = self._call(self._ranks, submit, f"training step {self.version}")
+            self.version += 1
+            if publish:
+                self._weights = (self.version, weights[0])
+            return metrics[0]
+
+    def generation_weights(self) -> StoredWeights:
+        """Rank 0's weights, by reference (returns at once; the generators read them from the object store). After a
+        step due to be published they are already there (they came with the step, so a rank's death shows there)."""
+        self._raise_if_lost()
+        version, ref = self._weights
+        if version != self.version:
+            ref = self._ranks[0].handle.generation_weights.remote()
+        return StoredWeights(ref, timeout_s=self.cfg.ray.trainer_timeout_s)
+
+    def save_pretrained(self, directory: Any) -> None:
+        with self.lock:
+            self._call(self._ranks[:1], lambda r: r.handle.save_pretrained.remote(str(directory)), "writing a checkpoint's weights")
+
+    def state_dict(self) -> dict[str, Any]:
+        with self.lock:
+            return self._call(self._ranks[:1], lambda r: r.handle.state_dict.remote(), "reading its optimizer state")[0]
+
+    # ------------------------------------------------------------------ waiting on ranks
+
+    def _raise_if_lost(self) -> None:
+        if self.lost is not None:
+            raise TrainerRankError(self.lost)
+        if not self._ranks:
+            raise TrainerRankError("the data-parallel trainer is not started (or already closed): await start() first.")
+
+    def _call(self, ranks: list[_Rank], submit: Any, what: str) -> list[Any]:
+        self._raise_if_lost()
+        timeout_s = self.cfg.ray.trainer_timeout_s
+        return self._gather(ranks, submit, what, time.monotonic() + timeout_s, f"ray.trainer_timeout_s = {timeout_s:g} s")
+
+    def _gather(self, ranks: list[_Rank], submit: Any, what: str, deadline: float, setting: str) -> list[Any]:
+        """`submit(rank)` on each of `ranks`, and their results in order; on the first failure or at `deadline`
+        (time.monotonic), every rank is stopped and TrainerRankError names the rank responsible."""
+        ray = import_ray()
+        refs = {submit(rank): rank for rank in ranks}
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = ", ".join(refs[ref].describe(self.world_size) for ref in pending)
+                self._fail(f"{late} did not answer within {setting}", what)
+            try:
+                results[refs[ready[0]].index] = ray.get(ready[0])
+            except ray.exceptions.RayError as exc:
+                failures = {refs[ready[0]]: exc, **self._other_failures(refs, pending)}
+                self._fail(self._blame(failures), what, cause=exc)
+        return [results[rank.index] for rank in ranks]
+
+    def _other_failures(self, refs: dict[Any, _Rank], pending: list[Any]) -> dict[_Rank, BaseException]:
+        """The errors the other ranks report within the grace period (a rank that died is seen within a second)."""
+        ray = import_ray()
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=_FAILURE_GRACE_S) if pending else ([], [])
+        failures: dict[_Rank, BaseException] = {}
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                failures[refs[ref]] = exc
+        return failures
+
+    def _blame(self, failures: dict[_Rank, BaseException]) -> str:
+        """Name the ranks whose process died, else the first that raised, with what happened to it."""
+        ray = import_ray()
+        died = [rank for rank, exc in failures.items() if isinstance(exc, ray.exceptions.RayActorError)]
+        if died:
+            names = ", ".join(rank.describe(self.world_size) for rank in died)
+            exc = failures[died[0]]
+            return f"{names} died ({type(exc).__name__}: {_first_line(exc)})"
+        rank, exc = next(iter(failures.items()))
+        cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the rank's own exception
+        return f"{rank.describe(self.world_size)} failed with {type(cause).__name__}: {_first_line(cause)}"
+
+    def _fail(self, what_happened: str, what: str, *, cause: BaseException | None = None) -> None:
+        self.lost = (
+            f"{what_happened}, during {what}. A data-parallel trainer cannot go on without one of its ranks, so every "
+            f"rank was stopped, and no checkpoint can be written after this. Fix: see why (Ray's worker logs: `ray logs`; "
+            f"the kernel log for the OOM killer; ray.trainer.num_cpus/num_gpus for the resources), then run the same "
+            f"command again: it resumes from the newest checkpoint (checkpoint.resume=auto)."
+        )
+        ranks, self._ranks = self._ranks, []
+        self._kill(ranks)
+        raise TrainerRankError(self.lost) from cause
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else "(no message)"

@@ -1,0 +1,196 @@
+"""`RayTrainer` on a local Ray cluster (2 CPUs, one per module): 2 data-parallel ranks make the step one process
+makes on the same batch (loss, metrics, updated weights) and publish rank 0's weights by reference, which a
+generator actor installs with the usual version protocol; a rank killed between steps fails the next step naming
+it, with every rank stopped.
+
+Tolerance of the comparison: the ranks compute the same sums as one process, grouped differently (each rank adds
+its sequences' gradients, then the two partial sums are added; the micro-batches, and so the padded shapes of
+the matrix products, differ too). In float32 that changes the last bits of the loss, the gradient norm and the
+statistics: they must agree to 1e-5 relative (float32 resolves ~6e-8). `grad_norm` is the direct check of the
+gradients' scale: averaged instead of summed over the ranks, it would be half, while AdamW's update is nearly
+blind to a gradient's scale. The weights are compared after the step's three AdamW updates (each moves a weight
+by up to lr = 1e-2): AdamW divides each gradient by its own running magnitude, which turns the last-bit
+differences of nearly-cancelling gradients into visible differences of the update. So the bound on the weights
+is the one process's own float32 noise, measured in the test: how far its weights move when only its
+micro-batch size changes (3 -> 1; 3.0e-4 on this batch). The two ranks stay within it (5.8e-5 measured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import signal
+
+import pytest
+import torch
+
+from asyncgrpo.config import load_config
+from asyncgrpo.errors import TrainerRankError
+from asyncgrpo.generation.local import LocalEngine
+from asyncgrpo.generation.ray_pool import RayGenerator
+from asyncgrpo.generation.ray_weights import StoredWeights
+from asyncgrpo.models.loading import load_model_and_tokenizer
+from asyncgrpo.telemetry.keys import TRAIN_KEYS
+from asyncgrpo.training.checkpoint import save_checkpoint
+from asyncgrpo.training.ray_trainer import RayTrainer
+from asyncgrpo.training.trainer import TorchTrainer
+from asyncgrpo.types import GenerationRequest, SamplingParams
+from tests.integration.ray_cluster import local_cluster, processes_of, ray, still_running
+from tests.unit.test_trainer import TEMPERATURE, make_groups
+
+pytestmark = pytest.mark.timeout(240)
+
+LR = 1e-2
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_cluster(num_cpus=2) as temp_dir:
+        yield temp_dir
+
+
+def config(*overrides: str):
+    # 4 groups in 3 updates (2, 1 and 1 groups): in the last two, rank 1 has no sequence and joins with a zero loss;
+    # micro-batches of 3 sequences: the ranks make different numbers of forward passes per update.
+    return load_config(None, ["model.path=builtin:tiny", f"generation.temperature={TEMPERATURE}", f"train.lr={LR}",
+                              "train.updates_per_batch=3", "train.micro_batch_size=3", "train.device=cpu",
+                              "rollout.group_size=4", "rollout.mask_truncated=true", *overrides])
+
+
+def run(coro, timeout_s: float = 200.0):
+    async def bounded():
+        async with asyncio.timeout(timeout_s):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+@pytest.mark.parametrize("loss", [(), ("train.loss.objective=decoupled", "train.loss.normalization=sequence", "train.loss.kl_coef=0.1")],
+                         ids=["behaviour-token", "decoupled-sequence-kl"])
+def test_two_ranks_make_the_single_process_step(cluster, loss):
+    model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
+    groups = make_groups(model, 4, seed=5, truncated_every=3)
+    single = TorchTrainer(copy.deepcopy(model), tokenizer, config(*loss))
+    expected = single.train_step(groups)
+    expected_weights = single.generation_weights()
+    regrouped = TorchTrainer(copy.deepcopy(model), tokenizer, config(*loss, "train.micro_batch_size=1"))
+    regrouped.train_step(groups)
+    float32_noise = largest_difference(regrouped.generation_weights(), expected_weights)
+
+    async def scenario():
+        cfg = config(*loss, "runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=0.5", "ray.generators=1",
+                     "ray.generator.num_cpus=0.5", "generation.backend_dead_after_s=60",
+                     "ray.trainer.placement=PACK", "ray.generator.placement=SPREAD")  # each role in its placement group
+        trainer = RayTrainer(cfg, tokenizer, checkpoint=None, version=0)
+        generator = RayGenerator(cfg, copy.deepcopy(model), tokenizer)
+        await trainer.start()
+        await generator.start()
+        try:
+            assert live_placement_groups() == ["PACK", "SPREAD"]
+            metrics = await asyncio.to_thread(trainer.train_step, groups)
+            published = trainer.generation_weights()
+            assert isinstance(published, StoredWeights)
+            await generator.load_weights(published, trainer.version)  # the actor reads them from the store ...
+            assert published._fetched is None  # ... and this process never held them
+            served = [await generator.generate(greedy(i, tokenizer)) for i in range(3)]
+            return metrics, await asyncio.to_thread(dict, published), trainer.version, served
+        finally:
+            await generator.aclose()
+            await trainer.aclose()
+
+    metrics, weights, version, served = run(scenario())
+    assert live_placement_groups() == []
+    assert version == 1 and set(metrics) == set(TRAIN_KEYS)
+    assert metrics["loss"] != 0.0
+    for key in TRAIN_KEYS:
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-9), key
+    assert weights.keys() == expected_weights.keys()
+    assert 0 < float32_noise < LR / 10
+    assert largest_difference(weights, expected_weights) <= float32_noise
+
+    async def reference():  # rank 0's weights in an in-process engine: the generator actor served exactly them
+        engine = LocalEngine(copy.deepcopy(model).requires_grad_(False), tokenizer)
+        await engine.start()
+        try:
+            await engine.load_weights(weights, 1)
+            return [await engine.generate(greedy(i, tokenizer)) for i in range(3)]
+        finally:
+            await engine.aclose()
+
+    assert all(set(c.versions) == {1} for c in served)
+    assert [c.token_ids for c in served] == [c.token_ids for c in run(reference())]
+
+
+def live_placement_groups() -> list[str]:
+    """The strategies of the cluster's placement groups not removed."""
+    return sorted(group["strategy"] for group in ray.util.placement_group_table().values() if group["state"] != "REMOVED")
+
+
+def greedy(index: int, tokenizer) -> GenerationRequest:
+    ids = tuple(tokenizer(f"say {'abc'[index]}: ")["input_ids"])
+    return GenerationRequest(f"r{index}", index, ids, SamplingParams(max_new_tokens=8, temperature=0.0), seed=index)
+
+
+def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+def test_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(cluster, tmp_path):
+    model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
+    groups = make_groups(model, 2, seed=1)
+
+    async def scenario():
+        trainer = RayTrainer(config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=1", "ray.trainer_timeout_s=60"),
+                             tokenizer, checkpoint=None, version=0)
+        await trainer.start()
+        try:
+            await asyncio.to_thread(trainer.train_step, groups)
+            pids = trainer.rank_pids
+            ranks = {pid for pid, cmd in processes_of(cluster).items() if cmd.startswith("ray::TrainerRank")}
+            assert set(pids) == ranks and len(ranks) == 2
+            os.kill(pids[1], signal.SIGKILL)
+            with pytest.raises(TrainerRankError) as failed:
+                await asyncio.to_thread(trainer.train_step, groups)
+            with pytest.raises(TrainerRankError):  # lost for good: no checkpoint from half a trainer, and no disk blamed
+                save_checkpoint(tmp_path, 1, trainer, "", {})
+            return str(failed.value), trainer.version, pids
+        finally:
+            await trainer.aclose()
+
+    message, version, pids = run(scenario())
+    assert f"trainer rank 1 of 2 (pid {pids[1]} on " in message and "died" in message and "during training step 1" in message
+    assert "rank 0" not in message and "resumes from the newest checkpoint" in message and "\n" not in message
+    assert version == 1
+    assert not still_running(pids), "a rank outlived the failure"
+
+
+def test_ranks_the_cluster_cannot_place_fail_the_start_in_bounded_time_naming_what_they_ask(cluster):
+    _, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
+    cfg = config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=4", "ray.startup_timeout_s=3")
+
+    async def scenario():
+        trainer = RayTrainer(cfg, tokenizer, checkpoint=None, version=0)
+        with pytest.raises(TrainerRankError) as failed:
+            await trainer.start()
+        return str(failed.value)
+
+    message = run(scenario(), timeout_s=60)
+    assert "trainer rank 0 of 2 (not started) did not answer within ray.startup_timeout_s = 3 s" in message
+    assert "ray.trainer.num_cpus = 4" in message
+
+
+def test_a_placement_group_the_cluster_cannot_hold_fails_the_start_naming_it(cluster):
+    _, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
+    cfg = config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=0.5", "ray.trainer.placement=STRICT_SPREAD",
+                 "ray.startup_timeout_s=3")  # two nodes asked of a one-node cluster
+
+    async def scenario():
+        trainer = RayTrainer(cfg, tokenizer, checkpoint=None, version=0)
+        with pytest.raises(TrainerRankError) as failed:
+            await trainer.start()
+        return str(failed.value)
+
+    message = run(scenario(), timeout_s=60)
+    assert "placement group within ray.startup_timeout_s = 3 s" in message
+    assert "ray.trainer.placement = STRICT_SPREAD: 2 bundles of {'CPU': 0.5}" in message
