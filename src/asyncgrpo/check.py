@@ -70,7 +70,8 @@ def _eval_line(cfg: Config, n: int) -> str:
 
 def _settings(cfg: Config) -> list[str]:
     r, g, t, d = cfg.rollout, cfg.generation, cfg.train, cfg.distill
-    scoring = f"reward: {', '.join(cfg.reward.functions)} (on error: {cfg.reward.on_error})"
+    terms = [*cfg.reward.functions, *([f"the environment's x {cfg.env.reward_weight:g}"] if cfg.env is not None else [])]
+    scoring = f"reward: {', '.join(terms)} (on error: {cfg.reward.on_error})"
     if cfg.algorithm == "distill":
         seed = f" (seed {d.teacher_seed if d.teacher_seed is not None else cfg.run.seed + 1})" if d.teacher.startswith("builtin:") else ""
         scoring = f"distill from teacher {d.teacher}{seed}, batches of {d.batch_size}, timeout {d.timeout_s:g} s (on error: {d.on_error})"
@@ -78,6 +79,8 @@ def _settings(cfg: Config) -> list[str]:
         f"model: {cfg.model.path} ({cfg.model.dtype}); {scoring}",
         f"generation: {g.backend}, {g.max_new_tokens} new tokens, temperature {g.temperature:g}, at most {g.max_inflight} requests at once",
         f"rollout: {r.groups_per_step} groups of {r.group_size} per step, max_staleness {r.max_staleness}, stale groups {r.on_stale}",
+        *([f"env: {cfg.env.factory}, up to {cfg.env.max_turns} turns and {cfg.env.max_tokens} tokens, {cfg.env.isolation} isolation, "
+           f"cancel grace {cfg.env.cancel_grace_s:g} s"] if cfg.env is not None else []),
         f"train: {t.backend}, {t.max_steps} steps, lr {t.lr:g}, loss {t.loss.objective}, kl_coef {t.loss.kl_coef:g}",
         f"checkpoints: every {cfg.checkpoint.every_steps or 'final only'} steps, keep {cfg.checkpoint.keep_last}; "
         f"metrics to {', '.join(dict.fromkeys(['jsonl', *cfg.logging.sinks]))}",

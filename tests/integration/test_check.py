@@ -42,3 +42,11 @@ def test_check_says_what_the_run_would_resume_from(tmp_path, capsys):
     capsys.readouterr()
     assert main(["check", *args]) == 0
     assert f"would resume from {run / 'checkpoints' / 'step_000002'} (step 2)" in capsys.readouterr().out
+
+
+def test_check_names_the_environment_and_its_reward(tmp_path, capsys):
+    code = main(["check", "recipes/calculator.yaml", f"run.output_dir={tmp_path / 'run'}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "reward: the environment's x 1 (on error: fail)" in out
+    assert "env: asyncgrpo.environments.calculator:CalculatorEnv, up to 2 turns and 40 tokens, thread isolation, cancel grace 5 s" in out
