@@ -35,11 +35,9 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import sys
 import weakref
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from asyncgrpo.environments.protocol import (
@@ -53,13 +51,12 @@ from asyncgrpo.environments.protocol import (
 from asyncgrpo.environments.worker import receive
 from asyncgrpo.rewards.pool import RemoteTraceback, describe_exit
 from asyncgrpo.rewards.worker import encode
+from asyncgrpo.worker_process import start_worker
 
 START_TIMEOUT_S = 120.0
 CLOSE_TIMEOUT_S = 30.0
 EXIT_GRACE_S = 2.0
 REAP_TIMEOUT_S = 5.0
-_SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the asyncgrpo package
-_BOOT = f"import sys; sys.path.insert(0, {_SRC!r}); from asyncgrpo.environments.worker import main; main()"
 
 
 class RemoteEnvironmentError(Exception):
@@ -146,20 +143,9 @@ class ProcessHost:
         return True
 
     async def _start(self) -> None:
-        parent, child = socket.socketpair()
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", _BOOT, str(child.fileno()),
-                stdin=asyncio.subprocess.DEVNULL, pass_fds=(child.fileno(),), start_new_session=True,
-            )
-        except BaseException:
-            parent.close()
-            raise
-        finally:
-            child.close()
+        proc, self._reader, self._writer = await start_worker("asyncgrpo.environments.worker")
         self._proc = proc
         self._groups.add(proc.pid)
-        self._reader, self._writer = await asyncio.open_connection(sock=parent)
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 self._writer.write(encode({"factory": self.factory_spec, "sys_path": list(sys.path), "parent_pid": os.getpid()}))

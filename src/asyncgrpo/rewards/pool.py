@@ -31,22 +31,19 @@ import contextlib
 import os
 import pickle
 import signal
-import socket
 import sys
 import weakref
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from typing import Any
 
 from asyncgrpo.errors import RewardError
 from asyncgrpo.rewards.worker import HEADER, encode
 from asyncgrpo.sync import StateSignal
+from asyncgrpo.worker_process import start_worker
 
 WORKER_START_TIMEOUT_S = 120.0
 CLOSE_GRACE_S = 2.0
 REAP_TIMEOUT_S = 5.0
-_SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the asyncgrpo package
-_BOOT = f"import sys; sys.path.insert(0, {_SRC!r}); from asyncgrpo.rewards.worker import main; main()"
 
 
 class WorkerCrashed(Exception):
@@ -214,19 +211,8 @@ class RewardWorkerPool:
         self._procs.difference_update([p for p in self._procs if p.returncode is not None])
 
     async def _start(self) -> _Worker:
-        parent, child = socket.socketpair()
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", _BOOT, str(child.fileno()),
-                stdin=asyncio.subprocess.DEVNULL, pass_fds=(child.fileno(),), start_new_session=True,
-            )
-        except BaseException:
-            parent.close()
-            raise
-        finally:
-            child.close()
+        proc, reader, writer = await start_worker("asyncgrpo.rewards.worker")
         self._procs.add(proc)
-        reader, writer = await asyncio.open_connection(sock=parent)
         worker = _Worker(proc, reader, writer)
         try:
             if self._closed:  # closed while this one was being started
