@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from asyncgrpo.environments.protocol import Environment
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.rewards.scoring import import_user_module
+from asyncgrpo.rewards.scoring import import_user_module, lookup_attribute
 
 KEY = "env.factory"
 FORM = "module:callable, e.g. my_env:MyEnv for class MyEnv with reset(row), step(action_text) and close() in my_env.py"
@@ -40,14 +40,10 @@ def load_factory(spec: str) -> Callable[[], Environment]:
     module_name, sep, attr_path = spec.rpartition(":")
     if not sep or not module_name or not attr_path:
         raise ConfigError(f"{KEY} = {spec!r} is not of the form {FORM}.")
-    obj: object = import_user_module(module_name, KEY, spec)
-    walked: list[str] = []
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            where = f"module {module_name!r}" if not walked else f"{module_name}:{'.'.join(walked)}"
-            raise ConfigError(f"{KEY} = {spec!r}: {where} has no attribute {part!r}. Fix: name the class or function that makes an environment.")
-        obj = getattr(obj, part)
-        walked.append(part)
+    obj = lookup_attribute(
+        import_user_module(module_name, KEY, spec), module_name, attr_path, KEY, spec,
+        fix=lambda _obj, _part: "name the class or function that makes an environment.",
+    )
     if not callable(obj):
         raise ConfigError(
             f"{KEY} = {spec!r}: {attr_path} is a {type(obj).__name__}, not a class or function. Fix: point it at a class "

@@ -107,15 +107,7 @@ def resolve_reward(spec: str, index: int) -> tuple[str, Callable[..., Any]]:
     module_name, _, attr_path = spec.rpartition(":")
     if not module_name or not attr_path:
         raise ConfigError(f"{key} = {spec!r}: the module or the function name is empty. Fix: use {form}.")
-    module = import_user_module(module_name, key, spec)
-    obj: Any = module
-    walked: list[str] = []
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            where = f"module {module_name!r}" if not walked else f"{module_name}:{'.'.join(walked)}"
-            raise ConfigError(f"{key} = {spec!r}: {where} has no attribute {part!r}. Fix: {_suggest(obj, part)}")
-        obj = getattr(obj, part)
-        walked.append(part)
+    obj = lookup_attribute(import_user_module(module_name, key, spec), module_name, attr_path, key, spec, fix=_suggest)
     if not callable(obj):
         raise ConfigError(
             f"{key} = {spec!r}: {attr_path} is a {type(obj).__name__}, not a function. Fix: point it at a function "
@@ -158,6 +150,20 @@ def import_user_module(module_name: str, key: str, spec: str) -> Any:
             f"fails on import; run `python -c 'import {module_name}'` to see the full error."
         ) from exc
 
+
+
+def lookup_attribute(module: Any, module_name: str, attr_path: str, key: str, spec: str, *, fix: Callable[[Any, str], str]) -> Any:
+    """The object at dotted `attr_path` in `module`; a missing part is a ConfigError naming `key`, where it was looked
+    for, and `fix(object searched, missing name)`."""
+    obj = module
+    walked: list[str] = []
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            where = f"module {module_name!r}" if not walked else f"{module_name}:{'.'.join(walked)}"
+            raise ConfigError(f"{key} = {spec!r}: {where} has no attribute {part!r}. Fix: {fix(obj, part)}")
+        obj = getattr(obj, part)
+        walked.append(part)
+    return obj
 
 def _import_file(path: Path, key: str, spec: str) -> Any:
     if not path.is_file():
