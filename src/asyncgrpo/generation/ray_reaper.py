@@ -72,6 +72,10 @@ class Reaper:
         self._process = process
         self._write_fd: int | None = write_fd
 
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
     @classmethod
     def start(cls, token: str, session_dir: str) -> Reaper:
         """Start the reaper of the cluster whose processes carry `token` (session logs under `session_dir`)."""
@@ -106,8 +110,11 @@ class Reaper:
 
 
 def main(driver_pid: int, token: str) -> int:
-    driver = os.pidfd_open(driver_pid)
-    if os.getppid() == driver_pid:  # the pidfd is the driver's (not a reused pid's): wait for the driver or a dismissal
+    try:
+        driver = os.pidfd_open(driver_pid)
+    except ProcessLookupError:  # gone already
+        driver = -1
+    if driver >= 0 and os.getppid() == driver_pid:  # the pidfd is the driver's (not a reused pid's): wait for it or a dismissal
         poller = select.poll()
         poller.register(driver, select.POLLIN)
         poller.register(sys.stdin.fileno(), select.POLLIN)
