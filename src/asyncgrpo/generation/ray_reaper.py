@@ -53,16 +53,24 @@ _DISMISS = b"x"
 
 @contextlib.contextmanager
 def marked_environment(token: str) -> Iterator[None]:
-    """`MARKER_VAR=token` in this process's environment for the block (processes started in it inherit it), then as before."""
-    before = os.environ.get(MARKER_VAR)
-    os.environ[MARKER_VAR] = token
+    """`MARKER_VAR=token` and `SPT_NOENV=1` in this process's environment for the block (processes started in it
+    inherit them), then as before.
+
+    SPT_NOENV keeps the mark readable: Ray's processes rename themselves (`ray::DashboardAgent`) with a vendored
+    setproctitle, which otherwise reuses the memory behind /proc/PID/environ for the longer title, wiping some
+    or all of the variables there (Ray sets SPT_NOENV for its workers, not for its agents).
+    """
+    marks = {MARKER_VAR: token, "SPT_NOENV": "1"}
+    before = {name: os.environ.get(name) for name in marks}
+    os.environ.update(marks)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ[MARKER_VAR]
-        else:
-            os.environ[MARKER_VAR] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 class Reaper:
