@@ -18,7 +18,8 @@ Invariants:
 - Ray's head processes die with the *thread* that started them (they are spawned with
   PR_SET_PDEATHSIG), so `ray.init` runs on a thread of its own that lives until `disconnect()`
   (not the event loop's: the start takes seconds; not a short-lived worker thread: the cluster would
-  die with it). If the process ends without `disconnect()` (but not by SIGKILL), the cluster ends too.
+  die with it). If the process ends without `disconnect()` (even by SIGKILL), the head processes end
+  with it; the reaper stops what the raylet started (agents, workers), which would not.
 - SIGINT and SIGTERM stay asyncgrpo's (signals.py): Ray's failure signal handler is turned off
   (`RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1`, unless the environment sets it, before Ray is first
   imported: Ray reads it then), which would otherwise dump a stack and abort the process after a
