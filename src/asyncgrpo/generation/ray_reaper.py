@@ -17,7 +17,8 @@ Invariants:
   signalled.
 - The driver's death is seen even on SIGKILL, by either of two: the driver's pidfd (readable when
   it exits) and EOF on the reaper's stdin, a pipe whose write end only the driver holds
-  (close-on-exec, so no process the driver starts holds it). A byte on that pipe is `dismiss()`.
+  (close-on-exec: no program the driver starts holds it; a fork that keeps it delays nothing, the
+  pidfd still sees the driver go). A byte on that pipe is `dismiss()`.
 - Stopping is bounded: SIGTERM to every marked process, SIGKILL to those alive `TERM_GRACE_S`
   later, then a fresh look for marked processes started meanwhile (at most `ROUNDS` rounds); then
   the reaper exits. Until the driver is gone it only waits (its one wait has no deadline of its
