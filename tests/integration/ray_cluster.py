@@ -3,7 +3,9 @@
 A test's cluster lives under its own `RAY_TMPDIR`, which every process of that cluster inherits
 (workers rename themselves `ray::...`, so their command line does not say it, their environment
 does): a test finds the cluster's processes by it, and checks that none is left after teardown
-without touching any other Ray cluster on the machine.
+without touching any other Ray cluster on the machine. A process whose environment no longer
+shows it (Ray's agents rename themselves with a setproctitle that can wipe /proc/PID/environ,
+unless SPT_NOENV is set) is found by its open log files under that directory.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def short_temp_dir() -> str:
 
 
 def processes_of(temp_dir: str) -> dict[int, str]:
-    """pid -> command line of every live process started with RAY_TMPDIR=`temp_dir`."""
+    """pid -> command line of every live process started with RAY_TMPDIR=`temp_dir`, or holding a file under it open."""
     marker = f"RAY_TMPDIR={temp_dir}".encode()
     found = {}
     for entry in Path("/proc").iterdir():
@@ -41,9 +43,18 @@ def processes_of(temp_dir: str) -> dict[int, str]:
             status = (entry / "status").read_text()
         except OSError:
             continue
-        if marker in environ and "\nState:\tZ" not in status:
+        if (marker in environ or _holds_a_file_under(entry, temp_dir)) and "\nState:\tZ" not in status:
             found[int(entry.name)] = cmdline.strip()
     return found
+
+
+def _holds_a_file_under(proc_dir: Path, temp_dir: str) -> bool:
+    with contextlib.suppress(OSError):  # exited, or another user's
+        for fd in (proc_dir / "fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd).startswith(temp_dir + "/"):
+                    return True
+    return False
 
 
 def left_after(temp_dir: str, grace_s: float = 15.0) -> dict[int, str]:

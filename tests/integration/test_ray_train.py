@@ -1,7 +1,9 @@
 """`asyncgrpo train ... runtime=ray` as a real process, on a local Ray cluster it starts itself (2 CPUs,
 2 generator actors): a short run completes; a generator actor SIGKILLed mid-run is recovered while the
-run goes on, and SIGTERM stops the run as in the local runtime. After each, no process of the run's
-Ray cluster is left. The tests follow the run through its stderr lines (no sleeping).
+run goes on, and SIGTERM stops the run as in the local runtime; a Ctrl-C to the driver's process group
+stops it as in the local runtime too; a driver SIGKILLed mid-run leaves its cluster to the run's reaper.
+After each, no process of the run's Ray cluster is left (the reaper's included). The tests follow the
+run through its stderr lines (no sleeping).
 """
 
 from __future__ import annotations
@@ -70,3 +72,35 @@ def test_a_killed_generator_actor_is_recovered_mid_run_and_sigterm_then_stops_th
     steps = len(records(tmp_path, "metrics.jsonl"))
     assert steps < 400
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-1] == f"step_{steps:06d}"
+
+
+@pytest.mark.timeout(300)
+def test_a_ctrl_c_to_the_drivers_process_group_stops_the_run_cleanly(tmp_path, ray_tmpdir):
+    """A terminal's Ctrl-C reaches the driver's whole process group (the cluster's head processes are in it): the run
+    stops as in the local runtime (exit 130, checkpoint), and no process of its cluster is left (fixture)."""
+    with start_train(tmp_path, *RAY, *SMALL, "train.max_steps=400", "run.shutdown_timeout_s=60", env={"RAY_TMPDIR": ray_tmpdir},
+                     new_session=True) as proc:
+        if not read_until(proc, "step "):
+            pytest.fail(f"the run ended before training started (exit {proc.wait()}): {proc.stderr.read()}")
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == 130, rest
+    assert "interrupted by SIGINT" in rest and "Traceback" not in rest
+    steps = len(records(tmp_path, "metrics.jsonl"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-1] == f"step_{steps:06d}"
+
+
+@pytest.mark.timeout(300)
+def test_a_driver_killed_mid_run_leaves_no_ray_process_behind(tmp_path, ray_tmpdir):
+    """SIGKILL the driver while it trains: it cannot clean up, Ray's head processes die with it (PR_SET_PDEATHSIG),
+    and the run's reaper stops what the raylet started (its agents, the actors), then exits itself."""
+    with start_train(tmp_path, *RAY, *SMALL, "train.max_steps=400", env={"RAY_TMPDIR": ray_tmpdir}) as proc:
+        if not read_until(proc, "step "):
+            pytest.fail(f"the run ended before training started (exit {proc.wait()}): {proc.stderr.read()}")
+        assert len(generator_actors(ray_tmpdir)) == 2, processes_of(ray_tmpdir)
+        proc.kill()
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+        proc.stderr.read()
+    assert records(tmp_path, "metrics.jsonl")  # it was training
+    left = left_after(ray_tmpdir)
+    assert not left, f"Ray processes of the killed driver's cluster left: {left}"
