@@ -8,13 +8,12 @@ left. The test follows the runs through their stderr lines (no sleeping).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 from collections import Counter
 
 import pytest
 
-from tests.integration.ray_cluster import kill_processes, left_after, processes_of, short_temp_dir
+from tests.integration.ray_cluster import left_after, processes_of
 from tests.integration.train_process import read_until, records, start_train
 
 # 40 prompts x 2 epochs / 4 groups per step = 20 steps; a checkpoint every 2 steps (as tests/integration/test_resume.py).
@@ -24,17 +23,6 @@ RECIPE = (
 )
 RAY = ("runtime=ray", "ray.num_cpus=2", "ray.generators=1", "ray.generator.num_cpus=0.5", "train.world_size=2",
        "ray.trainer.num_cpus=0.5", "ray.trainer_timeout_s=120")
-
-
-@pytest.fixture
-def ray_tmpdir():
-    """The runs' RAY_TMPDIR; afterwards no process of their clusters may be left (any found is killed, then reported)."""
-    temp_dir = short_temp_dir()
-    yield temp_dir
-    left = left_after(temp_dir)
-    kill_processes(left)
-    shutil.rmtree(temp_dir, ignore_errors=True)
-    assert not left, f"Ray processes left after the run: {left}"
 
 
 def trainer_ranks(temp_dir: str) -> list[int]:

@@ -9,27 +9,15 @@ run through its stderr lines (no sleeping).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 
 import pytest
 
-from tests.integration.ray_cluster import kill_processes, left_after, processes_of, short_temp_dir
+from tests.integration.ray_cluster import left_after, processes_of
 from tests.integration.train_process import read_until, records, start_train
 
 RAY = ("runtime=ray", "ray.generators=2", "ray.num_cpus=2", "ray.generator.num_cpus=1")
 SMALL = ("rollout.groups_per_step=3", "rollout.group_size=4", "eval.every_steps=0", "checkpoint.every_steps=0")
-
-
-@pytest.fixture
-def ray_tmpdir():
-    """The run's RAY_TMPDIR; afterwards no process of its cluster may be left (any found is killed, then reported)."""
-    temp_dir = short_temp_dir()
-    yield temp_dir
-    left = left_after(temp_dir)
-    kill_processes(left)
-    shutil.rmtree(temp_dir, ignore_errors=True)
-    assert not left, f"Ray processes left after the run: {left}"
 
 
 def generator_actors(temp_dir: str) -> list[int]:
