@@ -9,8 +9,6 @@ awaited with `RayGenerator.settled()`; nothing sleeps.
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 
 import pytest
 import torch
@@ -22,25 +20,15 @@ from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.generation.ray_pool import RayGenerator
 from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.types import Completion, GenerationRequest, SamplingParams
-from tests.integration.ray_cluster import kill_processes, left_after, ray, short_temp_dir
+from tests.integration.ray_cluster import local_cluster, ray
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    temp_dir = short_temp_dir()
-    os.environ["RAY_TMPDIR"] = temp_dir  # inherited by the cluster's processes: how they are found
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with local_cluster(num_cpus=2) as temp_dir:
         yield temp_dir
-    finally:
-        ray.shutdown()
-        del os.environ["RAY_TMPDIR"]
-        left = left_after(temp_dir)
-        kill_processes(left)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        assert not left, f"Ray processes left after ray.shutdown(): {left}"
 
 
 def config(*overrides: str):
