@@ -44,7 +44,7 @@ from asyncgrpo.environments.hosts import open_host
 from asyncgrpo.environments.protocol import EnvironmentHost, TransientEnvironmentError
 from asyncgrpo.errors import EpisodeError
 from asyncgrpo.rewards.scoring import ScoredCompletion
-from asyncgrpo.rollout.retry import retry_delay
+from asyncgrpo.rollout.retry import delay_before_deadline
 from asyncgrpo.types import Completion, Episode, EpisodeStop, GenerationRequest, Prompt
 
 log = logging.getLogger("asyncgrpo")
@@ -97,8 +97,8 @@ class EpisodeRunner:
                 if not error.transient:
                     raise
                 attempt += 1
-                delay = retry_delay(self.generation, attempt, self._jitter.random())
-                if loop.time() + delay >= deadline:
+                delay = delay_before_deadline(self.generation, attempt, self._jitter, deadline)
+                if delay is None:
                     raise EpisodeError(
                         f"the episode of prompt {prompt.id} still failed after {attempt} attempts when its "
                         f"generation.rollout_deadline_s = {self.generation.rollout_deadline_s:g} ran out; last error: {error}",

@@ -29,6 +29,12 @@ def retry_delay(g: GenerationConfig, attempt: int, uniform: float) -> float:
     return min(g.retry_backoff_max_s, g.retry_backoff_s * 2 ** (attempt - 1)) * (0.5 + 0.5 * uniform)
 
 
+def delay_before_deadline(g: GenerationConfig, attempt: int, jitter: random.Random, deadline: float) -> float | None:
+    """The wait before retry number `attempt`, or None when the retry would start at or past `deadline` (loop time)."""
+    delay = retry_delay(g, attempt, jitter.random())
+    return None if asyncio.get_running_loop().time() + delay >= deadline else delay
+
+
 async def generate_with_retries(
     generator: Generator,
     request: GenerationRequest,
@@ -59,8 +65,8 @@ async def generate_with_retries(
         except TransientGenerationError as exc:
             error = exc
         attempt += 1
-        delay = retry_delay(g, attempt, jitter.random())
-        if loop.time() + delay >= deadline:
+        delay = delay_before_deadline(g, attempt, jitter, deadline)
+        if delay is None:
             raise RolloutDeadlineError(
                 f"request {request.request_id} still failing after {attempt} attempts when its "
                 f"generation.rollout_deadline_s = {g.rollout_deadline_s:g} ran out; last error: {error}",
