@@ -1,33 +1,139 @@
-"""Start a Python worker process linked to this one by a socket pair.
+"""Start a Python worker process linked to this one by a socket pair, and always be able to end it.
 
 Job: `start_worker(module)` runs `python -c "<import module>; main()" <fd>` in a session of its
 own (so a kill of its process group stops whatever it started), with stdin closed and the child's
-end of a socket pair as its one extra file descriptor, and returns the process and the parent's
-stream pair. Used by the reward worker pool (rewards/pool.py) and the environment's worker process
-(environments/process_host.py); what is said over the link is theirs.
+end of a socket pair as its one extra file descriptor, and returns a `WorkerProcess`: the
+parent's stream pair, the pid, the exit status and a bounded `stop`. Used by the reward worker
+pool (rewards/pool.py) and the environment's worker process (environments/process_host.py); what
+is said over the link is theirs.
 
-Invariants: the child's end is closed in this process whatever happens; if the link cannot be
-opened the process is killed before the error goes on (it is never left running unseen).
+Invariants:
+- The child's end is closed in this process whatever happens; if the link cannot be opened the
+  process is killed before the error goes on (it is never left running unseen).
+- `stop` ends the worker even when it is cancelled part-way: the SIGKILL to the process group and
+  the close of the loop's subprocess transport run in `finally` blocks (a cancelled stop skips only
+  the bounded wait for the exit status; the loop's child watcher still reaps the process).
+- A `WorkerProcess` dropped without `stop` (its owner never closed, or the interpreter exits) is
+  ended the same way by a finalizer; and by the kernel when this process dies (the workers set
+  PR_SET_PDEATHSIG themselves).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import socket
 import sys
+import weakref
 from pathlib import Path
 
 _SRC = str(Path(__file__).resolve().parents[1])  # the directory holding the asyncgrpo package
+REAP_TIMEOUT_S = 5.0
 
 
-async def start_worker(module: str) -> tuple[asyncio.subprocess.Process, asyncio.StreamReader, asyncio.StreamWriter]:
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker, as text; chained below the exception."""
+
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0])
+
+
+def describe_exit(returncode: int | None) -> str:
+    """How a worker ended, for an error message; `returncode` as asyncio reports it (None: unknown, it was killed)."""
+    if returncode is None:
+        return "closed its connection and was killed"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name} (exit code {returncode})"
+    return f"exited with exit code {returncode}"
+
+
+class _ExitWatch(asyncio.SubprocessProtocol):
+    """Closes the transport once the process has exited, and lets `WorkerProcess` wait for that."""
+
+    def __init__(self) -> None:
+        self.exited = asyncio.Event()  # set once, never cleared
+        self.transport: asyncio.SubprocessTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.SubprocessTransport)
+        self.transport = transport
+
+    def process_exited(self) -> None:
+        assert self.transport is not None
+        self.transport.close()
+        self.exited.set()
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _end(transport: asyncio.SubprocessTransport) -> None:
+    """SIGKILL the worker's process group unless its exit was seen (its pid may be reused since), and close its transport."""
+    if transport.get_returncode() is None:
+        _kill_group(transport.get_pid())
+    transport.close()
+
+
+class WorkerProcess:
+    """One started worker: `reader`/`writer` are the link, `pid` leads the worker's own process group."""
+
+    def __init__(self, transport: asyncio.SubprocessTransport, watch: _ExitWatch, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self._transport = transport
+        self._watch = watch
+        self.reader = reader
+        self.writer = writer
+        self.pid = transport.get_pid()
+        self._finalizer = weakref.finalize(self, _end, transport)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once the loop has seen the exit (negative: killed by that signal), else None."""
+        return self._transport.get_returncode()
+
+    async def exit_within(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the worker to exit; whether it has."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._watch.exited.wait()
+        return self._watch.exited.is_set()
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group now: the worker and everything it started (no wait)."""
+        _kill_group(self.pid)
+
+    async def stop(self, grace_s: float) -> None:
+        """Hang up, give the worker `grace_s` to exit, SIGKILL its process group, and reap it (bounded).
+
+        Cancelled part-way, it still kills the group and closes the transport before the cancellation goes on."""
+        self.writer.close()  # end of file: the worker ends its work and exits
+        try:
+            try:
+                if grace_s > 0:
+                    await self.exit_within(grace_s)
+            finally:
+                self.kill()  # also when it exited: what it started may still run in its group
+            await self.exit_within(REAP_TIMEOUT_S)
+        finally:
+            self._finalizer()  # closes the transport (and kills again if no exit was seen)
+
+
+async def start_worker(module: str) -> WorkerProcess:
     """Start `module.main()` in a fresh interpreter, given the socket's fd as its first argument."""
     boot = f"import sys; sys.path.insert(0, {_SRC!r}); from {module} import main; main()"
     parent, child = socket.socketpair()
     try:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", boot, str(child.fileno()),
-            stdin=asyncio.subprocess.DEVNULL, pass_fds=(child.fileno(),), start_new_session=True,
+        transport, watch = await asyncio.get_running_loop().subprocess_exec(
+            _ExitWatch, sys.executable, "-c", boot, str(child.fileno()),
+            stdin=asyncio.subprocess.DEVNULL, stdout=None, stderr=None, pass_fds=(child.fileno(),), start_new_session=True,
         )
     except BaseException:
         parent.close()
@@ -38,6 +144,6 @@ async def start_worker(module: str) -> tuple[asyncio.subprocess.Process, asyncio
         reader, writer = await asyncio.open_connection(sock=parent)
     except BaseException:
         parent.close()
-        proc.kill()
+        _end(transport)
         raise
-    return proc, reader, writer
+    return WorkerProcess(transport, watch, reader, writer)

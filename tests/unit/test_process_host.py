@@ -8,6 +8,7 @@ Every environment here is a module-level class, so the worker creates it by name
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import subprocess
@@ -15,13 +16,15 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
+import weakref
 from pathlib import Path
 
 import pytest
 
 from asyncgrpo.environments.process_host import EnvironmentProcessDied, ProcessHost, RemoteEnvironmentError
 from asyncgrpo.environments.protocol import EpisodeCancelled, TransientEnvironmentError
-from asyncgrpo.rewards.pool import RemoteTraceback
+from asyncgrpo.worker_process import RemoteTraceback
 
 pytestmark = pytest.mark.timeout(60)
 HERE = "tests.unit.test_process_host"
@@ -167,6 +170,34 @@ def test_cancel_kills_an_environment_that_ignores_the_token_and_everything_it_st
     assert not alive(sleeper) and group_members(worker) == []  # the process it started went with its group
     time.sleep(0.1)
     assert lines(tmp_path / "ticks") == after_cancel  # the side effect stopped moving when cancel returned
+
+
+def test_a_cancel_cut_short_by_its_own_cancellation_still_ends_the_worker_and_closes_its_transport(tmp_path):
+    """asyncio.run cancels what is still running when a run ends: a cancel() cut short in its grace wait used to leave
+    the worker and its children running until garbage collection, and its transport unclosed (a ResourceWarning)."""
+    ticks, pids = tmp_path / "ticks", tmp_path / "pids"
+
+    async def main():
+        host = ProcessHost(f"{HERE}:Stubborn", "user")
+        await host.reset({"path": str(ticks), "pids": str(pids)})
+        worker, sleeper = map(int, pids.read_text().split())
+        step = asyncio.create_task(host.step("go"))
+        await until(lambda: lines(ticks) >= 5)
+        stopping = asyncio.create_task(host.cancel(grace_s=60))
+        await until(lambda: host._proc.writer.is_closing())  # the cancel is in its grace wait
+        stopping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopping
+        with pytest.raises(EpisodeCancelled):
+            await step
+        await until(lambda: group_members(worker) == [] and not alive(sleeper))  # not left to the garbage collector
+        return weakref.ref(host)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        host = asyncio.run(main())
+        gc.collect()
+    assert host() is None and [str(w.message) for w in caught if w.category is ResourceWarning] == []
 
 
 def test_cancel_of_a_cooperative_environment_sets_its_token_and_calls_close_in_the_worker(tmp_path):

@@ -21,9 +21,10 @@ import types
 import pytest
 
 from asyncgrpo.errors import RewardError
-from asyncgrpo.rewards.pool import RemoteTraceback, WorkerStartError
+from asyncgrpo.rewards.pool import WorkerStartError
 from asyncgrpo.rewards.scoring import RewardScorer
 from asyncgrpo.types import Prompt
+from asyncgrpo.worker_process import RemoteTraceback
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,7 +22,7 @@ Invariants:
   rollout, never a hang) or `cancel`, whichever comes first.
 - After `close` or `cancel` returns, the worker has exited and its process group has been
   sent SIGKILL (what the environment started dies with it). A host never closed is killed the
-  same way by a finalizer at garbage collection or interpreter exit, and by the kernel when
+  same way by its worker's finalizer (worker_process.py) at garbage collection or interpreter exit, and by the kernel when
   the parent dies (the worker's PR_SET_PDEATHSIG).
 - What the environment raised comes back classified: `TransientEnvironmentError` stays
   transient, `EpisodeCancelled` stays cancelled, anything else is a `RemoteEnvironmentError`
@@ -34,9 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import sys
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,14 +47,12 @@ from asyncgrpo.environments.protocol import (
     as_step_result,
 )
 from asyncgrpo.environments.worker import receive
-from asyncgrpo.rewards.pool import RemoteTraceback, describe_exit
 from asyncgrpo.rewards.worker import encode
-from asyncgrpo.worker_process import start_worker
+from asyncgrpo.worker_process import REAP_TIMEOUT_S, RemoteTraceback, WorkerProcess, describe_exit, start_worker
 
 START_TIMEOUT_S = 120.0
 CLOSE_TIMEOUT_S = 30.0
 EXIT_GRACE_S = 2.0
-REAP_TIMEOUT_S = 5.0
 
 
 class RemoteEnvironmentError(Exception):
@@ -73,32 +69,16 @@ class EnvironmentProcessDied(Exception):
     """The worker process holding an environment ended without answering a call."""
 
 
-def _kill_group(pid: int) -> None:
-    """SIGKILL to the process group `pid` leads (the worker and what it started); gone already is fine."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-def _kill_groups(pids: set[int]) -> None:
-    for pid in pids:
-        _kill_group(pid)
-    pids.clear()
-
-
 class ProcessHost:
     """One episode of the environment `factory_spec` names, in its own worker process (see the module docstring)."""
 
     def __init__(self, factory_spec: str, observation_role: str) -> None:
         self.factory_spec = factory_spec
         self.observation_role = observation_role
-        self._proc: asyncio.subprocess.Process | None = None
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._proc: WorkerProcess | None = None
         self._busy = False
         self._cancelled = False
         self._ended = False  # closed or cancelled: the worker is gone or going
-        self._groups: set[int] = set()  # process groups to kill if this host is dropped unclosed
-        self._finalizer = weakref.finalize(self, _kill_groups, self._groups)
 
     @property
     def pid(self) -> int | None:
@@ -136,20 +116,18 @@ class ProcessHost:
         if self._ended:
             return True
         self._ended = True
-        if self._writer is not None:
+        if self._proc is not None:
             with contextlib.suppress(ConnectionError):
-                self._writer.write(encode(("cancel", None)))
+                self._proc.writer.write(encode(("cancel", None)))
         await self._stop(grace_s)
         return True
 
     async def _start(self) -> None:
-        proc, self._reader, self._writer = await start_worker("asyncgrpo.environments.worker")
-        self._proc = proc
-        self._groups.add(proc.pid)
+        self._proc = proc = await start_worker("asyncgrpo.environments.worker")
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
-                self._writer.write(encode({"factory": self.factory_spec, "sys_path": list(sys.path), "parent_pid": os.getpid()}))
-                await self._writer.drain()
+                proc.writer.write(encode({"factory": self.factory_spec, "sys_path": list(sys.path), "parent_pid": os.getpid()}))
+                await proc.writer.drain()
                 await self._answer("create")
         except BaseException as exc:
             self._ended = True
@@ -165,14 +143,14 @@ class ProcessHost:
     async def _call(self, op: str, arg: Any) -> Any:
         if self._cancelled:
             raise EpisodeCancelled(f"{self.factory_spec} {op}: the episode was cancelled")
-        if self._ended or self._writer is None:
+        if self._ended or self._proc is None:
             raise RuntimeError(f"{self.factory_spec} {op}: the episode's environment is closed (or was never reset)")
         if self._busy:
             raise RuntimeError(f"{self.factory_spec} {op}: another call of this episode is still running; calls are one at a time")
         self._busy = True
         try:
-            self._writer.write(encode((op, arg)))
-            await self._writer.drain()
+            self._proc.writer.write(encode((op, arg)))
+            await self._proc.writer.drain()
             return await self._answer(op)
         except ConnectionError as exc:
             raise await self._died(op) from exc
@@ -181,9 +159,9 @@ class ProcessHost:
 
     async def _answer(self, op: str) -> Any:
         """The worker's reply to `op`: its value, or what the environment raised, classified."""
-        assert self._reader is not None
+        assert self._proc is not None
         try:
-            reply = await receive(self._reader)
+            reply = await receive(self._proc.reader)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             raise await self._died(op) from exc
         if reply[0] == "ok":
@@ -216,18 +194,5 @@ class ProcessHost:
 
     async def _stop(self, grace_s: float) -> None:
         """Hang up, give the worker `grace_s` to exit, then SIGKILL its process group, and reap it (bounded)."""
-        proc = self._proc
-        if proc is None:
-            return
-        if self._writer is not None:
-            self._writer.close()  # end of file: the worker stops its episode (as on "cancel") and exits
-        if grace_s > 0:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(grace_s):
-                    await proc.wait()
-        _kill_group(proc.pid)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(REAP_TIMEOUT_S):
-                await proc.wait()
-        if proc.returncode is not None:
-            self._groups.discard(proc.pid)
+        if self._proc is not None:
+            await self._proc.stop(grace_s)

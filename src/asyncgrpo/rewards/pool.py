@@ -20,8 +20,8 @@ Invariants:
   needed.
 - `aclose` ends every worker: it closes each socket (an idle worker then exits 0), waits up
   to `CLOSE_GRACE_S`, then kills what is left and reaps it; every wait is bounded. Workers that
-  outlive the pool (never closed, or the parent killed) are killed by a finalizer at garbage
-  collection or interpreter exit, and by the kernel when the parent dies (worker.py).
+  outlive the pool (never closed, or the parent killed) are killed by their finalizer at garbage
+  collection or interpreter exit (worker_process.py), and by the kernel when the parent dies (worker.py).
 """
 
 from __future__ import annotations
@@ -30,20 +30,17 @@ import asyncio
 import contextlib
 import os
 import pickle
-import signal
 import sys
-import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from asyncgrpo.errors import RewardError
 from asyncgrpo.rewards.worker import HEADER, encode
 from asyncgrpo.sync import StateSignal
-from asyncgrpo.worker_process import start_worker
+from asyncgrpo.worker_process import REAP_TIMEOUT_S, RemoteTraceback, WorkerProcess, describe_exit, start_worker
 
 WORKER_START_TIMEOUT_S = 120.0
 CLOSE_GRACE_S = 2.0
-REAP_TIMEOUT_S = 5.0
 
 
 class WorkerCrashed(Exception):
@@ -59,39 +56,18 @@ class WorkerStartError(RewardError):
     """No worker could be had for a call: one did not start, could not load the functions, or the pool is closed."""
 
 
-class RemoteTraceback(Exception):
-    """The traceback of an exception raised in a worker, as text; chained below the exception."""
-
-    def __str__(self) -> str:
-        return "\n" + str(self.args[0])
-
-
-def describe_exit(returncode: int | None) -> str:
-    if returncode is None:
-        return "closed its connection and was killed"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name} (exit code {returncode})"
-    return f"exited with exit code {returncode}"
-
-
 class _Worker:
-    def __init__(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.proc = proc
-        self.reader = reader
-        self.writer = writer
+    def __init__(self, process: WorkerProcess) -> None:
+        self.process = process
         self.reusable = True  # false from a call's start until its complete reply
 
     async def call(self, index: int, kwargs: dict[str, Any]) -> Any:
         """Function `index` on `kwargs`: its result, or what it raised (its traceback chained below)."""
         self.reusable = False
         try:
-            self.writer.write(encode((index, kwargs)))
-            await self.writer.drain()
-            reply = await _receive(self.reader)
+            self.process.writer.write(encode((index, kwargs)))
+            await self.process.writer.drain()
+            reply = await _receive(self.process.reader)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             raise WorkerCrashed(await self.exit_code()) from exc
         self.reusable = True
@@ -103,52 +79,14 @@ class _Worker:
         raise error
 
     async def exit_code(self) -> int | None:
-        """The exit code of a worker that hung up: waited for a bounded time, then it is killed."""
-        try:
-            async with asyncio.timeout(REAP_TIMEOUT_S):
-                return await self.proc.wait()
-        except TimeoutError:
-            await self.stop()
-            return None
-
-    def kill(self) -> None:
-        self.writer.close()
-        _kill(self.proc)
-
-    async def stop(self, grace_s: float = 0.0) -> None:
-        """Close the connection, give the worker `grace_s` to exit, then kill it; reap it (bounded)."""
-        self.writer.close()
-        if grace_s > 0:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(grace_s):
-                    await self.proc.wait()
-        _kill(self.proc)
-        await _reap(self.proc)
-
-
-def _kill(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-
-
-async def _reap(proc: asyncio.subprocess.Process) -> None:
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(REAP_TIMEOUT_S):
-            await proc.wait()
+        """The exit code of a worker that hung up: it gets `REAP_TIMEOUT_S` to exit by itself, then it is killed."""
+        await self.process.stop(REAP_TIMEOUT_S)
+        return self.process.returncode
 
 
 async def _receive(reader: asyncio.StreamReader) -> Any:
     (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
     return pickle.loads(await reader.readexactly(size))
-
-
-def _kill_all(procs: set[asyncio.subprocess.Process]) -> None:
-    for proc in procs:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)  # not proc.kill(): the loop may be closed by now
-    procs.clear()
 
 
 class RewardWorkerPool:
@@ -163,8 +101,7 @@ class RewardWorkerPool:
         self._count = 0  # workers that exist or are starting
         self._signal = StateSignal()
         self._closed = False
-        self._procs: set[asyncio.subprocess.Process] = set()  # every worker process not known to have exited
-        self._finalizer = weakref.finalize(self, _kill_all, self._procs)
+        self._procs: set[WorkerProcess] = set()  # every worker process not known to have exited
 
     @property
     def pids(self) -> list[int]:
@@ -192,7 +129,7 @@ class RewardWorkerPool:
             if not self._idle:
                 break
             worker = self._idle.pop()
-            if worker.proc.returncode is None:
+            if worker.process.returncode is None:
                 return worker
             await self._retire(worker)  # died while idle (killed from outside): never hand it out
         self._count += 1
@@ -207,22 +144,22 @@ class RewardWorkerPool:
         """Kill a worker that may not serve again, and reap it (bounded), so it is gone when the call's error is seen."""
         self._count -= 1
         self._signal.notify()
-        await worker.stop()
+        await worker.process.stop(0.0)
         self._procs.difference_update([p for p in self._procs if p.returncode is not None])
 
     async def _start(self) -> _Worker:
-        proc, reader, writer = await start_worker("asyncgrpo.rewards.worker")
+        proc = await start_worker("asyncgrpo.rewards.worker")
         self._procs.add(proc)
-        worker = _Worker(proc, reader, writer)
+        worker = _Worker(proc)
         try:
             if self._closed:  # closed while this one was being started
                 raise WorkerStartError("reward.isolation: process: the reward worker pool is closed (the run is ending).")
             async with asyncio.timeout(WORKER_START_TIMEOUT_S):
-                writer.write(encode({"specs": self.specs, "sys_path": list(sys.path), "parent_pid": os.getpid()}))
-                await writer.drain()
-                reply = await _receive(reader)
+                proc.writer.write(encode({"specs": self.specs, "sys_path": list(sys.path), "parent_pid": os.getpid()}))
+                await proc.writer.drain()
+                reply = await _receive(proc.reader)
         except BaseException as exc:
-            await worker.stop()
+            await proc.stop(0.0)
             if isinstance(exc, TimeoutError):
                 raise WorkerStartError(
                     f"reward.isolation: process: a reward worker process did not start within {WORKER_START_TIMEOUT_S:g} s "
@@ -237,7 +174,7 @@ class RewardWorkerPool:
                 ) from exc
             raise
         if reply[0] != "ready":
-            await worker.stop()
+            await proc.stop(0.0)
             raise WorkerStartError(
                 f"reward.isolation: process: a reward worker process could not load the reward functions: {reply[1]} "
                 f"The worker runs with the parent's sys.path and working directory; if the function exists only in the "
@@ -250,8 +187,6 @@ class RewardWorkerPool:
         self._closed = True
         self._signal.notify()
         idle, self._idle = self._idle, []
-        await asyncio.gather(*(w.stop(CLOSE_GRACE_S) for w in idle))
-        for proc in self._procs:  # retired ones, and any still busy in a call that outlives the pool
-            _kill(proc)
-        await asyncio.gather(*(_reap(p) for p in self._procs))
-        self._finalizer()  # kills whatever did not exit in time
+        await asyncio.gather(*(w.process.stop(CLOSE_GRACE_S) for w in idle))
+        # retired ones, and any still busy in a call that outlives the pool
+        await asyncio.gather(*(p.stop(0.0) for p in self._procs))
