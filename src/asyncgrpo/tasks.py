@@ -216,10 +216,12 @@ def _arithmetic_items(held_out: bool) -> list[tuple[int, str, int]]:
 
 
 def _arithmetic_sample(held_out: bool, n: int, stream: str) -> list[dict[str, Any]]:
+    """`n` rows going through the items in shuffled rounds: every item once before any twice."""
     rng = random.Random(stream)
     items = _arithmetic_items(held_out)
+    rounds = [rng.sample(items, len(items)) for _ in range(-(-n // len(items)))]
     rows = []
-    for a, op, b in (rng.choice(items) for _ in range(n)):
+    for a, op, b in [item for round_ in rounds for item in round_][:n]:
         question = f"what is {a} {op} {b}? answer with only the number."
         rows.append({"prompt": [{"role": "user", "content": question}], "answer": str(_ARITHMETIC_OPS[op](a, b))})
     return rows
@@ -236,15 +238,16 @@ def digit_arithmetic_eval_rows(n: int, seed: int) -> list[dict[str, Any]]:
     return _arithmetic_sample(True, n, f"asyncgrpo:digit_arithmetic:eval:{seed}")
 
 
-def first_integer(text: str) -> str | None:
-    """The first integer in `text` as written ("-3" in "it is -3."), or None."""
-    found = _INTEGER_RE.search(text)
-    return None if found is None else found.group()
+def final_integer(text: str) -> str | None:
+    """The last integer in `text` as written, the answer a text ends on ("12" in "7 + 5 = 12", "-3" in "it is -3."), or None."""
+    found = _INTEGER_RE.findall(text)
+    return found[-1] if found else None
 
 
 def arithmetic_correct_reward(prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[Any], **_: Any) -> list[float]:
-    """1.0 when the first integer in the completion equals the row's "answer", else 0.0 ("12", "it is 12." score 1)."""
-    return [1.0 if first_integer(content_text(completion)) == str(want).strip() else 0.0 for want, completion in zip(answer, completions)]
+    """1.0 when the last integer in the completion equals the row's "answer", else 0.0 ("12", "7 + 5 = 12." score 1;
+    the first integer would score a restated question as its answer)."""
+    return [1.0 if final_integer(content_text(completion)) == str(want).strip() else 0.0 for want, completion in zip(answer, completions)]
 
 
 def arithmetic_format_reward(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:

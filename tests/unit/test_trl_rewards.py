@@ -79,9 +79,10 @@ def test_digit_arithmetic_is_conversational_held_out_and_scored_on_either_shape(
     train, held_out = digit_arithmetic_rows(200, 0), digit_arithmetic_eval_rows(50, 0)
     assert all(isinstance(r["prompt"], list) for r in train)
     assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in held_out}
-    completions = ["12", [{"role": "assistant", "content": "12."}], "it is 12", "13"]
-    assert arithmetic_correct_reward(None, completions, ["12"] * 4) == [1.0, 1.0, 1.0, 0.0]
-    assert arithmetic_format_reward(None, completions) == [1.0, 1.0, 0.0, 1.0]
+    assert len({r["prompt"][0]["content"] for r in digit_arithmetic_eval_rows(48, 0)}) == 48  # every held-out item, once
+    completions = ["12", [{"role": "assistant", "content": "12."}], "it is 12", "13", "7 + 5 = 12", "12 - 7 is 5"]
+    assert arithmetic_correct_reward(None, completions, ["12"] * 6) == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]  # the answer it ends on
+    assert arithmetic_format_reward(None, completions) == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
 
 
 def test_no_signal_warning_fires_once_when_most_of_a_full_window_had_equal_rewards():
