@@ -1,4 +1,4 @@
-"""Evaluation on held-out prompts: mean reward, pass@k, and how many samples could not be had.
+"""Evaluation on held-out prompts: mean reward (total and per function), pass@k, and how many samples could not be had.
 
 A client of the same failure machinery as rollouts: every request goes through the retry policy
 of rollout/retry.py (transient errors retried under `request_timeout_s` and the rollout
@@ -18,7 +18,7 @@ from typing import Any
 from asyncgrpo.config import Config
 from asyncgrpo.errors import Diagnostic, FatalBackendError, GenerationError, RewardError
 from asyncgrpo.generation.base import Generator
-from asyncgrpo.rewards.scoring import RewardScorer
+from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion
 from asyncgrpo.rollout.first_failure import format_traceback
 from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.types import GenerationRequest, Prompt, SamplingParams
@@ -29,7 +29,8 @@ log = logging.getLogger("asyncgrpo")
 async def evaluate(
     cfg: Config, engine: Generator, scorer: RewardScorer, prompts: list[Prompt], stop_ids: tuple[int, ...], *, step: int
 ) -> dict[str, float | None]:
-    """Sample `eval.samples_per_prompt` completions per held-out prompt; report mean reward, pass@k and failures.
+    """Sample `eval.samples_per_prompt` completions per held-out prompt; report mean reward, each reward function's
+    mean (`eval/reward/<function>`, as `reward/<function>` in training), pass@k and failures.
 
     Requests go through the same retry policy as rollouts (rollout/retry.py), those of one prompt
     concurrently. A request that still fails, or a reward that raises, leaves that sample out:
@@ -54,7 +55,7 @@ async def evaluate(
             failures.append(exc)
             return None
 
-    async def one(prompt: Prompt) -> list[float | None]:
+    async def one(prompt: Prompt) -> list[ScoredCompletion]:
         requests = [
             GenerationRequest(f"eval-{step}-{prompt.id}-{i}", prompt.id, prompt.token_ids, sampling, seed=cfg.run.seed + i)
             for i in range(k)
@@ -65,7 +66,7 @@ async def evaluate(
         if not completions:
             return []
         try:
-            return [s.reward for s in await scorer.score(prompt, [c.text for c in completions])]
+            return await scorer.score(prompt, [c.text for c in completions])
         except RewardError as exc:
             failures.extend([exc] * len(completions))
             return []
@@ -81,14 +82,19 @@ async def evaluate(
             "warning: the evaluation after step %d is incomplete: %d of %d samples failed and are left out "
             "(first error: %s: %s)", step, len(failures), len(prompts) * k, type(failures[0]).__name__, failures[0],
         )
-    rewards = [r for rs in per_prompt for r in rs if r is not None]
-    scored = [rs for rs in per_prompt if rs]
-    passed = [any(r is not None and r >= cfg.eval.success_threshold for r in rs) for rs in scored]
+    samples = [s for scored in per_prompt for s in scored]
+    passed = [any(s.reward is not None and s.reward >= cfg.eval.success_threshold for s in scored) for scored in per_prompt if scored]
     return {
-        "eval/reward_mean": statistics.fmean(rewards) if rewards else None,
+        "eval/reward_mean": _mean([s.reward for s in samples]),
         "eval/pass_rate": sum(passed) / len(passed) if passed else None,
         "eval/failed_requests": len(failures),
+        **{f"eval/reward/{name}": _mean([s.terms.get(name) for s in samples]) for name in scorer.names},
     }
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

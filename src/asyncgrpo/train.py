@@ -305,7 +305,7 @@ class TrainingRun:
         self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.reward_terms, distill=teacher is not None))
         self.trackers = Trackers(cfg, run_dir)
         self.progress = Progress(cfg, plan.step)
-        self.eval_state: dict[str, float | None] = dict.fromkeys(EVAL_KEYS)
+        self.eval_state: dict[str, float | None] = dict.fromkeys([*EVAL_KEYS, *(f"eval/reward/{name}" for name in self.reward_terms)])
         self.rewards_by_step: list[float] = []
         self.trainer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncgrpo-trainer")
         self.started = time.perf_counter()

@@ -1,7 +1,8 @@
 """Metric names (DESIGN.md §5), grouped by who produces them. Part of the interface: rename nothing.
 
-Every name a `metrics.jsonl` line carries is defined here (plus `reward/<function>` per reward
-function); producers fill dicts keyed by these names and telemetry/metrics.py checks the set.
+Every name a `metrics.jsonl` line carries is defined here (plus `reward/<function>` and
+`eval/reward/<function>` per reward function); producers fill dicts keyed by these names and
+telemetry/metrics.py checks the set.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Per-step metrics: one JSON object per step in `metrics.jsonl`, and sampled completions in `samples.jsonl`.
 
 Invariants:
-- The key set is fixed when the run starts (DESIGN.md §5 names plus `reward/<function>` and
-  `eval/*`) and every line carries every key, so charts have no gaps. A step that cannot
+- The key set is fixed when the run starts (DESIGN.md §5 names plus `reward/<function>`,
+  `eval/*` and `eval/reward/<function>`) and every line carries every key, so charts have no gaps. A step that cannot
   produce a value (an eval metric before the first evaluation) writes null; a missing or
   unexpected key is a bug and raises.
 - Lines are flushed as they are written, so a killed run keeps every finished step.
@@ -34,6 +34,7 @@ def metric_keys(reward_names: Iterable[str], *, distill: bool = False) -> tuple[
         *(DISTILL_KEYS if distill else ()),
         *COUNTER_NAMES,
         *EVAL_KEYS,
+        *(f"eval/reward/{name}" for name in reward_names),
     )
 
 
