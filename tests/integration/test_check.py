@@ -50,3 +50,19 @@ def test_check_names_the_environment_and_its_reward(tmp_path, capsys):
     assert code == 0, out
     assert "reward: the environment's x 1 (on error: fail)" in out
     assert "env: asyncgrpo.environments.calculator:CalculatorEnv, up to 2 turns and 40 tokens, thread isolation, cancel grace 5 s" in out
+
+
+def test_a_device_this_machine_lacks_fails_check_and_train_before_anything_loads(tmp_path, capsys):
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU: absent on every machine
+    cases = [(["recipes/demo.yaml", f"train.device={missing}"], "train.device"),
+             (["recipes/demo.yaml", f"generation.local.device={missing}"], "generation.local.device"),
+             (["recipes/distill_tiny.yaml", f"distill.device={missing}"], "distill.device")]
+    for args, key in cases:
+        run = tmp_path / key
+        for command in ("check", "train"):
+            assert main([command, *args, f"run.output_dir={run}"]) == 3
+            err = capsys.readouterr().err
+            assert f"{key} = '{missing}', but this machine has" in err and f"Fix: set {key}: auto" in err, err
+            assert not run.exists()  # refused in preflight: no run directory, no model loaded
