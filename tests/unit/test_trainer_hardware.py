@@ -86,6 +86,14 @@ def test_gradient_checkpointing_recomputes_layers_and_matches_full_fine_tuning()
     assert not any(m.training for m in checkpointed.model.model.layers[0].modules() if m is not checkpointed.model.model.layers[0])
 
 
+def test_gradient_checkpointing_on_a_model_that_cannot_is_a_config_error():
+    model = tiny_llama(0)
+    model.supports_gradient_checkpointing = False  # as a custom architecture without it
+    expected = r"train.gradient_checkpointing = true, but LlamaForCausalLM .*Fix: set train.gradient_checkpointing: false"
+    with pytest.raises(ConfigError, match=expected):
+        TorchTrainer(model, None, make_cfg({"gradient_checkpointing": True}))
+
+
 def test_lora_trains_adapters_only_serves_merged_weights_and_matches_full_fine_tuning_direction(tmp_path):
     pytest.importorskip("peft", reason="LoRA needs peft: pip install 'asyncgrpo[lora]'")
     _, _, before, after_full = train_and_measure({})
