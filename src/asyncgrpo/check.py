@@ -11,11 +11,11 @@ one-paragraph config error the run would give, before any model loads.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, read_rows
+from asyncgrpo.models.loading import load_tokenizer
 from asyncgrpo.training.resume import ResumePlan
 
 
@@ -33,7 +33,7 @@ def check_recipe(cfg: Config) -> str:
 
         plan = preflight(cfg)
         rows, eval_rows = _split_rows(cfg)
-        tokenizer = _tokenizer(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.path)
     limit, key = cfg.data.max_prompt_tokens, cfg.data.prompt_key
     report = build_prompts(rows, prompt_key=key, tokenizer=tokenizer, max_prompt_tokens=limit)[1]
     eval_key = "eval.source" if cfg.eval.source else "data.prompt_key"
@@ -47,17 +47,6 @@ def check_recipe(cfg: Config) -> str:
         f"run directory: {cfg.run.directory}; {_resume_line(plan)}",
     ]
     return "\n".join(lines)
-
-
-def _tokenizer(path: str) -> Any:
-    """The tokenizer of `model.path`, without the model's weights."""
-    if path.startswith("builtin:"):
-        from asyncgrpo.models.tiny import build_tiny_tokenizer
-
-        return build_tiny_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(Path(path).expanduser(), local_files_only=True)
 
 
 def _eval_line(cfg: Config, n: int) -> str:
