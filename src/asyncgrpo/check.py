@@ -71,9 +71,23 @@ def _settings(cfg: Config) -> list[str]:
         *([f"env: {cfg.env.factory}, up to {cfg.env.max_turns} turns and {cfg.env.max_tokens} tokens, {cfg.env.isolation} isolation, "
            f"cancel grace {cfg.env.cancel_grace_s:g} s"] if cfg.env is not None else []),
         f"train: {t.backend}, {t.max_steps} steps, lr {t.lr:g}, loss {t.loss.objective}, kl_coef {t.loss.kl_coef:g}",
-        f"checkpoints: every {cfg.checkpoint.every_steps or 'final only'} steps, keep {cfg.checkpoint.keep_last}; "
+        *([_hardware(cfg)] if t.backend == "torch" else []),
+        f"checkpoints: {f'every {cfg.checkpoint.every_steps} steps' if cfg.checkpoint.every_steps else 'the final one only'}, "
+        f"keep {cfg.checkpoint.keep_last}; "
         f"metrics to {', '.join(dict.fromkeys(['jsonl', *cfg.logging.sinks]))}",
     ]
+
+
+def _hardware(cfg: Config) -> str:
+    """Where and how the trainer computes: device (auto resolved on this machine), precision, schedule, memory savers."""
+    from asyncgrpo.training.device import resolve_device
+
+    t = cfg.train
+    device = f"auto ({resolve_device('auto')})" if t.device == "auto" else t.device
+    schedule = f"{t.lr_schedule} after {t.warmup_steps} warm-up steps" if t.warmup_steps else t.lr_schedule
+    lora = f"LoRA r {t.lora.r}, alpha {t.lora.alpha:g} on {t.lora.target_modules}" if t.lora is not None else "every weight trained"
+    checkpointing = ", gradient checkpointing" if t.gradient_checkpointing else ""
+    return f"trainer: device {device}, {t.precision} compute on float32 weights, lr schedule {schedule}, {lora}{checkpointing}"
 
 
 def _resume_line(plan: ResumePlan | None) -> str:

@@ -66,3 +66,19 @@ def test_a_device_this_machine_lacks_fails_check_and_train_before_anything_loads
             err = capsys.readouterr().err
             assert f"{key} = '{missing}', but this machine has" in err and f"Fix: set {key}: auto" in err, err
             assert not run.exists()  # refused in preflight: no run directory, no model loaded
+
+
+def test_check_says_where_and_how_the_trainer_computes(tmp_path, capsys):
+    import torch
+
+    auto = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    assert main(["check", "recipes/demo.yaml", f"run.output_dir={tmp_path / 'run'}", "checkpoint.every_steps=0"]) == 0
+    out = capsys.readouterr().out
+    assert (f"trainer: device auto ({auto}), float32 compute on float32 weights, lr schedule constant after 5 warm-up steps, "
+            f"every weight trained\n") in out
+    assert "checkpoints: the final one only, keep 2;" in out
+    args = ["train.device=cpu", "train.precision=bfloat16", "train.lr_schedule=cosine", "train.warmup_steps=0",
+            "train.lora={r: 8, target_modules: [q_proj, v_proj]}", "train.gradient_checkpointing=true"]
+    assert main(["check", "recipes/demo.yaml", f"run.output_dir={tmp_path / 'run'}", *args]) == 0
+    assert ("trainer: device cpu, bfloat16 compute on float32 weights, lr schedule cosine, LoRA r 8, alpha 32 on "
+            "['q_proj', 'v_proj'], gradient checkpointing\n") in capsys.readouterr().out
