@@ -75,6 +75,7 @@ from asyncgrpo.telemetry.progress import Progress, RunTotals
 from asyncgrpo.telemetry.sinks import Trackers, sink_problems
 from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.threads import run_in_daemon_thread
+from asyncgrpo.training.lora import check_peft
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import Group, Prompt, StepRecord
@@ -96,6 +97,8 @@ def preflight(cfg: Config) -> ResumePlan:
         import_ray()  # ConfigError with the install command when it is missing
     check_model_path(cfg.model.path)
     check_devices(cfg)
+    if cfg.train.lora is not None:
+        check_peft()
     if cfg.algorithm == "distill":
         check_teacher_path(cfg)
     check_data_source(cfg.data.source, key="data.source")

@@ -82,3 +82,16 @@ def test_check_says_where_and_how_the_trainer_computes(tmp_path, capsys):
     assert main(["check", "recipes/demo.yaml", f"run.output_dir={tmp_path / 'run'}", *args]) == 0
     assert ("trainer: device cpu, bfloat16 compute on float32 weights, lr schedule cosine, LoRA r 8, alpha 32 on "
             "['q_proj', 'v_proj'], gradient checkpointing\n") in capsys.readouterr().out
+
+
+def test_lora_without_peft_fails_check_and_train_before_anything_loads(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    run = tmp_path / "run"
+    for command in ("check", "train"):
+        assert main([command, "recipes/demo.yaml", "train.lora.r=4", f"run.output_dir={run}"]) == 3
+        err = capsys.readouterr().err
+        assert "train.lora is set, but peft cannot be imported (not installed). Fix: pip install 'asyncgrpo[lora]'" in err
+        assert not run.exists()

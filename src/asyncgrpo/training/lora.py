@@ -17,15 +17,28 @@ Invariants:
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from asyncgrpo.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
 ADAPTER_DIR = "adapter"
 ADAPTER_NAME = "default"
+
+
+def check_peft() -> None:
+    """ConfigError unless peft is installed (preflight, before any model loads: imports neither peft nor torch)."""
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError(_no_peft("not installed"))
+
+
+def _no_peft(why: str) -> str:
+    return (f"train.lora is set, but peft cannot be imported ({why}). Fix: pip install 'asyncgrpo[lora]' (or pip install "
+            f"peft), or remove train.lora to fine-tune every weight.")
 
 
 def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
@@ -33,10 +46,7 @@ def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
-        raise ConfigError(
-            f"train.lora is set, but peft is not installed ({exc}). Fix: pip install 'asyncgrpo[lora]' (or pip install "
-            f"peft), or remove train.lora to fine-tune every weight."
-        ) from exc
+        raise ConfigError(_no_peft(str(exc))) from exc
     targets = lora.target_modules
     try:
         config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
@@ -57,6 +67,7 @@ def base_model(model: Any) -> Any:
 
 def merged_state(model: Any) -> dict[str, torch.Tensor]:
     """The weights a generator serves: base names, adapters merged into their linears (see the module docstring)."""
+    import torch
     from peft.tuners.lora import LoraLayer
 
     base = base_model(model)
