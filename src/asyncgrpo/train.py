@@ -1,7 +1,8 @@
 """`asyncgrpo train`: one training run, told as a story of named steps.
 
-1. `preflight(cfg)`: every name, path and device in the recipe is checked (model, devices, data, eval data,
-   reward functions, backends, run directory) before anything heavy is imported or loaded.
+1. `preflight(cfg)`: every name, path and device in the recipe is checked (model, devices, peft for
+   LoRA, data, eval data, reward functions, backends, run directory) before anything heavy is
+   imported or loaded.
 2. The run directory is claimed (rundir.py): refused unless asyncgrpo made it, locked for this
    process, and on a fresh start cleared of what an earlier run wrote (nothing else).
 3. `TrainingRun.prepare`: the model and tokenizer (the trainer trains one copy, the engine serves
