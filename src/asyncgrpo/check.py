@@ -1,11 +1,12 @@
 """`asyncgrpo check RECIPE`: everything `train` (or `simulate`) would check and read before its first step,
 without loading model weights, and what it found.
 
-It runs the command's preflight (names, paths, reward functions, trackers, run directory), then
+It runs the command's preflight (names, paths, devices, reward functions, trackers, run directory), then
 reads the data as the run would: the prompt column of every row (a wrong `data.prompt_key` fails
 here, naming the columns there are), chat or plain text, how many prompts are kept and how many
-dropped as too long (with the tokenizer, which loads; the weights do not), and the eval rows.
-It prints the resolved settings and what the run would resume from. Any problem is the same
+dropped as too long (with the tokenizer the run uses, which loads; the weights do not), and the
+eval rows. It prints the resolved settings (the trainer's device with auto resolved here) and what
+the run would resume from. Any problem is the same
 one-paragraph config error the run would give, before any model loads.
 """
 
