@@ -6,8 +6,8 @@ reads the data as the run would: the prompt column of every row (a wrong `data.p
 here, naming the columns there are), chat or plain text, how many prompts are kept and how many
 dropped as too long (with the tokenizer the run uses, which loads; the weights do not), and the
 eval rows. It prints the resolved settings (the trainer's device with auto resolved here) and what
-the run would resume from. Any problem is the same
-one-paragraph config error the run would give, before any model loads.
+the run would resume from. Any problem is the same one-paragraph config error the run would give,
+before any model loads.
 """
 
 from __future__ import annotations
