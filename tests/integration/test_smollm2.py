@@ -43,3 +43,18 @@ def test_smollm2_loads_from_the_package_trains_two_steps_and_its_weights_change(
     assert after["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32  # the master weights
     changed = [k for k in before if k in after and not torch.equal(before[k], after[k])]
     assert len(changed) > len(before) // 2
+
+
+def test_check_counts_prompt_tokens_with_smollm2s_tokenizer_and_converts_nothing(tmp_path, monkeypatch, capsys):
+    from asyncgrpo.cli import main
+    from asyncgrpo.models.smollm2 import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    # SmolLM2's chat template makes these prompts 44 tokens or fewer; builtin:tiny's tokenizer would count up to 61.
+    code = main(["check", "recipes/smollm2_arithmetic.yaml", "data.max_prompt_tokens=44", f"run.output_dir={tmp_path / 'run'}"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "2048 prompts from 2048 rows" in out.out
+    assert not (tmp_path / "cache").exists()  # the tokenizer came from the GGUF file: nothing was converted
+    assert main(["check", "recipes/smollm2_arithmetic.yaml", "data.max_prompt_tokens=43", f"run.output_dir={tmp_path / 'run'}"]) == 3
+    assert "the longest has 44 tokens" in capsys.readouterr().err

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncgrpo.config import load_config, parse_overrides
+from asyncgrpo.config import load_config, parse_overrides, tolerance_warnings
 from asyncgrpo.errors import ConfigError
 
 
@@ -133,3 +133,11 @@ def test_a_placement_group_needs_resources_to_reserve():
     message = error_of("ray.trainer.placement=SPREAD", "ray.trainer.num_cpus=0")
     assert "placement = SPREAD" in message and "num_cpus and num_gpus are both 0" in message and "Fix:" in message
     assert load_config(None, ["ray.generator.placement=PACK"]).ray.generator.placement == "PACK"
+
+
+def test_a_warm_up_as_long_as_the_run_is_warned_with_the_rate_it_reaches():
+    (warning,) = tolerance_warnings(load_config("recipes/demo.yaml", ["train.max_steps=2", "train.lr_schedule=cosine"]))
+    assert "train.warmup_steps = 5 is not below train.max_steps = 2" in warning
+    assert "rising to 40% of train.lr = 0.0015 at the last step, and train.lr_schedule = 'cosine' never starts" in warning
+    assert "Fix: lower train.warmup_steps" in warning
+    assert tolerance_warnings(load_config("recipes/demo.yaml", ["train.max_steps=6"])) == []

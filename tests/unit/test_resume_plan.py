@@ -114,3 +114,23 @@ def _truncate(file: Path, keep: int) -> None:
     """Keep the first `keep` bytes (or all but the last -keep)."""
     data = file.read_bytes()
     file.write_bytes(data[:keep])
+
+
+@pytest.mark.parametrize(("saved", "now", "line"), [
+    (["train.lora.r=4"], [], "train.lora.r: 4 in the checkpoint, None now"),
+    ([], ["train.lora.r=4"], "train.lora.r: None in the checkpoint, 4 now"),
+    (["train.lora.r=4"], ["train.lora.r=8"], "train.lora.r: 4 in the checkpoint, 8 now"),
+    (["train.lora.r=4"], ["train.lora.r=4", "train.lora.alpha=8"], "train.lora.alpha: 32.0 in the checkpoint, 8.0 now"),
+    (["train.lora.r=4"], ["train.lora.r=4", "train.lora.target_modules=[q_proj]"], "train.lora.target_modules: 'all-linear' in"),
+])
+def test_adding_removing_or_reshaping_lora_on_resume_is_refused_before_the_model_loads(tmp_path, saved, now, line):
+    checkpoint = make_checkpoint(tmp_path, 3, saved)
+    with pytest.raises(ConfigError) as info:
+        plan_resume(config(tmp_path, *now))
+    assert line in str(info.value) and f"model.path={checkpoint}" in str(info.value)
+
+
+def test_a_lora_run_resumes_with_another_adapter_dropout(tmp_path):
+    make_checkpoint(tmp_path, 3, ["train.lora.r=4"])
+    plan = plan_resume(config(tmp_path, "train.lora.r=4", "train.lora.dropout=0.1"))
+    assert plan.step == 3 and plan.changed == ["train.lora.dropout: 0.0 -> 0.1"]

@@ -86,6 +86,14 @@ def test_gradient_checkpointing_recomputes_layers_and_matches_full_fine_tuning()
     assert not any(m.training for m in checkpointed.model.model.layers[0].modules() if m is not checkpointed.model.model.layers[0])
 
 
+def test_gradient_checkpointing_on_a_model_that_cannot_is_a_config_error():
+    model = tiny_llama(0)
+    model.supports_gradient_checkpointing = False  # as a custom architecture without it
+    expected = r"train.gradient_checkpointing = true, but LlamaForCausalLM .*Fix: set train.gradient_checkpointing: false"
+    with pytest.raises(ConfigError, match=expected):
+        TorchTrainer(model, None, make_cfg({"gradient_checkpointing": True}))
+
+
 def test_lora_trains_adapters_only_serves_merged_weights_and_matches_full_fine_tuning_direction(tmp_path):
     pytest.importorskip("peft", reason="LoRA needs peft: pip install 'asyncgrpo[lora]'")
     _, _, before, after_full = train_and_measure({})
@@ -117,6 +125,20 @@ def test_lora_trains_adapters_only_serves_merged_weights_and_matches_full_fine_t
     assert resumed.version == 3
     for k, v in resumed.generation_weights().items():
         torch.testing.assert_close(v, served[k])
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # peft's own hint of the same
+@pytest.mark.parametrize("targets", [["lm_head"], ["embed_tokens", "q_proj"]])
+def test_lora_on_a_tied_embedding_is_refused_since_no_merged_model_could_serve_it(targets):
+    pytest.importorskip("peft", reason="LoRA needs peft: pip install 'asyncgrpo[lora]'")
+    from asyncgrpo.models.tiny import build_tiny
+
+    model, _ = build_tiny(0)  # ties lm_head to embed_tokens, as SmolLM2 does
+    with pytest.raises(ConfigError, match=r"but this model ties its input and output embeddings .*Fix: leave lm_head and "
+                                          r"model.embed_tokens out of train.lora.target_modules"):
+        TorchTrainer(model, None, make_cfg({"lora": {"r": 4, "target_modules": targets}}))
+    model, _ = build_tiny(0)
+    assert TorchTrainer(model, None, make_cfg({"lora": {"r": 4}})).lora  # all-linear leaves lm_head out
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ Invariants:
   when the directory defines none).
 - A directory whose weight files provide fewer than half of the architecture's tensors is
   refused (transformers would initialise the rest at random and say nothing that stops a run).
+- `load_tokenizer(path)` tokenizes exactly as the tokenizer of `load_model_and_tokenizer(path)`.
 - `save_model` writes the standard `save_pretrained` layout; `load_model_and_tokenizer` on it
   gives bit-identical weights and the same tokenization.
 """
@@ -82,7 +83,7 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32", seed: int = 0) -
         model, tokenizer = build_tiny(seed)
         return model.to(torch_dtype), tokenizer
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
     directory = Path(path).expanduser()
     try:
@@ -94,11 +95,35 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32", seed: int = 0) -
             f"Fix: check that config.json describes a causal LM and the weight files are complete."
         ) from exc
     check_weights_matched(path, model, info)
+    return model, _directory_tokenizer(path)
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer `load_model_and_tokenizer(path)` returns, without loading the weights (`check` counts prompt
+    tokens with it). builtin:smollm2-135m-instruct is not converted for it: its tokenizer is read from the GGUF file
+    until the converted directory exists (the tokenizer the conversion saves there)."""
+    check_model_path(path)
+    if path == "builtin:smollm2-135m-instruct":
+        from asyncgrpo.models.smollm2 import converted_directory, gguf_tokenizer
+
+        directory = converted_directory()
+        return gguf_tokenizer() if directory is None else _directory_tokenizer(str(directory))
+    if path.startswith("builtin:"):
+        from asyncgrpo.models.tiny import build_tiny_tokenizer
+
+        return build_tiny_tokenizer()
+    return _directory_tokenizer(path)
+
+
+def _directory_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    directory = Path(path).expanduser()
     try:
         if (directory / "tokenizer.json").is_file():
             tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
         else:
-            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)  # type: ignore[assignment]
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except Exception as exc:
         raise ConfigError(
             f"model.path = {path!r}: could not load the tokenizer from this directory ({type(exc).__name__}: {exc}). "
@@ -111,7 +136,7 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32", seed: int = 0) -
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return tokenizer
 
 
 def check_weights_matched(path: str, model: Any, info: dict[str, Any]) -> None:

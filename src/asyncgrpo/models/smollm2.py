@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 from asyncgrpo.errors import ConfigError
 
@@ -65,13 +66,32 @@ def cache_root() -> Path:
 
 def smollm2_directory() -> Path:
     """The converted model directory (config.json, model.safetensors, tokenizer files), converting on first use."""
-    check_installed()
+    converted = converted_directory()
+    if converted is not None:
+        return converted
     source = gguf_file()
-    target = cache_root() / f"{NAME}-{source.stat().st_size}"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
+    target = _target(source)
     _convert(source, target)
     return target
+
+
+def converted_directory() -> Path | None:
+    """The converted model directory of the installed package's GGUF file, or None while it is not converted."""
+    check_installed()
+    target = _target(gguf_file())
+    return target if (target / "config.json").is_file() and (target / "model.safetensors").is_file() else None
+
+
+def gguf_tokenizer() -> Any:
+    """The tokenizer read from the GGUF file (with its chat template): the one the conversion saves."""
+    from transformers import AutoTokenizer
+
+    source = gguf_file()
+    return AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+
+
+def _target(source: Path) -> Path:
+    return cache_root() / f"{NAME}-{source.stat().st_size}"
 
 
 def _convert(source: Path, target: Path) -> None:

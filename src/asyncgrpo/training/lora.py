@@ -10,6 +10,8 @@ Invariants:
   from `model.path` expects): base weights as they are (no copy) and, for each adapted linear,
   W + (alpha / r) * B @ A computed fresh. The peft model is never merged in place, so the
   base weights are never perturbed by a merge/unmerge round trip.
+- An embedding tied to the output layer (tie_word_embeddings, as in SmolLM2) is never adapted
+  (ConfigError): a served or saved model has one matrix for both, so no merge could hold it.
 - `save_adapter` / `load_adapter` use peft's own adapter layout (adapter_config.json,
   adapter_model.safetensors) in `ADAPTER_DIR` of a checkpoint; it loads with
   ``PeftModel.from_pretrained(base, path / ADAPTER_DIR)``.
@@ -17,15 +19,28 @@ Invariants:
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from asyncgrpo.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
 ADAPTER_DIR = "adapter"
 ADAPTER_NAME = "default"
+
+
+def check_peft() -> None:
+    """ConfigError unless peft is installed (preflight, before any model loads: imports neither peft nor torch)."""
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError(_no_peft("not installed"))
+
+
+def _no_peft(why: str) -> str:
+    return (f"train.lora is set, but peft cannot be imported ({why}). Fix: pip install 'asyncgrpo[lora]' (or pip install "
+            f"peft), or remove train.lora to fine-tune every weight.")
 
 
 def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
@@ -33,11 +48,11 @@ def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
-        raise ConfigError(
-            f"train.lora is set, but peft is not installed ({exc}). Fix: pip install 'asyncgrpo[lora]' (or pip install "
-            f"peft), or remove train.lora to fine-tune every weight."
-        ) from exc
+        raise ConfigError(_no_peft(str(exc))) from exc
+    from peft.tuners.lora import LoraLayer
+
     targets = lora.target_modules
+    tied = _tied_embeddings(model)
     try:
         config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
                             target_modules=targets if isinstance(targets, str) else list(targets))
@@ -47,7 +62,22 @@ def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
             f"train.lora.target_modules = {targets!r} does not fit this model ({exc}). Fix: name linear modules of the "
             f"model (e.g. [q_proj, k_proj, v_proj, o_proj]) or use all-linear."
         ) from exc
+    if adapted := [name for name, module in base_model(wrapped).named_modules() if isinstance(module, LoraLayer) and name in tied]:
+        raise ConfigError(
+            f"train.lora.target_modules = {targets!r} adapts {', '.join(adapted)}, but this model ties its input and output "
+            f"embeddings (one matrix, tie_word_embeddings): the merged weights the generators serve and checkpoints keep "
+            f"cannot hold an adapter on only one of them, so they would not be the model being trained. Fix: leave "
+            f"{' and '.join(sorted(tied))} out of train.lora.target_modules (all-linear does)."
+        )
     return wrapped
+
+
+def _tied_embeddings(model: Any) -> set[str]:
+    """The names of the input and output embedding modules when they share one weight, else none."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is None or outputs is None or outputs.weight is not inputs.weight:
+        return set()
+    return {name for name, module in model.named_modules() if module is inputs or module is outputs}
 
 
 def base_model(model: Any) -> Any:
@@ -57,6 +87,7 @@ def base_model(model: Any) -> Any:
 
 def merged_state(model: Any) -> dict[str, torch.Tensor]:
     """The weights a generator serves: base names, adapters merged into their linears (see the module docstring)."""
+    import torch
     from peft.tuners.lora import LoraLayer
 
     base = base_model(model)

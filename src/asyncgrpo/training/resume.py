@@ -36,6 +36,10 @@ INCOMPATIBLE_KEYS = (
     "data.shuffle",
     "data.max_prompt_tokens",
     "rollout.group_size",
+    # The adapter's shapes and scale: its weights load only into the same LoRA, and alpha scales what they add.
+    "train.lora.r",
+    "train.lora.alpha",
+    "train.lora.target_modules",
 )
 IGNORED_KEYS = ("run.overwrite", "checkpoint.resume")
 
@@ -100,9 +104,14 @@ def _checked(cfg: Config, path: Path, notes: list[str]) -> ResumePlan:
     incompatible = [k for k in differences if k in INCOMPATIBLE_KEYS]
     if incompatible:
         lines = "\n".join(f"  - {k}: {before.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in incompatible)
+        merged = (
+            f" (None: no train.lora.) A new run can start from the checkpoint's merged weights, with or "
+            f"without train.lora: model.path={path}."
+            if any(k.startswith("train.lora.") for k in incompatible) else ""
+        )
         raise ConfigError(
             f"cannot continue {path} with this recipe: these keys decide the model, the data or the groups and must "
-            f"not change on resume:\n{lines}\nFix: restore them, or start a new run (run.name=... or run.overwrite=true)."
+            f"not change on resume:\n{lines}\nFix: restore them, or start a new run (run.name=... or run.overwrite=true).{merged}"
         )
     changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in differences]
     state = json.loads((path / STATE_FILE).read_text())

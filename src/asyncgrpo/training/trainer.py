@@ -59,7 +59,7 @@ from torch import Tensor
 from asyncgrpo.config import Config
 from asyncgrpo.distill.judge import kl_mean
 from asyncgrpo.distill.loss import distill_advantages
-from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.errors import AsyncGRPOError, ConfigError
 from asyncgrpo.telemetry.keys import DISTILL_KEYS, TRAIN_KEYS
 from asyncgrpo.training import lora as lora_adapters
 from asyncgrpo.training.device import autocast, resolve_device
@@ -178,9 +178,9 @@ class TorchTrainer:
     @staticmethod
     def _enable_gradient_checkpointing(model: Any) -> None:
         if not getattr(model, "supports_gradient_checkpointing", False):
-            raise ValueError(
-                f"train.gradient_checkpointing is on, but {type(model).__name__} does not support it. Fix: set "
-                f"train.gradient_checkpointing: false."
+            raise ConfigError(
+                f"train.gradient_checkpointing = true, but {type(model).__name__} (model.path) does not support it. Fix: set "
+                f"train.gradient_checkpointing: false, or lower train.micro_batch_size to save memory instead."
             )
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
         if enable is not None:
