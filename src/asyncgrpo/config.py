@@ -249,7 +249,8 @@ Device = Annotated[str, AfterValidator(_check_device)]
 
 class LocalEngineConfig(_Section):
     max_batch_size: int = Field(64, ge=1, description="Most sequences the in-process engine decodes together.")
-    device: Device = Field("auto", description="Where the in-process engine runs: auto (train.device), cpu, cuda, cuda:N or mps.")
+    device: Device = Field("auto", description="Where the in-process engine runs: auto (train.device; on Ray, the GPU reserved "
+                         "for each generator actor, else cpu), cpu, cuda, cuda:N or mps.")
 
 
 class HttpConfig(_Section):

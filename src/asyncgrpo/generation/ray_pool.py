@@ -7,8 +7,9 @@ failure policy and every DESIGN invariant work as with any other backend.
 Design and invariants:
 - **Actors.** `start()` connects to Ray (ray_cluster.py), reserves their placement group when
   `ray.generator.placement` asks for one (ray_placement.py), puts the model and tokenizer into the
-  object store once and creates the actors (`ray.generator.num_cpus` / `num_gpus` each, restarted
-  up to `ray.max_restarts` times), then waits until every one has built its engine, within
+  object store once and creates the actors (`ray.generator.num_cpus` / `num_gpus` each, the engine on
+  `actor_device`: a reserved GPU or the CPU; restarted up to `ray.max_restarts` times), then waits
+  until every one has built its engine, within
   `ray.startup_timeout_s` (a cluster without the resources asked for never places an actor: the
   error says what was asked and what the cluster has).
 - **Dispatch.** A request goes to the usable actor with the fewest open requests. Cancelling
@@ -46,6 +47,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from asyncgrpo.config import Config
 from asyncgrpo.errors import BackendDeadError, GenerationError, TransientGenerationError
 from asyncgrpo.generation.local import LocalEngine
@@ -69,14 +72,29 @@ class Refused:
     version: int
 
 
+def actor_device(spec: str, num_gpus: float) -> str:
+    """Where each generator actor's engine runs: ``generation.local.device``, where `auto` is the GPU Ray reserved for
+    the actor when ``ray.generator.num_gpus`` > 0 (Ray makes it the actor's visible device, ``cuda``), else the CPU: an
+    actor must not take a GPU it was not given."""
+    if spec != "auto":
+        return spec
+    return "cuda" if num_gpus > 0 else "cpu"
+
+
 class GeneratorActor:
     """One generator actor's body: a `LocalEngine` over its own copy of the model (Ray makes it an async actor).
 
     Errors of a request come back as values (the exception), so the driver re-raises them as the
     same class; a restarted actor starts its engine on its first call."""
 
-    def __init__(self, model: Any, tokenizer: Any, version: int, max_batch_size: int, name: str) -> None:
-        self._engine = LocalEngine(model, tokenizer, name=name, max_batch_size=max_batch_size, version=version)
+    def __init__(self, model: Any, tokenizer: Any, version: int, max_batch_size: int, name: str, device: str) -> None:
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise GenerationError(
+                f"generator actor {name}: generation.local.device resolves to {device!r} here, but the actor sees no CUDA "
+                f"device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Fix: give the actors GPUs "
+                f"(ray.generator.num_gpus), or set generation.local.device: cpu."
+            )
+        self._engine = LocalEngine(model.to(device), tokenizer, name=name, max_batch_size=max_batch_size, version=version)
         self._open = 0  # requests this actor holds (running or queued in its engine)
         self._open_changed = StateSignal()
 
@@ -210,10 +228,11 @@ class RayGenerator:
         self._model = self._tokenizer = None
         self._constructor_refs = (model_ref, tokenizer_ref)
         batch = self.cfg.generation.local.max_batch_size
+        device = actor_device(self.cfg.generation.local.device, rc.generator.num_gpus)
         for index in range(rc.generators):
             name = f"{self.name}-{index}"
             remote = actor_class.options(**options, **self._placement.options(index))
-            handle = remote.remote(model_ref, tokenizer_ref, self._initial_version, batch, name)
+            handle = remote.remote(model_ref, tokenizer_ref, self._initial_version, batch, name, device)
             self._actors.append(_Actor(name, handle, self._initial_version))
         try:
             async with asyncio.timeout(rc.startup_timeout_s):
