@@ -138,7 +138,7 @@ def test_results_exceptions_and_the_remote_traceback_come_back():
             return err.value
 
     error = run(main())
-    assert "'missing_column' raised KeyError: 'missing_column'" in str(error) and "reward.on_error" in str(error)
+    assert "'missing_column' raised KeyError: 'missing_column'" in str(error) and "Fix: fix the function" in str(error)
     assert isinstance(error.__cause__, KeyError)
     assert isinstance(error.__cause__.__cause__, RemoteTraceback)
     assert 'raise KeyError("missing_column")' in str(error.__cause__.__cause__)

@@ -13,6 +13,7 @@ import pytest
 
 from asyncgrpo.errors import ConfigError, RewardError
 from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion, resolve_reward, resolve_rewards, unscored_group_error
+from asyncgrpo.rollout.diagnostics import reward_failed
 from asyncgrpo.tasks import REWARDS
 from asyncgrpo.types import Prompt
 
@@ -250,7 +251,9 @@ def test_exception_becomes_reward_error_with_cause():
         run(RewardScorer([("grader", grader)], timeout_s=5).score(PROMPT, ["aaaa", "b"]))
     msg = str(err.value)
     assert "'grader'" in msg and "raised KeyError" in msg and "missing_column" in msg
-    assert "'say a: '" in msg and "'aaaa'" in msg and "reward.on_error" in msg
+    assert "'say a: '" in msg and "'aaaa'" in msg and msg.count("Fix:") == 1
+    diagnostic = reward_failed(err.value, 0, 1).message  # the run's diagnostic adds the way to go on, once
+    assert diagnostic.count("Fix") == 1 and diagnostic.count("reward.on_error: drop") == 1 and ". ." not in diagnostic
     assert isinstance(err.value.__cause__, KeyError)
     assert err.value.__cause__.__traceback__ is not None
     assert err.value.function == "grader" and err.value.completion == "aaaa"

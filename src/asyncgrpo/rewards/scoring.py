@@ -362,15 +362,14 @@ class RewardScorer:
                     completions[0],
                     f"crashed its worker process: it {exc}",
                     "the function, or a library it calls, ended the process (a segfault, os._exit); call it on this "
-                    "input outside asyncgrpo to see why. The worker was replaced; reward.on_error: drop drops such groups",
+                    "input outside asyncgrpo to see why. The worker was replaced",
                 ) from exc
             raise self._error(
                 entry,
                 prompt,
                 completions[0],
                 f"raised {_describe(exc)}",
-                "fix the function (the original traceback is chained below), or set reward.on_error: drop to drop "
-                "such groups as reward_error",
+                "fix the function (the original traceback is chained below)",
             ) from exc
         return self._check(entry, prompt, completions, result)
 

@@ -28,8 +28,8 @@ def backend_fatal(error: FatalBackendError, backend: str, version: int | None, s
 def reward_failed(error: RewardError, version: int | None, step: int) -> Diagnostic:
     return Diagnostic(
         kind="reward_error",
-        message=f"A reward function failed: {error}. Fix the function, or set reward.on_error: drop "
-        f"to drop such groups (counted as reward_error) instead of stopping.",
+        message=f"A reward function failed: {error} Or set reward.on_error: drop to drop such groups (counted as "
+        f"reward_error) instead of stopping.",
         generation_version=version,
         trainer_step=step,
         original=error,
