@@ -13,7 +13,7 @@ import torch
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.local import serving_copy
 from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
-from asyncgrpo.training.device import resolve_device
+from asyncgrpo.training.device import check_precision, resolve_device
 from asyncgrpo.training.integrity import checkpoint_problem
 from asyncgrpo.training.trainer import TorchTrainer
 from tests.tiny_models import tiny_llama
@@ -180,6 +180,14 @@ def test_device_placement_puts_the_model_and_batches_on_train_device():
 def test_asking_for_a_gpu_that_is_not_there_is_a_config_error_not_a_silent_cpu_run():
     with pytest.raises(ConfigError, match=r"train.device = 'cuda:1'.*no CUDA device.*Fix: set train.device: auto"):
         TorchTrainer(tiny_llama(0), None, make_cfg({"device": "cuda:1"}))
+
+
+def test_bfloat16_on_a_gpu_without_it_is_a_config_error_before_any_step(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # a V100, say
+    with pytest.raises(ConfigError, match=r"train.precision = 'bfloat16'.*compute capability 8.0.*Fix: set train.precision: float16"):
+        check_precision(torch.device("cuda"), "bfloat16")
+    check_precision(torch.device("cuda"), "float16")
+    check_precision(torch.device("cpu"), "bfloat16")  # CPU autocast has bfloat16
 
 
 def test_the_engine_copy_is_built_in_the_serving_dtype_and_loads_float32_weights():

@@ -7,6 +7,7 @@ and trains on the CPU is hours slower and says nothing).
 Invariants:
 - `resolve_device("auto")` is cuda when available, else mps, else cpu; an explicit device that
   is not available raises `ConfigError` naming the key, the value and the fix.
+- `check_precision` refuses bfloat16 on a GPU without it before any step runs.
 - `autocast(device, "float32")` is a no-op context; bfloat16/float16 run under `torch.autocast`
   on the device's type, so matmuls run in the low-precision dtype while parameters stay float32.
 """
@@ -49,6 +50,16 @@ def resolve_device(spec: str, *, key: str = "train.device") -> torch.device:
 def _mps_available() -> bool:
     backend = getattr(torch.backends, "mps", None)
     return bool(backend is not None and backend.is_available())
+
+
+def check_precision(device: torch.device, precision: str) -> None:
+    """ConfigError when `device` cannot compute in `precision`: bfloat16 autocast needs a GPU that has it
+    (compute capability 8.0 or newer); older ones fail at the first step."""
+    if precision == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"train.precision = 'bfloat16', but the GPU of train.device ({device}) has no bfloat16 support (it needs "
+            f"compute capability 8.0 or newer). Fix: set train.precision: float16 (trained with a gradient scaler) or float32."
+        )
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:

@@ -62,7 +62,7 @@ from asyncgrpo.distill.loss import distill_advantages
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
 from asyncgrpo.telemetry.keys import DISTILL_KEYS, TRAIN_KEYS
 from asyncgrpo.training import lora as lora_adapters
-from asyncgrpo.training.device import autocast, resolve_device
+from asyncgrpo.training.device import autocast, check_precision, resolve_device
 from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
 from asyncgrpo.types import Group
 
@@ -155,6 +155,7 @@ class TorchTrainer:
         # read or write the model consistently from another thread (checkpoints do).
         self.lock = threading.RLock()
         self._device = resolve_device(t.device)
+        check_precision(self._device, t.precision)
         model = model.to(device=self._device, dtype=torch.float32)
         self.reference: torch.nn.Module | None = None
         if t.loss.kl_coef > 0:
