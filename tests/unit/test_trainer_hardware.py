@@ -127,6 +127,19 @@ def test_lora_trains_adapters_only_serves_merged_weights_and_matches_full_fine_t
         torch.testing.assert_close(v, served[k])
 
 
+def test_with_lora_the_kl_reference_is_the_base_model_with_adapters_off_not_a_copy():
+    pytest.importorskip("peft", reason="LoRA needs peft: pip install 'asyncgrpo[lora]'")
+    cfg = make_cfg({"lr": 1e-2, "loss": {"kl_coef": 0.1}, "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}})
+    groups = make_groups(tiny_llama(0), 2)
+    shared, copied = TorchTrainer(tiny_llama(0), None, cfg), TorchTrainer(tiny_llama(0), None, cfg)
+    assert shared.reference is None  # no second copy of the model's weights
+    copied.reference = tiny_llama(0).eval().requires_grad_(False)  # a frozen copy of the initial model, as without LoRA
+    for _ in range(3):
+        a, b = shared.train_step(groups), copied.train_step(groups)
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-5, abs=1e-9) and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert a["kl"] > 0  # the adapters have moved the policy away from the reference
+
+
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # peft's own hint of the same
 @pytest.mark.parametrize("targets", [["lm_head"], ["embed_tokens", "q_proj"]])
 def test_lora_on_a_tied_embedding_is_refused_since_no_merged_model_could_serve_it(targets):

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,6 +84,11 @@ def _tied_embeddings(model: Any) -> set[str]:
 def base_model(model: Any) -> Any:
     """The transformers model inside a peft wrapper (with the adapters attached)."""
     return model.get_base_model()
+
+
+def adapters_off(model: Any) -> contextlib.AbstractContextManager[Any]:
+    """While entered, `model` computes as its base model (the adapters contribute nothing): the KL reference."""
+    return model.disable_adapter()
 
 
 def merged_state(model: Any) -> dict[str, torch.Tensor]:

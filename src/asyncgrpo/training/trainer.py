@@ -142,8 +142,8 @@ class TorchTrainer:
     `model`: a causal LM; it is moved to `train.device` and to float32 (the master weights), and
     wrapped in LoRA adapters when `train.lora` is set. `tokenizer`: used only for its pad id
     (None: pad with 0) and saved with checkpoints. With `train.loss.kl_coef > 0` a frozen copy
-    of `model` as passed here is the KL reference, so on resume build the trainer from the
-    initial model and then load the checkpoint.
+    of `model` as passed here is the KL reference (with LoRA: the base model, adapters off), so on
+    resume build the trainer from the initial model and then load the checkpoint.
     """
 
     def __init__(self, model: Any, tokenizer: Any, cfg: Config, *, version: int = 0) -> None:
@@ -157,8 +157,10 @@ class TorchTrainer:
         self._device = resolve_device(t.device)
         check_precision(self._device, t.precision)
         model = model.to(device=self._device, dtype=torch.float32)
+        # The KL reference: a frozen copy of the initial model; with LoRA the base model itself, its adapters switched
+        # off for the reference's forward pass (no copy: the base weights are frozen anyway).
         self.reference: torch.nn.Module | None = None
-        if t.loss.kl_coef > 0:
+        if t.loss.kl_coef > 0 and t.lora is None:
             self.reference = copy.deepcopy(model).eval()
             self.reference.requires_grad_(False)
         self.model = lora_adapters.wrap(model, t.lora) if t.lora is not None else model
@@ -437,9 +439,9 @@ class TorchTrainer:
         if cfg_l.objective == "decoupled":
             logp_prox = logp_new.detach() if first else batch.logp_prox
         logp_ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = self._logits(self.reference, batch)
+        if cfg_l.kl_coef > 0:
+            with torch.no_grad(), self._reference_model() as reference:
+                ref_logits = self._logits(reference, batch)
                 logp_ref, _ = token_logprobs(ref_logits, batch.targets, self.cfg.generation.temperature, with_entropy=False)
                 del ref_logits
         return grpo_loss(
@@ -554,6 +556,15 @@ class TorchTrainer:
             advantages=advantages,
             completion_width=width_c,
         )
+
+    @contextlib.contextmanager
+    def _reference_model(self) -> Iterator[torch.nn.Module]:
+        """The KL reference for a forward pass: the frozen copy, or (LoRA) the model with its adapters switched off."""
+        if self.reference is not None:
+            yield self.reference
+        else:
+            with lora_adapters.adapters_off(self.model):
+                yield self.model
 
     def _logits(self, model: torch.nn.Module, batch: _MicroBatch) -> Tensor:
         """Logits `[B, C, V]` at the C positions that predict the completion tokens."""
