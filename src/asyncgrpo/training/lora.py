@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,9 @@ def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
     try:
         config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
                             target_modules=targets if isinstance(targets, str) else list(targets))
-        wrapped = get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated name; nothing a user can act on
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            wrapped = get_peft_model(model, config)
     except ValueError as exc:
         raise ConfigError(
             f"train.lora.target_modules = {targets!r} does not fit this model ({exc}). Fix: name linear modules of the "
