@@ -66,7 +66,7 @@ async def evaluate(
         if not completions:
             return []
         try:
-            return await scorer.score(prompt, [c.text for c in completions])
+            return await scorer.score(prompt, completions)
         except RewardError as exc:
             failures.extend([exc] * len(completions))
             return []

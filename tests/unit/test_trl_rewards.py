@@ -10,9 +10,10 @@ import pytest
 
 from asyncgrpo.data.loading import build_prompts
 from asyncgrpo.models.tiny import build_tiny_tokenizer
-from asyncgrpo.rewards.scoring import RewardScorer
+from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rollout.no_signal import NoSignalWatch
 from asyncgrpo.tasks import arithmetic_correct_reward, arithmetic_format_reward, digit_arithmetic_eval_rows, digit_arithmetic_rows
+from asyncgrpo.types import Completion
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,6 +74,41 @@ def test_trl_reward_functions_work_unchanged():
             return await scorer.score(chat, ["<think>\nthree fours\n</think>\n12", "12"])
 
     assert [s.reward for s in asyncio.run(score())] == [1.0, 0.0]
+
+
+def completion(text: str, length: int) -> Completion:
+    return Completion(tuple(range(length)), (0.0,) * length, (0,) * length, "stop", 0, text=text)
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_completion_ids_reach_the_functions_that_ask_for_them_as_trl_passes_them(tmp_path, isolation):
+    (tmp_path / "id_rewards.py").write_text(textwrap.dedent('''
+        def token_count(prompts, completions, completion_ids):
+            return [float(len(ids)) for ids in completion_ids]
+
+        def no_ids(prompts, completions):
+            return [1.0 for _ in completions]
+    '''))
+    specs = [f"{tmp_path / 'id_rewards.py'}:token_count", f"{tmp_path / 'id_rewards.py'}:no_ids"]
+    chat = prompts_of([{"prompt": MESSAGES}])[0]
+
+    async def score():
+        async with RewardScorer(resolve_rewards(specs), isolation=isolation, specs=specs, workers=1) as scorer:
+            return await scorer.score(chat, [completion("12", 2), completion("twelve", 5)])
+
+    assert [s.terms for s in asyncio.run(score())] == [{"token_count": 2.0, "no_ids": 1.0}, {"token_count": 5.0, "no_ids": 1.0}]
+
+
+def test_trls_length_rewards_score_the_generated_tokens():
+    rewards = pytest.importorskip("trl.rewards", reason="trl is not installed in this environment")
+    overlong = rewards.get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)  # DAPO's: -1 at 10 tokens
+    chat = prompts_of([{"prompt": MESSAGES}])[0]
+
+    async def score():
+        async with RewardScorer([("overlong", overlong)]) as scorer:
+            return await scorer.score(chat, [completion("12", 5), completion("twelve is the answer", 8), completion("...", 10)])
+
+    assert [s.reward for s in asyncio.run(score())] == pytest.approx([0.0, -0.5, -1.0])
 
 
 def test_digit_arithmetic_is_conversational_held_out_and_scored_on_either_shape():

@@ -2,13 +2,15 @@
 
 Convention (TRL's): a reward function is called with keyword arguments
 
-    reward(prompts=[...], completions=[...], **columns) -> list[float | None]
+    reward(prompts=[...], completions=[...], completion_ids=[...], **columns) -> list[float | None]
 
 one prompt and one completion per entry: strings for text prompts; for conversational prompts
 (chat messages) the prompt's message list and ``[{"role": "assistant", "content": text}]``, as
-TRL does (so ``completion[0]["content"]`` is the text and `trl.rewards` functions work); every
-column of the prompt's row repeated as a list aligned with `completions`. A function whose signature has no ``**kwargs`` receives
-only the columns it names. Functions may be sync or async (``async def``, or returning an
+TRL does (so ``completion[0]["content"]`` is the text and `trl.rewards` functions work);
+`completion_ids` each completion's generated token ids (a final stop token included, as TRL's),
+when the caller scores `Completion`s (training and evaluation do; plain texts have none); every
+column of the prompt's row repeated as a list aligned with `completions`. A function whose
+signature has no ``**kwargs`` receives only the arguments and columns it names. Functions may be sync or async (``async def``, or returning an
 awaitable). None means "no opinion on this completion": it is excluded from that
 function's term.
 
@@ -60,7 +62,7 @@ from asyncgrpo.errors import ConfigError, RewardError
 from asyncgrpo.rewards.pool import RewardWorkerPool, WorkerCrashed, WorkerStartError
 from asyncgrpo.tasks import REWARDS
 from asyncgrpo.threads import DaemonThreadPool, PoolClosed
-from asyncgrpo.types import Prompt
+from asyncgrpo.types import Completion, Prompt
 
 Message = Mapping[str, Any]
 
@@ -72,7 +74,7 @@ BUILTIN_PREFIX = "builtin:"
 # a library may raise from inside a call (sys.exit in a grader): a reward error, never a process exit.
 # CancelledError is not among them: cancelling a call stays a cancellation.
 REWARD_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
-RESERVED_ARGUMENTS = ("prompts", "completions")
+RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids")
 Isolation = Literal["inline", "thread", "process"]
 
 
@@ -308,12 +310,14 @@ class RewardScorer:
         """Function names, as used in `ScoredCompletion.terms` and the `reward/<name>` metrics."""
         return [e.name for e in self._entries]
 
-    async def score(self, prompt: Prompt, completions: Sequence[str | list[Message]]) -> list[ScoredCompletion]:
-        """Score `completions` of `prompt` (texts, or an episode's messages); one result per completion, or `RewardError`."""
-        completions = list(completions)
+    async def score(self, prompt: Prompt, completions: Sequence[Completion | str | list[Message]]) -> list[ScoredCompletion]:
+        """Score `completions` of `prompt`; one result per completion, or `RewardError`. A `Completion` is scored on its
+        text (an episode's on its messages) and its token ids; a text or a message list stands for itself, with no ids."""
         if not completions:
             return []
-        per_function = [await self._call(entry, prompt, completions) for entry in self._entries]
+        shown = [reward_input(c) if isinstance(c, Completion) else c for c in completions]
+        ids = [list(c.token_ids) for c in completions if isinstance(c, Completion)]
+        per_function = [await self._call(entry, prompt, shown, ids if len(ids) == len(shown) else None) for entry in self._entries]
         results = []
         for i in range(len(completions)):
             terms = {entry.name: values[i] for entry, values in zip(self._entries, per_function)}
@@ -321,7 +325,9 @@ class RewardScorer:
             results.append(ScoredCompletion(reward=math.fsum(used) if used else None, terms=terms))
         return results
 
-    async def _call(self, entry: _Entry, prompt: Prompt, completions: list[str | list[Message]]) -> list[float | None]:
+    async def _call(
+        self, entry: _Entry, prompt: Prompt, completions: list[str | list[Message]], completion_ids: list[list[int]] | None = None
+    ) -> list[float | None]:
         n = len(completions)
         kwargs: dict[str, Any] = {
             name: [value] * n
@@ -329,6 +335,8 @@ class RewardScorer:
             if name not in RESERVED_ARGUMENTS and (entry.accepted is None or name in entry.accepted)
         }
         kwargs["prompts"], kwargs["completions"] = trl_shaped(prompt, completions)
+        if completion_ids is not None and (entry.accepted is None or "completion_ids" in entry.accepted):
+            kwargs["completion_ids"] = completion_ids
         deadline: asyncio.Timeout | None = None  # made when the call starts: asyncio.timeout fixes its deadline then
         try:
             if self._pool is not None and not entry.is_async:
@@ -424,6 +432,11 @@ class RewardScorer:
             prompt=prompt.text,
             completion=text,
         )
+
+
+def reward_input(completion: Completion) -> str | list[Message]:
+    """What the reward functions get as a completion: the text, or an episode's messages."""
+    return completion.text if completion.episode is None else [dict(m) for m in completion.episode.messages]
 
 
 def trl_shaped(prompt: Prompt, completions: Sequence[str | list[Message]]) -> tuple[list[Any], list[Any]]:

@@ -43,7 +43,7 @@ from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.admission import is_stale, may_admit_group
 from asyncgrpo.rollout.buffer import ReplayBuffer
 from asyncgrpo.rollout.diagnostics import backend_fatal, policy_broken, reward_failed, stalled, teacher_failed
-from asyncgrpo.rollout.episode import EpisodeRunner, add_env_reward, count_episode, reward_input
+from asyncgrpo.rollout.episode import EpisodeRunner, add_env_reward, count_episode
 from asyncgrpo.rollout.events import NoObserver, RolloutObserver, RolloutOutcome
 from asyncgrpo.rollout.failure_log import FailureLog, Tolerated
 from asyncgrpo.rollout.failures import FailurePolicy, GroupEnding
@@ -78,8 +78,8 @@ class PromptSourceLike(Protocol):
 
 
 class ScorerLike(Protocol):
-    """Scores a group's survivors: the reward functions get their texts (an episode's messages, rollout/episode.py);
-    under `algorithm: distill` the teacher (distill/teacher.py) gets the completions themselves (it scores their token ids)."""
+    """Scores a group's survivors, given as `Completion`s: the reward functions (rewards/scoring.py) get their texts (an
+    episode's messages) and token ids; under `algorithm: distill` the teacher (distill/teacher.py) scores their token ids."""
 
     async def score(self, prompt: Prompt, completions: list[Any]) -> list[Any]: ...
 
@@ -327,7 +327,7 @@ class Collector:
             return
         self._scoring += 1
         try:
-            scored = await self.scorer.score(group.prompt, completions if self.per_sample else [reward_input(c) for c in completions])
+            scored = await self.scorer.score(group.prompt, completions)
             if self.cfg.env is not None:
                 scored = add_env_reward(scored, completions, self.cfg.env.reward_weight)
         except (RewardError, TeacherError) as exc:

@@ -24,7 +24,7 @@ Failures and cancellation:
   return is abandoned and counted; one that raises is counted and logged, the sample kept).
 
 Rewards (`add_env_reward`): the episode's reward is env reward x `env.reward_weight` plus the
-weighted reward functions, which get the episode's messages as the completion (`reward_input`);
+weighted reward functions, which get the episode's messages as the completion (rewards/scoring.py `reward_input`);
 the term `env` is reported like a reward function's.
 """
 
@@ -243,11 +243,6 @@ class EpisodeRunner:
 def transcript(messages: Sequence[Any]) -> str:
     """The episode after the prompt as "role: content" lines (samples and logs; reward functions get the messages)."""
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-
-
-def reward_input(completion: Completion) -> str | list[Any]:
-    """What the reward functions get as a completion: the text, or an episode's messages."""
-    return completion.text if completion.episode is None else [dict(m) for m in completion.episode.messages]
 
 
 def add_env_reward(scored: Sequence[ScoredCompletion], completions: Sequence[Completion], weight: float) -> list[ScoredCompletion]:
