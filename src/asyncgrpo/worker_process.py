@@ -10,6 +10,8 @@ is said over the link is theirs.
 Invariants:
 - The child's end is closed in this process whatever happens; if the link cannot be opened the
   process is killed before the error goes on (it is never left running unseen).
+- When the loop sees the worker exit, its process group is sent SIGKILL at once (what it started
+  dies with it); no signal goes to that pid afterwards (it may be reused).
 - `stop` ends the worker even when it is cancelled part-way: the SIGKILL to the process group and
   the close of the loop's subprocess transport run in `finally` blocks (a cancelled stop skips only
   the bounded wait for the exit status; the loop's child watcher still reaps the process).
@@ -54,7 +56,8 @@ def describe_exit(returncode: int | None) -> str:
 
 
 class _ExitWatch(asyncio.SubprocessProtocol):
-    """Closes the transport once the process has exited, and lets `WorkerProcess` wait for that."""
+    """When the worker exits: SIGKILL what is left of its process group (what it started dies with it; the pid cannot
+    have been reused while the group has a member), close the transport, and let `WorkerProcess` know."""
 
     def __init__(self) -> None:
         self.exited = asyncio.Event()  # set once, never cleared
@@ -66,6 +69,7 @@ class _ExitWatch(asyncio.SubprocessProtocol):
 
     def process_exited(self) -> None:
         assert self.transport is not None
+        _kill_group(self.transport.get_pid())
         self.transport.close()
         self.exited.set()
 
@@ -107,8 +111,10 @@ class WorkerProcess:
         return self._watch.exited.is_set()
 
     def kill(self) -> None:
-        """SIGKILL the worker's process group now: the worker and everything it started (no wait)."""
-        _kill_group(self.pid)
+        """SIGKILL the worker's process group now: the worker and everything it started (no wait). Once the exit has
+        been seen this does nothing: the group was killed then, and the pid may since belong to another process."""
+        if not self._watch.exited.is_set():
+            _kill_group(self.pid)
 
     async def stop(self, grace_s: float) -> None:
         """Hang up, give the worker `grace_s` to exit, SIGKILL its process group, and reap it (bounded).
@@ -120,7 +126,7 @@ class WorkerProcess:
                 if grace_s > 0:
                     await self.exit_within(grace_s)
             finally:
-                self.kill()  # also when it exited: what it started may still run in its group
+                self.kill()
             await self.exit_within(REAP_TIMEOUT_S)
         finally:
             self._finalizer()  # closes the transport (and kills again if no exit was seen)

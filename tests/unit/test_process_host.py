@@ -107,6 +107,12 @@ class Broken(Echo):
 
 
 class Dies(Echo):
+    """Starts a `sleep` child in reset, then its worker exits in step."""
+
+    def reset(self, row):
+        Path(row["pids"]).write_text(str(subprocess.Popen(["sleep", "600"]).pid))
+        return super().reset(row)
+
     def step(self, action_text):
         os._exit(7)
 
@@ -272,12 +278,28 @@ def test_what_the_environment_raised_comes_back_classified_with_its_traceback(en
         assert exc.remote_type == "ValueError" and not isinstance(exc, TransientEnvironmentError)
 
 
-def test_a_worker_that_dies_fails_the_call_instead_of_hanging():
+def test_a_cancel_while_the_worker_is_starting_stops_it_once_started():
+    async def main():
+        host = ProcessHost(f"{HERE}:Echo", "user")
+        reset = asyncio.create_task(host.reset({"prompt": "x"}))
+        await asyncio.sleep(0)  # reset is starting the worker
+        assert await host.cancel(grace_s=0.1) is True
+        with pytest.raises(EpisodeCancelled):
+            await reset
+        return host
+
+    host = asyncio.run(main())
+    assert host.pid is not None and group_members(host.pid) == []  # the worker that started late was stopped
+
+
+def test_a_worker_that_dies_fails_the_call_instead_of_hanging_and_takes_what_it_started_with_it(tmp_path):
     async def main():
         host = ProcessHost(f"{HERE}:Dies", "user")
-        await host.reset({"prompt": "x"})
+        await host.reset({"prompt": "x", "pids": str(tmp_path / "pids")})
+        sleeper = int((tmp_path / "pids").read_text())
         with pytest.raises(EnvironmentProcessDied) as caught:
             await host.step("go")
+        await until(lambda: not alive(sleeper))  # its group is killed when its exit is seen, before any close
         await host.close()
         return host, caught.value
 

@@ -7,11 +7,14 @@ Every reward here is a module-level function, so the workers resolve it by name
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import gc
 import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -52,6 +55,15 @@ def exits_7(prompts, completions, **kw):
 
 def segfaults(prompts, completions, **kw):
     ctypes.string_at(0)
+
+
+def hangs_up(prompts, completions, **kw):
+    """Closes its link to the parent and keeps running: a worker that hung up without exiting."""
+    for thing in gc.get_objects():
+        if isinstance(thing, socket.socket):
+            with contextlib.suppress(OSError):
+                thing.shutdown(socket.SHUT_RDWR)
+    time.sleep(60)
 
 
 def missing_column(prompts, completions, **kw):
@@ -160,8 +172,13 @@ def test_any_exception_is_a_reward_error_and_the_worker_keeps_serving(fn, raised
     assert f"raised {raised}" in str(run(main()))
 
 
-@pytest.mark.parametrize(("fn", "exit_text"), [(exits_7, "exited with exit code 7"), (segfaults, "was killed by SIGSEGV (exit code -11)")])
-def test_a_worker_that_dies_is_a_reward_error_naming_the_function_and_exit_code_and_is_replaced(fn, exit_text):
+@pytest.mark.parametrize(("fn", "exit_text"), [
+    (exits_7, "exited with exit code 7"), (segfaults, "was killed by SIGSEGV (exit code -11)"),
+    (hangs_up, "closed its connection and was killed"),  # not "killed by SIGKILL": that kill was ours
+])
+def test_a_worker_that_dies_is_a_reward_error_naming_the_function_and_exit_code_and_is_replaced(fn, exit_text, monkeypatch):
+    monkeypatch.setattr("asyncgrpo.rewards.pool.REAP_TIMEOUT_S", 1.0)  # how long a worker that hung up may take to exit
+
     async def main():
         async with scorer(fn, length, workers=1) as s:
             with pytest.raises(RewardError) as err:
@@ -172,6 +189,26 @@ def test_a_worker_that_dies_is_a_reward_error_naming_the_function_and_exit_code_
     error = run(main())
     assert f"reward function {fn.__name__!r} crashed its worker process: it {exit_text}" in str(error)
     assert "'say a: '" in str(error) and "Fix" in str(error)
+
+
+def test_an_idle_worker_killed_from_outside_is_replaced_and_its_pid_is_never_signalled_after_its_exit(monkeypatch):
+    signalled = []
+    real_killpg = os.killpg
+    monkeypatch.setattr("asyncgrpo.worker_process.os.killpg", lambda pid, sig: (signalled.append(pid), real_killpg(pid, sig)))
+
+    async def main():
+        async with scorer(length, workers=1) as s:
+            await s.score(PROMPT, ["a"])
+            (worker,) = s._pool._idle
+            os.kill(worker.process.pid, signal.SIGKILL)  # say, the OOM killer
+            assert await worker.process.exit_within(10) and worker.process.returncode == -signal.SIGKILL
+            seen = len(signalled)  # the group was signalled once when the exit was seen (for what it started)
+            assert [r.reward for r in await s.score(PROMPT, ["abc"])] == [3.0]  # served by a new worker
+            dead = worker.process.pid
+        return dead, signalled[seen:]
+
+    dead, after_exit = run(main())
+    assert dead not in after_exit  # its pid may belong to another process by now
 
 
 def test_calls_beyond_the_worker_count_wait_for_a_free_worker():

@@ -124,6 +124,10 @@ class ProcessHost:
 
     async def _start(self) -> None:
         self._proc = proc = await start_worker("asyncgrpo.environments.worker")
+        if self._ended:  # cancelled or closed while the worker was starting: nothing else will stop it
+            await proc.stop(0.0)
+            raise EpisodeCancelled(f"{self.factory_spec} reset: the episode was cancelled") if self._cancelled else RuntimeError(
+                f"{self.factory_spec} reset: the episode's environment was closed while its worker started")
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 proc.writer.write(encode({"factory": self.factory_spec, "sys_path": list(sys.path), "parent_pid": os.getpid()}))

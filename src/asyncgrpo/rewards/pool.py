@@ -79,9 +79,10 @@ class _Worker:
         raise error
 
     async def exit_code(self) -> int | None:
-        """The exit code of a worker that hung up: it gets `REAP_TIMEOUT_S` to exit by itself, then it is killed."""
-        await self.process.stop(REAP_TIMEOUT_S)
-        return self.process.returncode
+        """The exit code of a worker that hung up, given `REAP_TIMEOUT_S` to exit by itself; None if it had to be killed."""
+        exited = await self.process.exit_within(REAP_TIMEOUT_S)
+        await self.process.stop(0.0)
+        return self.process.returncode if exited else None
 
 
 async def _receive(reader: asyncio.StreamReader) -> Any:
@@ -188,5 +189,5 @@ class RewardWorkerPool:
         self._signal.notify()
         idle, self._idle = self._idle, []
         await asyncio.gather(*(w.process.stop(CLOSE_GRACE_S) for w in idle))
-        # retired ones, and any still busy in a call that outlives the pool
+        # any still busy in a call that outlives the pool (stopping an ended one again does nothing)
         await asyncio.gather(*(p.stop(0.0) for p in self._procs))
