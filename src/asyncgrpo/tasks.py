@@ -207,6 +207,7 @@ def _first_word(text: str) -> str:
 
 _ARITHMETIC_OPS: dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _INTEGER_RE = re.compile(r"-?\d+")
+_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def _arithmetic_items(held_out: bool) -> list[tuple[int, str, int]]:
@@ -223,13 +224,14 @@ def _arithmetic_sample(held_out: bool, n: int, stream: str) -> list[dict[str, An
     rows = []
     for a, op, b in [item for round_ in rounds for item in round_][:n]:
         question = f"what is {a} {op} {b}? answer with only the number."
-        rows.append({"prompt": [{"role": "user", "content": question}], "answer": str(_ARITHMETIC_OPS[op](a, b))})
+        rows.append({"prompt": [{"role": "user", "content": question}], "expression": f"{a} {op} {b}",
+                     "answer": str(_ARITHMETIC_OPS[op](a, b))})
     return rows
 
 
 def digit_arithmetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
     """`n` chat rows ``{"prompt": [{"role": "user", "content": "what is 3 * 4? answer with only the number."}],
-    "answer": "12"}``: single digits, +, - (never negative) and *, never a held-out item."""
+    "expression": "3 * 4", "answer": "12"}``: single digits, +, - (never negative) and *, never a held-out item."""
     return _arithmetic_sample(False, n, f"asyncgrpo:digit_arithmetic:train:{seed}")
 
 
@@ -238,16 +240,31 @@ def digit_arithmetic_eval_rows(n: int, seed: int) -> list[dict[str, Any]]:
     return _arithmetic_sample(True, n, f"asyncgrpo:digit_arithmetic:eval:{seed}")
 
 
-def final_integer(text: str) -> str | None:
-    """The last integer in `text` as written, the answer a text ends on ("12" in "7 + 5 = 12", "-3" in "it is -3."), or None."""
-    found = _INTEGER_RE.findall(text)
-    return found[-1] if found else None
+def answer_number(text: str, expression: str = "") -> str | None:
+    """The number `text` answers with: the last one once every restatement of `expression` (the question's, spacing
+    free) is taken out, so "7 + 5 = 12" and "7+5 is 12." answer "12" and "7 + 5" (cut off, or echoed) answers None;
+    "12.0" reads as "12". None when no number is left."""
+    if expression:
+        tokens = re.findall(r"\d+|\S", expression)
+        text = re.sub(r"(?<!\d)" + r"\s*".join(map(re.escape, tokens)) + r"(?!\d)", " ", text)
+    found = _NUMBER_RE.findall(text)
+    if not found:
+        return None
+    whole, _, fraction = found[-1].partition(".")
+    return whole if not fraction.strip("0") else found[-1]
 
 
-def arithmetic_correct_reward(prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[Any], **_: Any) -> list[float]:
-    """1.0 when the last integer in the completion equals the row's "answer", else 0.0 ("12", "7 + 5 = 12." score 1;
-    the first integer would score a restated question as its answer)."""
-    return [1.0 if final_integer(content_text(completion)) == str(want).strip() else 0.0 for want, completion in zip(answer, completions)]
+def arithmetic_correct_reward(
+    prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[Any], expression: Sequence[Any] | None = None, **_: Any
+) -> list[float]:
+    """1.0 when the number the completion answers with (`answer_number`, given the row's "expression") equals the row's
+    "answer", else 0.0: "12" and "3 * 4 = 12." score 1, an echoed "3 * 4" scores 0 (the first integer would score a
+    restated question as its answer, the last integer an echo of it)."""
+    expressions = expression if expression is not None else [""] * len(completions)
+    return [
+        1.0 if answer_number(content_text(completion), str(question)) == str(want).strip() else 0.0
+        for want, completion, question in zip(answer, completions, expressions)
+    ]
 
 
 def arithmetic_format_reward(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:

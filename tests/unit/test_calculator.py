@@ -44,6 +44,15 @@ def test_an_answer_without_a_call_earns_no_tool_term():
     assert (observation, reward, done, info) == (None, 1.0, True, {"calls": 0, "correct": True, "tool_use": 0.0})
 
 
+@pytest.mark.parametrize(("turn", "expression", "answer", "correct"), [
+    ("37 * 8 = 296", "37*8", "296", True), ("296 (from = 37*8)", "37*8", "296", True), ("296, not 295", "37*8", "296", False),
+    ("18 - 9", "18-9", "9", False), ("so 18-9", "18-9", "9", False), ("18 - 9 = 9", "18-9", "9", True),  # an echo ends on 9 too
+])
+def test_the_answer_is_the_number_a_turn_ends_on_not_an_echo_of_the_question(turn, expression, answer, correct):
+    ((_, reward, done, info),) = episode(turn, expression=expression, answer=answer)
+    assert done and info["correct"] is correct and reward == (1.0 if correct else 0.0)
+
+
 def test_a_call_that_does_not_compute_is_shown_the_error_and_earns_nothing():
     ((observation, reward, done, info),) = episode("= 3)(")
     assert observation.startswith("error: ") and not done and reward == 0.0 and info["tool_use"] == 0.0

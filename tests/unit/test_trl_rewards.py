@@ -116,9 +116,12 @@ def test_digit_arithmetic_is_conversational_held_out_and_scored_on_either_shape(
     assert all(isinstance(r["prompt"], list) for r in train)
     assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in held_out}
     assert len({r["prompt"][0]["content"] for r in digit_arithmetic_eval_rows(48, 0)}) == 48  # every held-out item, once
-    completions = ["12", [{"role": "assistant", "content": "12."}], "it is 12", "13", "7 + 5 = 12", "12 - 7 is 5"]
-    assert arithmetic_correct_reward(None, completions, ["12"] * 6) == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]  # the answer it ends on
-    assert arithmetic_format_reward(None, completions) == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    completions = ["12", [{"role": "assistant", "content": "12."}], "it is 12", "13", "3 * 4 = 12", "12 - 7 is 5", "3*4 is 12.0"]
+    assert arithmetic_correct_reward(None, completions, ["12"] * 7, ["3 * 4"] * 7) == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert arithmetic_format_reward(None, completions) == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    echoes = ["4 * 0", "To solve 4*0", "what is 4 * 0? answer with only the number.", "4 * 0 = 0"]  # the answer is 0
+    assert arithmetic_correct_reward(None, echoes, ["0"] * 4, ["4 * 0"] * 4) == [0.0, 0.0, 0.0, 1.0]  # an echo is no answer
+    assert all(set(row) == {"prompt", "expression", "answer"} for row in train)
 
 
 def test_no_signal_warning_fires_once_when_most_of_a_full_window_had_equal_rewards():

@@ -8,12 +8,12 @@ The rows are `builtin:calculator`'s (tasks.py): a question "what is 37*8?", its 
   the expression's leading run of those characters is read ("=37*8 ok" computes 37*8); ``=``
   alone computes the question's own expression. The observation is ``= 296``, or
   ``error: ...`` for an invalid expression; after `max_calls` calls it asks for the answer.
-- any other turn is the final answer: the last integer in it is compared with the row's
-  answer, and the episode ends.
+- any other turn is the final answer: the number it answers with (the last one, restatements of
+  the question's expression left out) is compared with the row's answer, and the episode ends.
 
 Rewards (each step's; the episode's is their sum, in [0, 1 + tool_weight]):
 
-- the answer turn: 1.0 when its last integer equals the answer, else 0.0;
+- the answer turn: 1.0 when the number it answers with equals the answer, else 0.0;
 - the tool-use term: `tool_weight` when the first turn is a call that computes, else 0.
 
 Why this syntax: a model that has never seen it must find it by sampling. ``=`` is one
@@ -37,7 +37,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from asyncgrpo.tasks import final_integer
+from asyncgrpo.tasks import answer_number
 
 CALL_PREFIX = "="
 MAX_EXPRESSION_CHARS = 40
@@ -94,7 +94,7 @@ class CalculatorEnv:
         first = self.turns == 1
         stripped = action_text.lstrip()
         if not stripped.startswith(CALL_PREFIX):
-            correct = final_integer(action_text) == self.answer
+            correct = answer_number(action_text, self.expression) == self.answer
             info: dict[str, Any] = {"calls": self.calls, "correct": correct} | ({"tool_use": 0.0} if first else {})
             return None, 1.0 if correct else 0.0, True, info
         self.calls += 1
