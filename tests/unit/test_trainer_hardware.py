@@ -196,10 +196,12 @@ def test_asking_for_a_gpu_that_is_not_there_is_a_config_error_not_a_silent_cpu_r
 
 
 def test_bfloat16_on_a_gpu_without_it_is_a_config_error_before_any_step(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # a V100, say
-    with pytest.raises(ConfigError, match=r"train.precision = 'bfloat16'.*compute capability 8.0.*Fix: set train.precision: float16"):
-        check_precision(torch.device("cuda"), "bfloat16")
-    check_precision(torch.device("cuda"), "float16")
+    capabilities = {0: (8, 0), 1: (7, 0)}  # an A100 and a V100
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capabilities[torch.device(device).index or 0])
+    with pytest.raises(ConfigError, match=r"train.precision = 'bfloat16'.*cuda:1, compute capability 7.0.*Fix: set train.precision: float16"):
+        check_precision(torch.device("cuda:1"), "bfloat16")
+    check_precision(torch.device("cuda:0"), "bfloat16")
+    check_precision(torch.device("cuda:1"), "float16")
     check_precision(torch.device("cpu"), "bfloat16")  # CPU autocast has bfloat16
 
 

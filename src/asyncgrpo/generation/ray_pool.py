@@ -88,11 +88,13 @@ class GeneratorActor:
     same class; a restarted actor starts its engine on its first call."""
 
     def __init__(self, model: Any, tokenizer: Any, version: int, max_batch_size: int, name: str, device: str) -> None:
-        if device.startswith("cuda") and not torch.cuda.is_available():
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.startswith("cuda") and (torch.device(device).index or 0) >= visible:
             raise GenerationError(
-                f"generator actor {name}: generation.local.device resolves to {device!r} here, but the actor sees no CUDA "
-                f"device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Fix: give the actors GPUs "
-                f"(ray.generator.num_gpus), or set generation.local.device: cpu."
+                f"generator actor {name}: generation.local.device resolves to {device!r} here, but the actor sees "
+                f"{visible} CUDA device(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): Ray shows an "
+                f"actor only the GPUs it reserved, numbered from 0. Fix: give the actors GPUs (ray.generator.num_gpus) and "
+                f"set generation.local.device: auto or cuda, or set it to cpu."
             )
         self._engine = LocalEngine(model.to(device), tokenizer, name=name, max_batch_size=max_batch_size, version=version)
         self._open = 0  # requests this actor holds (running or queued in its engine)

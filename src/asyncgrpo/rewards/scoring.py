@@ -7,7 +7,8 @@ Convention (TRL's): a reward function is called with keyword arguments
 one prompt and one completion per entry: strings for text prompts; for conversational prompts
 (chat messages) the prompt's message list and ``[{"role": "assistant", "content": text}]``, as
 TRL does (so ``completion[0]["content"]`` is the text and `trl.rewards` functions work);
-`completion_ids` each completion's generated token ids (a final stop token included, as TRL's),
+`completion_ids` each completion's token ids (a final stop token included, as TRL's; an episode's
+are every token after the prompt, the environment's too, as TRL's tool loop passes them),
 when the caller scores `Completion`s (training and evaluation do; plain texts have none); every
 column of the prompt's row repeated as a list aligned with `completions`. A function whose
 signature has no ``**kwargs`` receives only the arguments and columns it names. Functions may be sync or async (``async def``, or returning an

@@ -53,12 +53,13 @@ def _mps_available() -> bool:
 
 
 def check_precision(device: torch.device, precision: str) -> None:
-    """ConfigError when `device` cannot compute in `precision`: bfloat16 autocast needs a GPU that has it
-    (compute capability 8.0 or newer); older ones fail at the first step."""
-    if precision == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    """ConfigError when `device` cannot compute in `precision` natively: bfloat16 needs a GPU of compute capability 8.0
+    or newer; on older ones (V100, T4) torch emulates it, several times slower than float16."""
+    if precision == "bfloat16" and device.type == "cuda" and (capability := torch.cuda.get_device_capability(device)) < (8, 0):
         raise ConfigError(
-            f"train.precision = 'bfloat16', but the GPU of train.device ({device}) has no bfloat16 support (it needs "
-            f"compute capability 8.0 or newer). Fix: set train.precision: float16 (trained with a gradient scaler) or float32."
+            f"train.precision = 'bfloat16', but the GPU of train.device ({device}, compute capability "
+            f"{capability[0]}.{capability[1]}) has no native bfloat16 (it needs 8.0 or newer; torch would emulate it, "
+            f"several times slower). Fix: set train.precision: float16 (trained with a gradient scaler) or float32."
         )
 
 
