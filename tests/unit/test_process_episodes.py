@@ -13,28 +13,19 @@ from pathlib import Path
 import pytest
 
 from tests.sim.fakes import Fate, ProgrammedGenerator, make_collector, recipe
-from tests.unit.test_process_host import alive, group_members
+from tests.unit.test_process_host import Stubborn, alive, group_members
 
 pytestmark = pytest.mark.timeout(120)
 FAST = Fate(after_s=0.001, tokens=3)
 
 
-class Ticking:
-    """Ignores its token and close(); its step appends to $TICKS_DIR/<worker pid> forever."""
+class Ticking(Stubborn):
+    """test_process_host's Stubborn (ignores its token and close(), ticks forever) with its tick file at
+    $TICKS_DIR/<worker pid>: the collector's rows carry no path."""
 
     def reset(self, row):
+        self.path = Path(os.environ["TICKS_DIR"]) / str(os.getpid())
         return None
-
-    def step(self, action_text):
-        with (Path(os.environ["TICKS_DIR"]) / str(os.getpid())).open("a") as out:
-            while True:
-                out.write("tick\n")
-                out.flush()
-                time.sleep(0.002)
-
-    def close(self):
-        while True:
-            time.sleep(1)
 
 
 class FailsInOneWorker:
