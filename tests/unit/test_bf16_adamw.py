@@ -104,7 +104,7 @@ def test_same_seed_same_gradients_give_identical_updates_as_data_parallel_ranks_
     assert not all(torch.equal(a, b) for a, b in zip(runs[0], runs[2]))  # the seed does choose the rounding
 
 
-def test_a_float32_adamw_state_loads_as_bfloat16_moments():
+def test_float32_and_bfloat16_adamw_states_load_into_each_other():
     params, x, y = problem(0)
     adamw = torch.optim.AdamW(params, lr=1e-2)
     loss_of(params, x, y).backward()
@@ -116,6 +116,11 @@ def test_a_float32_adamw_state_loads_as_bfloat16_moments():
         torch.testing.assert_close(ours.state[p]["exp_avg_sq"].float(), adamw.state[p]["exp_avg_sq"], rtol=2**-8, atol=0)
     ours.step()
     assert float(ours.state[params[0]]["step"]) == 2
+    back = torch.optim.AdamW(params, lr=1e-2)
+    back.load_state_dict(ours.state_dict())
+    assert back.state[params[0]]["exp_avg"].dtype == torch.float32
+    back.step()
+    assert float(back.state[params[0]]["step"]) == 3
 
 
 def test_the_trainer_trains_with_bfloat16_moments_in_the_direction_of_float32_adamw():

@@ -17,7 +17,8 @@ Invariants:
   draws the noise it would have drawn.
 - `state_dict` has the layout of `torch.optim.AdamW` (per parameter `step`, `exp_avg`,
   `exp_avg_sq`) plus the generators; `load_state_dict` keeps the moments in bfloat16 (torch's
-  default would cast them to the parameters' float32) and accepts a float32 AdamW state (rounded once).
+  default would cast them to the parameters' float32) and accepts a float32 AdamW state (rounded once);
+  torch.optim.AdamW loads this one's state too (as float32 moments).
 """
 
 from __future__ import annotations
@@ -137,5 +138,7 @@ class Bf16StateAdamW(torch.optim.Optimizer):
             for name, value in tensors.items():
                 self.state[param][name] = value.to(device=param.device, dtype=torch.bfloat16)
         self._generators = {}
+        here = {str(p.device) for p in chain.from_iterable(g["params"] for g in self.param_groups)}
         for device, generator_state in state_dict.get("rounding_generators", {}).items():
-            self._generator(torch.device(device)).set_state(generator_state)
+            if device in here:  # a state saved on another device starts that device's stream afresh from the seed
+                self._generator(torch.device(device)).set_state(generator_state)
