@@ -24,6 +24,7 @@ Hardware (training/device.py): the model, its optimizer state and every batch li
 gradient scaler). `train.gradient_checkpointing` recomputes each decoder layer's activations in
 the backward pass. `train.lora` trains peft adapters on frozen base weights (training/lora.py).
 `train.optimizer_state_dtype: bfloat16` keeps AdamW's moments in bfloat16 (training/bf16_adamw.py).
+On the CPU each step ends by handing its freed memory back to the system (training/heap.py).
 The LR schedule (`train.lr_schedule`): linear warm-up over `train.warmup_steps` steps, then
 constant, or linear or cosine decay to 0 at `train.max_steps`.
 
@@ -62,6 +63,7 @@ from asyncgrpo.distill.judge import kl_mean
 from asyncgrpo.distill.loss import distill_advantages
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.telemetry.keys import DISTILL_KEYS, TRAIN_KEYS
+from asyncgrpo.training import heap
 from asyncgrpo.training import lora as lora_adapters
 from asyncgrpo.training.bf16_adamw import Bf16StateAdamW
 from asyncgrpo.training.device import autocast, resolve_device
@@ -234,7 +236,10 @@ class TorchTrainer:
         Returns every key of `TRAIN_KEYS` (and `DISTILL_KEYS` under distill) as a float.
         """
         with self.lock:
-            return self._train_step(groups)
+            metrics = self._train_step(groups)
+        if self._device.type == "cpu":
+            heap.release_freed_memory()  # the step's freed activations and gradients, kept by glibc otherwise
+        return metrics
 
     def generation_weights(self) -> dict[str, Tensor]:
         """The weights a generator serves, under the base model's names, without copying them.
