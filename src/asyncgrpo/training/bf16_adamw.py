@@ -4,9 +4,9 @@ Job: the update of `torch.optim.AdamW` (decoupled weight decay, bias-corrected m
 master weights at half the state memory: 4 bytes per parameter for both moments instead of 8.
 
 Invariants:
-- Every update is computed in float32, one parameter at a time in slices of at most `CHUNK`
-  elements, so the float32 temporaries are a few MB however large a parameter is. Only the stored
-  moments are bfloat16; the parameters keep their own dtype.
+- Every update is computed in float32 on buckets of at most `CHUNK` elements (a large parameter
+  in slices, small ones gathered together), so each float32 temporary is at most 16 MB however large
+  the model is. Only the stored moments are bfloat16; the parameters keep their own dtype.
 - Each stored moment is rounded to bfloat16 *stochastically* (`stochastic_round`): rounded up with
   probability equal to the distance to the lower neighbour, so the stored value is unbiased. Round-
   to-nearest would freeze the second moment: with beta2 = 0.999, 0.999 * v is within half a bfloat16
@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-CHUNK = 1 << 20  # elements of a parameter updated at once
+CHUNK = 1 << 22  # elements updated at once (a larger parameter in slices, smaller ones together)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _HIGH_BITS = -(1 << 16)  # int32 0xFFFF0000: the bits a bfloat16 keeps of a float32
 
@@ -53,6 +54,16 @@ def _uniform_16_bits(count: int, generator: torch.Generator, device: torch.devic
     """`count` independent uniform integers in [0, 2^16) (int32), four from each 64-bit draw (a third of randint's time)."""
     words = torch.empty((count + 3) // 4, dtype=torch.int64, device=device).random_(-(1 << 63), None, generator=generator)
     return words.view(torch.int16)[:count].to(torch.int32).bitwise_and_(0xFFFF)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Elements [lo, hi) of `param` (flattened) and of its moments in `state`."""
+
+    param: Tensor
+    state: dict[str, Any]
+    lo: int
+    hi: int
 
 
 class Bf16StateAdamW(torch.optim.Optimizer):
@@ -87,7 +98,7 @@ class Bf16StateAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            pieces: dict[float, list[_Piece]] = {}  # by step count: one bias correction per bucket
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -99,26 +110,48 @@ class Bf16StateAdamW(torch.optim.Optimizer):
                     for name in MOMENTS:
                         state[name] = torch.zeros_like(param, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
                 state["step"] += 1
-                step = float(state["step"])
-                step_size = lr / (1 - beta1**step)
-                bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-                weights, grads, exp_avg, exp_avg_sq = param, param.grad, state["exp_avg"], state["exp_avg_sq"]
-                parts = [slice(None)]  # a non-contiguous parameter (rare) is updated whole
-                if param.is_contiguous():
-                    weights, grads, exp_avg, exp_avg_sq = (t.reshape(-1) for t in (weights, grads, exp_avg, exp_avg_sq))
-                    parts = [slice(start, start + CHUNK) for start in range(0, weights.numel(), CHUNK)]
-                generator = self._generator(param.device)
-                for part in parts:
-                    grad = grads[part].float()
-                    m = exp_avg[part].float().lerp_(grad, 1 - beta1)
-                    v = exp_avg_sq[part].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    w = weights[part]
-                    if decay:
-                        w.mul_(1 - lr * decay)
-                    w.addcdiv_(m.to(w.dtype), (v.sqrt() / bias_correction2_sqrt).add_(eps).to(w.dtype), value=-step_size)
-                    exp_avg[part] = stochastic_round(m, generator)
-                    exp_avg_sq[part] = stochastic_round(v, generator)
+                size = param.numel()
+                # A non-contiguous parameter (rare) is one piece, written through its own shape.
+                bounds = range(0, size, CHUNK) if param.is_contiguous() else range(1)
+                pieces.setdefault(float(state["step"]), []).extend(
+                    _Piece(param, state, lo, min(lo + CHUNK, size) if param.is_contiguous() else size) for lo in bounds
+                )
+            for step, found in pieces.items():
+                bucket: list[_Piece] = []
+                for piece in found:
+                    if bucket and sum(p.hi - p.lo for p in bucket) + piece.hi - piece.lo > CHUNK:
+                        self._update(bucket, group, step)
+                        bucket = []
+                    bucket.append(piece)
+                if bucket:
+                    self._update(bucket, group, step)
         return loss
+
+    def _update(self, bucket: list[_Piece], group: dict[str, Any], step: float) -> None:
+        """AdamW on the pieces of `bucket` (at most CHUNK elements in all) as one flat float32 vector.
+
+        Small parameters share a bucket so that the arithmetic runs as a few large operations
+        instead of a score per parameter (each operation is a thread-pool round trip)."""
+        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        generator = self._generator(bucket[0].param.device)
+        grad = torch.cat([cast(Tensor, p.param.grad).reshape(-1)[p.lo : p.hi] for p in bucket]).float()
+        m = torch.cat([p.state["exp_avg"].view(-1)[p.lo : p.hi] for p in bucket]).float().lerp_(grad, 1 - beta1)
+        v = torch.cat([p.state["exp_avg_sq"].view(-1)[p.lo : p.hi] for p in bucket]).float()
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        del grad
+        update = m / (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+        update.mul_(-lr / (1 - beta1**step))
+        m, v = stochastic_round(m, generator), stochastic_round(v, generator)
+        offset = 0
+        for p in bucket:
+            part = slice(offset, offset + p.hi - p.lo)
+            offset = part.stop
+            weights = p.param.view(-1)[p.lo : p.hi] if p.param.is_contiguous() else p.param
+            if decay:
+                weights.mul_(1 - lr * decay)
+            weights.add_(update[part].view(weights.shape).to(weights.dtype))
+            p.state["exp_avg"].view(-1)[p.lo : p.hi] = m[part]
+            p.state["exp_avg_sq"].view(-1)[p.lo : p.hi] = v[part]
 
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()
@@ -136,7 +169,7 @@ class Bf16StateAdamW(torch.optim.Optimizer):
         for key, tensors in moments.items():
             param = id_map[key]
             for name, value in tensors.items():
-                self.state[param][name] = value.to(device=param.device, dtype=torch.bfloat16)
+                self.state[param][name] = value.to(device=param.device, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
         self._generators = {}
         here = {str(p.device) for p in chain.from_iterable(g["params"] for g in self.param_groups)}
         for device, generator_state in state_dict.get("rounding_generators", {}).items():
