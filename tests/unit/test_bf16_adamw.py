@@ -138,3 +138,9 @@ def test_a_bad_optimizer_state_dtype_is_a_config_error():
         load_config(None, ["train.optimizer_state_dtype=float16"])
     message = str(info.value)
     assert "train.optimizer_state_dtype" in message and "float16" in message and "bfloat16" in message
+
+
+def test_float16_precision_with_its_gradient_scaler_steps_the_bfloat16_moment_optimizer():
+    trainer, _, before, after = train_and_measure({"precision": "float16", "optimizer_state_dtype": "bfloat16"}, steps=2)
+    assert trainer.scaler is not None and isinstance(trainer.optimizer, Bf16StateAdamW)
+    assert after > before
