@@ -4,7 +4,8 @@ Each configuration runs in a fresh process: load the model (float32 master weigh
 trainer and the engine's own copy in model.dtype (as `asyncgrpo train` does), then train 2 steps on
 fixed synthetic groups (8 groups x 8 completions, 32 prompt + 16 completion tokens, micro-batches
 of 4) and publish the weights to the engine after each. Reported: peak RSS (ru_maxrss) of the
-process, and (peak - RSS after imports) / parameters, the bytes each parameter costs.
+process, (peak - RSS after imports) / parameters, the bytes each parameter costs, and the wall time of each
+training step (on a shared machine: compare configurations by alternating runs).
 
     python bench/memory.py [--model builtin:smollm2-135m-instruct]
 """
@@ -17,12 +18,18 @@ import random
 import resource
 import subprocess
 import sys
+import time
 
 CONFIGS = {
     "fp32": {"model.dtype": "float32", "train.precision": "float32"},
     "bf16 mixed": {"model.dtype": "bfloat16", "train.precision": "bfloat16"},
     "bf16 mixed + grad ckpt": {"model.dtype": "bfloat16", "train.precision": "bfloat16", "train.gradient_checkpointing": "true"},
     "bf16 mixed + LoRA r=16": {"model.dtype": "bfloat16", "train.precision": "bfloat16", "train.lora.r": "16"},
+    "bf16 mixed + bf16 AdamW state": {"model.dtype": "bfloat16", "train.precision": "bfloat16", "train.optimizer_state_dtype": "bfloat16"},
+    "bf16 mixed + bf16 AdamW state + grad ckpt": {
+        "model.dtype": "bfloat16", "train.precision": "bfloat16", "train.optimizer_state_dtype": "bfloat16",
+        "train.gradient_checkpointing": "true",
+    },
 }
 
 
@@ -60,16 +67,21 @@ def one(model_path: str, overrides: list[str]) -> dict:
         )
         groups.append(Group(Prompt(gid, "", tuple(rng.randrange(vocab) for _ in range(32))), rollouts, seq=gid))
 
+    step_s = []
+
     async def run() -> None:
         await engine.start()
         for step in range(2):
+            start = time.perf_counter()
             trainer.train_step(groups)
+            step_s.append(time.perf_counter() - start)
             await engine.load_weights(trainer.generation_weights(), step + 1)
         await engine.aclose()
 
     asyncio.run(run())
     peak = rss_mb()
-    return {"params": params, "baseline_mb": baseline, "peak_mb": peak, "bytes_per_param": (peak - baseline) * 2**20 / params}
+    return {"params": params, "baseline_mb": baseline, "peak_mb": peak, "bytes_per_param": (peak - baseline) * 2**20 / params,
+            "step_s": step_s}
 
 
 def main() -> None:
@@ -80,12 +92,13 @@ def main() -> None:
     if args.one is not None:
         print(json.dumps(one(args.model, args.one)))
         return
-    print(f"model {args.model}\n| configuration | peak RSS (MB) | RSS after imports (MB) | bytes / parameter |\n|---|---:|---:|---:|")
+    print(f"model {args.model}\n| configuration | peak RSS (MB) | RSS after imports (MB) | bytes / parameter | step s |\n|---|---:|---:|---:|---|")
     for name, overrides in CONFIGS.items():
         flat = [f"{k}={v}" for k, v in overrides.items()]
         out = subprocess.run([sys.executable, __file__, "--model", args.model, "--one", *flat], capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"| {name} | {r['peak_mb']:.0f} | {r['baseline_mb']:.0f} | {r['bytes_per_param']:.1f} |", flush=True)
+        steps = " ".join(f"{t:.0f}" for t in r["step_s"])
+        print(f"| {name} | {r['peak_mb']:.0f} | {r['baseline_mb']:.0f} | {r['bytes_per_param']:.1f} | {steps} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -401,6 +401,11 @@ class TrainConfig(_Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, about a third more compute.")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight (needs peft: pip install 'asyncgrpo[lora]').")
     weight_decay: float = Field(0.0, ge=0)
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="dtype of AdamW's two moments: float32 (torch.optim.AdamW, 8 bytes/parameter) or bfloat16 (4 bytes/parameter; "
+        "updates computed in float32, moments stored with stochastic rounding seeded by run.seed).",
+    )
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")
     updates_per_batch: int = Field(1, ge=1, description="Optimizer updates per step, each on a slice of the step's batch.")

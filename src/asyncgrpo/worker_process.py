@@ -12,9 +12,9 @@ Invariants:
   process is killed before the error goes on (it is never left running unseen).
 - When the loop sees the worker exit, its process group is sent SIGKILL at once (what it started
   dies with it); no signal goes to that pid afterwards (it may be reused).
-- `stop` ends the worker even when it is cancelled part-way: the SIGKILL to the process group and
-  the close of the loop's subprocess transport run in `finally` blocks (a cancelled stop skips only
-  the bounded wait for the exit status; the loop's child watcher still reaps the process).
+- `stop` ends the worker even when it is cancelled part-way: the SIGKILL to the process group, the
+  bounded wait for its exit and the close of the loop's subprocess transport run in `finally`
+  blocks (so `asyncio.run` ending mid-stop leaves no process and no transport the loop never saw end).
 - A `WorkerProcess` dropped without `stop` (its owner never closed, or the interpreter exits) is
   ended the same way by a finalizer; and by the kernel when this process dies (the workers set
   PR_SET_PDEATHSIG themselves).
@@ -119,7 +119,8 @@ class WorkerProcess:
     async def stop(self, grace_s: float) -> None:
         """Hang up, give the worker `grace_s` to exit, SIGKILL its process group, and reap it (bounded).
 
-        Cancelled part-way, it still kills the group and closes the transport before the cancellation goes on."""
+        Cancelled part-way, it still kills the group, waits (bounded) for the exit and closes the transport before the
+        cancellation goes on: a loop that closes right after still saw the exit."""
         self.writer.close()  # end of file: the worker ends its work and exits
         try:
             try:
@@ -127,7 +128,7 @@ class WorkerProcess:
                     await self.exit_within(grace_s)
             finally:
                 self.kill()
-            await self.exit_within(REAP_TIMEOUT_S)
+                await self.exit_within(REAP_TIMEOUT_S)  # also when cancelled (bounded): a killed worker exits at once
         finally:
             self._finalizer()  # closes the transport (and kills again if no exit was seen)
 

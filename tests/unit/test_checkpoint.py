@@ -29,8 +29,10 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def make_cfg(keep_last: int = 2) -> Config:
-    return Config.model_validate({"train": {"lr": 1e-2, "warmup_steps": 3}, "checkpoint": {"keep_last": keep_last}})
+def make_cfg(keep_last: int = 2, state_dtype: str = "float32") -> Config:
+    return Config.model_validate(
+        {"train": {"lr": 1e-2, "warmup_steps": 3, "optimizer_state_dtype": state_dtype}, "checkpoint": {"keep_last": keep_last}}
+    )
 
 
 def a_group() -> Group:
@@ -41,37 +43,43 @@ def a_group() -> Group:
     return Group(Prompt(id=0, text="a b", token_ids=(1, 3, 4)), tuple(rollouts), seq=0)
 
 
-def trained_trainer(steps: int = 2, tie: bool = False) -> TorchTrainer:
-    trainer = TorchTrainer(tiny_model(tie=tie), tiny_tokenizer(), make_cfg())
+def trained_trainer(steps: int = 2, tie: bool = False, state_dtype: str = "float32") -> TorchTrainer:
+    trainer = TorchTrainer(tiny_model(tie=tie), tiny_tokenizer(), make_cfg(state_dtype=state_dtype))
     for _ in range(steps):
         trainer.train_step([a_group()])
     return trainer
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_round_trip_restores_weights_optimizer_scheduler_and_version(tmp_path, tie):
-    trainer = trained_trainer(tie=tie)
+@pytest.mark.parametrize("tie, state_dtype", [(False, "float32"), (True, "float32"), (False, "bfloat16")])
+def test_round_trip_restores_weights_optimizer_scheduler_and_version(tmp_path, tie, state_dtype):
+    trainer = trained_trainer(tie=tie, state_dtype=state_dtype)
     path = save_checkpoint(tmp_path, 2, trainer, "run: {name: t}\n", {"cursor": 7})
     assert path == tmp_path / "checkpoints" / "step_000002"
     assert json.loads((path / "state.json").read_text()) == {"step": 2, "version": 2, "extra": {"cursor": 7}}
     assert (path / "run_config.yaml").read_text() == "run: {name: t}\n"
 
-    fresh = TorchTrainer(tiny_model(seed=1, tie=tie), tiny_tokenizer(), make_cfg())
+    fresh = TorchTrainer(tiny_model(seed=1, tie=tie), tiny_tokenizer(), make_cfg(state_dtype=state_dtype))
     state = load_checkpoint(path, fresh)
     assert state["extra"] == {"cursor": 7}
     assert fresh.version == 2
     for name, tensor in trainer.model.state_dict().items():
         assert torch.equal(tensor, fresh.model.state_dict()[name]), name
     assert fresh.lr == pytest.approx(trainer.lr)
-    old_opt, new_opt = trainer.optimizer.state_dict(), fresh.optimizer.state_dict()
-    for key, st in old_opt["state"].items():
-        for field in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(st[field], new_opt["state"][key][field])
-    # Both continue identically (same weights, moments, LR schedule).
+    assert_same_optimizer_state(trainer, fresh, state_dtype)
+    # Both continue identically (same weights, moments, LR schedule, and bfloat16 moments' rounding noise).
     m1, m2 = trainer.train_step([a_group()]), fresh.train_step([a_group()])
     assert m1 == pytest.approx(m2)
     for name, tensor in trainer.model.state_dict().items():
         torch.testing.assert_close(tensor, fresh.model.state_dict()[name])
+    assert_same_optimizer_state(trainer, fresh, state_dtype)
+
+
+def assert_same_optimizer_state(trainer: TorchTrainer, other: TorchTrainer, dtype: str) -> None:
+    mine, theirs = trainer.optimizer.state_dict(), other.optimizer.state_dict()
+    for key, st in mine["state"].items():
+        assert st["exp_avg"].dtype == getattr(torch, dtype)
+        for field in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[field], theirs["state"][key][field])
 
 
 def test_saved_dir_loads_with_transformers(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.local import serving_copy
 from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
-from asyncgrpo.training.device import check_precision, resolve_device
+from asyncgrpo.training.device import autocast, check_precision, resolve_device
 from asyncgrpo.training.integrity import checkpoint_problem
 from asyncgrpo.training.trainer import TorchTrainer
 from tests.tiny_models import tiny_llama
@@ -213,3 +213,10 @@ def test_the_engine_copy_is_built_in_the_serving_dtype_and_loads_float32_weights
     ids = torch.tensor([[1, 5, 7, 9]])
     with torch.no_grad():
         torch.testing.assert_close(engine_model(input_ids=ids).logits.float(), source(input_ids=ids).logits, atol=0.05, rtol=0.05)
+
+
+def test_autocast_keeps_no_cast_cache():
+    """The cache would hold a bfloat16 copy of every weight until the forward ends, which gradient checkpointing cannot free."""
+    with autocast(torch.device("cpu"), "bfloat16"):
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert not torch.is_autocast_cache_enabled()

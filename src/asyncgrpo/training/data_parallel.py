@@ -14,7 +14,8 @@ Invariants:
 - Gradients are all-reduced by SUM (a DDP communication hook), not averaged as DDP does by
   default: the sum of the ranks' gradients is the single-process gradient of the update, equal up
   to the order of float additions. Clipping and the optimizer then run on identical gradients on
-  every rank, so the weights stay identical without being broadcast.
+  every rank, so the weights stay identical without being broadcast (with
+  `train.optimizer_state_dtype: bfloat16` too: every rank seeds its rounding noise with run.seed).
 - Every rank makes exactly one synchronising backward pass per update (`no_sync` for its other
   micro-batches), a rank without a sequence in the update a zero-loss one, so every rank makes
   the same collectives in the same order. Buffers are not broadcast at each forward (ranks make

@@ -10,6 +10,9 @@ Invariants:
 - `check_precision` refuses bfloat16 on a GPU without it before any step runs.
 - `autocast(device, "float32")` is a no-op context; bfloat16/float16 run under `torch.autocast`
   on the device's type, so matmuls run in the low-precision dtype while parameters stay float32.
+  Its cast cache is off: each weight is used once per forward, so the cache saved no cast but held
+  a low-precision copy of every weight until the forward ended (2 bytes/parameter at bfloat16 that
+  gradient checkpointing could not free; docs/benchmarks.md, "Memory per parameter").
 """
 
 from __future__ import annotations
@@ -67,4 +70,4 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     """Autocast to `precision` on `device` (a no-op for float32)."""
     if precision == "float32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=PRECISIONS[precision])
+    return torch.autocast(device_type=device.type, dtype=PRECISIONS[precision], cache_enabled=False)

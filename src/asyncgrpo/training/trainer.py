@@ -23,6 +23,8 @@ Hardware (training/device.py): the model, its optimizer state and every batch li
 `train.precision` bfloat16/float16 runs forward and backward under autocast (float16 with a
 gradient scaler). `train.gradient_checkpointing` recomputes each decoder layer's activations in
 the backward pass. `train.lora` trains peft adapters on frozen base weights (training/lora.py).
+`train.optimizer_state_dtype: bfloat16` keeps AdamW's moments in bfloat16 (training/bf16_adamw.py).
+On the CPU each step ends by handing its freed memory back to the system (training/heap.py).
 The LR schedule (`train.lr_schedule`): linear warm-up over `train.warmup_steps` steps, then
 constant, or linear or cosine decay to 0 at `train.max_steps`.
 
@@ -61,7 +63,9 @@ from asyncgrpo.distill.judge import kl_mean
 from asyncgrpo.distill.loss import distill_advantages
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
 from asyncgrpo.telemetry.keys import DISTILL_KEYS, TRAIN_KEYS
+from asyncgrpo.training import heap
 from asyncgrpo.training import lora as lora_adapters
+from asyncgrpo.training.bf16_adamw import Bf16StateAdamW
 from asyncgrpo.training.device import autocast, check_precision, resolve_device
 from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
 from asyncgrpo.types import Group
@@ -137,7 +141,7 @@ def _chunks(items: Sequence[Any], size: int) -> Iterator[list[Any]]:
 
 
 class TorchTrainer:
-    """GRPO on a Hugging Face causal LM with AdamW, an LR schedule and gradient accumulation.
+    """GRPO on a Hugging Face causal LM with AdamW (float32 or bfloat16 moments), an LR schedule and gradient accumulation.
 
     `model`: a causal LM; it is moved to `train.device` and to float32 (the master weights), and
     wrapped in LoRA adapters when `train.lora` is set. `tokenizer`: used only for its pad id
@@ -170,7 +174,11 @@ class TorchTrainer:
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
-        self.optimizer = torch.optim.AdamW(self._params, lr=t.lr, weight_decay=t.weight_decay)
+        self.optimizer: torch.optim.Optimizer
+        if t.optimizer_state_dtype == "bfloat16":
+            self.optimizer = Bf16StateAdamW(self._params, lr=t.lr, weight_decay=t.weight_decay, seed=cfg.run.seed)
+        else:
+            self.optimizer = torch.optim.AdamW(self._params, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         # float16 gradients underflow without loss scaling; bfloat16 has float32's range and needs none.
         self.scaler = torch.amp.GradScaler(self._device.type) if t.precision == "float16" else None
@@ -231,7 +239,10 @@ class TorchTrainer:
         Returns every key of `TRAIN_KEYS` (and `DISTILL_KEYS` under distill) as a float.
         """
         with self.lock:
-            return self._train_step(groups)
+            metrics = self._train_step(groups)
+        if self._device.type == "cpu":
+            heap.release_freed_memory()  # the step's freed activations and gradients, kept by glibc otherwise
+        return metrics
 
     def generation_weights(self) -> dict[str, Tensor]:
         """The weights a generator serves, under the base model's names, without copying them.
