@@ -38,5 +38,7 @@ PY
 run tiny recipes/demo.yaml train.max_steps=20 train.precision=bfloat16
 run smollm2-full recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16
 run smollm2-lora recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16 train.lora.r=16
+run smollm2-bf16-moments recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16 train.optimizer_state_dtype=bfloat16
 peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16
 peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16 train.gradient_checkpointing=true
+peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16 train.optimizer_state_dtype=bfloat16 train.gradient_checkpointing=true
