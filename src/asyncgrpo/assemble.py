@@ -14,7 +14,7 @@ from typing import Any
 
 from asyncgrpo.config import Config, EnvConfig
 from asyncgrpo.data.source import PromptSource
-from asyncgrpo.environments.conversation import CharCodec, TokenizerCodec
+from asyncgrpo.environments.conversation import CharCodec, Codec, TokenizerCodec
 from asyncgrpo.environments.protocol import EnvironmentHost
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rewards.scoring import Isolation, RewardScorer
@@ -33,6 +33,14 @@ def sampling_params(cfg: Config, stop_token_ids: tuple[int, ...] = ()) -> Sampli
         top_p=cfg.generation.top_p,
         stop_token_ids=tuple(dict.fromkeys([*cfg.generation.stop_token_ids, *stop_token_ids])),
     )
+
+
+def episode_codec(cfg: Config, tokenizer: Any) -> Codec | None:
+    """How episodes are tokenized (environments/conversation.py), for the collector and evaluation alike: with `tokenizer`'s
+    chat template, or without a tokenizer (the simulator) one id per character; None without an `env:` section."""
+    if cfg.env is None:
+        return None
+    return TokenizerCodec(tokenizer) if tokenizer is not None else CharCodec()
 
 
 def build_collector(
@@ -71,7 +79,7 @@ def build_collector(
     collector = Collector(
         cfg, source=source, generator=generator, scorer=scorer, sampling=sampling_params(cfg, stop_token_ids),
         start_step=start_step, ledger=ledger, observer=observer,
-        codec=(TokenizerCodec(tokenizer) if tokenizer is not None else CharCodec()) if cfg.env is not None else None,
+        codec=episode_codec(cfg, tokenizer),
         **({"host_factory": host_factory} if host_factory is not None else {}),
     )
     if resumed:

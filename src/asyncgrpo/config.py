@@ -421,7 +421,9 @@ class TrainConfig(_Section):
 
 
 class EvalConfig(_Section):
-    every_steps: int = Field(0, ge=0, description="Evaluate every N steps (0 = never).")
+    every_steps: int = Field(
+        0, ge=0, description="Evaluate every N steps (0 = never); with an env: section each sample is an episode, played as in training.",
+    )
     source: str | None = Field(
         None,
         description="Held-out prompts (same forms as data.source); default: the builtin task's eval split, or the last eval.num_prompts rows of the"
@@ -649,12 +651,6 @@ def consistency_problems(cfg: Config) -> list[str]:
         problems.append(
             "algorithm = 'distill' with an env: section: the teacher scores single completions, it does not score "
             "episodes yet (their environment tokens and per-turn prompts). Fix: remove the env: section, or use algorithm: grpo."
-        )
-    if cfg.env is not None and cfg.eval.every_steps > 0:
-        problems.append(
-            f"eval.every_steps = {cfg.eval.every_steps} with an env: section: held-out evaluation samples single completions, "
-            f"it does not play episodes yet, so its rewards would not measure the environment's task. Fix: set "
-            f"eval.every_steps: 0 (the training metrics reward/env and env/turns_mean follow the episodes)."
         )
     weights = cfg.reward.weights
     if weights is not None and len(weights) != len(cfg.reward.functions):

@@ -5,6 +5,19 @@ of rollout/retry.py (transient errors retried under `request_timeout_s` and the 
 deadline), the requests of one prompt run concurrently. What still fails leaves that sample out
 (`eval/failed_requests`, one warning); only a `FatalBackendError` (the backend cannot serve the
 run at all) propagates, and `eval_diagnostic` makes it the run's diagnostic.
+
+With an `env:` section each sample is an episode, played as training plays one (rollout/episode.py:
+the same `env.factory`, isolation, turn and token limits, cancel grace and transient retries),
+and scored with the environment's reward added (`eval/reward/env`). Evaluation's episodes:
+- keep counters of their own: their environment errors are failed samples
+  (`eval/failed_requests`), never training's `env/*` totals;
+- run at most `generation.max_inflight` at once (the environments alive at once, as in training);
+- each end within `env.max_turns` x `generation.rollout_deadline_s` (training has staleness and the
+  stall timeout to end an episode that never ends; an evaluation has only this): one that does not
+  is cancelled like any cancelled episode (token, close(), grace; a process worker killed) and
+  counted as failed;
+- are cancelled with the evaluation (the run stopping): each episode's environment is stopped
+  before the cancellation goes on, so none outlives it (with `env.isolation: process`, no worker).
 """
 
 from __future__ import annotations
@@ -13,27 +26,38 @@ import asyncio
 import logging
 import random
 import statistics
-from typing import Any
+from collections import Counter
+from collections.abc import Awaitable, Callable
 
 from asyncgrpo.config import Config
-from asyncgrpo.errors import Diagnostic, FatalBackendError, GenerationError, RewardError
+from asyncgrpo.environments.conversation import Codec
+from asyncgrpo.errors import Diagnostic, EpisodeError, FatalBackendError, GenerationError, RewardError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion
+from asyncgrpo.rollout.episode import EpisodeRunner, add_env_reward, term_names
 from asyncgrpo.rollout.first_failure import format_traceback
 from asyncgrpo.rollout.retry import generate_with_retries
-from asyncgrpo.types import GenerationRequest, Prompt, SamplingParams
+from asyncgrpo.types import Completion, GenerationRequest, Prompt, SamplingParams
 
 log = logging.getLogger("asyncgrpo")
 
 
 async def evaluate(
-    cfg: Config, engine: Generator, scorer: RewardScorer, prompts: list[Prompt], stop_ids: tuple[int, ...], *, step: int
+    cfg: Config,
+    engine: Generator,
+    scorer: RewardScorer,
+    prompts: list[Prompt],
+    stop_ids: tuple[int, ...],
+    *,
+    step: int,
+    codec: Codec | None = None,
 ) -> dict[str, float | None]:
-    """Sample `eval.samples_per_prompt` completions per held-out prompt; report mean reward, each reward function's
-    mean (`eval/reward/<function>`, as `reward/<function>` in training), pass@k and failures.
+    """Sample `eval.samples_per_prompt` completions (episodes, with an `env:` section; `codec` tokenizes them) per
+    held-out prompt; report mean reward, each reward term's mean (`eval/reward/<function>`, and `eval/reward/env`
+    with an environment, as `reward/<function>` in training), pass@k and failures.
 
     Requests go through the same retry policy as rollouts (rollout/retry.py), those of one prompt
-    concurrently. A request that still fails, or a reward that raises, leaves that sample out:
+    concurrently. A request or episode that still fails, or a reward that raises, leaves that sample out:
     the evaluation is incomplete (`eval/failed_requests`, one warning naming the first error),
     never a crash. A `FatalBackendError` propagates: the backend cannot serve the run at all."""
     sampling = SamplingParams(
@@ -45,31 +69,34 @@ async def evaluate(
     k = cfg.eval.samples_per_prompt
     jitter = random.Random(cfg.run.seed + step)
     failures: list[BaseException] = []
-
-    async def generate(request: GenerationRequest) -> Any:
-        try:
-            return await generate_with_retries(engine, request, cfg.generation, jitter=jitter)
-        except FatalBackendError:
-            raise
-        except (GenerationError, OSError) as exc:
-            failures.append(exc)
-            return None
+    sample = _generator_of(cfg, engine, codec, jitter)
 
     async def one(prompt: Prompt) -> list[ScoredCompletion]:
         requests = [
             GenerationRequest(f"eval-{step}-{prompt.id}-{i}", prompt.id, prompt.token_ids, sampling, seed=cfg.run.seed + i)
             for i in range(k)
         ]
+
+        async def kept(request: GenerationRequest) -> Completion | None:
+            try:
+                return await sample(prompt, request)
+            except FatalBackendError:
+                raise
+            except (GenerationError, EpisodeError, OSError) as exc:
+                failures.append(exc)
+                return None
+
         async with asyncio.TaskGroup() as task_group:
-            tasks = [task_group.create_task(generate(request)) for request in requests]
+            tasks = [task_group.create_task(kept(request)) for request in requests]
         completions = [c for c in (t.result() for t in tasks) if c is not None]
         if not completions:
             return []
         try:
-            return await scorer.score(prompt, completions)
+            scored = await scorer.score(prompt, completions)
         except RewardError as exc:
             failures.extend([exc] * len(completions))
             return []
+        return add_env_reward(scored, completions, cfg.env.reward_weight) if cfg.env is not None else scored
 
     try:
         async with asyncio.TaskGroup() as task_group:
@@ -88,8 +115,44 @@ async def evaluate(
         "eval/reward_mean": _mean([s.reward for s in samples]),
         "eval/pass_rate": sum(passed) / len(passed) if passed else None,
         "eval/failed_requests": len(failures),
-        **{f"eval/reward/{name}": _mean([s.terms.get(name) for s in samples]) for name in scorer.names},
+        **{f"eval/reward/{name}": _mean([s.terms.get(name) for s in samples]) for name in term_names(scorer.names, cfg.env)},
     }
+
+
+Sample = Callable[[Prompt, GenerationRequest], Awaitable[Completion]]
+
+
+def _generator_of(cfg: Config, engine: Generator, codec: Codec | None, jitter: random.Random) -> Sample:
+    """How one evaluation sample is had: a completion under the retry policy, or with an `env:` section an episode
+    under the rules of the module docstring."""
+
+    def generate(request: GenerationRequest, _floor: int | None = None) -> Awaitable[Completion]:
+        return generate_with_retries(engine, request, cfg.generation, jitter=jitter)
+
+    env = cfg.env
+    if env is None:
+        return lambda prompt, request: generate(request)
+    if codec is None:
+        raise ValueError("evaluating with an env: section needs the codec that tokenizes its episodes")
+    # Counters of its own: an evaluation episode's errors are its failed samples, not training's env/* totals.
+    episodes = EpisodeRunner(env, cfg.generation, codec, Counter(), prompt_key=cfg.data.prompt_key, jitter=jitter)
+    slots = asyncio.Semaphore(cfg.generation.max_inflight)  # holders end within limit_s + the cancel grace
+    limit_s = env.max_turns * cfg.generation.rollout_deadline_s
+
+    async def play(prompt: Prompt, request: GenerationRequest) -> Completion:
+        async with slots:
+            try:
+                async with asyncio.timeout(limit_s):
+                    return await episodes.run(prompt, request, generate, on_retry=lambda error: None, between_attempts=asyncio.sleep)
+            except TimeoutError as exc:  # the episode was cancelled (its environment stopped) when the limit struck
+                raise EpisodeError(
+                    f"the evaluation episode of prompt {prompt.id} did not end within {limit_s:g} s (env.max_turns = "
+                    f"{env.max_turns} x generation.rollout_deadline_s = {cfg.generation.rollout_deadline_s:g}); it was "
+                    f"stopped and is left out. Fix: make the environment's steps end sooner, or raise generation.rollout_deadline_s.",
+                    backend=env.factory,
+                ) from exc
+
+    return play
 
 
 def _mean(values: list[float | None]) -> float | None:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.assemble import build_collector
+from asyncgrpo.assemble import build_collector, episode_codec
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_rows, read_rows
 from asyncgrpo.distill.teacher_path import check_teacher_path
@@ -323,6 +323,7 @@ class TrainingRun:
             start_step=plan.step, resumed=saved, observer=self.timeline, tokenizer=tokenizer,
         )
         self.reward_terms = term_names(self.scorer.names, cfg.env)
+        self.eval_codec = episode_codec(cfg, tokenizer)  # evaluation plays episodes tokenized as the collector's
         self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.reward_terms, distill=teacher is not None))
         self.trackers = Trackers(cfg, run_dir)
         self.progress = Progress(cfg, plan.step)
@@ -461,7 +462,9 @@ class TrainingRun:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            self.eval_state.update(await evaluate(self.cfg, self.engine, self.scorer, self.eval_prompts, self.stop_ids, step=step))
+            self.eval_state.update(await evaluate(
+                self.cfg, self.engine, self.scorer, self.eval_prompts, self.stop_ids, step=step, codec=self.eval_codec,
+            ))
         except FatalBackendError as exc:
             return PipelineError.caused_by(eval_diagnostic(exc, step), exc)
         finally:

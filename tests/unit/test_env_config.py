@@ -34,11 +34,6 @@ def test_the_cancel_grace_fits_in_the_shutdown_bound():
         load_config(None, ["env.factory=tests.envs:Counting", "env.cancel_grace_s=30"])
 
 
-def test_evaluation_of_episodes_is_refused_rather_than_measuring_single_completions():
-    with pytest.raises(ConfigError, match=r"eval.every_steps = 5 with an env: section"):
-        load_config(None, ["env.factory=tests.envs:Counting", "eval.every_steps=5"])
-
-
 def test_distillation_of_episodes_is_refused_until_the_teacher_scores_them():
     with pytest.raises(ConfigError, match=r"algorithm = 'distill' with an env: section"):
         load_config(None, ["env.factory=tests.envs:Counting", "algorithm=distill", "rollout.group_size=1", "rollout.min_group_survivors=1",
