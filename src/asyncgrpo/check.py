@@ -55,7 +55,8 @@ def _eval_line(cfg: Config, n: int) -> str:
         return "off (eval.every_steps = 0)"
     source = cfg.eval.source or (cfg.data.source if cfg.data.source.startswith("builtin:") else "the last rows of data.source")
     k = cfg.eval.samples_per_prompt
-    return f"{n} prompts from {source}, every {cfg.eval.every_steps} steps and before the first, {k} sample{'s' if k != 1 else ''} each"
+    unit = "episode" if cfg.env is not None else "sample"  # with an env: section, evaluation plays episodes as training does
+    return f"{n} prompts from {source}, every {cfg.eval.every_steps} steps and before the first, {k} {unit}{'s' if k != 1 else ''} each"
 
 
 def _settings(cfg: Config) -> list[str]:

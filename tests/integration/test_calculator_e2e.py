@@ -1,5 +1,6 @@
 """recipes/calculator.yaml on the real train path: the tiny model learns to call the calculator (the tool-use reward
-rises and episodes get their second turn), and the same recipe runs with env.isolation: process."""
+rises and episodes get their second turn), the same recipe runs with env.isolation: process, and its held-out
+evaluation plays the questions as episodes."""
 
 from __future__ import annotations
 
@@ -40,3 +41,13 @@ def test_the_calculator_recipe_runs_with_process_isolation(tmp_path):
     metrics = run(tmp_path, "env.isolation=process", "train.max_steps=2", "rollout.groups_per_step=2", "rollout.group_size=4")
     assert len(metrics) == 2
     assert all(m["env/errors_total"] == 0 and m["env/abandoned_total"] == 0 and m["reward/env"] is not None for m in metrics)
+
+
+@pytest.mark.timeout(300)
+def test_the_calculator_recipes_evaluation_plays_held_out_questions_as_episodes(tmp_path):
+    metrics = run(tmp_path, "train.max_steps=2", "rollout.groups_per_step=2", "rollout.group_size=4", "eval.every_steps=1",
+                  "eval.num_prompts=8")
+    assert len(metrics) == 2
+    for m in metrics:  # the environment's reward is the only term: an episode's reward is its env reward
+        assert m["eval/failed_requests"] == 0 and m["eval/pass_rate"] is not None and m["eval/reward/env"] is not None
+        assert m["eval/reward_mean"] == pytest.approx(m["eval/reward/env"])

@@ -50,6 +50,7 @@ def test_check_names_the_environment_and_its_reward(tmp_path, capsys):
     assert code == 0, out
     assert "reward: the environment's x 1 (on error: fail)" in out
     assert "env: asyncgrpo.environments.calculator:CalculatorEnv, up to 2 turns and 40 tokens, thread isolation, cancel grace 5 s" in out
+    assert "eval: 32 prompts from builtin:calculator, every 10 steps and before the first, 1 episode each" in out
 
 
 def test_a_device_this_machine_lacks_fails_check_and_train_before_anything_loads(tmp_path, capsys):
