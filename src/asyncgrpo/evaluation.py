@@ -69,7 +69,7 @@ async def evaluate(
     k = cfg.eval.samples_per_prompt
     jitter = random.Random(cfg.run.seed + step)
     failures: list[BaseException] = []
-    sample = _generator_of(cfg, engine, codec, jitter)
+    sample = _sampler(cfg, engine, codec, jitter)
 
     async def one(prompt: Prompt) -> list[ScoredCompletion]:
         requests = [
@@ -119,10 +119,10 @@ async def evaluate(
     }
 
 
-Sample = Callable[[Prompt, GenerationRequest], Awaitable[Completion]]
+Sampler = Callable[[Prompt, GenerationRequest], Awaitable[Completion]]
 
 
-def _generator_of(cfg: Config, engine: Generator, codec: Codec | None, jitter: random.Random) -> Sample:
+def _sampler(cfg: Config, engine: Generator, codec: Codec | None, jitter: random.Random) -> Sampler:
     """How one evaluation sample is had: a completion under the retry policy, or with an `env:` section an episode
     under the rules of the module docstring."""
 
