@@ -88,8 +88,9 @@ def _hardware(cfg: Config) -> str:
     device = f"auto ({resolve_device('auto')})" if t.device == "auto" else t.device
     schedule = f"{t.lr_schedule} after {t.warmup_steps} warm-up steps" if t.warmup_steps else t.lr_schedule
     lora = f"LoRA r {t.lora.r}, alpha {t.lora.alpha:g} on {t.lora.target_modules}" if t.lora is not None else "every weight trained"
+    moments = ", AdamW moments in bfloat16" if t.optimizer_state_dtype == "bfloat16" else ""
     checkpointing = ", gradient checkpointing" if t.gradient_checkpointing else ""
-    return f"trainer: device {device}, {t.precision} compute on float32 weights, lr schedule {schedule}, {lora}{checkpointing}"
+    return f"trainer: device {device}, {t.precision} compute on float32 weights, lr schedule {schedule}, {lora}{moments}{checkpointing}"
 
 
 def _resume_line(plan: ResumePlan | None) -> str:

@@ -79,10 +79,11 @@ def test_check_says_where_and_how_the_trainer_computes(tmp_path, capsys):
             f"every weight trained\n") in out
     assert "checkpoints: the final one only, keep 2;" in out
     args = ["train.device=cpu", "train.precision=bfloat16", "train.lr_schedule=cosine", "train.warmup_steps=0",
-            "train.lora={r: 8, target_modules: [q_proj, v_proj]}", "train.gradient_checkpointing=true"]
+            "train.lora={r: 8, target_modules: [q_proj, v_proj]}", "train.gradient_checkpointing=true",
+            "train.optimizer_state_dtype=bfloat16"]
     assert main(["check", "recipes/demo.yaml", f"run.output_dir={tmp_path / 'run'}", *args]) == 0
     assert ("trainer: device cpu, bfloat16 compute on float32 weights, lr schedule cosine, LoRA r 8, alpha 32 on "
-            "['q_proj', 'v_proj'], gradient checkpointing\n") in capsys.readouterr().out
+            "['q_proj', 'v_proj'], AdamW moments in bfloat16, gradient checkpointing\n") in capsys.readouterr().out
 
 
 def test_lora_without_peft_fails_check_and_train_before_anything_loads(tmp_path, monkeypatch, capsys):
