@@ -236,9 +236,9 @@ def _unexpected_error(run_dir: Path, exc: BaseException) -> str:
 
 @dataclass
 class Stop:
-    """The stop requests of a run, and the pipeline task a stop cancels.
+    """The stop requests of a run, and the task a stop cancels: the start-up stages and the pipeline.
 
-    Only the pipeline is cancelled, never the cleanup after it (closing the engine, the final
+    Only that task is cancelled, never the cleanup after it (closing the engine, the final
     checkpoint, the summary), which must run to its end for the checkpoint to be saved.
     """
 
@@ -384,11 +384,15 @@ class TrainingRun:
     # -- step 4: generate and train -----------------------------------------------------
 
     async def generate_and_train(self) -> PipelineResult:
-        """The baseline evaluation and the pipeline, until the data, max_steps, an error or a stop ends them."""
+        """The start-up stages (engine, ranks, baseline evaluation) and the pipeline, until the data, max_steps, an error or
+        a stop ends them. A stop cancels whichever stage is running: a long baseline evaluation does not hold it up."""
         stop = self.stop
         try:
             with LoopWatchdog(asyncio.get_running_loop(), threshold_s=self.cfg.logging.blocked_loop_warn_s), quiet_gc():
-                return await self._stages()  # from the engine's start on, nothing may block the loop (nor the collector)
+                stop.pipeline = asyncio.create_task(self._stages())  # from the engine's start on, nothing may block the loop
+                if stop.received:  # a signal arrived while loading
+                    stop.pipeline.cancel()
+                return await stop.pipeline
         except asyncio.CancelledError:
             if not (stop.received and stop.pipeline is not None and stop.pipeline.cancelled()):
                 raise
@@ -397,7 +401,7 @@ class TrainingRun:
             await self._close_parts()
 
     async def _stages(self) -> PipelineResult:
-        cfg, stop = self.cfg, self.stop
+        cfg = self.cfg
         if cfg.generation.backend == "http":
             self.progress.stage(f"waiting for the generation servers ({', '.join(cfg.generation.http.base_urls)})")
         else:
@@ -418,12 +422,9 @@ class TrainingRun:
             if failure is not None:
                 return PipelineResult("failed", "error", self.plan.step, failure.diagnostic, failure)
         self.progress.stage("generating the first batch")
-        stop.pipeline = asyncio.create_task(
-            run_pipeline(cfg, collector=self.collector, trainer=self, generator=self.engine, start_step=self.plan.step, on_step=self._on_step)
+        return await run_pipeline(
+            cfg, collector=self.collector, trainer=self, generator=self.engine, start_step=self.plan.step, on_step=self._on_step
         )
-        if stop.received:  # a signal arrived while loading
-            stop.pipeline.cancel()
-        return await stop.pipeline
 
     async def _on_step(self, record: StepRecord) -> None:
         """After each trained step: evaluate when due, write its metrics and samples, checkpoint when due."""

@@ -92,3 +92,26 @@ def test_a_reward_that_blocks_the_event_loop_is_reported_and_a_stop_still_ends_t
     assert time.monotonic() - signalled < 30
     assert "received SIGTERM" in rest and "the shutdown took longer than run.shutdown_timeout_s: exiting at once" in rest
     assert "No checkpoint of this run is on disk yet." in rest
+
+
+@pytest.mark.timeout(300)
+def test_a_signal_during_the_baseline_evaluation_stops_it_instead_of_waiting_for_it(tmp_path):
+    """The baseline evaluation runs before the pipeline; a stop used to wait for it to end (bounded only by the
+    shutdown timer). Here its reward never returns (an async call the deadline lets run for an hour)."""
+    rewards = tmp_path / "slow_reward.py"
+    rewards.write_text(
+        "import asyncio, sys\n\n\n"
+        "async def judge(prompts, completions, **columns):\n"
+        "    print('asyncgrpo-test: reward waiting', file=sys.stderr, flush=True)\n"
+        "    await asyncio.sleep(3600)\n"
+    )
+    run_dir = tmp_path / "run"
+    overrides = [f"reward.functions=[{rewards}:judge]", "reward.timeout_s=3600", "run.shutdown_timeout_s=120"]
+    with start_train(run_dir, *overrides) as proc:
+        assert read_until(proc, "asyncgrpo-test: reward waiting")  # the baseline evaluation is scoring
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=150) == 143, rest
+    assert time.monotonic() - signalled < 30, rest  # well inside run.shutdown_timeout_s: the evaluation was cancelled
+    assert "interrupted by SIGTERM" in rest and "Traceback" not in rest
