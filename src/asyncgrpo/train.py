@@ -354,10 +354,13 @@ class TrainingRun:
         log.info("reading the data %s ...", cfg.data.source)
         train_rows, eval_rows = _split_rows(cfg)
         tokens = {"tokenizer": tokenizer, "max_prompt_tokens": cfg.data.max_prompt_tokens}
-        prompts, report = build_prompts(train_rows, prompt_key=cfg.data.prompt_key, **tokens)
+        train_source, eval_source = prompt_sources(cfg)
+        prompts, report = build_prompts(train_rows, prompt_key=cfg.data.prompt_key, source=train_source, **tokens)
         eval_key = "eval.source" if cfg.eval.source else "data.prompt_key"
-        eval_prompts = build_prompts(eval_rows, prompt_key=cfg.data.prompt_key, key=eval_key, **tokens)[0] if eval_rows else []
-        warnings = [*plan.notes, *report.warnings(), *step_budget_warnings(cfg, len(prompts))]
+        eval_prompts, eval_report = (
+            build_prompts(eval_rows, prompt_key=cfg.data.prompt_key, key=eval_key, source=eval_source, **tokens) if eval_rows else ([], None)
+        )
+        warnings = [*plan.notes, *report.warnings(), *(eval_report.warnings() if eval_report else []), *step_budget_warnings(cfg, len(prompts))]
         teacher = None
         if cfg.algorithm == "distill":
             from asyncgrpo.distill.teacher import build_teacher
@@ -566,6 +569,12 @@ def _with_failure(result: PipelineResult, diagnostic: Diagnostic) -> PipelineRes
         log.warning("warning: after the run's error, also: %s", diagnostic.render())
         return result
     return PipelineResult("failed", "error", result.steps, diagnostic, PipelineError(diagnostic), result.staleness_max)
+
+
+def prompt_sources(cfg: Config) -> tuple[str, str]:
+    """Where the training and the evaluation prompts come from, in words (for warnings about them)."""
+    held_out = f"eval.source = {cfg.eval.source}" if cfg.eval.source else f"the eval rows of data.source = {cfg.data.source}"
+    return f"data.source = {cfg.data.source}", held_out
 
 
 def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Generator:
