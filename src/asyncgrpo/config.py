@@ -24,6 +24,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.trl_names import trl_hint
 
 log = logging.getLogger("asyncgrpo")
 
@@ -827,6 +828,9 @@ def describe_error(err: Mapping[str, Any]) -> str:
     value = err.get("input")
     msg = err["msg"]
     if kind == "extra_forbidden":
+        trl = trl_hint(loc[-1], value)  # a TRL name, bare or under one of our sections: its key here (trl_names.py)
+        if trl is not None:
+            return f"{key}: unknown key. {trl}"
         known = _fields_at(loc[:-1])
         guess = difflib.get_close_matches(loc[-1], known, n=1)
         hint = f"did you mean {'.'.join(loc[:-1] + [guess[0]])}?" if guess else f"known keys here: {', '.join(sorted(known))}."
