@@ -16,7 +16,8 @@ from typing import Any
 
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, read_rows
-from asyncgrpo.models.loading import load_tokenizer
+from asyncgrpo.models.hub import is_hub_id
+from asyncgrpo.models.loading import load_tokenizer, model_directory
 from asyncgrpo.training.resume import ResumePlan
 
 
@@ -51,6 +52,8 @@ def check_recipe(cfg: Config) -> str:
         f"eval: {_eval_line(cfg, len(eval_prompts))}",
         *(f"warning: {w}" for w in [*report.warnings(), *(eval_report.warnings() if eval_report else [])]),
         *_settings(cfg),
+        *([f"model.path {cfg.model.path!r} is a Hugging Face Hub id: snapshot {model_directory(cfg.model.path, weights=False)} "
+           f"(train fetches its weights there if they are missing)"] if tokenizer is not None and is_hub_id(cfg.model.path) else []),
         f"run directory: {cfg.run.directory}; {_resume_line(plan)}",
     ]
     return "\n".join(lines)

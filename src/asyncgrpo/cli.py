@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API (vLLM's subset that generation.backend: http "
         "uses), with the in-process engine. Stops on SIGINT/SIGTERM.",
     )
-    serve.add_argument("model", help="a local Hugging Face model directory, or builtin:tiny")
+    serve.add_argument("model", help="a local Hugging Face model directory, a Hugging Face Hub id, or builtin:tiny")
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; /collective_rpc loads any readable path, keep it private)"
     )

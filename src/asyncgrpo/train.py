@@ -585,13 +585,14 @@ def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Gene
         return RayGenerator(cfg, _serving_model(cfg, trainer, "cpu"), tokenizer, version=trainer.version)
     if cfg.generation.backend == "http":
         from asyncgrpo.generation.http import HttpGenerator
+        from asyncgrpo.models.loading import model_directory
 
-        model_dir = Path(cfg.model.path).expanduser()
+        model_dir = None if cfg.model.path.startswith("builtin:") else model_directory(cfg.model.path, weights=False)  # a hub id's snapshot
         http = cfg.generation.http
         return HttpGenerator(
             cfg.generation,
             weights_dir=Path(http.weights_dir) if http.weights_dir else run_dir / "weights",
-            model_config=model_dir if model_dir.is_dir() else trainer.model.config.to_dict(),
+            model_config=model_dir if model_dir is not None else trainer.model.config.to_dict(),
             initial_version=trainer.version,
         )
     from asyncgrpo.generation.local import LocalEngine
