@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 import signal
@@ -54,6 +55,7 @@ from asyncgrpo.generation.ray_cluster import import_ray
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rewards.trl_args import run_trainer_state
 from asyncgrpo.rollout.episode import term_names
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.run_files import describe_last_checkpoint, disk_diagnostic, disk_problem, open_record, write_or_disk_error
@@ -322,6 +324,7 @@ class TrainingRun:
             cfg, prompts, self.engine, stop_token_ids=self.stop_ids, scorer=teacher or self.scorer, ledger=self.ledger,
             start_step=plan.step, resumed=saved, observer=self.timeline, tokenizer=tokenizer,
         )
+        self.scorer.trainer_state = functools.partial(run_trainer_state, cfg, len(prompts), lambda: self.collector.steps_trained)
         self.reward_terms = term_names(self.scorer.names, cfg.env)
         self.eval_codec = episode_codec(cfg, tokenizer)  # evaluation plays episodes tokenized as the collector's
         self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.reward_terms, distill=teacher is not None))
@@ -445,7 +448,7 @@ class TrainingRun:
             elapsed_s=now - self.started,
             gen_tokens_per_s=self.token_rate.add(now, self.collector.counters["rollout/generated_tokens_total"]),
             eval_metrics=self.eval_state,
-        )
+        ) | self.scorer.log.drain()  # the reward functions' log_metric values since the last step: user/<name>
         try:
             self.trackers.log(self.metrics.write(values))
             write_samples(self.samples_file, record, cfg.logging.samples_per_step)
