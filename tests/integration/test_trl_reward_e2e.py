@@ -27,7 +27,7 @@ def test_a_trl_reward_schedules_on_the_step_and_its_logs_reach_the_run_files(tmp
     run = tmp_path / "run"
     code = main(["train", "recipes/demo.yaml", f"run.output_dir={run}", f"reward.functions=[{rewards}:by_step]", "train.max_steps=3",
                  "rollout.max_staleness=0", "rollout.groups_per_step=2", "rollout.group_size=2", "eval.every_steps=0",
-                 "logging.progress=false", "logging.samples_per_step=4"])
+                 "logging.progress=false", "logging.samples_per_step=4", "logging.sinks=[jsonl,tensorboard]"])
     assert code == 0
     lines = read_jsonl(run / "metrics.jsonl")
     assert [line["step"] for line in lines] == [0, 1, 2]
@@ -36,6 +36,11 @@ def test_a_trl_reward_schedules_on_the_step_and_its_logs_reach_the_run_files(tmp
     assert [int(line["reward/mean"]) for line in lines] == [0, 1, 2]  # the reward scheduled on the step
     samples = read_jsonl(run / "samples.jsonl")
     assert len(samples) == 12 and all(sample["extra"] == {"step_seen": sample["step"]} for sample in samples)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # the trackers get the same line
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("user/global_step")] == [(0, 0.0), (1, 1.0), (2, 2.0)]
 
 
 def test_the_simulator_passes_the_step_and_writes_the_logged_metrics(tmp_path):
