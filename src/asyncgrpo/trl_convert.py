@@ -22,6 +22,8 @@ from asyncgrpo.trl_names import BY_NAME, SAME_AS_HERE, NoCounterpart, render_val
 
 # Why TRL fields outside the table have no counterpart, by name prefix (the first that matches).
 _FAMILIES = (
+    (("vllm_importance_sampling",), "the off-policy correction here is train.loss.objective (behaviour or decoupled, with train.loss.is_cap)"),
+    (("vllm_server_host", "vllm_server_port"), "the servers are generation.http.base_urls, e.g. [http://HOST:PORT]"),
     (("vllm_",), "vLLM's own settings go on the vLLM server's command line (generation.backend: http)"),
     (("push_to_hub", "hub_"), "checkpoints are save_pretrained directories under the run directory: upload them with huggingface_hub"),
     (("ddp_", "fsdp", "deepspeed", "local_rank", "accelerator_config", "parallelism_config"),

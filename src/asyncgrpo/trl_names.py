@@ -179,6 +179,7 @@ TABLE: tuple[TrlField, ...] = (
              _choice({True: "http", False: "local"}, "use_vllm is true or false"), values="true -> http, false -> local"),
     TrlField("vllm_server_base_url", "generation.http.base_urls", "a list: several servers",
              lambda value, trl: SAME_AS_HERE if value is None else [value]),
+    TrlField("vllm_server_timeout", "generation.http.startup_timeout_s", "how long to wait at start for the servers"),
     TrlField("use_cpu", "train.device", "also generation.local.device",
              _choice({True: "cpu", False: SAME_AS_HERE}, "use_cpu is true or false"), values="true -> cpu"),
     TrlField("save_steps", "checkpoint.every_steps", "", _integer),
@@ -216,6 +217,8 @@ def translate(field: TrlField, value: Any, trl: Mapping[str, Any] | None = None)
         if out is not SAME_AS_HERE:
             raise NoCounterpart(field.note)
         return out
+    if value is None and field.translate in (_same, _integer):
+        return SAME_AS_HERE  # TRL's unset: ours keeps its default
     return field.translate(value, trl or {})
 
 

@@ -96,6 +96,18 @@ def test_a_grpo_config_converts_with_a_report_and_the_recipe_is_valid():
     Config.model_validate(conversion.recipe)
 
 
+def test_a_whole_grpo_config_dump_converts_to_a_valid_recipe():
+    trl = pytest.importorskip("trl")
+    dump = trl.GRPOConfig(output_dir="out", use_cpu=True, bf16=False).to_dict()
+    conversion = convert_trl(dump)
+    Config.model_validate(conversion.recipe)  # TRL's nulls (run_name, num_generations_eval, ...) leave our defaults
+    assert conversion.recipe["rollout"] == {"group_size": 8, "groups_per_step": 1, "mask_truncated": False}
+    assert conversion.recipe["train"]["device"] == "cpu" and "max_steps" not in conversion.recipe["train"]
+    unmapped = {name: why for name, _, why in conversion.unmapped}
+    assert "max_steps" in unmapped and "train.loss.objective" in unmapped["vllm_importance_sampling_mode"]
+    assert len(conversion.mapped) + len(conversion.same) + len(conversion.unmapped) == len(dump)
+
+
 def test_convert_trl_cli_writes_a_recipe_check_accepts(tmp_path, capsys):
     source = tmp_path / "grpo.yaml"
     source.write_text(yaml.safe_dump({"num_generations": 4, "learning_rate": 1e-5, "max_steps": 3, "top_k": 50,
