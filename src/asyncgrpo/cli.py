@@ -1,4 +1,5 @@
-"""`asyncgrpo train|simulate|check RECIPE [dotted.key=value ...]` and `asyncgrpo serve MODEL`: argument parsing and exit codes only.
+"""`asyncgrpo train|simulate|check RECIPE [dotted.key=value ...]`, `asyncgrpo serve MODEL` and `asyncgrpo convert-trl FILE`:
+argument parsing and exit codes only.
 
 Exit codes: 0 completed, 1 failed (the run's diagnostic is printed), 2 stalled,
 3 bad config (reported before any model loads), 130/143 interrupted by SIGINT/SIGTERM.
@@ -45,13 +46,22 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", type=Path, help="a run directory (runs/<run.name>) or a `simulate --output-dir` directory")
     plot.add_argument("--out", type=Path, default=None, help="where the PNGs go (default RUN_DIR/plots)")
     plot.add_argument("--debug", action="store_true", help="show tracebacks")
+    convert = sub.add_parser(
+        "convert-trl",
+        help="Convert a TRL GRPOConfig YAML/JSON into a recipe, reporting what was mapped and what has no counterpart.",
+        description="Convert a TRL GRPOConfig-shaped YAML or JSON file into an asyncgrpo recipe (on stdout, or --out), "
+        "with a report on stderr of what was mapped, what is already asyncgrpo's behaviour, and what has no counterpart and why.",
+    )
+    convert.add_argument("trl_config", type=Path, help="a YAML or JSON file of GRPOConfig fields (e.g. GRPOConfig.to_dict() dumped)")
+    convert.add_argument("--out", type=Path, default=None, help="write the recipe here instead of stdout")
+    convert.add_argument("--debug", action="store_true", help="show tracebacks")
     serve = sub.add_parser(
         "serve",
         help="Serve a model over an OpenAI-compatible HTTP API (vLLM's subset that generation.backend: http uses).",
         description="Serve a model over an OpenAI-compatible HTTP API (vLLM's subset that generation.backend: http "
         "uses), with the in-process engine. Stops on SIGINT/SIGTERM.",
     )
-    serve.add_argument("model", help="a local Hugging Face model directory, or builtin:tiny")
+    serve.add_argument("model", help="a local Hugging Face model directory, a Hugging Face Hub id, or builtin:tiny")
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; /collective_rpc loads any readable path, keep it private)"
     )
@@ -110,6 +120,8 @@ def _run_command(args: argparse.Namespace) -> int:
         for path in plot_run(args.run_dir, args.out):
             print(path)
         return 0
+    if args.command == "convert-trl":
+        return _convert_trl(args.trl_config, args.out)
     cfg = load_config(args.recipe, args.overrides)
     for warning in tolerance_warnings(cfg):
         log.warning("warning: %s", warning)
@@ -124,6 +136,23 @@ def _run_command(args: argparse.Namespace) -> int:
     from asyncgrpo.train import train_cli
 
     return train_cli(cfg)
+
+
+def _convert_trl(source: Path, out: Path | None) -> int:
+    """Convert, report on stderr, validate the recipe against the whole config, then print or write it."""
+    from asyncgrpo.config import validate_config
+    from asyncgrpo.trl_convert import convert_trl, load_trl_file
+
+    conversion = convert_trl(load_trl_file(source))
+    print(conversion.report(), file=sys.stderr)
+    validate_config(conversion.recipe, f"the recipe converted from {source}")
+    text = f"# converted from TRL's {source.name} by asyncgrpo convert-trl\n" + conversion.to_yaml()
+    if out is None:
+        print(text, end="")
+    else:
+        out.write_text(text, encoding="utf-8")
+        print(f"wrote {out}: check it with asyncgrpo check {out}", file=sys.stderr)
+    return 0
 
 
 def _simulate(cfg: Config, *, as_json: bool, output_dir: Path | None) -> int:

