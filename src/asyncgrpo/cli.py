@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncgrpo.config import Config, load_config, tolerance_warnings
+from asyncgrpo.api_config import Prepared, build_config
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
 
 EXIT_CONFIG = 3
@@ -122,20 +122,20 @@ def _run_command(args: argparse.Namespace) -> int:
         return 0
     if args.command == "convert-trl":
         return _convert_trl(args.trl_config, args.out)
-    cfg = load_config(args.recipe, args.overrides)
-    for warning in tolerance_warnings(cfg):
-        log.warning("warning: %s", warning)
+    prepared = build_config(args.recipe, cli_overrides=args.overrides)  # the Python API's config, from a recipe
     if args.command == "simulate":
-        return _simulate(cfg, as_json=args.json, output_dir=args.output_dir)
+        return _simulate(prepared, as_json=args.json, output_dir=args.output_dir)
     if args.command == "check":
         from asyncgrpo.check import check_recipe
 
-        print(check_recipe(cfg))
+        print(check_recipe(prepared.config))
         print(f"{args.recipe}: ok")
         return 0
-    from asyncgrpo.train import train_cli
+    from asyncgrpo.api_run import run_training
 
-    return train_cli(cfg)
+    summary = run_training(prepared)
+    print(summary.render(), file=sys.stderr)
+    return summary.exit_code
 
 
 def _convert_trl(source: Path, out: Path | None) -> int:
@@ -155,10 +155,10 @@ def _convert_trl(source: Path, out: Path | None) -> int:
     return 0
 
 
-def _simulate(cfg: Config, *, as_json: bool, output_dir: Path | None) -> int:
+def _simulate(prepared: Prepared, *, as_json: bool, output_dir: Path | None) -> int:
     from asyncgrpo.simulate import simulate
 
-    simulation = simulate(cfg, output_dir=output_dir)
+    simulation = simulate(prepared.config, output_dir=output_dir)
     report = simulation.report()
     if as_json:
         print(json.dumps(report))

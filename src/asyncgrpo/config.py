@@ -780,38 +780,43 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     source = "defaults"
     data: dict[str, Any] = {}
     if path is not None:
-        recipe = Path(path)
-        source = str(recipe)
-        if not recipe.is_file():
-            raise ConfigError(f"recipe {recipe} does not exist. Fix: pass the path of a YAML recipe, e.g. recipes/demo.yaml.")
-        try:
-            loaded = yaml.safe_load(recipe.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                f"recipe {recipe} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}). "
-                f"Fix: save the recipe as UTF-8."
-            ) from None
-        except OSError as exc:
-            raise ConfigError(f"recipe {recipe} cannot be read: {exc.strerror}. Fix: check its permissions.") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"recipe {recipe} is not valid YAML: {exc}") from exc
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"recipe {recipe} must be a mapping of sections (run:, model:, ...), got {type(loaded).__name__}.")
-        if not loaded:
-            # A warning, not an error: a defaults-only run (`check`, or keys given as overrides) is legitimate.
-            rest = "every key not given as an override" if overrides else "every key"
-            log.warning(
-                "warning: recipe %s sets no keys (it is empty or only comments): %s is at its default. "
-                "If you meant to set something, check the path and that the keys are not commented out.",
-                recipe,
-                rest,
-            )
-        data = loaded
+        source = str(path)
+        data = read_recipe(path, has_overrides=bool(overrides))
     if overrides:
         data = merge(data, parse_overrides(overrides))
     return validate_config(data, source)
+
+
+def read_recipe(path: str | Path, *, has_overrides: bool = False) -> dict[str, Any]:
+    """The sections of the YAML recipe at `path`, unvalidated; every problem reading it is a ConfigError."""
+    recipe = Path(path)
+    if not recipe.is_file():
+        raise ConfigError(f"recipe {recipe} does not exist. Fix: pass the path of a YAML recipe, e.g. recipes/demo.yaml.")
+    try:
+        loaded = yaml.safe_load(recipe.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"recipe {recipe} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}). "
+            f"Fix: save the recipe as UTF-8."
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"recipe {recipe} cannot be read: {exc.strerror}. Fix: check its permissions.") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"recipe {recipe} is not valid YAML: {exc}") from exc
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"recipe {recipe} must be a mapping of sections (run:, model:, ...), got {type(loaded).__name__}.")
+    if not loaded:
+        # A warning, not an error: a defaults-only run (`check`, or keys given as overrides) is legitimate.
+        rest = "every key not given as an override" if has_overrides else "every key"
+        log.warning(
+            "warning: recipe %s sets no keys (it is empty or only comments): %s is at its default. "
+            "If you meant to set something, check the path and that the keys are not commented out.",
+            recipe,
+            rest,
+        )
+    return loaded
 
 
 def validate_config(data: dict[str, Any], source: str = "config") -> Config:

@@ -17,12 +17,12 @@ Invariants:
 - Every trained step has its metrics line; metrics.jsonl, outcomes.jsonl and the newest
   checkpoint describe the same steps after any ending (a resume restores the records that the
   checkpoint copied, so damaged live files are replaced, never padded or silently shortened).
-- Any error, at any stage, ends as one paragraph (`train_cli`), with error.txt in the run
+- Any error, at any stage, ends as one paragraph (api_run.py `run_training`), with error.txt in the run
   directory when there is one and a checkpoint when a step completed.
 
 Threads: the engine owns its decode thread; the trainer's steps and checkpoint writes run on
-one dedicated thread owned by `TrainingRun`, shut down on every exit path. Signals: see
-signals.py (a stop cancels the pipeline, the step in progress finishes, a checkpoint is saved,
+one dedicated thread owned by `TrainingRun`, shut down on every exit path. Signals and stop requests: see
+api_run.py and signals.py (a stop cancels the pipeline, the step in progress finishes, a checkpoint is saved,
 exit 130/143).
 """
 
@@ -35,9 +35,7 @@ import logging
 import os
 import signal
 import statistics
-import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +45,7 @@ from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_rows, read_rows
 from asyncgrpo.distill.teacher_path import check_teacher_path
 from asyncgrpo.environments.hosts import check_env
-from asyncgrpo.errors import AsyncGRPOError, ConfigError, Diagnostic, DiskError, FatalBackendError, PipelineError
+from asyncgrpo.errors import ConfigError, Diagnostic, DiskError, FatalBackendError, PipelineError
 from asyncgrpo.evaluation import eval_diagnostic, evaluate
 from asyncgrpo.gc_pauses import quiet_gc
 from asyncgrpo.generation.base import Generator
@@ -58,7 +56,7 @@ from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
 from asyncgrpo.rewards.trl_args import run_trainer_state
 from asyncgrpo.rollout.episode import term_names
 from asyncgrpo.rollout.ledger import PromptLedger
-from asyncgrpo.run_files import describe_last_checkpoint, disk_diagnostic, disk_problem, open_record, write_or_disk_error
+from asyncgrpo.run_files import disk_diagnostic, disk_problem, open_record, write_or_disk_error
 from asyncgrpo.rundir import (
     ERROR_FILE,
     METRICS_FILE,
@@ -68,10 +66,8 @@ from asyncgrpo.rundir import (
     check_run_directory,
     claim,
     clear_run,
-    is_foreign,
 )
 from asyncgrpo.signals import EXIT_CODES as SIGNAL_EXIT_CODES
-from asyncgrpo.signals import StopSignals
 from asyncgrpo.telemetry.keys import EVAL_KEYS
 from asyncgrpo.telemetry.metrics import MetricsWriter, MovingRate, metric_keys, step_metrics, write_samples
 from asyncgrpo.telemetry.progress import Progress, RunTotals
@@ -206,36 +202,6 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"
 
 
-def train_cli(cfg: Config) -> int:
-    """The `asyncgrpo train` command: the run with signal handling, then the summary.
-
-    Config mistakes and asyncgrpo's own errors propagate to the CLI as one paragraph; anything
-    else (a bug, a library's error) is turned into one here, with the traceback in error.txt."""
-    try:
-        summary = asyncio.run(_train_until_signal(cfg))
-    except AsyncGRPOError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - every command ends in a paragraph, never a raw traceback
-        raise AsyncGRPOError(_unexpected_error(cfg.run.directory, exc)) from exc
-    print(summary.render(), file=sys.stderr)
-    return summary.exit_code
-
-
-def _unexpected_error(run_dir: Path, exc: BaseException) -> str:
-    where = "run the same command with --debug to see the traceback, and please report it with that"
-    report = "".join(traceback.format_exception(exc))
-    if run_dir.is_dir() and not is_foreign(run_dir):
-        try:
-            (run_dir / ERROR_FILE).write_text(report)
-            where = f"the traceback is in {run_dir / ERROR_FILE}; please report it with that file"
-        except OSError:
-            pass  # error.txt is a courtesy: the paragraph still says how to see the traceback
-    return (
-        f"the run stopped on an unexpected {type(exc).__name__}: {exc}. This is not a recipe mistake asyncgrpo knows "
-        f"how to name; {where}. {describe_last_checkpoint(run_dir)}"
-    )
-
-
 @dataclass
 class Stop:
     """The stop requests of a run, and the task a stop cancels: the start-up stages and the pipeline.
@@ -251,18 +217,6 @@ class Stop:
         self.received.append(signum)
         if self.pipeline is not None and not self.pipeline.done():
             self.pipeline.cancel()
-
-
-async def _train_until_signal(cfg: Config) -> RunSummary:
-    stop = Stop()
-    signals = StopSignals(
-        asyncio.get_running_loop(),
-        shutdown_timeout_s=cfg.run.shutdown_timeout_s,
-        on_stop=stop.request,
-        describe_checkpoint=lambda: describe_last_checkpoint(cfg.run.directory),
-    )
-    with signals.installed():
-        return await train(cfg, stop=stop)
 
 
 async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:

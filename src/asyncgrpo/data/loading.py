@@ -5,7 +5,9 @@ Sources (`data.source`, and `eval.source`):
 - a ``.jsonl`` file: one JSON object per line (blank lines are skipped);
 - a ``.parquet`` file (read with pyarrow);
 - a directory written by ``datasets.Dataset.save_to_disk`` (dataset_info.json / state.json),
-  or by ``DatasetDict.save_to_disk`` (dataset_dict.json), whose "train" split is used.
+  or by ``DatasetDict.save_to_disk`` (dataset_dict.json), whose "train" split is used;
+- ``python:<name>@<fingerprint>``: rows passed to the Python API (objects.py; api_config.py
+  makes the fingerprint), readable only inside that run.
 
 Invariants:
 - `check_data_source` is a fast preflight: it imports neither torch, transformers nor
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.objects import OBJECT_PREFIX, lookup
 from asyncgrpo.tasks import TASKS
 from asyncgrpo.types import Prompt
 
@@ -52,6 +55,9 @@ def _resolve_source(source: str, key: str) -> tuple[str, str]:
     """Classify `source` as ("builtin", name), ("jsonl"|"parquet", path) or ("hf"|"hf_dict", path)."""
     if not isinstance(source, str) or not source.strip():
         raise ConfigError(f"{key} = {source!r} is empty. Fix: set {key} to {_FORMS}.")
+    if source.startswith(OBJECT_PREFIX):
+        lookup(source, key)  # a ConfigError unless this run registered it
+        return "object", source
     if source.startswith(BUILTIN_PREFIX):
         name = source[len(BUILTIN_PREFIX) :]
         if name in TASKS:
@@ -133,6 +139,9 @@ def read_rows(source: str, *, builtin_size: int, seed: int, key: str = "data.sou
     kind, where = _resolve_source(source, key)
     if kind == "builtin":
         return TASKS[where].rows(builtin_size, seed)
+    if kind == "object":
+        rows: list[dict[str, Any]] = list(lookup(where, key))
+        return rows
     if kind == "jsonl":
         return _read_jsonl(Path(where), key)
     if kind == "parquet":

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from asyncgrpo.environments.protocol import Environment
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.objects import lookup
 from asyncgrpo.rewards.scoring import import_user_module, lookup_attribute
 
 KEY = "env.factory"
@@ -28,8 +29,14 @@ def _openenv(target: str) -> Callable[[], Environment]:
     return openenv_factory(target)
 
 
+def _python_object(name: str) -> Callable[[], Environment]:
+    """``python:<name>``: a factory passed to the Python API (objects.py), valid inside that run."""
+    factory: Callable[[], Environment] = lookup(f"python:{name}", KEY)
+    return factory
+
+
 # "<prefix>" -> loader of the rest of the spec (after "<prefix>:"); adapters register here.
-PREFIXES: dict[str, Callable[[str], Callable[[], Environment]]] = {"openenv": _openenv}
+PREFIXES: dict[str, Callable[[str], Callable[[], Environment]]] = {"openenv": _openenv, "python": _python_object}
 
 
 def load_factory(spec: str) -> Callable[[], Environment]:

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from asyncgrpo.errors import ConfigError, RewardError
+from asyncgrpo.objects import OBJECT_PREFIX, lookup
 from asyncgrpo.rewards.pool import RewardWorkerPool, WorkerCrashed, WorkerStartError
 from asyncgrpo.rewards.trl_args import TRL_ARGUMENTS, CallLog, RewardLog, TrainerState
 from asyncgrpo.tasks import REWARDS
@@ -87,13 +88,16 @@ Isolation = Literal["inline", "thread", "process"]
 
 
 def resolve_reward(spec: str, index: int) -> tuple[str, Callable[..., Any]]:
-    """Turn ``builtin:<name>`` or ``module:function`` into (name, callable).
+    """Turn ``builtin:<name>``, ``module:function`` or ``python:<name>`` into (name, callable).
 
     `module` is a dotted module path importable from sys.path or the working directory, or a
     path to a ``.py`` file; `function` may be dotted (``module:Class.method``). The name is
-    the builtin's name or the last part of `function`.
+    the builtin's name or the last part of `function`. ``python:<name>`` is a callable passed to
+    the Python API (objects.py), named `name`.
     """
     key = f"reward.functions[{index}]"
+    if isinstance(spec, str) and spec.startswith(OBJECT_PREFIX):
+        return spec[len(OBJECT_PREFIX):], lookup(spec, key)
     form = (
         "builtin:<name> (" + ", ".join(sorted(REWARDS)) + ") or module:function, e.g. my_rewards:score "
         "for def score(prompts, completions, **columns) in my_rewards.py"
