@@ -8,15 +8,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from asyncgrpo.api import Result, RunFailed, Trainer, TrainingInterrupted
+    from asyncgrpo.api import Result, RunFailed, Trainer
     from asyncgrpo.api_config import build_config
 
 __version__ = "0.1.0"
-__all__ = ["Result", "RunFailed", "Trainer", "TrainingInterrupted", "build_config"]
+__all__ = ["Result", "RunFailed", "Trainer", "build_config"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Result", "RunFailed", "Trainer", "TrainingInterrupted"):
+    if name in ("Result", "RunFailed", "Trainer"):
         from asyncgrpo import api
 
         return getattr(api, name)

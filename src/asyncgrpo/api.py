@@ -8,8 +8,8 @@ Outcomes of `Trainer.train()`:
 - completed, or stopped by `Trainer.stop()` (from another thread, a callback, a signal handler
   of your own): returns a `Result` (`outcome` ``completed`` or ``interrupted``);
 - stopped by Ctrl-C / SIGTERM: the step in progress finishes, a checkpoint is saved, then
-  `TrainingInterrupted` (a KeyboardInterrupt, so a script ends as Python scripts do) is raised
-  carrying the `Result`;
+  KeyboardInterrupt is raised (exactly that type, so an uncaught one ends a script with exit
+  130 as Python scripts do), its `result` attribute and `Trainer.result` the `Result`;
 - failed or stalled: `RunFailed` (an AsyncGRPOError) carrying the `Result`, its message the
   run's summary with the first error;
 - a config mistake: `ConfigError` before anything loads, with the CLI's paragraph.
@@ -72,14 +72,6 @@ class Result:
         return self.summary.render()
 
 
-class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM stopped the run cleanly (a checkpoint saved); `result` is what it left."""
-
-    def __init__(self, result: Result) -> None:
-        super().__init__(f"training interrupted by {result.stopped_by} after {result.steps} steps; run directory {result.run_dir}")
-        self.result = result
-
-
 class RunFailed(AsyncGRPOError):
     """The run failed or stalled; the message is its summary (the first error first), `result` what it left."""
 
@@ -139,7 +131,10 @@ class Trainer:
             self._control = None
         self.result = result = Result(summary, control.stopped_by)
         if control.stopped_by is not None and control.stopped_by != STOP_CALL:
-            raise TrainingInterrupted(result)
+            interrupt = KeyboardInterrupt(f"training interrupted by {result.stopped_by} after {result.steps} steps (a checkpoint is "
+                                          f"saved; the same Trainer(...).train() continues it); run directory {result.run_dir}")
+            setattr(interrupt, "result", result)  # noqa: B010 - a plain KeyboardInterrupt, with the run's result on it
+            raise interrupt
         if control.stopped_by is None and summary.result.outcome != "completed":
             raise RunFailed(result)
         return result

@@ -92,6 +92,11 @@ def build_config(
         data = merge(data, parse_overrides(cli_overrides))
     _choose_isolation(data, objects)
     cfg = validate_config(data, source)
+    if eval_dataset is not None and not cfg.eval.every_steps:
+        raise ConfigError(
+            "eval_dataset is given but eval.every_steps = 0 (never evaluate), so it would not be used. Fix: set "
+            "eval.every_steps (e.g. **{'eval.every_steps': 50}), or leave eval_dataset out."
+        )
     for warning in tolerance_warnings(cfg):
         log.warning("warning: %s", warning)
     return Prepared(cfg, objects)

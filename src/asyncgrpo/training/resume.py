@@ -103,7 +103,8 @@ def _checked(cfg: Config, path: Path, notes: list[str]) -> ResumePlan:
     differences = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k not in IGNORED_KEYS)
     incompatible = [k for k in differences if k in INCOMPATIBLE_KEYS]
     if incompatible:
-        lines = "\n".join(f"  - {k}: {before.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in incompatible)
+        lines = "\n".join(f"  - {k}: {before.get(k)!r} in the checkpoint, {now.get(k)!r} now{_object_note(before.get(k), now.get(k))}"
+                          for k in incompatible)
         merged = (
             f" (None: no train.lora.) A new run can start from the checkpoint's merged weights, with or "
             f"without train.lora: model.path={path}."
@@ -116,6 +117,13 @@ def _checked(cfg: Config, path: Path, notes: list[str]) -> ResumePlan:
     changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in differences]
     state = json.loads((path / STATE_FILE).read_text())
     return ResumePlan(checkpoint=path, state=state, changed=changed, notes=notes)
+
+
+def _object_note(before: Any, now: Any) -> str:
+    """Why two ``python:<argument>@<fingerprint>`` data sources differ (api_config.py names data passed as objects so)."""
+    if isinstance(before, str) and isinstance(now, str) and before.startswith("python:") and now.startswith("python:") and "@" in now:
+        return " (the rows passed to the Python API differ from the rows this run was trained on: their fingerprints differ)"
+    return ""
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
