@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import datasets
@@ -129,3 +130,19 @@ def test_a_resume_with_other_rows_is_refused_naming_the_data(tmp_path):
     with pytest.raises(ConfigError) as info:
         plan_resume(other)
     assert "data.source" in str(info.value) and "rows passed to the Python API differ" in str(info.value)
+
+
+def test_a_runs_console_handler_is_there_for_the_run_only_and_only_when_logging_is_not_configured(monkeypatch):
+    from asyncgrpo.api_run import console_logging
+
+    logger = logging.getLogger("asyncgrpo")
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(logger, "handlers", [])
+    level = logger.level
+    with console_logging():
+        assert len(logger.handlers) == 1 and logger.level == logging.INFO
+    assert logger.handlers == [] and logger.level == level
+    configured = logging.StreamHandler()
+    monkeypatch.setattr(logging.getLogger(), "handlers", [configured])
+    with console_logging():
+        assert logger.handlers == []  # the process's own logging configuration is left alone
