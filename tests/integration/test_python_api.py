@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import signal
@@ -121,3 +122,15 @@ def test_a_failing_reward_raises_run_failed_with_the_runs_first_error(tmp_path):
         trainer.train()
     assert "broken" in str(info.value) and "no grader today" in str(info.value)
     assert info.value.result.outcome == "failed"
+
+
+@pytest.mark.timeout(300)
+def test_inside_a_running_event_loop_as_in_a_notebook_the_run_gets_its_own_loop(tmp_path):
+    trainer = asyncgrpo.Trainer(model="builtin:tiny", reward_funcs=["builtin:repeat_letter"], config=ROOT / "recipes/demo.yaml",
+                                **QUICK, **{"run.output_dir": str(tmp_path), "train.max_steps": 2})
+
+    async def cell() -> asyncgrpo.Result:
+        return trainer.train()  # a notebook cell calls train() while the kernel's loop runs
+
+    result = asyncio.run(cell())
+    assert result.outcome == "completed" and result.steps == 2
