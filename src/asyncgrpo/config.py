@@ -530,7 +530,9 @@ class RayConfig(_Section):
     generators: int = Field(2, ge=1, description="Generator actors, each an in-process engine on its own copy of the weights.")
     generator: RayRole = Field(default_factory=RayRole)
     max_restarts: int = Field(3, ge=0, description="Restarts of a generator actor that died; it loads the current weights before it takes work.")
-    startup_timeout_s: float = Field(120.0, gt=0, description="Time for the actors to be placed and built (Ray never places one that does not fit).")
+    startup_timeout_s: float = Field(
+        120.0, gt=0, description="Time to start or join the cluster (ray.init, which never returns where no cluster "
+        "answers), and again for the actors to be placed and built (Ray never places one that does not fit).")
     trainer: RayRole = Field(default_factory=RayRole, description="Resources of each trainer rank (train.world_size > 1).")
     trainer_timeout_s: float = Field(
         1800.0, gt=0, description="Longest wait for the trainer ranks in one call (a step, the weights, a checkpoint); "
