@@ -14,8 +14,8 @@
 5. `TrainingRun.finish`: a final checkpoint, error.txt when the run failed, and the summary.
 
 Invariants:
-- Every trained step has its metrics line; metrics.jsonl, outcomes.jsonl and the newest
-  checkpoint describe the same steps after any ending (a resume restores the records that the
+- Every trained step has its metrics line; metrics.jsonl, outcomes.jsonl, timeline.jsonl and the
+  newest checkpoint describe the same steps after any ending (a resume restores the records that the
   checkpoint copied, so damaged live files are replaced, never padded or silently shortened).
 - Any error, at any stage, ends as one paragraph (`train_cli`), with error.txt in the run
   directory when there is one and a checkpoint when a step completed.
@@ -71,7 +71,7 @@ from asyncgrpo.rundir import (
 from asyncgrpo.signals import EXIT_CODES as SIGNAL_EXIT_CODES
 from asyncgrpo.signals import StopSignals
 from asyncgrpo.telemetry.keys import EVAL_KEYS
-from asyncgrpo.telemetry.metrics import MetricsWriter, MovingRate, metric_keys, step_metrics, write_samples
+from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, metric_keys, step_metrics, write_samples
 from asyncgrpo.telemetry.progress import Progress, RunTotals
 from asyncgrpo.telemetry.sinks import Trackers, sink_problems
 from asyncgrpo.telemetry.timeline import Timeline
@@ -306,6 +306,7 @@ class TrainingRun:
         self.outcomes = open_record(run_dir / OUTCOMES_FILE, offsets)
         self.metrics_file = open_record(run_dir / METRICS_FILE, offsets)
         self.samples_file = open_record(run_dir / SAMPLES_FILE, offsets, warnings)
+        self.timeline_file = open_record(run_dir / TIMELINE_FILE, offsets, warnings)
         self.ledger = PromptLedger(saved.get("done"), sink=self.outcomes.append)
         self.engine = _generator(cfg, trainer, tokenizer, run_dir)
         # train.world_size > 1: ranks on Ray train from here on (`trainer` only restored the run and built the engine).
@@ -313,8 +314,9 @@ class TrainingRun:
         if self.ranks is not None:
             self.trainer = self.ranks
         self.timeline = Timeline(
-            run_dir / TIMELINE_FILE, server=self.engine.name, max_inflight=cfg.generation.max_inflight,
+            self.timeline_file, server=self.engine.name, max_inflight=cfg.generation.max_inflight,
             group_size=cfg.rollout.group_size, max_rollout_spans=cfg.logging.timeline_max_rollouts,
+            start_step=plan.step, resumed=saved.get("timeline"),
         )
         self.scorer = RewardScorer.from_config(cfg.reward)
         self.teacher = teacher  # algorithm: distill: it scores the samples instead of the reward functions
@@ -474,14 +476,19 @@ class TrainingRun:
 
     def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, int]]:
         """Taken in one synchronous moment, so the ledger, counters and record files agree."""
-        sizes = {f.path.name: f.offset() for f in (self.metrics_file, self.samples_file, self.outcomes)}
+        sizes = {f.path.name: f.offset() for f in self._records()}
         extra = {
             "done": self.ledger.done_by_epoch(),
             "accounting": self.collector.accounting.to_json(),
             "counters": dict(self.collector.counters),
             "offsets": sizes,
+            "timeline": self.timeline.state(asyncio.get_running_loop().time()),
         }
-        return extra, {name: sizes[name] for name in (METRICS_FILE, OUTCOMES_FILE)}
+        return extra, {name: sizes[name] for name in (METRICS_FILE, OUTCOMES_FILE, TIMELINE_FILE)}
+
+    def _records(self) -> tuple[JsonlFile, ...]:
+        """The run's append-only records: each continues from the checkpoint a resume starts from."""
+        return self.metrics_file, self.samples_file, self.outcomes, self.timeline_file
 
     def _save_checkpoint(self, step: int, extra: dict[str, Any], records: dict[str, int]) -> Path:
         from asyncgrpo.training.checkpoint import save_checkpoint
@@ -518,7 +525,7 @@ class TrainingRun:
                 self.final_checkpoint = self._save_checkpoint(self.trainer.version, extra, records)
             except OSError as exc:
                 result = _with_failure(result, disk_diagnostic(exc, self.run_dir, self.run_dir / "checkpoints", self.trainer.version))
-        for file in (self.metrics_file, self.samples_file, self.outcomes):
+        for file in self._records():
             file.close()
         if result.diagnostic is not None:
             try:

@@ -131,7 +131,6 @@ class Collector:
         self._in_flight: dict[int, InFlightGroup] = {}
         self._slots = RequestSlots(cfg.generation.max_inflight, self._signal)
         self._scoring = 0  # groups whose reward functions are running
-        self._takes = 0
         self._seq = 0
         self._stopping = False
         self._jitter = random.Random(cfg.run.seed)
@@ -220,11 +219,10 @@ class Collector:
 
     def _admit(self, prompt: Prompt) -> None:
         assert self._task_group is not None
-        self._takes += 1
-        group = InFlightGroup(key=self._takes, prompt=prompt, size=self.group_size)
+        self.accounting.take()  # the take's key is its number in the run (a resumed run's accounting continues it)
+        group = InFlightGroup(key=self.accounting.taken, prompt=prompt, size=self.group_size)
         if self._targets is not None:
             group.target_step = self._targets.assign(self.next_step, self.generator.serving_version + self.max_staleness)
-        self.accounting.take()
         self._in_flight[group.key] = group
         group.task = self._task_group.create_task(self._run_group(group), name=f"group-{prompt.id}")
         self._signal.notify()

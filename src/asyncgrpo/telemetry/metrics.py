@@ -129,7 +129,11 @@ class JsonlFile:
             self._file.seek(truncate_to)
 
     def append(self, line: dict[str, Any]) -> None:
-        self._file.write(json.dumps(line) + "\n")
+        self.append_lines([line])
+
+    def append_lines(self, lines: Iterable[dict[str, Any]]) -> None:
+        """Append `lines` in one write, then flush."""
+        self._file.write("".join(json.dumps(line) + "\n" for line in lines))
         self._file.flush()
 
     def offset(self) -> int:
