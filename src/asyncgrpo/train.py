@@ -283,9 +283,12 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
 def _start_over(run_dir: Path) -> None:
     """A fresh start: nothing an earlier run wrote may mix into this one (and nothing else is touched)."""
     try:
-        clear_run(run_dir)
+        cleared = clear_run(run_dir)
     except OSError as exc:
         raise DiskError(disk_problem(Path(exc.filename or run_dir), exc)) from exc
+    if cleared.kept:
+        shown = ", ".join(cleared.kept[:10]) + (f" and {len(cleared.kept) - 10} more" if len(cleared.kept) > 10 else "")
+        log.warning("starting over in %s: removed what the earlier run wrote; kept what asyncgrpo did not write: %s", run_dir, shown)
 
 
 class TrainingRun:

@@ -11,6 +11,7 @@ import pytest
 
 from asyncgrpo.cli import main
 from asyncgrpo.config import load_config
+from asyncgrpo.rundir import PLOT_FILES
 from asyncgrpo.telemetry.metrics import read_jsonl
 from asyncgrpo.train import train
 
@@ -53,6 +54,7 @@ def test_plot_draws_a_simulation(tmp_path):
     assert main(["simulate", "recipes/simulate.yaml", "train.max_steps=20", "--output-dir", str(out)]) == 0
     assert main(["plot", str(out), "--out", str(tmp_path / "png")]) == 0
     assert_pngs(tmp_path / "png", PNGS | {"timeline_start.png"})
+    assert {p.name for p in (tmp_path / "png").iterdir()} <= set(PLOT_FILES)  # what run.overwrite=true removes
 
 
 def test_plot_of_a_directory_without_metrics_says_what_to_pass(tmp_path, capsys):
