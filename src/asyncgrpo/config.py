@@ -441,7 +441,8 @@ class CheckpointConfig(_Section):
     resume: str = Field(
         "auto", min_length=1,
         description="auto: continue from the newest complete checkpoint of the run directory; never: refuse a used run directory; or the path of a "
-        "checkpoint.",
+        "checkpoint, continued even with run.overwrite=true (which then removes nothing, or only an earlier run's files when the checkpoint "
+        "lies outside the run directory).",
     )
 
 

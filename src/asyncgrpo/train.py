@@ -269,7 +269,7 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
     stop = stop if stop is not None else Stop()
     with claim(cfg.run.directory) as run_dir:
         plan = plan_resume(cfg)  # again, now that no other process can change the directory
-        if plan.checkpoint is None:
+        if plan.checkpoint is None or plan.start_over:
             _start_over(run_dir)
         run = TrainingRun.prepare(cfg, plan, run_dir, stop)
         try:

@@ -167,3 +167,13 @@ def test_the_timeline_survives_the_same_command_on_a_finished_run_and_continues_
     assert ends == sorted(ends)  # the run's time continues across the resumes
     takes = [line["take"] for line in lines if line["e"] == "take"]
     assert len(takes) == len(set(takes))  # take numbers continue too
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_resume_path_with_overwrite_continues_that_checkpoint(tmp_path):
+    """What `make demo ARGS=checkpoint.resume=PATH` runs: the named checkpoint is continued, not discarded (issue 20, item 14)."""
+    _train(tmp_path, "train.max_steps=2", "checkpoint.every_steps=2")
+    path = tmp_path / "checkpoints" / "step_000002"
+    summary = _train(tmp_path, "train.max_steps=3", "run.overwrite=true", f"checkpoint.resume={path}")
+    assert summary.result.steps == 3 and summary.totals.steps == 1
+    assert [m["step"] for m in records(tmp_path, "metrics.jsonl")] == [0, 1, 2]
