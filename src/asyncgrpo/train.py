@@ -142,6 +142,7 @@ class RunSummary:
     totals: RunTotals = field(default_factory=RunTotals)
     wall_s: float = 0.0
     generator_use: float | None = None  # rollouts in progress per generation slot, on average
+    start_step: int = 0  # the step this invocation resumed at (0: a fresh run)
 
     @property
     def exit_code(self) -> int:
@@ -150,6 +151,8 @@ class RunSummary:
         return EXIT_CODES[self.result.outcome]
 
     def render(self) -> str:
+        """The summary. A resumed run's says which lines count this invocation (its steps, rewards, staleness,
+        generation) and which the whole run (prompts and counters, which the checkpoint carried over)."""
         r = self.result
         acc = self.accounting
         dropped = ", ".join(f"{k} {v}" for k, v in acc["dropped"].items() if v) or "none"
@@ -165,28 +168,33 @@ class RunSummary:
             lines.append(f"  error ({r.diagnostic.kind}): {r.diagnostic.render()}")
             if r.diagnostic.traceback:
                 lines.append("  first error's traceback is in " + str(self.run_dir / "error.txt"))
+        resumed = self.start_step > 0
+        this, whole = (" this invocation", ", whole run") if resumed else ("", "")
         t = self.totals
-        lines.append(f"  trained: {t.steps} steps, {t.samples} samples, {t.tokens} completion tokens in {_duration(self.wall_s)}")
+        since = f" (resumed at step {self.start_step})" if resumed else ""
+        lines.append(f"  trained{this}{since}: {t.steps} steps, {t.samples} samples, {t.tokens} completion tokens in {_duration(self.wall_s)}")
         if t.eval_first is not None and t.eval_last is not None:
-            lines.append(f"  eval reward: {t.eval_first:.3f} -> {t.eval_last:.3f}")
+            lines.append(f"  eval reward{this}: {t.eval_first:.3f} -> {t.eval_last:.3f}")
         if self.first_rewards and self.last_rewards:
             lines.append(
-                f"  reward: first 10% of steps {statistics.fmean(self.first_rewards):.3f} -> "
+                f"  reward{this}: first 10% of steps {statistics.fmean(self.first_rewards):.3f} -> "
                 f"last 10% {statistics.fmean(self.last_rewards):.3f}"
             )
+        if t.kl_first is not None and t.kl_last is not None:
+            lines.append(f"  distill/kl_mean{this}: first step {t.kl_first:.4f} -> last {t.kl_last:.4f}")
         lines.append(
-            f"  prompts: taken {acc['taken']}, trained {acc['trained']}, requeued {acc['requeued']}, dropped: {dropped}, "
+            f"  prompts{whole}: taken {acc['taken']}, trained {acc['trained']}, requeued {acc['requeued']}, dropped: {dropped}, "
             f"in flight at exit {acc['in_flight']}, buffered at exit {acc['buffered']}"
         )
-        staleness = f"mean {t.staleness_mean:.2f}, " if t.staleness_mean is not None else ""
-        wait = f"; the trainer waited for batches {t.wait_share:.0%} of its time" if t.wait_share is not None else ""
-        lines.append(f"  staleness trained: {staleness}max {r.staleness_max}{wait}")
+        if t.staleness:
+            wait = f"; the trainer waited for batches {t.wait_share:.0%} of its time" if t.wait_share is not None else ""
+            lines.append(f"  staleness trained{this}: mean {statistics.fmean(t.staleness):.2f}, max {max(t.staleness):g}{wait}")
         if self.generator_use is not None:
-            lines.append(f"  generation: on average {self.generator_use:.0%} of generation.max_inflight rollouts in progress")
+            lines.append(f"  generation{this}: on average {self.generator_use:.0%} of generation.max_inflight rollouts in progress")
         counters = {k.removeprefix("rollout/"): v for k, v in t.last.items()
                     if k.startswith("rollout/") and k.endswith("_total") and v and "generated" not in k}
         if counters:
-            lines.append("  counters: " + ", ".join(f"{k} {v}" for k, v in counters.items()))
+            lines.append(f"  counters{whole}: " + ", ".join(f"{k} {v}" for k, v in counters.items()))
         if self.final_checkpoint is not None:
             lines.append(f"  checkpoint: {self.final_checkpoint} (loads with transformers' from_pretrained)")
         if t.steps:
@@ -548,6 +556,7 @@ class TrainingRun:
             totals=self.progress.totals,
             wall_s=time.perf_counter() - self.started,
             generator_use=self.timeline.utilisation(self.ended_at),
+            start_step=self.plan.step,
         )
 
 
