@@ -61,3 +61,23 @@ def test_plot_of_a_directory_without_metrics_says_what_to_pass(tmp_path, capsys)
     assert main(["plot", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "has no metrics.jsonl" in err and "simulate --output-dir" in err
+
+
+def test_a_distillation_runs_loss_panel_plots_distill_kl_mean():
+    """distill/kl_mean is the distillation's key metric: loss_kl.png has a panel for it (issue 20, item 7)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from asyncgrpo.plot import _loss_kl
+
+    metrics = [{"step": s, "loss": 1.0 / (s + 1), "kl": 0.0, "distill/kl_mean": 2.0 / (s + 1)} for s in range(5)]
+    fig = _loss_kl(plt, metrics, [])
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    assert list(panels) == ["loss", "kl", "distill/kl_mean"]
+    assert list(panels["distill/kl_mean"].lines[0].get_ydata()) == [m["distill/kl_mean"] for m in metrics]
+    plt.close(fig)
+    grpo = _loss_kl(plt, [{"step": 0, "loss": 1.0, "kl": 0.0}], [])
+    assert [ax.get_title() for ax in grpo.axes] == ["loss", "kl"]
+    plt.close(grpo)

@@ -64,8 +64,9 @@ def step_metrics(
         "time/elapsed_s": elapsed_s,
         "throughput/gen_tokens_per_s": gen_tokens_per_s,
         # Mean length of the finished completions thrown away as stale, to compare with
-        # completion/len_mean: stale cancellation must not quietly favour short answers.
-        "rollout/stale_len_mean": _ratio(collector_values["rollout/wasted_tokens_total"], collector_values["rollout/stale_samples_total"]),
+        # completion/len_mean: stale cancellation must not quietly favour short answers. Over finished completions only:
+        # a distilled sample cancelled in flight is a stale sample with no completion (and its tokens are not counted).
+        "rollout/stale_len_mean": _ratio(collector_values["rollout/wasted_tokens_total"], collector_values["rollout/stale_completions_total"]),
         "rollout/trained_len_mean": _ratio(collector_values["rollout/trained_tokens_total"], collector_values["rollout/trained_completions_total"]),
         # Share of generator time (rollouts' start to end) that ended in trained tokens.
         "rollout/goodput": _ratio(collector_values["rollout/trained_generation_ms_total"], collector_values["rollout/generation_ms_total"]),
