@@ -61,6 +61,11 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
             f"Fix: pass the directory a `train` run wrote (runs/<run.name>), or one given to `simulate --output-dir`."
         )
     metrics = read_jsonl(metrics_path)
+    if not metrics:
+        raise AsyncGRPOError(
+            f"{metrics_path} holds no step record (it is empty, or its one line was cut short), so there is nothing to draw. "
+            f"Fix: plot it once its run has trained a step, or restore the file from a checkpoint's records/ copy."
+        )
     timeline = read_jsonl(timeline_path) if timeline_path.is_file() else []
     out = out_dir if out_dir is not None else run_dir / PLOTS_DIR
     out.mkdir(parents=True, exist_ok=True)

@@ -81,3 +81,12 @@ def test_a_distillation_runs_loss_panel_plots_distill_kl_mean():
     grpo = _loss_kl(plt, [{"step": 0, "loss": 1.0, "kl": 0.0}], [])
     assert [ax.get_title() for ax in grpo.axes] == ["loss", "kl"]
     plt.close(grpo)
+
+
+@pytest.mark.parametrize("content", ["not json\n", "not json"])
+def test_plot_of_metrics_without_a_record_is_an_error_naming_the_file_not_empty_pngs(tmp_path, capsys, content):
+    (tmp_path / "metrics.jsonl").write_text(content)
+    assert main(["plot", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert str(tmp_path / "metrics.jsonl") in err and ("line 1, is not a JSON record" in err or "holds no step record" in err)
+    assert not list(tmp_path.glob("plots/*.png"))

@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
@@ -22,6 +23,8 @@ from typing import IO, Any
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.telemetry.keys import COUNTER_NAMES, DISTILL_KEYS, EVAL_KEYS, PIPELINE_KEYS, STEP_KEYS, TRAIN_KEYS
 from asyncgrpo.types import StepRecord
+
+log = logging.getLogger("asyncgrpo")
 
 
 def metric_keys(reward_names: Iterable[str], *, distill: bool = False) -> tuple[str, ...]:
@@ -97,19 +100,28 @@ class MovingRate:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file this module wrote. Only the last line may be cut short (a run
-    killed mid-write): it is left out. A damaged line anywhere else is an error naming it, never skipped."""
-    texts = path.read_text(encoding="utf-8").splitlines()
+    """The records of a JSON-lines file this module wrote. Only a last line cut short (no newline: a run killed
+    mid-write, or one still writing) is forgiven: it is left out with a warning naming it. A damaged line anywhere
+    else, a complete last line included, is an error naming the file and the line, never skipped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise AsyncGRPOError(
+            f"{path} is not UTF-8 text (byte {exc.start} cannot be decoded): it is not a JSON-lines record asyncgrpo wrote, "
+            f"or it was damaged. Fix: restore it from a copy (a checkpoint's records/ holds one), or point at the right file."
+        ) from None
+    texts = text.splitlines()
     records = []
-    for number, text in enumerate(texts, start=1):
+    for number, line in enumerate(texts, start=1):
         try:
-            records.append(json.loads(text))
+            records.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            if number == len(texts):
+            if number == len(texts) and not text.endswith("\n"):
+                log.warning("warning: %s, line %d, was cut short (its writer stopped mid-line): left out", path, number)
                 break
             raise AsyncGRPOError(
                 f"{path}, line {number}, is not a JSON record ({exc.msg}): the file was damaged after it was written. "
-                f"Fix: restore it, or remove the damaged line."
+                f"Fix: restore it (a checkpoint's records/ holds a copy), or remove the damaged line."
             ) from None
     return records
 
