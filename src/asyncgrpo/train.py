@@ -73,7 +73,7 @@ from asyncgrpo.signals import StopSignals
 from asyncgrpo.telemetry.keys import EVAL_KEYS
 from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, metric_keys, step_metrics, write_samples
 from asyncgrpo.telemetry.progress import Progress, RunTotals
-from asyncgrpo.telemetry.sinks import Trackers, sink_problems
+from asyncgrpo.telemetry.sinks import TrackerError, Trackers, sink_problems
 from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.training.lora import check_peft
@@ -347,6 +347,7 @@ class TrainingRun:
         self.token_rate = MovingRate(self.started, self.collector.counters["rollout/generated_tokens_total"])
         self.final_checkpoint: Path | None = None
         self.ended_at = 0.0  # loop time when the pipeline ended
+        self.tracker_failures: list[TrackerError] = []  # trackers that failed to close
 
     @classmethod
     def prepare(cls, cfg: Config, plan: ResumePlan, run_dir: Path, stop: Stop) -> TrainingRun:
@@ -457,10 +458,14 @@ class TrainingRun:
             eval_metrics=self.eval_state,
         )
         try:
-            self.trackers.log(self.metrics.write(values))
+            line = self.metrics.write(values)
             write_samples(self.samples_file, record, cfg.logging.samples_per_step)
         except OSError as exc:
             raise PipelineError(disk_diagnostic(exc, self.run_dir, self.run_dir / METRICS_FILE, step)) from exc
+        try:
+            self.trackers.log(line)
+        except TrackerError as exc:
+            raise PipelineError(_tracker_diagnostic(exc, step)) from exc
         self.rewards_by_step.append(values["reward/mean"])
         self.progress.update(values, record, self.collector.in_flight_groups)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.max_steps:
@@ -517,7 +522,7 @@ class TrainingRun:
         self.ended_at = asyncio.get_running_loop().time()
         self.progress.close()
         self.timeline.close()
-        self.trackers.close()
+        self.tracker_failures = self.trackers.close()
         await self.scorer.aclose()
         if self.teacher is not None:
             await self.teacher.aclose()
@@ -536,6 +541,8 @@ class TrainingRun:
                 self.final_checkpoint = self._save_checkpoint(self.trainer.version, extra, records)
             except OSError as exc:
                 result = _with_failure(result, disk_diagnostic(exc, self.run_dir, self.run_dir / "checkpoints", self.trainer.version))
+        for failure in self.tracker_failures:
+            result = _with_failure(result, _tracker_diagnostic(failure, self.trainer.version))
         for file in self._records():
             file.close()
         if result.diagnostic is not None:
@@ -577,6 +584,11 @@ def _resume(plan: ResumePlan, trainer: Any, run_dir: Path) -> dict[str, Any]:
     except OSError as exc:
         raise DiskError(disk_problem(run_dir, exc)) from exc
     return saved
+
+
+def _tracker_diagnostic(exc: TrackerError, step: int) -> Diagnostic:
+    """A tracker of logging.sinks failed after `step` steps: the run's diagnostic (telemetry/sinks.py's policy)."""
+    return Diagnostic(kind="tracker", message=f"After step {step}, {exc}", backend=exc.sink, trainer_step=step, original=exc)
 
 
 def _with_failure(result: PipelineResult, diagnostic: Diagnostic) -> PipelineResult:
