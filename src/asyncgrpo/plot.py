@@ -64,7 +64,8 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     if not metrics:
         raise AsyncGRPOError(
             f"{metrics_path} holds no step record (it is empty, or its one line was cut short), so there is nothing to draw. "
-            f"Fix: plot it once its run has trained a step, or restore the file from a checkpoint's records/ copy."
+            f"Fix: plot it once its run has trained a step, or restore the file from a copy (a training run's checkpoints "
+            f"keep one in records/)."
         )
     timeline = read_jsonl(timeline_path) if timeline_path.is_file() else []
     out = out_dir if out_dir is not None else run_dir / PLOTS_DIR

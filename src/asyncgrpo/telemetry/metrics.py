@@ -108,7 +108,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     except UnicodeDecodeError as exc:
         raise AsyncGRPOError(
             f"{path} is not UTF-8 text (byte {exc.start} cannot be decoded): it is not a JSON-lines record asyncgrpo wrote, "
-            f"or it was damaged. Fix: restore it from a copy (a checkpoint's records/ holds one), or point at the right file."
+            f"or it was damaged. Fix: restore it from a copy (a training run's checkpoints keep one of metrics.jsonl, "
+            f"outcomes.jsonl and timeline.jsonl in records/), or point at the right file."
         ) from None
     texts = text.splitlines()
     records = []
@@ -121,7 +122,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
                 break
             raise AsyncGRPOError(
                 f"{path}, line {number}, is not a JSON record ({exc.msg}): the file was damaged after it was written. "
-                f"Fix: restore it (a checkpoint's records/ holds a copy), or remove the damaged line."
+                f"Fix: restore it from a copy (a training run's checkpoints keep one of metrics.jsonl, outcomes.jsonl and "
+                f"timeline.jsonl in records/), or remove the damaged line."
             ) from None
     return records
 
