@@ -19,9 +19,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import fnmatch
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -44,15 +44,15 @@ TIMELINE_FILE = "timeline.jsonl"
 PLOTS_DIR = "plots"
 PLOT_FILES = ("rewards.png", "loss_kl.png", "staleness.png", "counters.png", "timeline.png", "timeline_start.png")  # plot.py
 OWNED_FILES = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, OUTCOMES_FILE, ERROR_FILE, TIMELINE_FILE)
-OWNED_DIRS: dict[str, tuple[str, ...]] = {
-    # directory: the names (fnmatch patterns) of what asyncgrpo writes in it, besides atomic.py's temporaries
-    CHECKPOINTS_DIR: ("step_[0-9][0-9][0-9][0-9][0-9][0-9]*",),  # training/checkpoint.py
-    WEIGHTS_DIR: ("v[0-9][0-9][0-9][0-9][0-9][0-9]*",),  # generation/weight_sync.py
-    PLOTS_DIR: PLOT_FILES,
+OWNED_DIRS: dict[str, re.Pattern[str]] = {
+    # directory: the names of what asyncgrpo writes in it (whole-name matches), besides atomic.py's temporaries
+    CHECKPOINTS_DIR: re.compile(r"step_\d{6,}"),  # training/checkpoint.py
+    WEIGHTS_DIR: re.compile(r"v\d{6,}"),  # generation/weight_sync.py
+    PLOTS_DIR: re.compile("|".join(map(re.escape, PLOT_FILES))),
     # telemetry/sinks.py's trackers: torch's SummaryWriter, wandb.init(dir=run_dir), MLflow's file store
-    "tensorboard": ("events.out.tfevents.*",),
-    "wandb": ("run-*", "offline-run-*", "latest-run", "debug.log", "debug-internal.log"),
-    "mlruns": ("[0-9]*", ".trash", "models"),
+    "tensorboard": re.compile(r"events\.out\.tfevents\..+"),
+    "wandb": re.compile(r"(offline-)?run-\d{8}_\d{6}-\w+|latest-run|debug(-internal)?\.log"),
+    "mlruns": re.compile(r"\d+|\.trash|models"),
 }
 OWNED_ENTRIES = (*OWNED_FILES, *OWNED_DIRS)
 """What a run writes besides the marker and the lock, and so where starting over removes what it wrote."""
@@ -131,7 +131,7 @@ def clear_run(run_dir: Path) -> Cleared:
             cleared.removed.append(name)
         elif path.exists():
             cleared.kept.append(name)
-    for name, patterns in OWNED_DIRS.items():
+    for name, written in OWNED_DIRS.items():
         folder = run_dir / name
         if not folder.is_dir():
             if folder.exists() or folder.is_symlink():
@@ -139,7 +139,7 @@ def clear_run(run_dir: Path) -> Cleared:
             continue
         for entry in sorted(folder.iterdir()):
             relative = f"{name}/{entry.name}"
-            if not (is_temporary(entry.name) or any(fnmatch.fnmatchcase(entry.name, p) for p in patterns)):
+            if not (is_temporary(entry.name) or written.fullmatch(entry.name)):
                 cleared.kept.append(relative)
             elif entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)

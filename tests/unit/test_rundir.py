@@ -16,7 +16,8 @@ WRITTEN = [  # what a run (and the trackers it drives) writes
 ]
 USERS = [  # what a user put beside them
     "notes.md", "checkpoints/best_by_hand/model.safetensors", "checkpoints/README", "plots/my_figure.png",
-    "weights/frozen.safetensors", "tensorboard/my_events/x", "wandb/settings", "mlruns/compare.ipynb",
+    "weights/frozen.safetensors", "tensorboard/my_events/x", "wandb/settings", "wandb/run_notes.txt", "mlruns/compare.ipynb",
+    "mlruns/2024_notes.md",
 ]
 
 
@@ -37,7 +38,7 @@ def test_starting_over_removes_only_what_asyncgrpo_wrote_and_names_what_it_kept(
     assert files(tmp_path) == {MARKER, *USERS}
     assert sorted(cleared.kept) == sorted(
         ["checkpoints/README", "checkpoints/best_by_hand", "plots/my_figure.png", "weights/frozen.safetensors",
-         "tensorboard/my_events", "wandb/settings", "mlruns/compare.ipynb"]
+         "tensorboard/my_events", "wandb/run_notes.txt", "wandb/settings", "mlruns/2024_notes.md", "mlruns/compare.ipynb"]
     )
     assert "checkpoints/step_000002" in cleared.removed and "wandb/latest-run" in cleared.removed
 
