@@ -79,7 +79,11 @@ class DataConfig(_Section):
     shuffle: bool = Field(True, description="Shuffle the prompts (seeded by run.seed), again each epoch.")
     max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are dropped at load, with a count.")
     drop_last: bool = Field(False, description="Skip the last, partial batch at end of data instead of training it as a smaller batch.")
-    builtin_size: int = Field(2048, ge=1, description="Number of prompts a builtin:<task> source generates.")
+    builtin_size: int = Field(
+        2048, ge=1, le=1_000_000,
+        description="Number of prompts a builtin:<task> source generates; at most 1,000,000, since every prompt is built in memory "
+        "before the first step (about 1 GB at the bound).",
+    )
 
 
 class RewardConfig(_Section):
@@ -443,7 +447,8 @@ class CheckpointConfig(_Section):
     resume: str = Field(
         "auto", min_length=1,
         description="auto: continue from the newest complete checkpoint of the run directory; never: refuse a used run directory; or the path of a "
-        "checkpoint.",
+        "checkpoint, continued even with run.overwrite=true (which then removes nothing, or only an earlier run's files when the checkpoint "
+        "lies outside the run directory).",
     )
 
 
