@@ -24,6 +24,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.loss_config import LossConfig, loss_warnings
 from asyncgrpo.trl_names import trl_hint
 
 log = logging.getLogger("asyncgrpo")
@@ -367,16 +368,6 @@ class RolloutConfig(_Section):
     )
 
 
-class LossConfig(_Section):
-    objective: Literal["behaviour", "decoupled"] = "behaviour"
-    clip_low: float = Field(0.2, ge=0, lt=1)
-    clip_high: float = Field(0.28, ge=0)
-    is_cap: float = Field(2.0, ge=1, description="Cap of the truncated importance weight pi_prox / pi_gen (decoupled).")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to a frozen copy of the initial model.")
-    normalization: Literal["token", "sequence"] = "token"
-    scale_by_std: bool = True
-
-
 class LoraConfig(_Section):
     """LoRA adapters via peft (extra asyncgrpo[lora]); the engine and checkpoints get the merged weights."""
 
@@ -698,7 +689,7 @@ def tolerance_warnings(cfg: Config) -> list[str]:
     """Settings that are valid but will not do what they suggest: a warm-up as long as the run, and a failure
     budget that cannot be spent as it says (`_failure_budget_warnings`)."""
     t = cfg.train
-    warnings = _failure_budget_warnings(cfg)
+    warnings = _failure_budget_warnings(cfg) + loss_warnings(t.loss)
     if t.warmup_steps >= t.max_steps:
         decay = f", and train.lr_schedule = {t.lr_schedule!r} never starts" if t.lr_schedule != "constant" else ""
         warnings.append(
