@@ -79,6 +79,7 @@ from asyncgrpo.telemetry.sinks import TrackerError, Trackers, sink_problems
 from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.training.lora import check_peft
+from asyncgrpo.training.losses.plugin import resolve_loss_plugin
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import Group, Prompt, StepRecord
@@ -108,6 +109,8 @@ def preflight(cfg: Config) -> ResumePlan:
     if cfg.eval.source is not None:
         check_data_source(cfg.eval.source, key="eval.source")
     resolve_rewards(cfg.reward.functions)
+    if cfg.train.loss.plugin:
+        resolve_loss_plugin(cfg.train.loss.type)
     check_env(cfg.env)
     if problems := sink_problems(cfg.logging.sinks):
         raise ConfigError("\n".join(problems))
