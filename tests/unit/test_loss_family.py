@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +190,21 @@ def test_the_trainer_trains_a_plugin_like_its_builtin_twin(plugins):
         trainer.train_step(groups)
         after.append({k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
     assert all(torch.allclose(after[0][k], after[1][k], atol=1e-6) for k in after[0])
+
+
+def test_the_worked_example_in_docs_losses_md_is_dual_clip_ppo(tmp_path):
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "losses.md").read_text(encoding="utf-8")
+    code = doc.split("<!-- plugin-example -->\n```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_losses.py").write_text(code)
+    spec = f"{tmp_path / 'my_losses.py'}:dual_clip_ppo"
+    fn = resolve_loss_plugin(spec)
+    gen = torch.zeros(1, 3, dtype=torch.float64)
+    theta = torch.tensor([[LN(10.0), LN(1.1), LN(10.0)]], dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    per_token = []
+    for adv in (-1.0, 2.0):
+        loss, _ = grpo_loss(theta, gen, torch.tensor([adv], dtype=torch.float64), mask, 1, loss=LossConfig(type=spec), plugin=fn)
+        per_token.append(loss.item())
+    # A = -1: ratio 10 would give PPO 10, dual clip caps it at 3; ratio 1.1 gives 1.1. A = +2: clipped at 1.28.
+    assert per_token[0] == pytest.approx(3.0 + 1.1 + 3.0)
+    assert per_token[1] == pytest.approx(-2 * (1.28 + 1.1 + 1.28))
