@@ -52,9 +52,10 @@ def plugins(tmp_path):
     return str(path)
 
 
-def _weights(rho, staleness, mask, **keys):
+def _weights(rho, staleness, mask, *, altered=False, **keys):
     loss = LossConfig(objective="decoupled", is_cap=2.0, **keys)
-    return off_policy_weight(torch.tensor(rho, dtype=torch.float64).log(), torch.tensor(mask), torch.tensor(staleness), loss).tolist()
+    weight, changed = off_policy_weight(torch.tensor(rho, dtype=torch.float64).log(), torch.tensor(mask), torch.tensor(staleness), loss)
+    return (weight if not altered else changed).tolist()
 
 
 def test_the_mismatch_correction_shapes_tokens_of_staleness_0_and_is_cap_the_stale_ones():
@@ -74,6 +75,9 @@ def test_a_sequence_correction_covers_sequences_whose_loss_tokens_all_have_stale
     assert w[0] == pytest.approx([3.0] * 3)  # 1.5^3 = 3.375 truncated at C_max, on every token
     assert w[1] == pytest.approx([1.5] * 3)  # one stale token: the whole sequence gets the staleness correction
     assert w[2] == pytest.approx([2.25, 2.25, 1.0])  # the product over its loss tokens only; 1 on padding
+    # reported as truncated: the sequence whose product was cut, not the ones whose weight is their own ratio
+    changed = _weights(rho, staleness, mask, altered=True, mismatch_correction="sequence_truncate", mismatch_clip_max=3.0)
+    assert changed == [[True] * 3, [False] * 3, [False] * 3]
 
 
 @pytest.mark.parametrize(

@@ -143,7 +143,7 @@ def test_each_mismatch_mode_equals_trls_importance_sampling_ratio(mode):
     for lo, hi in ((None, 3.0), (0.9, 1.1), (0.95, None)):
         loss = _config(objective="decoupled", mismatch_correction=mode, mismatch_clip_min=lo, mismatch_clip_max=hi)
         theirs = trl_mismatch_ratio(loss, prox, gen, mask)
-        ours = off_policy_weight(prox - gen, mask, torch.zeros(B, T, dtype=torch.long), loss)
+        ours, _ = off_policy_weight(prox - gen, mask, torch.zeros(B, T, dtype=torch.long), loss)
         if mode.startswith("sequence"):
             assert theirs.shape == (B, 1)
             theirs = theirs.expand(B, T)

@@ -123,9 +123,8 @@ def grpo_token_terms(
             raise ValueError("objective 'decoupled' needs logp_prox (the proximal log-probs computed at the start of the step)")
         logp_prox = logp_prox.detach().to(logp_new.dtype)
         log_rho = _safe_log_ratio(logp_prox, logp_gen, mask)
-        weight = off_policy_weight(log_rho, mask, staleness, loss)
+        weight, is_truncated = off_policy_weight(log_rho, mask, staleness, loss)
         reported = torch.exp(log_rho)
-        is_truncated = (weight != reported) & mask
         anchor = logp_prox
     elif loss.objective == "behaviour":
         anchor, is_truncated = logp_gen, torch.zeros_like(mask)

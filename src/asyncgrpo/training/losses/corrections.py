@@ -25,33 +25,37 @@ from torch import Tensor
 from asyncgrpo.loss_config import LossConfig
 
 
-def shape(log_rho: Tensor, mask: Tensor, mode: str, clip_min: float | None, clip_max: float | None) -> Tensor:
+def shape(log_rho: Tensor, mask: Tensor, mode: str, clip_min: float | None, clip_max: float | None) -> tuple[Tensor, Tensor]:
     """TRL's vllm_importance_sampling_mode applied to `log_rho` `[B, T]`: `[B, T]` for `token_*`, `[B, 1]` for
     `sequence_*` (one product per row over `mask`); `*_truncate` clamps to [clip_min, clip_max], `*_mask` zeroes
-    weights outside it (a None bound is no bound)."""
+    weights outside it (a None bound is no bound). Returns (weights, where a weight differs from its ratio)."""
     log_rho = torch.where(mask, log_rho, torch.zeros_like(log_rho))
     if mode.startswith("sequence"):
         log_rho = log_rho.sum(-1, keepdim=True)
     rho = torch.exp(log_rho)
     if mode.endswith("truncate"):
-        return rho.clamp(min=clip_min, max=clip_max)
-    if mode.endswith("mask"):
+        shaped = rho.clamp(min=clip_min, max=clip_max)
+    elif mode.endswith("mask"):
         lo = -math.inf if clip_min is None else clip_min
         hi = math.inf if clip_max is None else clip_max
-        return torch.where((rho < lo) | (rho > hi), torch.zeros_like(rho), rho)
-    raise ValueError(f"unknown mismatch correction {mode!r}: use token_truncate, token_mask, sequence_truncate or sequence_mask")
+        shaped = torch.where((rho < lo) | (rho > hi), torch.zeros_like(rho), rho)
+    else:
+        raise ValueError(f"unknown mismatch correction {mode!r}: use token_truncate, token_mask, sequence_truncate or sequence_mask")
+    return shaped, shaped != rho
 
 
-def off_policy_weight(log_rho: Tensor, mask: Tensor, staleness: Tensor, loss: LossConfig) -> Tensor:
+def off_policy_weight(log_rho: Tensor, mask: Tensor, staleness: Tensor, loss: LossConfig) -> tuple[Tensor, Tensor]:
     """The weight of each token `[B, T]` (detached): the mismatch correction on tokens (or whole sequences) of
-    staleness 0, the staleness correction min(rho, is_cap) elsewhere; 1 outside `mask`."""
+    staleness 0, the staleness correction min(rho, is_cap) elsewhere; 1 outside `mask`. Also returns the loss
+    tokens whose weight was truncated or masked (for `is_truncated_frac`)."""
     log_rho = log_rho.detach()
-    weight = shape(log_rho, mask, "token_truncate", None, loss.is_cap)
+    weight, altered = shape(log_rho, mask, "token_truncate", None, loss.is_cap)
     mode = loss.mismatch_correction
     if mode != "none":
         fresh = (staleness == 0) & mask
         if mode.startswith("sequence"):
             fresh = (fresh | ~mask).all(-1, keepdim=True).expand_as(mask)
-        mismatch = shape(log_rho, mask, mode, loss.mismatch_clip_min, loss.mismatch_clip_max).expand_as(weight)
-        weight = torch.where(fresh, mismatch, weight)
-    return torch.where(mask, weight, torch.ones_like(weight))
+        mismatch, mismatch_altered = shape(log_rho, mask, mode, loss.mismatch_clip_min, loss.mismatch_clip_max)
+        weight = torch.where(fresh, mismatch.expand_as(weight), weight)
+        altered = torch.where(fresh, mismatch_altered.expand_as(altered), altered)
+    return torch.where(mask, weight, torch.ones_like(weight)), altered & mask
