@@ -212,3 +212,21 @@ def test_the_worked_example_in_docs_losses_md_is_dual_clip_ppo(tmp_path):
     # A = -1: ratio 10 would give PPO 10, dual clip caps it at 3; ratio 1.1 gives 1.1. A = +2: clipped at 1.28.
     assert per_token[0] == pytest.approx(3.0 + 1.1 + 3.0)
     assert per_token[1] == pytest.approx(-2 * (1.28 + 1.1 + 1.28))
+
+
+def test_the_trainer_normalises_each_type_over_its_whole_update():
+    """One step's reported loss is the update's sum over its normaliser: dapo divides by the loss tokens, dr_grpo by
+    sequences x generation.max_new_tokens, luspo by sequences; micro-batches of 3 leave each unchanged."""
+    model = tiny_model()
+    groups = make_groups(model, 2)
+    tokens = sum(len(r.completion.token_ids) for g in groups for r in g.rollouts)
+    sequences = sum(len(g.rollouts) for g in groups)
+    sums = {}
+    for loss_type, normaliser in (("dapo", tokens), ("dr_grpo", sequences * 32), ("luspo", sequences)):
+        for micro in (64, 3):
+            trainer = TorchTrainer(tiny_model(), None, make_cfg({"loss": {"type": loss_type}, "micro_batch_size": micro}))
+            sums[loss_type, micro] = trainer.train_step(groups)["loss"] * normaliser
+    assert trainer.cfg.generation.max_new_tokens == 32
+    reference = sums["dapo", 64]
+    assert reference != 0
+    assert all(value == pytest.approx(reference, rel=1e-5) for value in sums.values()), sums
