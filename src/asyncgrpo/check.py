@@ -81,7 +81,8 @@ def _settings(cfg: Config) -> list[str]:
         f"rollout: {r.groups_per_step} groups of {r.group_size} per step, max_staleness {r.max_staleness}, stale groups {r.on_stale}",
         *([f"env: {cfg.env.factory}, up to {cfg.env.max_turns} turns and {cfg.env.max_tokens} tokens, {cfg.env.isolation} isolation, "
            f"cancel grace {cfg.env.cancel_grace_s:g} s"] if cfg.env is not None else []),
-        f"train: {t.backend}, {t.max_steps} steps, lr {t.lr:g}, loss {t.loss.objective}, kl_coef {t.loss.kl_coef:g}",
+        f"train: {t.backend}, {t.max_steps} steps, lr {t.lr:g}, loss {t.loss.type} ({t.loss.importance_sampling_level} ratio, "
+        f"{t.loss.objective}, mismatch correction {t.loss.mismatch_correction}), kl_coef {t.loss.kl_coef:g}",
         *([_hardware(cfg)] if t.backend == "torch" else []),
         f"checkpoints: {f'every {cfg.checkpoint.every_steps} steps' if cfg.checkpoint.every_steps else 'the final one only'}, "
         f"keep {cfg.checkpoint.keep_last}; "

@@ -70,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model name clients must send (default: MODEL as given)")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype (default float32)")
     serve.add_argument("--seed", type=_bounded_int(0, 2**32 - 1), default=0, help="initialisation seed of builtin models (default 0)")
+    serve.add_argument("--max-prompt-chars", type=_bounded_int(1, 1 << 40), default=None, metavar="N",
+                       help="longest string prompt, refused (HTTP 400) before it is tokenised; the request body limit is "
+                       "12 bytes per character of it plus 1 MiB (default: 16 characters per token of the model's maximum length)")
+    serve.add_argument("--reload-timeout-s", type=_positive_float, default=300.0, metavar="S",
+                       help="longest time reading the weights of one /collective_rpc reload_weights (default 300)")
     serve.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
@@ -87,6 +92,17 @@ def _bounded_int(low: int, high: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0, else one line saying so."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value:g} is not a finite number > 0")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_command(args: argparse.Namespace) -> int:
     if args.command == "serve":
-        from asyncgrpo.generation.serve import serve_cli
+        from asyncgrpo.generation.serve_process import serve_cli
 
         return serve_cli(args)
     if args.command == "plot":

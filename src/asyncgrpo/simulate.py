@@ -177,8 +177,9 @@ class _Report:
     def __init__(self, cfg: Config, output_dir: Path, server: str) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
+        self.timeline_file = JsonlFile(output_dir / TIMELINE_FILE, truncate_to=0)
         self.timeline = Timeline(
-            output_dir / TIMELINE_FILE, server=server, max_inflight=cfg.generation.max_inflight,
+            self.timeline_file, server=server, max_inflight=cfg.generation.max_inflight,
             group_size=cfg.rollout.group_size, max_rollout_spans=cfg.logging.timeline_max_rollouts,
         )
         self.file = JsonlFile(output_dir / METRICS_FILE, truncate_to=0)
@@ -199,6 +200,7 @@ class _Report:
 
     def close(self) -> None:
         self.timeline.close()
+        self.timeline_file.close()
         self.file.close()
 
 

@@ -22,7 +22,7 @@ from asyncgrpo.trl_names import BY_NAME, SAME_AS_HERE, NoCounterpart, render_val
 
 # Why TRL fields outside the table have no counterpart, by name prefix (the first that matches).
 _FAMILIES = (
-    (("vllm_importance_sampling",), "the off-policy correction here is train.loss.objective (behaviour or decoupled, with train.loss.is_cap)"),
+    (("vllm_importance_sampling_cap",), "TRL deprecated it for vllm_importance_sampling_clip_max (train.loss.mismatch_clip_max here)"),
     (("vllm_server_host", "vllm_server_port"), "the servers are generation.http.base_urls, e.g. [http://HOST:PORT]"),
     (("vllm_",), "vLLM's own settings go on the vLLM server's command line (generation.backend: http)"),
     (("push_to_hub", "hub_"), "checkpoints are save_pretrained directories under the run directory: upload them with huggingface_hub"),
@@ -35,11 +35,10 @@ _FAMILIES = (
      "evaluation is eval.every_steps, eval.num_prompts and eval.samples_per_prompt"),
     (("save_", "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "enable_jit_checkpoint"),
      "checkpoints are checkpoint.every_steps and checkpoint.keep_last"),
-    (("entropy_", "use_adaptive_entropy", "top_entropy_quantile", "sapo_", "vespo_", "delta", "importance_sampling_level",
-      "off_policy_mask_threshold", "use_bias_correction_kl", "sync_ref_model", "ref_model_", "multi_objective_aggregation",
-      "cast_lm_head_to_fp32", "router_aux_loss_coef"),
-     "that loss variant is not built here (train.loss lists what is: objective, clip_low, clip_high, is_cap, kl_coef, "
-     "normalization, scale_by_std)"),
+    (("entropy_", "use_adaptive_entropy", "top_entropy_quantile", "delta", "off_policy_mask_threshold", "use_bias_correction_kl",
+      "sync_ref_model", "ref_model_", "multi_objective_aggregation", "cast_lm_head_to_fp32", "router_aux_loss_coef"),
+     "that loss variant is not built here (docs/losses.md lists what is: TRL's loss types, importance_sampling_level, the "
+     "staleness and mismatch corrections, kl_coef, and your own loss as train.loss.type: module:function)"),
 )
 _OTHER = "asyncgrpo has no such setting"
 

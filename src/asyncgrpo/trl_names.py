@@ -3,7 +3,7 @@ README's mapping table (scripts/trl_table.py) and `asyncgrpo convert-trl` (trl_c
 
 Decision: a TRL name is never a second spelling of one of our keys. A recipe or override that uses one
 (bare, `num_generations=8`, or under one of our sections, `rollout.num_generations=8`) is rejected with
-the exact replacement, value translated (`loss_type: grpo` -> `train.loss.normalization: sequence`),
+the exact replacement, value translated (`scale_rewards: group` -> `train.loss.scale_by_std: true`),
 and `asyncgrpo convert-trl` translates a whole GRPOConfig-shaped file. One spelling per key keeps
 config.yaml, resume's "changed since" check, override precedence and docs/config.md unambiguous.
 
@@ -22,6 +22,8 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from asyncgrpo.loss_config import BUILTIN_TYPES
 
 
 class NoCounterpart(ValueError):
@@ -77,6 +79,20 @@ def _warmup(value: Any, trl: Mapping[str, Any]) -> Any:
 
 def _epsilon_high(value: Any, trl: Mapping[str, Any]) -> Any:
     return trl.get("epsilon", 0.2) if value is None else value  # TRL: None means epsilon
+
+
+def _is_correction(trl: Mapping[str, Any]) -> bool:
+    """Whether TRL applies its vLLM importance-sampling correction: only with use_vllm (a lone name, in the
+    validator's help, is taken as meant)."""
+    return not trl or bool(trl.get("use_vllm") and trl.get("vllm_importance_sampling_correction", True))
+
+
+def _correction_objective(value: Any, trl: Mapping[str, Any]) -> Any:
+    return "decoupled" if value is True and _is_correction(trl) else SAME_AS_HERE
+
+
+def _correction_mode(value: Any, trl: Mapping[str, Any]) -> Any:
+    return value if _is_correction(trl) else SAME_AS_HERE
 
 
 def _groups_per_step(value: Any, trl: Mapping[str, Any]) -> Any:
@@ -155,12 +171,23 @@ TABLE: tuple[TrlField, ...] = (
     TrlField("min_p", None, _SAMPLING, _only(None, _SAMPLING)),
     TrlField("repetition_penalty", None, _SAMPLING, _only(1.0, _SAMPLING)),
     TrlField("epsilon", "train.loss.clip_low"),
-    TrlField("epsilon_high", "train.loss.clip_high", "TRL's null means epsilon", _epsilon_high),
+    TrlField("epsilon_high", "train.loss.clip_high", "TRL's null means epsilon; under loss_type cispo it is train.loss.cispo_clip_max",
+             _epsilon_high),
     TrlField("beta", "train.loss.kl_coef"),
-    TrlField("loss_type", "train.loss.normalization", "grpo: mean per sequence; dapo/bnpo: over the batch's tokens",
-             _choice({"grpo": "sequence", "dapo": "token", "bnpo": "token"},
-                     "the normalizations here are sequence (TRL's grpo) and token (dapo, bnpo)"),
-             values="grpo -> sequence, dapo / bnpo -> token"),
+    TrlField("loss_type", "train.loss.type", "the same names and formulas; also module:function, your own (docs/losses.md)",
+             _choice({name: name for name in BUILTIN_TYPES}, f"the loss types here are {', '.join(BUILTIN_TYPES)}"),
+             values=", ".join(BUILTIN_TYPES)),
+    TrlField("importance_sampling_level", "train.loss.importance_sampling_level", "sequence (GSPO) with loss_type grpo, sapo or luspo"),
+    TrlField("vllm_importance_sampling_correction", "train.loss.objective",
+             "the objective that computes the trainer's own log-probs pi_prox the correction needs",
+             _correction_objective, values="true (with use_vllm) -> decoupled"),
+    TrlField("vllm_importance_sampling_mode", "train.loss.mismatch_correction",
+             "on tokens of staleness 0 only; stale ones keep train.loss.is_cap (docs/losses.md)", _correction_mode,
+             values="with use_vllm and the correction on"),
+    TrlField("vllm_importance_sampling_clip_min", "train.loss.mismatch_clip_min"),
+    TrlField("vllm_importance_sampling_clip_max", "train.loss.mismatch_clip_max", "null: no bound", lambda value, trl: value),
+    *(TrlField(name, f"train.loss.{name}") for name in (
+        "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")),
     TrlField("scale_rewards", "train.loss.scale_by_std", "",
              _choice({"group": True, True: True, "none": False, False: False}, "advantages are scaled within the group or not at all"),
              values="group / true -> true, none / false -> false"),

@@ -19,8 +19,8 @@ PACKAGE = Path(asyncgrpo.__file__).parent
 
 # Bottom first. A name is a module or a package (its modules); the longest match wins.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "types", "sync", "threads", "gc_pauses", "atomic", "vtime", "tasks", "config", "trl_names", "rundir", "signals", "watchdog", "objects",
-     "worker_process", "telemetry.keys"),
+    ("errors", "types", "sync", "threads", "gc_pauses", "atomic", "vtime", "tasks", "loss_config", "config", "trl_names", "rundir",
+     "signals", "watchdog", "objects", "worker_process", "telemetry.keys"),
     ("data", "models"),
     ("generation",),
     ("rewards",),

@@ -62,8 +62,10 @@ def test_the_readme_table_is_generated_from_the_table():
         ("num_generations=8", "num_generations: unknown key. TRL's `num_generations` is `rollout.group_size` here."),
         ("train.learning_rate=0.00001", "train.learning_rate: unknown key. TRL's `learning_rate` is `train.lr` here. "
                                         "Fix: replace it with train.lr=1e-05."),
-        ("loss_type=grpo", "TRL's `loss_type` is `train.loss.normalization` here"),
-        ("train.loss.loss_type=dr_grpo", "'dr_grpo' has no counterpart here"),
+        ("loss_type=grpo", "TRL's `loss_type` is `train.loss.type` here"),
+        ("train.loss.loss_type=dr_grpo", "Fix: replace it with train.loss.type=dr_grpo."),
+        ("loss_type=ppo", "'ppo' has no counterpart here: the loss types here are grpo, dr_grpo, dapo"),
+        ("vllm_importance_sampling_mode=token_mask", "Fix: replace it with train.loss.mismatch_correction=token_mask."),
         ("top_k=50", "TRL's `top_k` has no counterpart here: generation samples with temperature and top_p only"),
         ("bf16=true", "Fix: replace it with train.precision=bfloat16."),
     ],
@@ -81,7 +83,7 @@ def test_a_grpo_config_converts_with_a_report_and_the_recipe_is_valid():
            "bf16": True, "fp16": True, "report_to": "none", "max_steps": 20}
     conversion = convert_trl(trl)
     assert conversion.recipe == {
-        "train": {"lr": 1e-6, "loss": {"normalization": "sequence", "kl_coef": 0.04, "clip_high": 0.2}, "precision": "bfloat16",
+        "train": {"lr": 1e-6, "loss": {"type": "grpo", "kl_coef": 0.04, "clip_high": 0.2}, "precision": "bfloat16",
                   "max_steps": 20},
         "rollout": {"group_size": 4, "groups_per_step": 4},
         "logging": {"sinks": ["jsonl"]},
@@ -104,7 +106,10 @@ def test_a_whole_grpo_config_dump_converts_to_a_valid_recipe():
     assert conversion.recipe["rollout"] == {"group_size": 8, "groups_per_step": 1, "mask_truncated": False}
     assert conversion.recipe["train"]["device"] == "cpu" and "max_steps" not in conversion.recipe["train"]
     unmapped = {name: why for name, _, why in conversion.unmapped}
-    assert "max_steps" in unmapped and "train.loss.objective" in unmapped["vllm_importance_sampling_mode"]
+    assert "max_steps" in unmapped
+    same = {name for name, _, _ in conversion.same}  # without use_vllm TRL applies no importance-sampling correction
+    assert {"vllm_importance_sampling_correction", "vllm_importance_sampling_mode"} <= same
+    assert conversion.recipe["train"]["loss"]["type"] == "dapo"
     assert len(conversion.mapped) + len(conversion.same) + len(conversion.unmapped) == len(dump)
 
 
@@ -125,3 +130,14 @@ def test_convert_trl_cli_refuses_a_recipe_that_would_not_validate(tmp_path, caps
     source.write_text('{"num_generations": 1}')
     assert main(["convert-trl", str(source)]) == 3
     assert "rollout.group_size = 1: GRPO compares the completions of a group" in capsys.readouterr().err
+
+
+def test_trls_vllm_importance_sampling_correction_converts_to_the_decoupled_objective_and_its_mismatch_mode():
+    trl = {"use_vllm": True, "vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate",
+           "vllm_importance_sampling_clip_min": None, "vllm_importance_sampling_clip_max": 2.0, "loss_type": "cispo",
+           "importance_sampling_level": "token", "vllm_server_base_url": "http://127.0.0.1:8000"}
+    conversion = convert_trl(trl)
+    loss = Config.model_validate(conversion.recipe).train.loss
+    assert (loss.type, loss.objective, loss.mismatch_correction, loss.mismatch_clip_min, loss.mismatch_clip_max) == (
+        "cispo", "decoupled", "token_truncate", None, 2.0)
+    assert len(conversion.mapped) + len(conversion.same) + len(conversion.unmapped) == len(trl)
