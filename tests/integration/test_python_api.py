@@ -134,3 +134,39 @@ def test_inside_a_running_event_loop_as_in_a_notebook_the_run_gets_its_own_loop(
 
     result = asyncio.run(cell())
     assert result.outcome == "completed" and result.steps == 2
+
+
+@pytest.mark.timeout(300)
+def test_an_environment_class_defined_in_the_caller_plays_episodes_in_threads(tmp_path):
+    made = []
+
+    class Echo:  # a class of the caller's, not importable by name: python:Echo, run in threads
+        def __init__(self) -> None:
+            made.append(self)
+
+        def reset(self, row):
+            return row["prompt"]
+
+        def step(self, action_text):
+            return "again: ", float(len(action_text) > 0), True, {}
+
+        def close(self):
+            pass
+
+    trainer = asyncgrpo.Trainer(model="builtin:tiny", reward_funcs=[], environment_factory=Echo, config=ROOT / "recipes/demo.yaml",
+                                **QUICK, **{"run.output_dir": str(tmp_path), "train.max_steps": 2, "env.max_turns": 2, "env.max_tokens": 40})
+    assert trainer.config.env is not None and trainer.config.env.factory == "python:Echo"
+    result = trainer.train()
+    assert result.outcome == "completed" and len(made) >= 2 * 2 * 4  # every episode made its own environment
+    assert all(m["reward/env"] is not None for m in result.metrics)
+
+
+def test_check_and_simulate_see_the_callers_objects(tmp_path):
+    def tidy(prompts, completions, **kwargs):
+        return [1.0 for _ in completions]
+
+    trainer = asyncgrpo.Trainer(reward_funcs=[tidy], train_dataset=TASKS["repeat_letter"].rows(64, 0), config=ROOT / "recipes/simulate.yaml",
+                                **{"train.max_steps": 5, "run.output_dir": str(tmp_path)})
+    report = trainer.simulate().report()
+    assert report["outcome"] == "completed" and report["steps"] == 5
+    assert objects._table == {}
