@@ -95,11 +95,14 @@ def run_training(prepared: Prepared, control: RunControl | None = None) -> RunSu
     cfg = prepared.config
     with registered(prepared.objects), console_logging():
         try:
-            return _run_somewhere(cfg, control)
+            summary = _run_somewhere(cfg, control)
         except AsyncGRPOError:
             raise
         except Exception as exc:  # noqa: BLE001 - every run ends in a paragraph, never a raw traceback
             raise AsyncGRPOError(_unexpected_error(cfg.run.directory, exc)) from exc
+    if summary.interrupted_by is not None:
+        summary.stopped_by = control.stopped_by  # "stop()" is no signal: the summary names who asked
+    return summary
 
 
 def _run_somewhere(cfg: Config, control: RunControl) -> RunSummary:

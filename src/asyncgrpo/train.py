@@ -139,6 +139,7 @@ class RunSummary:
     last_rewards: list[float] = field(default_factory=list)
     final_checkpoint: Path | None = None
     interrupted_by: int | None = None
+    stopped_by: str | None = None  # who asked for the stop, when not a signal's name: "stop()" (the Python API, api_run.py)
     warnings: list[str] = field(default_factory=list)
     totals: RunTotals = field(default_factory=RunTotals)
     wall_s: float = 0.0
@@ -158,7 +159,7 @@ class RunSummary:
         acc = self.accounting
         dropped = ", ".join(f"{k} {v}" for k, v in acc["dropped"].items() if v) or "none"
         if self.interrupted_by is not None:
-            head = f"interrupted by {signal.Signals(self.interrupted_by).name} after {r.steps} steps"
+            head = f"interrupted by {self.stopped_by or signal.Signals(self.interrupted_by).name} after {r.steps} steps"
         elif r.outcome == "completed":
             why = "max_steps reached" if r.stop_reason == "max_steps" else "the data ran out"
             head = f"completed {r.steps} steps ({why})"

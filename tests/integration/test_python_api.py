@@ -93,6 +93,7 @@ def test_two_runs_in_one_process_stop_from_another_thread_then_resume_leaving_no
     first = trainer.train()
     assert first.outcome == "interrupted" and first.stopped_by == "stop()" and 2 <= first.steps < 30
     assert first.final_checkpoint is not None and len(first.metrics) == first.steps
+    assert f"interrupted by stop() after {first.steps} steps" in str(first)
     assert all(name != threading.current_thread().name for name in calls)  # the stop came from another thread
     assert process_state() == before
 
