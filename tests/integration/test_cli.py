@@ -27,6 +27,7 @@ def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
         ("reward.functions=[no_such_module:score]", "reward.functions[0] = 'no_such_module:score'"),
         ("reward.functions=[json:no_such_function]", "has no attribute 'no_such_function'"),
         ("data.source=no_such_file.jsonl", "data.source = 'no_such_file.jsonl'"),
+        ("reward.functions=[python:my_reward]", "names a Python object passed to asyncgrpo's Python API"),
     ],
 )
 def test_a_bad_recipe_fails_fast_with_the_key_and_the_fix_and_no_traceback(override, expected):

@@ -146,3 +146,19 @@ def test_a_runs_console_handler_is_there_for_the_run_only_and_only_when_logging_
     monkeypatch.setattr(logging.getLogger(), "handlers", [configured])
     with console_logging():
         assert logger.handlers == []  # the process's own logging configuration is left alone
+
+
+def test_a_trl_config_object_converts_through_its_to_dict():
+    class GRPOConfig:  # the shape of trl.GRPOConfig that the API relies on
+        def to_dict(self):
+            return {"num_generations": 4, "max_steps": 9, "use_vllm": False}
+
+    cfg = build_config(args=GRPOConfig()).config
+    assert cfg.rollout.group_size == 4 and cfg.train.max_steps == 9
+    with pytest.raises(ConfigError, match="not TRL's GRPOConfig"):
+        build_config(args=42)
+
+
+def test_trls_names_as_keyword_arguments_get_the_validators_hint():
+    with pytest.raises(ConfigError, match="rollout.group_size"):
+        Trainer(num_generations=4)
