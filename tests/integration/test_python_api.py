@@ -168,6 +168,7 @@ def test_check_and_simulate_see_the_callers_objects(tmp_path):
 
     trainer = asyncgrpo.Trainer(reward_funcs=[tidy], train_dataset=TASKS["repeat_letter"].rows(64, 0), config=ROOT / "recipes/simulate.yaml",
                                 **{"train.max_steps": 5, "run.output_dir": str(tmp_path)})
+    assert "64 prompts from 64 rows" in trainer.check()
     report = trainer.simulate().report()
     assert report["outcome"] == "completed" and report["steps"] == 5
     assert objects._table == {}
