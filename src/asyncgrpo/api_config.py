@@ -19,6 +19,8 @@ Objects become plain config values, so config.yaml, checkpoints and resume check
   (a SHA-256 over the rows' JSON), never a file it did not come from; since `data.source` must not
   change on resume, a resume with other rows is refused (training/resume.py). A string is a
   `data.source` as in a recipe.
+- objects given as config values (`reward.functions`, `env.factory`, `data.source`, `eval.source` in a
+  dict or an override) are named the same way.
 
 Invariant: every problem is a `ConfigError` naming the argument or key, the value and the fix.
 """
@@ -90,6 +92,7 @@ def build_config(
     data = merge(data, given)
     if cli_overrides:
         data = merge(data, parse_overrides(cli_overrides))
+    _name_objects_in(data, objects)
     _choose_isolation(data, objects)
     cfg = validate_config(data, source)
     if eval_dataset is not None and not cfg.eval.every_steps:
@@ -210,13 +213,13 @@ def _callable_spec(fn: Any, argument: str, index: int | None, objects: dict[str,
     return OBJECT_PREFIX + name
 
 
-def _data_spec(value: Any, argument: str, objects: dict[str, Any]) -> str:
-    """A data source string as given, or ``python:<argument>@<fingerprint>`` for rows (registered)."""
+def _data_spec(value: Any, argument: str, objects: dict[str, Any], role: str | None = None) -> str:
+    """A data source string as given, or ``python:<role>@<fingerprint>`` for rows (registered; `role` defaults to `argument`)."""
     if isinstance(value, (str, os.PathLike)):
         return str(value)
     rows = _rows(value, argument)
     text = json.dumps(rows, sort_keys=True, default=repr, ensure_ascii=False)
-    name = f"{argument}@{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    name = f"{role or argument}@{hashlib.sha256(text.encode()).hexdigest()[:16]}"
     objects[name] = rows
     return OBJECT_PREFIX + name
 
@@ -242,6 +245,22 @@ def _rows(value: Any, argument: str) -> list[dict[str, Any]]:
         f"{argument} = {type(value).__name__} is not data asyncgrpo can read. Fix: pass a datasets.Dataset (an IterableDataset "
         f"must be materialised first: Dataset.from_list(list(it))), a list of dicts, or a data.source string (a .jsonl file, ...)."
     )
+
+
+def _name_objects_in(data: dict[str, Any], objects: dict[str, Any]) -> None:
+    """Objects given as values of config keys (a dict, an override) rather than by named argument are named alike."""
+    reward = data.get("reward")
+    if isinstance(reward, Mapping) and isinstance(reward.get("functions"), (list, tuple)):
+        functions = [fn if isinstance(fn, str) else _callable_spec(fn, "reward.functions", i, objects, _reward_name)
+                     for i, fn in enumerate(reward["functions"])]
+        data["reward"] = {**reward, "functions": functions}
+    env = data.get("env")
+    if isinstance(env, Mapping) and env.get("factory") is not None and not isinstance(env["factory"], str):
+        data["env"] = {**env, "factory": _callable_spec(env["factory"], "env.factory", None, objects, _plain_name)}
+    for section, role in (("data", "train_dataset"), ("eval", "eval_dataset")):
+        part = data.get(section)
+        if isinstance(part, Mapping) and part.get("source") is not None and not isinstance(part["source"], str):
+            data[section] = {**part, "source": _data_spec(part["source"], f"{section}.source", objects, role)}
 
 
 def _choose_isolation(data: dict[str, Any], objects: dict[str, Any]) -> None:

@@ -162,3 +162,9 @@ def test_a_trl_config_object_converts_through_its_to_dict():
 def test_trls_names_as_keyword_arguments_get_the_validators_hint():
     with pytest.raises(ConfigError, match="rollout.group_size"):
         Trainer(num_generations=4)
+
+
+def test_objects_given_as_config_values_are_named_as_by_the_named_arguments():
+    prepared = build_config({"reward": {"functions": [local_reward]}}, overrides={"data.source": ROWS})
+    assert prepared.config.reward.functions == ["python:local_reward"] and prepared.config.reward.isolation == "thread"
+    assert prepared.config.data.source == build_config(train_dataset=ROWS).config.data.source
