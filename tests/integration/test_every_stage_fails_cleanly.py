@@ -89,3 +89,12 @@ def test_a_reward_that_raises_system_exit_or_keyboard_interrupt_is_a_reward_erro
     err = capsys.readouterr().err
     assert exit_code == 1 and "error (reward_error)" in err and reward in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.timeout(300)
+def test_an_environment_that_raises_system_exit_fails_the_run_with_a_diagnostic_never_exit_0(tmp_path, capsys):
+    exit_code = main(["train", "recipes/demo.yaml", f"run.output_dir={tmp_path}", "eval.every_steps=0", "reward.functions=[]",
+                      "env.factory=tests.envs:Exits", *QUICK])
+    err = capsys.readouterr().err
+    assert exit_code == 1 and "error (generation_failures)" in err and "tests.envs:Exits" in err and "SystemExit" in err, err
+    assert "Traceback" not in err and (tmp_path / "error.txt").is_file()
