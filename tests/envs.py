@@ -183,6 +183,20 @@ class CloseRaises(Cooperative):
         raise RuntimeError("close broke")
 
 
+class SleepsOnTheLoop(_Recorded):
+    """An async step that calls time.sleep: the pipeline's event loop, which runs async environment methods, stops turning
+    for an hour (only a signal and the shutdown timer end the run)."""
+
+    instances: list[Any] = []
+
+    async def reset(self, row: dict[str, Any]) -> None:
+        return None
+
+    async def step(self, action_text: str) -> tuple[Any, float | None, bool, dict[str, Any]]:
+        time.sleep(3600)
+        return None, 1.0, True, {}
+
+
 def reset_all() -> None:
     for cls in (Cooperative, Stubborn, Counting, Transient, AsyncEcho, SlowToMake, Flooding, FloodingReset, NanForPromptZero,
                 Overflowing, Exits, CloseRaises):

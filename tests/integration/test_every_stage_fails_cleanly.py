@@ -98,3 +98,12 @@ def test_an_environment_that_raises_system_exit_fails_the_run_with_a_diagnostic_
     err = capsys.readouterr().err
     assert exit_code == 1 and "error (generation_failures)" in err and "tests.envs:Exits" in err and "SystemExit" in err, err
     assert "Traceback" not in err and (tmp_path / "error.txt").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_an_async_reward_that_blocks_its_loop_fails_at_reward_timeout_s_naming_it(tmp_path, capsys):
+    exit_code = main(["train", "recipes/demo.yaml", f"run.output_dir={tmp_path}", "eval.every_steps=0", "reward.timeout_s=1",
+                      "reward.functions=[tests.integration.blocking_rewards:sleeps_on_the_loop]", *QUICK])
+    err = capsys.readouterr().err
+    assert exit_code == 1 and "error (reward_error)" in err, err
+    assert "'sleeps_on_the_loop' did not return within reward.timeout_s = 1 s" in err and "Traceback" not in err
