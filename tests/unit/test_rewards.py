@@ -463,3 +463,23 @@ def test_weighted_rewards_whose_sum_is_not_finite_are_a_reward_error_naming_ever
         message = str(err.value)
         assert all(f"{name!r}" in message for name, _ in functions) and terms in message
         assert "not a finite number" in message and "Fix" in message
+
+
+async def _quick(prompts, completions, **kw):
+    return [1.0] * len(completions)
+
+
+def test_the_reward_loop_starts_with_the_first_async_call_and_its_thread_ends_with_the_scorer():
+    def loop_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "asyncgrpo-reward-loop" and t.is_alive()]
+
+    async def main():
+        before = loop_threads()
+        async with RewardScorer([("quick", _quick)], timeout_s=5) as scorer:
+            assert loop_threads() == before
+            assert [s.reward for s in await scorer.score(PROMPT, ["a", "b"])] == [1.0, 1.0]
+            assert len(loop_threads()) == len(before) + 1
+        return before
+
+    before = run(main())
+    assert loop_threads() == before
