@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from asyncgrpo import evaluation
 from asyncgrpo.data.loading import build_prompts, read_eval_rows
 from asyncgrpo.environments.conversation import CharCodec
 from asyncgrpo.evaluation import evaluate
@@ -148,6 +149,23 @@ def test_cancelling_an_evaluation_stops_its_episodes_and_leaves_no_worker(tmp_pa
         return ticks(tmp_path)
 
     assert_stopped_and_gone(tmp_path, asyncio.run(main()))
+
+
+def test_an_evaluation_episode_past_its_time_limit_is_stopped_and_counted_failed(tmp_path, monkeypatch):
+    # The episode's time limit (config.episode_limit_s) guards what the calls' own deadlines do not add up to (transient
+    # retries); here it is 5 s (room for a worker process's start on a loaded machine) while the step's deadline is an
+    # hour, so the limit stops the episodes stuck in step.
+    monkeypatch.setattr(evaluation, "episode_limit_s", lambda env, generation: 5.0)
+    cfg, prompts, generator = ticking_recipe(tmp_path, monkeypatch, step_timeout_s=3600.0)
+
+    async def main():
+        async with RewardScorer.from_config(cfg.reward, isolation="inline") as scorer:
+            async with asyncio.timeout(60):
+                return await evaluate(cfg, generator, scorer, prompts, (), step=0, codec=CODEC), ticks(tmp_path)
+
+    metrics, at_end = asyncio.run(main())
+    assert metrics["eval/failed_requests"] == 2 and metrics["eval/reward_mean"] is None and metrics["eval/pass_rate"] is None
+    assert_stopped_and_gone(tmp_path, at_end)
 
 
 def test_an_evaluation_episode_past_its_step_deadline_is_stopped_and_counted_failed(tmp_path, monkeypatch):
