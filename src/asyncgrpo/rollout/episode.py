@@ -28,11 +28,12 @@ Failures and cancellation:
   episode is (below) and fails the rollout (`EnvironmentTimeout`, counted in `env/errors_total`).
 - Cancelled (the group is stale, shut down, or the run ends), the host's `cancel(env.cancel_grace_s)`
   runs before the cancellation goes on: the token is set, `close()` is called, the work is awaited
-  up to the grace. Work that outlives it is counted in `env/abandoned_total` and logged with the
-  environment's name; never counted as a failure.
+  up to the grace. Work that outlives it is counted in `env/abandoned_total` (the first logged with
+  the environment's name); never counted as a failure.
 - Every other ending closes the environment, bounded by the same grace (a close that will not
   return is abandoned and counted). A close that raises, on any ending, is counted in
-  `env/errors_total`, the sample kept; the first is logged in full, later ones only counted.
+  `env/errors_total`, the sample kept. Of the abandoned episodes and of the failed closes of an
+  environment, the first is logged in full, later ones only counted (they tend to come alike).
 
 Rewards (`add_env_reward`): the episode's reward is env reward x `env.reward_weight` plus the
 weighted reward functions, which get the episode's messages as the completion (rewards/scoring.py `reward_input`);
@@ -105,7 +106,7 @@ class EpisodeRunner:
         self.max_prompt_tokens = max_prompt_tokens
         self._jitter = jitter
         self._open_host = host_factory
-        self._close_errors_logged = False
+        self._logged: set[str] = set()  # the counters whose first ending was logged (`_count_and_log_first`)
 
     async def run(
         self,
@@ -311,22 +312,26 @@ class EpisodeRunner:
             self._close_failed(exc, prompt)
 
     def _close_failed(self, error: BaseException, prompt: Prompt) -> None:
-        """A close() that raised: counted each time, logged the first time (every episode's may fail alike)."""
-        self.counters["env/errors_total"] += 1
-        if not self._close_errors_logged:
-            self._close_errors_logged = True
-            log.warning("environment %r: close() raised %s: %s (prompt %d); counted in env/errors_total, and so are later "
-                        "close() errors of this environment, without a log line each. The episode's sample is kept. Fix: "
-                        "make close() idempotent and safe to call while step runs, from another thread.",
-                        self.env.factory, type(error).__name__, error, prompt.id)
+        """A close() that raised: counted, the sample kept."""
+        self._count_and_log_first(
+            "env/errors_total", f"close() raised {type(error).__name__}: {error} (prompt {prompt.id})",
+            "The episode's sample is kept. Fix: make close() idempotent and safe to call while step runs, from another thread.",
+        )
 
     def _abandoned(self, prompt: Prompt, what: str) -> None:
-        self.counters["env/abandoned_total"] += 1
-        log.warning(
-            "environment %r: the episode of prompt %d %s; it is abandoned (counted in env/abandoned_total). Fix: poll "
-            "token.cancelled in long steps and make close() interrupt them, or use env.isolation: process.",
-            self.env.factory, prompt.id, what,
+        self._count_and_log_first(
+            "env/abandoned_total", f"the episode of prompt {prompt.id} {what}; it is abandoned",
+            "Fix: poll token.cancelled in long steps and make close() interrupt them, or use env.isolation: process.",
         )
+
+    def _count_and_log_first(self, counter: str, what: str, fix: str) -> None:
+        """Count an ending under `counter`; log the first of each counter in full (every episode of an environment tends
+        to fail alike: a line each would flood the log), saying that later ones are only counted."""
+        self.counters[counter] += 1
+        if counter not in self._logged:
+            self._logged.add(counter)
+            log.warning("environment %r: %s (counted in %s; later ones of this environment are counted there without a "
+                        "log line each). %s", self.env.factory, what, counter, fix)
 
 
 def transcript(messages: Sequence[Any]) -> str:
