@@ -30,6 +30,7 @@ Invariants: `ids` only grows, and only by `add_model` (exactly the sampled ids) 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -66,6 +67,9 @@ class TokenizerCodec:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        # Episodes encode on threads of their own (`offload`): one at a time, since a Hugging Face fast tokenizer whose
+        # truncation or padding settings change under a concurrent call raises "Already borrowed".
+        self._encoding = threading.Lock()
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -83,7 +87,8 @@ class TokenizerCodec:
         ))
 
     def encode(self, text: str) -> tuple[int, ...]:
-        return tuple(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        with self._encoding:
+            return tuple(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 class CharCodec:
