@@ -356,7 +356,7 @@ def add_env_reward(scored: Sequence[ScoredCompletion], completions: Sequence[Com
             raise _env_reward_error(
                 env, prompt, f"its reward {env_reward!r} x env.reward_weight = {env.reward_weight:g} plus the reward functions' "
                 f"{s.reward!r} (terms {dict(s.terms)}) is not a finite number", "keep the rewards and weights within float range")
-        out.append(ScoredCompletion(reward=total if parts else None, terms={**s.terms, ENV_TERM: env_reward}))
+        out.append(ScoredCompletion(reward=total if parts else None, terms={**s.terms, ENV_TERM: env_reward}, extra=s.extra))
     return out
 
 
