@@ -322,7 +322,7 @@ def hang_tables(url: str, args) -> str:
         f"installs hang-free / hung |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for label, overrides in HANG_CONFIGS[:1] if args.configs == "default" else HANG_CONFIGS:
+    for label, overrides in HANG_CONFIGS[:{"default": 1, "factors": 3}.get(args.configs, len(HANG_CONFIGS))]:
         def runs(rate: float, overrides: dict = overrides) -> list[Measurement]:
             return [asyncio.run(measure(url, failure_rate=0.0, backoff_s=None, steps=args.steps, seed=args.seed + i,
                                         max_staleness=args.max_staleness, hang_rate=rate, group_size=args.group_size,
@@ -402,7 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-installs", action="store_true",
                         help="with --hang-rate: the stub trainer publishes no weights (versions advance without installs)")
     parser.add_argument("--reload-ms", type=float, default=10.0, help="how long the fake server's weight reload takes")
-    parser.add_argument("--configs", default="all", help="with --hang-rate: 'default' measures only the default row")
+    parser.add_argument("--configs", default="all", help="with --hang-rate: 'default' measures only the default row, 'factors' the "
+                             "attempt_timeout_factor rows")
     parser.add_argument("--serve", default=None,
                         help="instead: hang-free runs against `asyncgrpo serve MODEL` (e.g. builtin:tiny), counting the "
                              "attempt timeouts of a healthy loaded server")

@@ -9,14 +9,22 @@ Failures of the connection or the pool, classified here (answers are classified 
     connection refused/reset/closed, connect timeout   -> TransientGenerationError (server marked unhealthy)
     no answer within the adaptive attempt timeout       -> RequestTimeoutError (transient)
     no usable server for backend_dead_after_s           -> BackendDeadError (fatal, names every server)
+    every attempt failing, none answered, for the same  -> BackendDeadError (fatal, names every server)
 
 Invariants:
-- Deadlines: the caller bounds every attempt (request_timeout_s); inside that, an attempt unanswered
-  for the adaptive timeout of attempt_timeout.py (from the latencies of answered attempts, doubled per
-  earlier timeout of the same request) is abandoned with `RequestTimeoutError` (transient: the
-  caller retries it). Its clock stands still while its server is paused by our weight install. A
+- Deadlines: the caller bounds every attempt (request_timeout_s); inside that, an attempt past the
+  adaptive budget of attempt_timeout.py is abandoned with `RequestTimeoutError` (transient: the
+  caller retries it) once a newer request is answered, or at a multiple of its budget
+  (attempt_clock.py). Its clock stands still while its server is paused by our weight install. A
   server holding open requests that answers none for `LatencyTracker.silence_s` is logged once by
-  name (checked by its probe loop). Cancelling `generate` closes
+  name (checked by its probe loop).
+- Dead backend. Every failed attempt (HTTP 5xx, reset, attempt timeout, ...) is booked in
+  pool_health.py; once attempts have failed for ``backend_dead_after_s`` with no answer from any
+  server in between, `generate` raises `BackendDeadError` naming each server and its last error
+  (training and evaluation alike: both call `generate`).
+- Hung servers. A server whose attempts time out ``HUNG_AFTER`` times in a row while another server
+  answers is out of rotation (logged); its probe loop sends it a one-token completion every probe
+  interval, and once one is answered it is back in rotation (logged). Cancelling `generate` closes
   its HTTP connection at once (aiohttp closes a connection whose response was not read to the
   end), so the server aborts the request. Cancellation is never converted into an error.
 - Health. `start()` checks ``/v1/models`` on every server (model name present) and then starts one
