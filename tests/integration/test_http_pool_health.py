@@ -38,8 +38,9 @@ def failing_recipe(url: str):
 
 
 @pytest.mark.parametrize("failure", sorted(FAILURES))
-def test_a_server_that_fails_every_request_ends_training_as_backend_dead_naming_it(failure):
+def test_a_server_that_fails_every_request_ends_training_as_backend_dead_naming_it(failure, caplog):
     answer, words = FAILURES[failure]
+    caplog.set_level(logging.WARNING, logger="asyncgrpo")
 
     async def main():
         fake = await FakeServer().start()
@@ -60,6 +61,9 @@ def test_a_server_that_fails_every_request_ends_training_as_backend_dead_naming_
     assert isinstance(d.original, BackendDeadError)
     assert fake.url in d.message and words in d.message and "generation.backend_dead_after_s = 1" in d.message
     assert fake.started > 1  # retried until the backend counted as dead, not given up at the first failure
+    # A reset marks the server unhealthy and its /health brings it back at once: said once, not per request.
+    flaps = [r for r in caplog.records if r.levelno >= logging.WARNING and "is unhealthy" in r.getMessage()]
+    assert len(flaps) <= 1 < fake.started
 
 
 @pytest.mark.parametrize("failure", sorted(FAILURES))

@@ -8,24 +8,23 @@ from __future__ import annotations
 
 import asyncio
 
-from asyncgrpo.generation.attempt_clock import AnswerMarks, AttemptClock
+from asyncgrpo.generation.attempt_clock import SETTLE_HOPS, AnswerMarks, AttemptClock
 
 LONG_S = 600.0  # an overdue limit no test reaches
 
 
 async def open_attempt(marks: AnswerMarks, clocks: list[AttemptClock], *, budget_s: float | None,
-                       limit_s: float = LONG_S, frozen: bool = False) -> str:
-    """An attempt that is never answered: it ends only when its clock abandons it."""
+                       limit_s: float = LONG_S, frozen: bool = False, answer: asyncio.Future | None = None) -> str:
+    """An attempt that ends when `answer` resolves (never, by default) or its clock abandons it."""
     try:
         async with asyncio.timeout(None) as timeout:
             clock = AttemptClock(timeout, marks, budget_s=budget_s, limit_s=limit_s, frozen=frozen)
             clocks.append(clock)
-            await asyncio.get_running_loop().create_future()
+            return await (answer if answer is not None else asyncio.get_running_loop().create_future())
     except TimeoutError:
         return "abandoned"
     finally:
         clock.close()
-    raise AssertionError("unreachable")
 
 
 async def started(clocks: list[AttemptClock], n: int) -> None:
@@ -50,6 +49,25 @@ def test_an_overdue_attempt_is_abandoned_only_once_a_newer_attempt_is_answered()
         assert not marks.overdue
 
     asyncio.run(main())
+
+
+def test_an_overdue_attempt_whose_answer_is_read_in_the_same_burst_as_a_newer_one_is_kept():
+    """After a pause of the process, answers arrive together: the newer one may be read a turn of the loop before
+    the overdue attempt's own. The abandonment waits a few turns, so the answer already received is used."""
+    async def main():
+        marks, clocks = AnswerMarks(), []
+        answer = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(open_attempt(marks, clocks, budget_s=0.01, answer=answer))
+        await started(clocks, 1)
+        await asyncio.sleep(0.05)  # overdue
+        marks.answered(marks.dispatch())  # the newer answer is read first...
+        for _ in range(SETTLE_HOPS // 2):
+            await asyncio.sleep(0)
+        answer.set_result("answered")  # ...and the overdue attempt's own a few turns later
+        return await asyncio.wait_for(task, 10), clocks[0]
+
+    result, clock = asyncio.run(main())
+    assert result == "answered" and not clock.overtaken
 
 
 def test_within_its_budget_an_attempt_is_never_abandoned_by_newer_answers():

@@ -6,7 +6,11 @@ in dispatch order and remembers the newest answered one.
 
 - Running past its budget (active time) makes an attempt *overdue* and records the newest dispatch
   mark at that moment. It is abandoned (its timeout expires) when an attempt dispatched after that
-  is answered (`AnswerMarks.answered`), or once it has run its overdue limit.
+  is answered (`AnswerMarks.answered`), or once it has run its overdue limit. Abandoning waits
+  `SETTLE_HOPS` turns of the event loop first: after a pause of this process (or of the server),
+  answers arrive together, and the overdue attempt's own answer, already in its socket, is read
+  meanwhile (that ends the attempt and cancels the abandonment). Loop turns, not seconds: a process
+  that is not scheduled takes no turns.
 - `freeze()` / `thaw()`: the clock stands still while our weight install pauses the server (requests
   held by our own /pause are not silent); a frozen attempt is never abandoned.
 - `close()` (always, when the attempt ends) cancels its timer and forgets it; no handle outlives it.
@@ -18,6 +22,8 @@ ran (counting active time), so every abandoned attempt was overdue.
 from __future__ import annotations
 
 import asyncio
+
+SETTLE_HOPS = 8  # loop turns between "overtaken" and abandoning: an answer already received is read by then
 
 
 class AnswerMarks:
@@ -57,6 +63,7 @@ class AttemptClock:
         self._used = 0.0
         self._since: float | None = None
         self._budget_timer: asyncio.TimerHandle | None = None
+        self._settle: asyncio.Handle | None = None  # the pending turn of an abandonment
         if not frozen:
             self.thaw()
 
@@ -82,16 +89,27 @@ class AttemptClock:
     def active_s(self) -> float:
         return self._used + (self._loop.time() - self._since if self._since is not None else 0.0)
 
-    def abandon(self) -> None:
-        """Expire now (overtaken by a newer answer); not while frozen: a thawed clock is checked at the next answer."""
-        if self._since is None or self.timeout.expired():
+    def abandon(self, hops: int = SETTLE_HOPS) -> None:
+        """Expire after `hops` loop turns (overtaken by a newer answer). Not while frozen: it stays overdue, and the
+        next newer answer after the thaw abandons it."""
+        self._settle = None
+        if self.timeout.expired():
+            return
+        if self._since is None:
+            self.marks.overdue.add(self)
             return
         self.marks.overdue.discard(self)
+        if hops > 0:
+            self._settle = self._loop.call_soon(self.abandon, hops - 1)
+            return
         self.overtaken = True
         self.timeout.reschedule(self._loop.time())
 
     def close(self) -> None:
         self._cancel_budget_timer()
+        if self._settle is not None:
+            self._settle.cancel()
+            self._settle = None
         self.marks.overdue.discard(self)
 
     def _on_budget(self) -> None:

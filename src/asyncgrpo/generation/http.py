@@ -110,6 +110,7 @@ class _Server:
     loaded: StagedWeights | None = None  # the staged weights it has loaded (None: its own, or unknown after an outage)
     excluded: str | None = None  # why it takes no work although it answers (a failed weight install)
     hung: str | None = None  # why it is out of rotation although /health answers (its attempts time out)
+    flapping: bool = False  # back after an outage, no request answered since: its marks and returns log at debug level
     last_error: str = ""
     outstanding: int = 0
     dispatched: int = 0
@@ -138,7 +139,7 @@ class _Server:
         elif self.hung is not None:
             state = f"out of rotation ({self.hung})"
         else:
-            state = "healthy"
+            state = "answers /health"
         last = f"; last error: {self.last_error}" if self.last_error else ""
         return f"{self.url}: {state}{last}"
 
@@ -336,6 +337,7 @@ class HttpGenerator:
             self._attempt_failed(server, exc)  # raises BackendDeadError once failing for backend_dead_after_s
             raise
         self._health.answered(server.url, asyncio.get_running_loop().time())
+        server.flapping = False
         return completion
 
     async def _attempt(self, server: _Server, request: GenerationRequest) -> Completion:
@@ -608,7 +610,9 @@ class HttpGenerator:
         if server.healthy:
             server.healthy = False
             self.counters["unhealthy_marks"] += 1
-            log.warning("%s: server %s is unhealthy: %s", self.name, server.url, error)
+            # Once per outage: a server whose /health answers but which resets every request flaps many times a second.
+            level = logging.DEBUG if server.flapping else logging.WARNING
+            log.log(level, "%s: server %s is unhealthy: %s", self.name, server.url, error)
         if self._latest is not None:
             server.loaded = None  # it may restart with its original weights: reinstall when it is back
         if server.install is not None and not server.install.done() and server.install is not asyncio.current_task():
@@ -734,4 +738,7 @@ class HttpGenerator:
             await self._sync_server(server, asyncio.get_running_loop().time() + INSTALL_SHARE * self.cfg.weight_sync_timeout_s)
         if server.epoch == epoch and server.usable:
             self.counters["recoveries"] += 1
-            log.warning("%s: server %s is healthy again (serving version %d)", self.name, server.url, server.version)
+            log.log(logging.DEBUG if server.flapping else logging.WARNING,
+                    "%s: server %s is healthy again (serving version %d); until it answers a request, it is marked "
+                    "unhealthy and back again silently", self.name, server.url, server.version)
+            server.flapping = True
