@@ -211,12 +211,14 @@ class FakeServer:
             body = await request.json()
             self.requests.append(body)
             self.started += 1
+            number = self.started  # this request's arrival number (others arrive while it waits)
             try:
                 await self._changed.wait_for(lambda: not self.paused)
-                if self.completion == "hang" or self.started in self.hang_requests:
+                if self.completion == "hang" or number in self.hang_requests:
                     await asyncio.get_running_loop().create_future()  # never resolved: only cancellation ends it
-                await asyncio.sleep(self.delay_s)
-                fault = "reset" if self.completion == "reset" else self.fault(self.started, body)
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                fault = "reset" if self.completion == "reset" else self.fault(number, body)
                 if fault == "reset":  # SO_LINGER 0: closing sends RST, as a crashing proxy or server does
                     request.transport.get_extra_info("socket").setsockopt(
                         socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
