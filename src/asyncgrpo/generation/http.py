@@ -61,7 +61,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import weakref
 from collections.abc import Callable, Mapping
@@ -75,7 +74,6 @@ from asyncgrpo.config import GenerationConfig
 from asyncgrpo.errors import (
     BackendDeadError,
     GenerationError,
-    MisconfiguredBackendError,
     PromptRejectedError,
     RequestTimeoutError,
     TransientGenerationError,
@@ -84,6 +82,7 @@ from asyncgrpo.generation.attempt_clock import AnswerMarks, AttemptClock
 from asyncgrpo.generation.attempt_timeout import LatencyTracker
 from asyncgrpo.generation.http_client import completion_payload, read_completion, server_message
 from asyncgrpo.generation.http_control import HttpControl
+from asyncgrpo.generation.http_discovery import discover
 from asyncgrpo.generation.pool_health import HUNG_AFTER, PoolHealth
 from asyncgrpo.generation.weight_sync import (
     RESUME_AFTER_FAILURE_S,
@@ -98,7 +97,6 @@ from asyncgrpo.types import Completion, GenerationRequest
 
 log = logging.getLogger("asyncgrpo")
 
-_STARTUP_RETRY_S = (0.05, 1.0)  # first and largest delay between /v1/models attempts while a server starts
 INSTALL_SHARE = 0.8  # of generation.weight_sync_timeout_s: server installs end before the pipeline's deadline
 
 
@@ -229,7 +227,7 @@ class HttpGenerator:
         self._control_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=timeout, headers=headers)
         try:
-            await self._discover_all()
+            self.model = await discover(self._servers, self._control_session, cfg=self.cfg, name=self.name)
         except BaseException:
             await self._close_sessions()
             raise
@@ -254,76 +252,6 @@ class HttpGenerator:
             if session is not None:
                 await session.close()
         self._session = self._control_session = None
-
-    async def _discover_all(self) -> None:
-        assert self._session is not None
-        timeout = self.http.startup_timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                async with asyncio.TaskGroup() as group:
-                    for server in self._servers:
-                        group.create_task(self._discover(server))
-        except BaseExceptionGroup as errors:  # the first server that failed the check; the others were cancelled
-            raise errors.exceptions[0] from None
-        except TimeoutError:
-            missing = [s for s in self._servers if not s.models]
-            raise BackendDeadError(
-                f"{len(missing)} of {len(self._servers)} generation servers did not answer GET /v1/models within "
-                f"generation.http.startup_timeout_s = {timeout:g} s: "
-                + "; ".join(f"{s.url} (last error: {s.last_error or 'no answer'})" for s in missing)
-                + ". Check that they are started and the URLs in generation.http.base_urls are right, or raise "
-                "generation.http.startup_timeout_s for slow starts.", backend=self.name) from None
-        if self.model is None:
-            self.model = self._servers[0].models[0]
-        for server in self._servers:
-            if server.max_model_len is not None and self.cfg.max_new_tokens >= server.max_model_len:
-                raise MisconfiguredBackendError(
-                    f"generation.max_new_tokens = {self.cfg.max_new_tokens} leaves no room for a prompt in the "
-                    f"max_model_len = {server.max_model_len} of server {server.url}. Fix: lower generation.max_new_tokens "
-                    f"(prompts take up to data.max_prompt_tokens more), or serve a longer context.", backend=self.name)
-        for server in self._servers:
-            if self.model not in server.models:
-                asked = "generation.http.model" if self.http.model else f"the model of {self._servers[0].url}"
-                raise MisconfiguredBackendError(
-                    f"server {server.url} does not serve model {self.model!r} ({asked}); it serves {server.models}. "
-                    f"Fix: set generation.http.model to the name the servers serve, or start every server with "
-                    f"--served-model-name {self.model}.", backend=self.name)
-
-    async def _discover(self, server: _Server) -> None:
-        """GET /v1/models until it answers; retried while the server is not up yet (the caller bounds it)."""
-        assert self._control_session is not None
-        delay = _STARTUP_RETRY_S[0]
-        while True:
-            try:
-                async with self._control_session.get(f"{server.url}/v1/models") as resp:
-                    status, text = resp.status, await resp.text()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                server.last_error = f"GET /v1/models: {type(exc).__name__}: {exc}"
-            else:
-                if status == 200:
-                    try:
-                        entries = json.loads(text)["data"]
-                        server.models = [str(entry["id"]) for entry in entries]
-                        lengths = [entry.get("max_model_len") for entry in entries if entry.get("max_model_len")]
-                        server.max_model_len = int(lengths[0]) if lengths else None
-                    except (ValueError, KeyError, TypeError) as exc:
-                        raise MisconfiguredBackendError(
-                            f"server {server.url} answered GET /v1/models with something that is not a model list "
-                            f"({text[:200]!r}): is it an OpenAI-compatible server?", backend=self.name) from exc
-                    if not server.models:
-                        raise MisconfiguredBackendError(f"server {server.url} serves no model (GET /v1/models is empty).",
-                                                        backend=self.name)
-                    server.last_error = ""
-                    return
-                if status in (401, 403, 404):
-                    what = {401: "refused the credentials (check generation.http.api_key)",
-                            403: "refused the credentials (check generation.http.api_key)",
-                            404: "has no /v1/models: is the URL an OpenAI-compatible server's base URL (without /v1)?"}[status]
-                    raise MisconfiguredBackendError(f"server {server.url} {what}; it answered HTTP {status}: "
-                                                    f"{server_message(text)}", backend=self.name)
-                server.last_error = f"GET /v1/models answered HTTP {status}: {server_message(text)}"
-            await asyncio.sleep(delay)  # the server is starting: nothing to wait on but time
-            delay = min(delay * 2, _STARTUP_RETRY_S[1])
 
     # ------------------------------------------------------------------ generation
 
