@@ -17,16 +17,17 @@ Invariants:
   caller retries it) once a newer request is answered, or at a multiple of its budget
   (attempt_clock.py). Its clock stands still while its server is paused by our weight install. A
   server holding open requests that answers none for `LatencyTracker.silence_s` is logged once by
-  name (checked by its probe loop).
+  name (checked by its probe loop). Cancelling `generate` closes its HTTP connection at once
+  (aiohttp closes a connection whose response was not read to the end), so the server aborts the
+  request. Cancellation is never converted into an error.
 - Dead backend. Every failed attempt (HTTP 5xx, reset, attempt timeout, ...) is booked in
   pool_health.py; once attempts have failed for ``backend_dead_after_s`` with no answer from any
   server in between, `generate` raises `BackendDeadError` naming each server and its last error
   (training and evaluation alike: both call `generate`).
 - Hung servers. A server whose attempts time out ``HUNG_AFTER`` times in a row while another server
   answers is out of rotation (logged); its probe loop sends it a one-token completion every probe
-  interval, and once one is answered it is back in rotation (logged). Cancelling `generate` closes
-  its HTTP connection at once (aiohttp closes a connection whose response was not read to the
-  end), so the server aborts the request. Cancellation is never converted into an error.
+  interval, and once one is answered it is back in rotation (logged). A server that answers
+  /health but resets every request flips unhealthy and back: logged once, until it answers again.
 - Health. `start()` checks ``/v1/models`` on every server (model name present) and then starts one
   probe loop per server (``GET /health`` every ``health_probe_interval_s``), all owned by one
   TaskGroup in the probe task (`_run_probes`), which `aclose()` cancels and awaits; if a probe
@@ -613,8 +614,8 @@ class HttpGenerator:
                     now - server.quiet_since, held, self.cfg.max_inflight, self._latency.timeout_s(),
                     self._latency.describe())
     async def _probe_hung(self, server: _Server) -> None:
-        """Send a server out of rotation for hanging a one-token completion (the newest request's prompt); it
-        is back in rotation once that is answered within the probe's deadline."""
+        """Send a server that is out of rotation for hanging a one-token completion (the newest request's
+        prompt); it is back in rotation once that is answered within the probe's deadline."""
         if self._last_payload is None:
             return
         assert self._control_session is not None
