@@ -281,9 +281,10 @@ class HttpConfig(_Section):
     startup_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start for the servers to answer.")
     attempt_timeout_factor: float = Field(
         2.0, ge=1,
-        description="Once 32 requests were answered, an attempt is abandoned (and retried) after this many times the 99th-percentile latency of "
-        "recent answers, doubled per earlier timeout of the same request; at most generation.request_timeout_s. Frees the slots of "
-        "requests a server never answers.",
+        description="Once 32 requests were answered, an attempt that ran this many times the 99th-percentile latency of recent answers (scaled "
+        "up for requests asking for more tokens, doubled per earlier timeout of the same request; at most generation.request_timeout_s) is "
+        "abandoned (and retried) as soon as a newer request is answered, or at 4 x that. Frees the slots of requests a server never answers "
+        "without cutting requests that are merely slow (load, weight installs).",
     )
     attempt_timeout_min_s: float = Field(
         0.05, gt=0,
@@ -316,7 +317,11 @@ class GenerationConfig(_Section):
     retry_backoff_max_s: float = Field(10.0, gt=0, description="Cap on one retry delay.")
     health_probe_interval_s: float = Field(5.0, gt=0, description="http: how often each server's /health is probed.")
     backend_dead_after_s: float = Field(
-        60.0, gt=0, description="http: no server usable for this long fails the run (backend_dead), naming each server and its last error.",
+        60.0, gt=0,
+        description="http: no server usable, or every request failing (HTTP 5xx, reset connections, attempt timeouts) with none "
+        "answered, for this long fails the run (backend_dead), naming each server and its last error; in training and evaluation "
+        "alike. 60 s rides out a server restart or a burst of errors (over a dozen backed-off retries of each request at the default "
+        "backoff) and reports a dead server within about a minute of its first failure; raise it for servers that take longer to restart.",
     )
     weight_sync_every: int = Field(1, ge=1, description="Publish weights to the generators every N optimizer steps (<= rollout.max_staleness + 1).")
     weight_sync_timeout_s: float = Field(300.0, gt=0, description="Deadline for publishing one version of the weights to every generator.")
