@@ -171,7 +171,7 @@ def eval_diagnostic(exc: FatalBackendError, step: int) -> Diagnostic:
     return Diagnostic(
         kind=exc.kind,
         message=(
-            f"The evaluation after step {step} could not be served: {exc}. Retrying cannot fix this; check the servers, "
+            f"The evaluation after step {step} could not be served: {str(exc).rstrip('.')}. Retrying cannot fix this; check the servers, "
             f"the model name, the URLs and the credentials. Every trained step's metrics are written."
         ),
         backend=exc.backend,
