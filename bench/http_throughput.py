@@ -19,7 +19,12 @@ sweeps the backoff to show where the loss under failures comes from.
 With ``--hang-rate 0.05`` it measures hung requests instead: that fraction of requests is never
 answered (until the client closes the connection), and one table compares hang-free and hung
 throughput per setting of the adaptive attempt timeout (`generation.http.attempt_timeout_factor`,
-and turned off), with ``--group-size`` and ``--groups-per-step`` setting the rollout shape.
+and turned off), with ``--group-size`` and ``--groups-per-step`` setting the rollout shape. There the
+trainer publishes weights after every step as a real one does (a small state dict staged on disk by
+`DiskWeightPublisher`, installed with ``/pause?mode=keep``, ``/collective_rpc`` reload_weights (taking
+``--reload-ms``) and ``/resume``; requests are held while the server is paused); ``--no-installs``
+keeps the stub trainer's "same weights" versions. The hang-free column "timeouts per 1,000" is how
+often the attempt timeout cut a request the server would have answered.
 """
 
 from __future__ import annotations
@@ -49,13 +54,18 @@ def canned_completion(tokens: int) -> dict:
 # ----------------------------------------------------------------------------- the fake server (child process)
 
 
-def serve(port_out, control, seed: int, latency_s: tuple[float, float] = LATENCY_S, tokens: int = TOKENS) -> None:
+def serve(port_out, control, seed: int, latency_s: tuple[float, float] = LATENCY_S, tokens: int = TOKENS,
+          reload_s: float = 0.0) -> None:
     """Run the fake server until `control` receives anything; report its port through `port_out`."""
     from aiohttp import web
 
+    from asyncgrpo.sync import StateSignal
+
     completion = canned_completion(tokens)
     rng = random.Random(seed)
-    state = {"failure_rate": 0.0, "hang_rate": 0.0, "requests": 0, "failed": 0, "hung": 0}
+    state = {"failure_rate": 0.0, "hang_rate": 0.0, "requests": 0, "failed": 0, "hung": 0, "reloads": 0}
+    paused = {"now": False}  # between /pause and /resume requests are held, not aborted (vLLM's mode=keep)
+    changed = StateSignal()
 
     async def completions(request: web.Request) -> web.Response:
         await request.read()
@@ -63,7 +73,9 @@ def serve(port_out, control, seed: int, latency_s: tuple[float, float] = LATENCY
         if rng.random() < state["hang_rate"]:
             state["hung"] += 1
             await asyncio.get_running_loop().create_future()  # never answers; the client's disconnect cancels it
+        await changed.wait_for(lambda: not paused["now"])
         await asyncio.sleep(rng.uniform(*latency_s))
+        await changed.wait_for(lambda: not paused["now"])  # paused meanwhile: held until resumed
         if rng.random() < state["failure_rate"]:
             state["failed"] += 1
             return web.json_response({"error": {"message": "injected failure", "code": 500}}, status=500)
@@ -73,11 +85,24 @@ def serve(port_out, control, seed: int, latency_s: tuple[float, float] = LATENCY
     async def configure(request: web.Request) -> web.Response:
         body = await request.json()
         state.update(failure_rate=float(body["failure_rate"]), hang_rate=float(body.get("hang_rate", 0.0)),
-                     requests=0, failed=0, hung=0)
+                     requests=0, failed=0, hung=0, reloads=0)
         return web.json_response(state)
 
     async def stats(_: web.Request) -> web.Response:
         return web.json_response(state)
+
+    def pausing(pause: bool):
+        async def handler(_: web.Request) -> web.Response:
+            paused["now"] = pause
+            changed.notify()
+            return web.json_response({"status": "ok"})
+        return handler
+
+    async def reload(request: web.Request) -> web.Response:
+        await request.read()
+        state["reloads"] += 1
+        await asyncio.sleep(reload_s)
+        return web.json_response({"status": "ok"})
 
     async def main() -> None:
         app = web.Application()
@@ -87,6 +112,9 @@ def serve(port_out, control, seed: int, latency_s: tuple[float, float] = LATENCY
         app.router.add_post("/v1/completions", completions)
         app.router.add_post("/configure", configure)
         app.router.add_get("/stats", stats)
+        app.router.add_post("/pause", pausing(True))
+        app.router.add_post("/resume", pausing(False))
+        app.router.add_post("/collective_rpc", reload)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
@@ -99,11 +127,12 @@ def serve(port_out, control, seed: int, latency_s: tuple[float, float] = LATENCY
 
 
 class FakeServerProcess:
-    def __init__(self, seed: int = 0, latency_s: tuple[float, float] = LATENCY_S, tokens: int = TOKENS) -> None:
+    def __init__(self, seed: int = 0, latency_s: tuple[float, float] = LATENCY_S, tokens: int = TOKENS,
+                 reload_s: float = 0.0) -> None:
         ctx = multiprocessing.get_context("spawn")
         port_recv, port_send = ctx.Pipe(duplex=False)
         self._control_recv, self._control_send = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=serve, args=(port_send, self._control_recv, seed, latency_s, tokens),
+        self.process = ctx.Process(target=serve, args=(port_send, self._control_recv, seed, latency_s, tokens, reload_s),
                                    name="fake-completion-server")
         self.process.start()
         if not port_recv.poll(60):
@@ -137,6 +166,7 @@ class Measurement:
     server_500s: int
     server_hangs: int
     attempt_timeouts: int
+    installs: int  # weight versions the server reloaded
     seconds: float
     cpu_ms_per_sample: float  # this process's CPU (the client side: pipeline, collector, HTTP client) per trained sample
 
@@ -152,8 +182,13 @@ async def _post(session, url: str, body=None):
 async def measure(url: str, *, failure_rate: float, backoff_s: float | None, steps: int, seed: int,
                   max_staleness: int = 1, hang_rate: float = 0.0, group_size: int = GROUP_SIZE,
                   http_overrides: dict | None = None, groups_per_step: int = GROUPS_PER_STEP,
-                  tokens: int = TOKENS) -> Measurement:
+                  tokens: int = TOKENS, installs: bool = False, real_model: str | None = None) -> Measurement:
+    """One pipeline run against the server at `url`: the fake server of this file, or (`real_model`: the model it
+    serves, e.g. builtin:tiny) an `asyncgrpo serve` process, which gets that model's own weights at every install."""
+    import tempfile
+
     import aiohttp
+    import torch
 
     from asyncgrpo.assemble import build_collector
     from asyncgrpo.config import validate_config
@@ -179,8 +214,25 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
     def length_reward(completions, **_):
         return [float(len(c)) for c in completions]
 
+    state: dict = {"w": torch.zeros(16)}  # what the fake server "reloads"
+    model_config = None
+    if real_model is not None:
+        from asyncgrpo.models.loading import load_model_and_tokenizer
+
+        model, _ = load_model_and_tokenizer(real_model)
+        state, model_config = model.state_dict(), model.config.to_dict()
+
+    class PublishingTrainer(StubTrainer):
+        """The stub trainer, publishing weights after every step as a real trainer does."""
+
+        def generation_weights(self):
+            return state
+
     scorer = RewardScorer([("length", length_reward)], None, 30.0, isolation="inline")
-    generator = HttpGenerator(cfg.generation)
+    weights_dir = tempfile.TemporaryDirectory(prefix="bench-http-weights-")
+    generator = HttpGenerator(cfg.generation, weights_dir=weights_dir.name if installs else None,
+                              model_config=model_config)
+    trainer = PublishingTrainer(0.001) if installs else StubTrainer(0.001)
     collector = build_collector(cfg, prompts, generator, scorer=scorer, stop_token_ids=(2,))
     ends: list[tuple[float, int, float]] = []  # (time a step ended, samples trained in it, process CPU time then)
 
@@ -188,15 +240,21 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
         ends.append((time.perf_counter(), sum(len(g.rollouts) for g in record.batch), time.process_time()))
 
     async with aiohttp.ClientSession() as control:
-        await _post(control, f"{url}/configure", {"failure_rate": failure_rate, "hang_rate": hang_rate})
+        if real_model is None:
+            await _post(control, f"{url}/configure", {"failure_rate": failure_rate, "hang_rate": hang_rate})
         await generator.start()
         started = time.perf_counter()
         try:
-            result = await run_pipeline(cfg, collector=collector, trainer=StubTrainer(0.001), generator=generator,
+            result = await run_pipeline(cfg, collector=collector, trainer=trainer, generator=generator,
                                         on_step=on_step)
         finally:
             await generator.aclose()
-        server = await _post(control, f"{url}/stats")
+            weights_dir.cleanup()
+        if real_model is None:
+            server = await _post(control, f"{url}/stats")
+        else:  # a real server injects nothing: count what was sent
+            server = {"requests": generator.stats()["servers"][0]["dispatched"], "failed": 0, "hung": 0,
+                      "reloads": generator.stats()["published_version"] if installs else 0}
     if result.outcome != "completed" or result.steps != steps:
         raise RuntimeError(f"the pipeline did not complete {steps} steps: {result.outcome} {result.diagnostic}")
     seconds = ends[-1][0] - ends[0][0]
@@ -214,6 +272,7 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
         server_500s=server["failed"],
         server_hangs=server["hung"],
         attempt_timeouts=generator.stats()["attempt_timeouts"],
+        installs=server["reloads"],
         seconds=seconds,
         cpu_ms_per_sample=1000 * (ends[-1][2] - ends[0][2]) / samples,
     )
@@ -258,23 +317,72 @@ HANG_CONFIGS = (  # (label, generation.http overrides)
 def hang_tables(url: str, args) -> str:
     """Hang-free and with `--hang-rate` of requests never answered, per attempt-timeout setting."""
     lines = [
-        f"| generation.http | samples/s hang-free | samples/s with {args.hang_rate:.0%} hung | ratio | attempt timeouts | "
-        f"hung requests | failed rollouts | stale groups |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| generation.http | samples/s hang-free | hang-free: timeouts per 1,000 requests | samples/s with "
+        f"{args.hang_rate:.0%} hung | ratio | attempt timeouts | hung requests | failed rollouts | stale groups | "
+        f"installs hang-free / hung |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for label, overrides in HANG_CONFIGS:
-        def best(rate: float, overrides: dict = overrides) -> Measurement:
-            runs = [asyncio.run(measure(url, failure_rate=0.0, backoff_s=None, steps=args.steps, seed=args.seed + i,
+    for label, overrides in HANG_CONFIGS[:{"default": 1, "factors": 3}.get(args.configs, len(HANG_CONFIGS))]:
+        def runs(rate: float, overrides: dict = overrides) -> list[Measurement]:
+            return [asyncio.run(measure(url, failure_rate=0.0, backoff_s=None, steps=args.steps, seed=args.seed + i,
                                         max_staleness=args.max_staleness, hang_rate=rate, group_size=args.group_size,
-                                        http_overrides=overrides, groups_per_step=args.groups_per_step))
+                                        http_overrides=overrides, groups_per_step=args.groups_per_step,
+                                        installs=not args.no_installs))
                     for i in range(args.repeats)]
-            return max(runs, key=lambda m: m.samples_per_s)
 
-        clean, hung = best(0.0), best(args.hang_rate)
-        lines.append(f"| {label} | {clean.samples_per_s:.0f} | {hung.samples_per_s:.0f} | "
+        clean_runs = runs(0.0)
+        clean = max(clean_runs, key=lambda m: m.samples_per_s)
+        hung = max(runs(args.hang_rate), key=lambda m: m.samples_per_s)
+        # Every hang-free run counts for the spurious timeouts (not only the fastest).
+        per_1000 = 1000 * sum(m.attempt_timeouts for m in clean_runs) / sum(m.server_requests for m in clean_runs)
+        lines.append(f"| {label} | {clean.samples_per_s:.0f} | {per_1000:.2f} | {hung.samples_per_s:.0f} | "
                      f"{hung.samples_per_s / clean.samples_per_s:.2f} | {hung.attempt_timeouts} | {hung.server_hangs} | "
-                     f"{hung.failed_rollouts} | {hung.stale_groups} |")
+                     f"{hung.failed_rollouts} | {hung.stale_groups} | {clean.installs} / {hung.installs} |")
         print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def serve_table(args) -> str:
+    """Hang-free runs against a real `asyncgrpo serve` of `--serve` (weights published every step): how often the
+    attempt timeout cut a request that server would have answered."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo.cli", "serve", args.serve, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # an external process: polling its /health, under a deadline, is the only way to see it up
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"asyncgrpo serve {args.serve} did not come up (exit code {proc.poll()})")
+            time.sleep(0.2)
+        runs = [asyncio.run(measure(url, failure_rate=0.0, backoff_s=None, steps=args.steps, seed=args.seed + i,
+                                    max_staleness=args.max_staleness, group_size=args.group_size,
+                                    groups_per_step=args.groups_per_step, tokens=args.tokens,
+                                    installs=not args.no_installs, real_model=args.serve))
+                for i in range(args.repeats)]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    lines = ["| run | samples/s | requests | attempt timeouts | timeouts per 1,000 requests | installs |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for i, m in enumerate(runs):
+        lines.append(f"| {i + 1} | {m.samples_per_s:.0f} | {m.server_requests} | {m.attempt_timeouts} | "
+                     f"{1000 * m.attempt_timeouts / m.server_requests:.2f} | {m.installs} |")
+    total = sum(m.attempt_timeouts for m in runs), sum(m.server_requests for m in runs)
+    lines.append(f"| all | | {total[1]} | {total[0]} | {1000 * total[0] / total[1]:.2f} | |")
     return "\n".join(lines)
 
 
@@ -291,6 +399,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hang-rate", type=float, default=0.0,
                         help="instead of the HTTP 500 tables: this fraction of requests is never answered; "
                              "hang-free vs hung per attempt-timeout setting")
+    parser.add_argument("--no-installs", action="store_true",
+                        help="with --hang-rate: the stub trainer publishes no weights (versions advance without installs)")
+    parser.add_argument("--reload-ms", type=float, default=10.0, help="how long the fake server's weight reload takes")
+    parser.add_argument("--configs", default="all", help="with --hang-rate: 'default' measures only the default row, 'factors' the "
+                             "attempt_timeout_factor rows")
+    parser.add_argument("--serve", default=None,
+                        help="instead: hang-free runs against `asyncgrpo serve MODEL` (e.g. builtin:tiny), counting the "
+                             "attempt timeouts of a healthy loaded server")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="with --serve: generation.max_new_tokens")
     parser.add_argument("--group-size", type=int, default=GROUP_SIZE, help="rollout.group_size")
     parser.add_argument("--groups-per-step", type=int, default=GROUPS_PER_STEP, help="rollout.groups_per_step")
     args = parser.parse_args(argv)
@@ -298,14 +415,21 @@ def main(argv: list[str] | None = None) -> None:
     from asyncgrpo.config import GenerationConfig
 
     default = GenerationConfig().retry_backoff_s
+    if args.serve is not None:
+        print(f"asyncgrpo serve {args.serve}, {CONCURRENCY} concurrent requests of {args.tokens} tokens, groups of "
+              f"{args.group_size}, {args.groups_per_step} groups/step, {args.steps} steps per run, "
+              f"{'no installs' if args.no_installs else 'weights published every step'}\n")
+        print(serve_table(args))
+        return
     latency_s = (0.0, args.max_latency_ms / 1000)
-    server = FakeServerProcess(args.seed, latency_s)
+    server = FakeServerProcess(args.seed, latency_s, reload_s=args.reload_ms / 1000)
     try:
         if args.hang_rate > 0:
             print(f"{CONCURRENCY} concurrent requests (generation.max_inflight), server latency uniform "
                   f"{latency_s[0] * 1000:.0f}-{latency_s[1] * 1000:.0f} ms, {args.hang_rate:.0%} of requests never "
                   f"answered, groups of {args.group_size}, {args.groups_per_step} groups/step, max_staleness "
-                  f"{args.max_staleness}, {args.steps} steps per measurement\n")
+                  f"{args.max_staleness}, {args.steps} steps per measurement, "
+                  f"{'no weight installs' if args.no_installs else f'weights published every step (reload {args.reload_ms:g} ms)'}\n")
             print("\n" + hang_tables(server.url, args))
             return
         print(f"{CONCURRENCY} concurrent requests (generation.max_inflight), server latency uniform "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncgrpo.config import Config
+from asyncgrpo.config import Config, episode_limit_s
 from asyncgrpo.data.loading import build_prompts, read_rows
 from asyncgrpo.models.hub import is_hub_id
 from asyncgrpo.models.loading import load_tokenizer, model_directory
@@ -80,7 +80,11 @@ def _settings(cfg: Config) -> list[str]:
         f"generation: {g.backend}, {g.max_new_tokens} new tokens, temperature {g.temperature:g}, at most {g.max_inflight} requests at once",
         f"rollout: {r.groups_per_step} groups of {r.group_size} per step, max_staleness {r.max_staleness}, stale groups {r.on_stale}",
         *([f"env: {cfg.env.factory}, up to {cfg.env.max_turns} turns and {cfg.env.max_tokens} tokens, {cfg.env.isolation} isolation, "
-           f"cancel grace {cfg.env.cancel_grace_s:g} s"] if cfg.env is not None else []),
+           f"each reset or step within {cfg.env.step_timeout_s:g} s, cancel grace {cfg.env.cancel_grace_s:g} s; an episode ends "
+           f"within {_duration(episode_limit_s(cfg.env, g))} (the reset, then each turn's generation and step within their "
+           f"deadlines)"] if cfg.env is not None else []),
+        f"stall: the run fails after {_duration(cfg.stall_timeout_s)} with no rollout{' or episode turn' if cfg.env is not None else ''} "
+        f"finished and no step trained (rollout.stall_timeout_s, {cfg.stall_bound()[1]})",
         f"train: {t.backend}, {t.max_steps} steps, lr {t.lr:g}, loss {t.loss.type} ({t.loss.importance_sampling_level} ratio, "
         f"{t.loss.objective}, mismatch correction {t.loss.mismatch_correction}), kl_coef {t.loss.kl_coef:g}",
         *([_hardware(cfg)] if t.backend == "torch" else []),
@@ -88,6 +92,13 @@ def _settings(cfg: Config) -> list[str]:
         f"keep {cfg.checkpoint.keep_last}; "
         f"metrics to {', '.join(dict.fromkeys(['jsonl', *cfg.logging.sinks]))}",
     ]
+
+
+def _duration(seconds: float) -> str:
+    """`seconds` as check prints a wait: seconds, and minutes or hours when it is that long."""
+    if seconds < 120:
+        return f"{seconds:g} s"
+    return f"{seconds:g} s ({seconds / 60:.1f} min)" if seconds < 7200 else f"{seconds:g} s ({seconds / 3600:.1f} h)"
 
 
 def _hardware(cfg: Config) -> str:

@@ -130,10 +130,21 @@ class EnvConfig(_Section):
         description="Where sync environment code runs: thread (a thread of its own per episode; one that will not stop is abandoned and "
         "counted) or process (a worker process per episode slot, killed after the grace).",
     )
+    step_timeout_s: float = Field(
+        60.0, gt=0,
+        description="Deadline of one environment call: reset (the factory included) or one step. One that outlives it is stopped as a "
+        "cancelled episode is (token, close(), env.cancel_grace_s) and fails its rollout, naming the environment and the call.",
+    )
     observation_role: str = Field("user", min_length=1, description="Chat role of an observation given as a plain string.")
     reward_weight: float = Field(
         1.0, ge=0, description="Weight of the environment's episode reward, added to the weighted reward functions (0: ignore it).",
     )
+
+
+def episode_limit_s(env: EnvConfig, generation: GenerationConfig) -> float:
+    """The longest an episode can run: its reset, then env.max_turns turns of a generation (each within
+    generation.rollout_deadline_s) and a step (each within env.step_timeout_s)."""
+    return env.step_timeout_s + env.max_turns * (generation.rollout_deadline_s + env.step_timeout_s)
 
 
 class Distribution(_Section):
@@ -270,9 +281,10 @@ class HttpConfig(_Section):
     startup_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start for the servers to answer.")
     attempt_timeout_factor: float = Field(
         2.0, ge=1,
-        description="Once 32 requests were answered, an attempt is abandoned (and retried) after this many times the 99th-percentile latency of "
-        "recent answers, doubled per earlier timeout of the same request; at most generation.request_timeout_s. Frees the slots of "
-        "requests a server never answers.",
+        description="Once 32 requests were answered, an attempt that ran this many times the 99th-percentile latency of recent answers (scaled "
+        "up for requests asking for more tokens, doubled per earlier timeout of the same request; at most generation.request_timeout_s) is "
+        "abandoned (and retried) as soon as a newer request is answered, or at 4 x that. Frees the slots of requests a server never answers "
+        "without cutting requests that are merely slow (load, weight installs).",
     )
     attempt_timeout_min_s: float = Field(
         0.05, gt=0,
@@ -305,7 +317,11 @@ class GenerationConfig(_Section):
     retry_backoff_max_s: float = Field(10.0, gt=0, description="Cap on one retry delay.")
     health_probe_interval_s: float = Field(5.0, gt=0, description="http: how often each server's /health is probed.")
     backend_dead_after_s: float = Field(
-        60.0, gt=0, description="http: no server usable for this long fails the run (backend_dead), naming each server and its last error.",
+        60.0, gt=0,
+        description="http: no server usable, or every request failing (HTTP 5xx, reset connections, attempt timeouts) with none "
+        "answered, for this long fails the run (backend_dead), naming each server and its last error; in training and evaluation "
+        "alike. 60 s rides out a server restart or a burst of errors (over a dozen backed-off retries of each request at the default "
+        "backoff) and reports a dead server within about a minute of its first failure; raise it for servers that take longer to restart.",
     )
     weight_sync_every: int = Field(1, ge=1, description="Publish weights to the generators every N optimizer steps (<= rollout.max_staleness + 1).")
     weight_sync_timeout_s: float = Field(300.0, gt=0, description="Deadline for publishing one version of the weights to every generator.")
@@ -363,8 +379,9 @@ class RolloutConfig(_Section):
     mask_truncated: bool = Field(False, description="Mask completions cut at max_new_tokens out of the loss.")
     stall_timeout_s: float | None = Field(
         None, gt=0,
-        description="No rollout finished and no step trained for this long raises StallError (default: rollout deadline (times env.max_turns "
-        "with an env) + reward time limit of every function (distill: distill.timeout_s) + probe interval + 60 s).",
+        description="No rollout (or episode turn) finished and no step trained for this long raises StallError (default: rollout deadline "
+        "(with an env: + 2 x env.step_timeout_s + env.cancel_grace_s, a turn's longest wait) + reward time limit of every function "
+        "(distill: distill.timeout_s) + probe interval + 60 s; `asyncgrpo check` prints it).",
     )
 
 
@@ -563,12 +580,27 @@ class Config(_Section):
 
     @property
     def stall_timeout_s(self) -> float:
-        g = self.generation
+        return self.stall_bound()[0]
+
+    def stall_bound(self) -> tuple[float, str]:
+        """`rollout.stall_timeout_s` as the run applies it, and where it comes from (for `check` and the stall diagnostic).
+
+        The derived default outlasts the longest wait between two signs of progress (a rollout or an episode's turn
+        finished, a step trained): a rollout's generation (with an env: one turn's, then its step, and before the first
+        turn the reset, each within env.step_timeout_s, and a close within the grace), then the scoring of its group."""
         if self.rollout.stall_timeout_s is not None:
-            return self.rollout.stall_timeout_s
-        scoring = self.distill.timeout_s if self.algorithm == "distill" else self.reward.timeout_s * len(self.reward.functions)
-        turns = self.env.max_turns if self.env is not None else 1  # an episode generates once per turn
-        return g.rollout_deadline_s * turns + scoring + g.health_probe_interval_s + 60.0
+            return self.rollout.stall_timeout_s, "rollout.stall_timeout_s"
+        g, env = self.generation, self.env
+        parts = [(g.rollout_deadline_s, "generation.rollout_deadline_s")]
+        if env is not None:
+            parts += [(2 * env.step_timeout_s, "2 x env.step_timeout_s"), (env.cancel_grace_s, "env.cancel_grace_s")]
+        if self.algorithm == "distill":
+            parts.append((self.distill.timeout_s, "distill.timeout_s"))
+        elif self.reward.functions:
+            parts.append((self.reward.timeout_s * len(self.reward.functions), f"{len(self.reward.functions)} x reward.timeout_s"))
+        parts += [(g.health_probe_interval_s, "generation.health_probe_interval_s"), (60.0, "margin")]
+        how = " + ".join(f"{value:g} s {name}" for value, name in parts)
+        return sum(value for value, _ in parts), f"derived: {how}"
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -145,13 +146,14 @@ class FakeServer:
 
     `completion` is "ok" (a canned 3-token completion), "hang" (never answers), or
     (status, body) to answer with; the completion requests whose 1-based arrival numbers are in
-    `hang_requests` never answer (the others are answered as `completion` says). Counters record what the server saw: completion
+    `hang_requests` never answer (the others are answered as `completion` says); "reset" resets the
+    connection of every completion request (TCP RST; /health still answers). Counters record what the server saw: completion
     requests started, cancelled handlers (the client closed the connection), pauses, reloads.
     `reload_status`/`health_status` make /collective_rpc and /health answer with that status
     (`reload_status = "hang"`: /collective_rpc never answers); `reload_delay_s` makes a reload take
-    that long; `pause_hangs` makes /pause never answer. `fault(number, body)` may answer a completion
+    that long; `delay_s` makes every completion take that long; `pause_hangs` makes /pause never answer. `fault(number, body)` may answer a completion
     request with a fault instead: "drop" (close the connection), "malformed" (a truncated JSON body)
-    or an HTTP status such as "500". Between /pause and /resume, completion
+    or "reset" (a TCP reset), or an HTTP status such as "500". Between /pause and /resume, completion
     requests are held (as vLLM's mode=keep does). `freeze()` makes it answer nothing at all until `thaw()` (a SIGSTOPped process: requests
     wait, then are served).
     """
@@ -163,6 +165,7 @@ class FakeServer:
         self.finish_reason = "length"
         self.reload_status = 200
         self.reload_delay_s = 0.0
+        self.delay_s = 0.0  # how long a completion takes (a loaded server)
         self.pause_hangs = False
         self.health_status = 200
         self.hang_requests: set[int] = set()
@@ -208,11 +211,19 @@ class FakeServer:
             body = await request.json()
             self.requests.append(body)
             self.started += 1
+            number = self.started  # this request's arrival number (others arrive while it waits)
             try:
                 await self._changed.wait_for(lambda: not self.paused)
-                if self.completion == "hang" or self.started in self.hang_requests:
+                if self.completion == "hang" or number in self.hang_requests:
                     await asyncio.get_running_loop().create_future()  # never resolved: only cancellation ends it
-                fault = self.fault(self.started, body)
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                fault = "reset" if self.completion == "reset" else self.fault(number, body)
+                if fault == "reset":  # SO_LINGER 0: closing sends RST, as a crashing proxy or server does
+                    request.transport.get_extra_info("socket").setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    request.transport.abort()
+                    return web.Response()
                 if fault == "drop":
                     request.transport.close()
                     return web.Response()

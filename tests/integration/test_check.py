@@ -59,7 +59,12 @@ def test_check_names_the_environment_and_its_reward(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "reward: the environment's x 1 (on error: fail)" in out
-    assert "env: asyncgrpo.environments.calculator:CalculatorEnv, up to 2 turns and 40 tokens, thread isolation, cancel grace 5 s" in out
+    assert ("env: asyncgrpo.environments.calculator:CalculatorEnv, up to 2 turns and 40 tokens, thread isolation, each reset or "
+            "step within 60 s, cancel grace 5 s; an episode ends within 540 s (9.0 min)") in out
+    # What a stuck run waits before it fails, and where that comes from: one turn, not env.max_turns of them.
+    assert ("stall: the run fails after 370 s (6.2 min) with no rollout or episode turn finished and no step trained "
+            "(rollout.stall_timeout_s, derived: 180 s generation.rollout_deadline_s + 120 s 2 x env.step_timeout_s + 5 s "
+            "env.cancel_grace_s + 5 s generation.health_probe_interval_s + 60 s margin)") in out
     assert "eval: 32 prompts from builtin:calculator, every 10 steps and before the first, 1 episode each" in out
 
 

@@ -524,7 +524,7 @@ def test_once_latencies_are_known_a_hung_attempt_is_abandoned_long_before_reques
     assert completion.token_ids == (7, 8, 9)
     assert fake.url in str(errors[0]) and "attempt 1" in str(errors[0]) and "attempt 2" in str(errors[1])
     assert "99% latency" in str(errors[0]) and "request_timeout_s = 600" in str(errors[0])
-    first, second = (float(str(e).split("within ")[1].split(" s")[0]) for e in errors)
+    first, second = (float(str(e).split("budget of ")[1].split(" s")[0]) for e in errors)
     assert second == pytest.approx(2 * first, rel=0.01)  # a request that timed out gets twice the time
     assert stats["attempt_timeouts"] == 2 and fake.started == MIN_SAMPLES + 3
 
@@ -576,6 +576,63 @@ def test_requests_held_by_our_own_weight_install_are_not_abandoned(tmp_path):
     held, stats = run(main())
     assert [c.token_ids for c in held] == [(7, 8, 9)] * 4
     assert stats["attempt_timeouts"] == 0 and stats["serving_version"] == 1
+
+
+def test_a_hung_attempt_is_abandoned_although_weights_are_installed_after_every_answer(tmp_path):
+    """As a trainer publishes: an install after every step. Installs keep the latencies and the attempt's budget
+    (they used to reset both, so a hung attempt was held for the whole request_timeout_s)."""
+    state = {"w": torch.zeros(2)}
+
+    async def main():
+        fake = await FakeServer().start()
+        gen = HttpGenerator(recipe([fake.url], generation={"request_timeout_s": 600.0, "rollout_deadline_s": 1200.0}).generation,
+                            weights_dir=tmp_path / "weights")
+        await gen.start()
+        try:
+            await learn_latencies(gen)
+            fake.hang_requests = {MIN_SAMPLES + 1}
+            hung = asyncio.create_task(gen.generate(request(7)))
+            await until(lambda: fake.started == MIN_SAMPLES + 1, 10, "the hung request to reach the server")
+            version = 1
+            while not hung.done():  # bounded by run(): the old code held it for request_timeout_s = 600 s
+                await gen.load_weights(state, version)
+                await gen.generate(request(100 + version))
+                version += 1
+            with pytest.raises(RequestTimeoutError) as caught:
+                await hung
+            return caught.value, version, gen.stats()
+        finally:
+            await gen.aclose()
+            await fake.stop()
+
+    error, versions, stats = run(main())
+    assert "a newer request was answered meanwhile" in str(error) and stats["attempt_timeouts"] == 1
+    assert versions > 1 and stats["serving_version"] == versions - 1
+
+
+def test_a_server_that_becomes_uniformly_slower_is_waited_for_not_cut():
+    """Load: every answer takes 2 x the attempt budget. Newer requests are no faster, so nothing overtakes the
+    older ones and no work is thrown away (the timeout used to cut every one of them at its budget)."""
+    async def main():
+        fake = await FakeServer().start()
+        gen = HttpGenerator(recipe([fake.url], generation={"http": {"base_urls": [fake.url], "attempt_timeout_min_s": 0.5}})
+                            .generation)
+        await gen.start()
+        try:
+            await learn_latencies(gen)
+            budget = gen._latency.timeout_s()
+            fake.delay_s = 2 * budget
+            first = [asyncio.create_task(gen.generate(request(i))) for i in range(4)]
+            await asyncio.sleep(1.2 * budget)  # the first wave is overdue now: a second wave is sent after that
+            second = [asyncio.create_task(gen.generate(request(10 + i))) for i in range(4)]
+            done = await asyncio.gather(*first, *second)
+            return budget, done, gen.stats()
+        finally:
+            await gen.aclose()
+            await fake.stop()
+
+    budget, done, stats = run(main())
+    assert budget == pytest.approx(0.5) and len(done) == 8 and stats["attempt_timeouts"] == 0
 
 
 def test_a_server_that_answers_health_but_no_request_is_reported_by_name(caplog):

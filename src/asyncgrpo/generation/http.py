@@ -9,16 +9,25 @@ Failures of the connection or the pool, classified here (answers are classified 
     connection refused/reset/closed, connect timeout   -> TransientGenerationError (server marked unhealthy)
     no answer within the adaptive attempt timeout       -> RequestTimeoutError (transient)
     no usable server for backend_dead_after_s           -> BackendDeadError (fatal, names every server)
+    every attempt failing, none answered, for the same  -> BackendDeadError (fatal, names every server)
 
 Invariants:
-- Deadlines: the caller bounds every attempt (request_timeout_s); inside that, an attempt unanswered
-  for the adaptive timeout of attempt_timeout.py (from the latencies of answered attempts, doubled per
-  earlier timeout of the same request) is abandoned with `RequestTimeoutError` (transient: the
-  caller retries it). Its clock stands still while its server is paused by our weight install. A
+- Deadlines: the caller bounds every attempt (request_timeout_s); inside that, an attempt past the
+  adaptive budget of attempt_timeout.py is abandoned with `RequestTimeoutError` (transient: the
+  caller retries it) once a newer request is answered, or at a multiple of its budget
+  (attempt_clock.py). Its clock stands still while its server is paused by our weight install. A
   server holding open requests that answers none for `LatencyTracker.silence_s` is logged once by
-  name (checked by its probe loop). Cancelling `generate` closes
-  its HTTP connection at once (aiohttp closes a connection whose response was not read to the
-  end), so the server aborts the request. Cancellation is never converted into an error.
+  name (checked by its probe loop). Cancelling `generate` closes its HTTP connection at once
+  (aiohttp closes a connection whose response was not read to the end), so the server aborts the
+  request. Cancellation is never converted into an error.
+- Dead backend. Every failed attempt (HTTP 5xx, reset, attempt timeout, ...) is booked in
+  pool_health.py; once attempts have failed for ``backend_dead_after_s`` with no answer from any
+  server in between, `generate` raises `BackendDeadError` naming each server and its last error
+  (training and evaluation alike: both call `generate`).
+- Hung servers. A server whose attempts time out ``HUNG_AFTER`` times in a row while another server
+  answers is out of rotation (logged); its probe loop sends it a one-token completion every probe
+  interval, and once one is answered it is back in rotation (logged). A server that answers
+  /health but resets every request flips unhealthy and back: logged once, until it answers again.
 - Health. `start()` checks ``/v1/models`` on every server (model name present) and then starts one
   probe loop per server (``GET /health`` every ``health_probe_interval_s``), all owned by one
   TaskGroup in the probe task (`_run_probes`), which `aclose()` cancels and awaits; if a probe
@@ -53,7 +62,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import weakref
 from collections.abc import Callable, Mapping
@@ -67,12 +75,16 @@ from asyncgrpo.config import GenerationConfig
 from asyncgrpo.errors import (
     BackendDeadError,
     GenerationError,
-    MisconfiguredBackendError,
+    PromptRejectedError,
     RequestTimeoutError,
     TransientGenerationError,
 )
+from asyncgrpo.generation.attempt_clock import AnswerMarks, AttemptClock
 from asyncgrpo.generation.attempt_timeout import LatencyTracker
 from asyncgrpo.generation.http_client import completion_payload, read_completion, server_message
+from asyncgrpo.generation.http_control import HttpControl
+from asyncgrpo.generation.http_discovery import discover
+from asyncgrpo.generation.pool_health import HUNG_AFTER, PoolHealth
 from asyncgrpo.generation.weight_sync import (
     RESUME_AFTER_FAILURE_S,
     DiskWeightPublisher,
@@ -86,9 +98,7 @@ from asyncgrpo.types import Completion, GenerationRequest
 
 log = logging.getLogger("asyncgrpo")
 
-_STARTUP_RETRY_S = (0.05, 1.0)  # first and largest delay between /v1/models attempts while a server starts
 INSTALL_SHARE = 0.8  # of generation.weight_sync_timeout_s: server installs end before the pipeline's deadline
-QUICK_CONTROL = ("/pause", "/resume")  # control calls that do no work: bounded like a health probe
 
 
 @dataclass(eq=False)
@@ -98,6 +108,8 @@ class _Server:
     healthy: bool = True
     loaded: StagedWeights | None = None  # the staged weights it has loaded (None: its own, or unknown after an outage)
     excluded: str | None = None  # why it takes no work although it answers (a failed weight install)
+    hung: str | None = None  # why it is out of rotation although /health answers (its attempts time out)
+    flapping: bool = False  # back after an outage, no request answered since: its marks and returns log at debug level
     last_error: str = ""
     outstanding: int = 0
     dispatched: int = 0
@@ -108,7 +120,7 @@ class _Server:
     max_model_len: int | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     waker: asyncio.Future | None = None
-    attempts: set[_AttemptClock] = field(default_factory=set)  # its open completion requests
+    attempts: set[AttemptClock] = field(default_factory=set)  # its open completion requests
     installing: bool = False  # paused by us for a weight install: its attempts' clocks stand still
     install: asyncio.Task | None = None  # the install in progress; an unhealthy mark cancels it
     quiet_since: float | None = None  # loop time since which it has held requests open, answered none, not paused by us
@@ -116,82 +128,19 @@ class _Server:
 
     @property
     def usable(self) -> bool:
-        return self.healthy and self.excluded is None
+        return self.healthy and self.excluded is None and self.hung is None
 
     def describe(self) -> str:
         if not self.healthy:
             state = "unreachable"
         elif self.excluded is not None:
             state = f"takes no work ({self.excluded})"
+        elif self.hung is not None:
+            state = f"out of rotation ({self.hung})"
         else:
-            state = "healthy"
+            state = "answers /health"
         last = f"; last error: {self.last_error}" if self.last_error else ""
         return f"{self.url}: {state}{last}"
-
-
-class _AttemptClock:
-    """One attempt's deadline (an `asyncio.Timeout`) that stands still while its server is paused for a
-    weight install: requests held by our own /pause are not silent. `active_s()` is the time it ran."""
-
-    def __init__(self, timeout: asyncio.Timeout, budget_s: float | None, now: float, frozen: bool) -> None:
-        self.timeout = timeout
-        self.budget_s = budget_s  # None: no deadline of its own (the caller's applies)
-        self._used = 0.0
-        self._since: float | None = None
-        if not frozen:
-            self.thaw(now)
-
-    def freeze(self, now: float) -> None:
-        self.budget_s = None  # an attempt that spans an install keeps only the caller's deadline
-        if self._since is None:
-            return
-        self._used += now - self._since
-        self._since = None
-        if not self.timeout.expired():
-            self.timeout.reschedule(None)
-
-    def thaw(self, now: float) -> None:
-        if self._since is not None:
-            return
-        self._since = now
-        if self.budget_s is not None and not self.timeout.expired():
-            self.timeout.reschedule(now + self.budget_s - self._used)
-
-    def active_s(self, now: float) -> float:
-        return self._used + (now - self._since if self._since is not None else 0.0)
-
-
-class _Control:
-    """A `ControlClient` for one server, over the generator's session."""
-
-    def __init__(self, session: aiohttp.ClientSession, url: str, quick_s: float) -> None:
-        self._session = session
-        self.url = url
-        self._quick_s = quick_s
-
-    async def post(self, path: str, *, json_body: Any = None, params: Mapping[str, str] | None = None,
-                   timeout_s: float) -> Any:
-        target = f"{self.url}{path}"
-        bound = "generation.weight_sync_timeout_s"
-        if path in QUICK_CONTROL and timeout_s > self._quick_s:  # a server that takes longer is not answering
-            timeout_s, bound = self._quick_s, "the health probe's timeout, from generation.health_probe_interval_s"
-        try:
-            async with asyncio.timeout(timeout_s):
-                async with self._session.post(target, json=json_body, params=params) as resp:
-                    status, text = resp.status, await resp.text()
-        except aiohttp.ClientConnectionError as exc:  # before TimeoutError: aiohttp's connect timeout is both
-            raise WeightSyncStepError(f"POST {target} failed: {type(exc).__name__}: {exc}", unreachable=True) from exc
-        except TimeoutError:
-            raise WeightSyncStepError(f"POST {target} got no answer within {timeout_s:g} s ({bound})",
-                                      unreachable=path in QUICK_CONTROL) from None
-        except aiohttp.ClientError as exc:
-            raise WeightSyncStepError(f"POST {target} failed: {type(exc).__name__}: {exc}") from exc
-        if not 200 <= status < 300:
-            hint = ""
-            if status == 404 and path in ("/pause", "/resume", "/collective_rpc"):
-                hint = " (a vLLM server needs VLLM_SERVER_DEV_MODE=1 for this endpoint)"
-            raise WeightSyncStepError(f"POST {target} answered HTTP {status}: {server_message(text)}{hint}", status=status)
-        return text
 
 
 class HttpGenerator:
@@ -229,10 +178,14 @@ class HttpGenerator:
         self._closed = False
         self._latency = LatencyTracker(cap_s=cfg.request_timeout_s, factor=cfg.http.attempt_timeout_factor,
                                        floor_s=cfg.http.attempt_timeout_min_s)
+        self._marks = AnswerMarks()
+        self._health = PoolHealth([s.url for s in self._servers])
+        self._last_payload: dict[str, Any] | None = None  # the newest request's body: the hung-server probe reuses its prompt
         # Per request (the collector reuses one request object for all of a rollout's attempts): how many
         # of its attempts timed out here. Entries go with the request.
         self._timeouts: weakref.WeakKeyDictionary[GenerationRequest, int] = weakref.WeakKeyDictionary()
-        self.counters = {"weight_sync_failures": 0, "unhealthy_marks": 0, "recoveries": 0, "attempt_timeouts": 0}
+        self.counters = {"weight_sync_failures": 0, "unhealthy_marks": 0, "recoveries": 0, "attempt_timeouts": 0,
+                         "hung_suspensions": 0, "hung_returns": 0}
 
     # ------------------------------------------------------------------ views
 
@@ -250,7 +203,7 @@ class HttpGenerator:
             **self.counters,
             "serving_version": self.serving_version,
             "published_version": self._published_version,
-            "servers": [{"url": s.url, "healthy": s.healthy, "excluded": s.excluded, "version": s.version,
+            "servers": [{"url": s.url, "healthy": s.healthy, "excluded": s.excluded, "hung": s.hung, "version": s.version,
                          "outstanding": s.outstanding, "dispatched": s.dispatched, "failed_installs": s.failed_installs,
                          "last_error": s.last_error} for s in self._servers],
         }
@@ -275,7 +228,7 @@ class HttpGenerator:
         self._control_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=timeout, headers=headers)
         try:
-            await self._discover_all()
+            self.model = await discover(self._servers, self._control_session, cfg=self.cfg, name=self.name)
         except BaseException:
             await self._close_sessions()
             raise
@@ -301,96 +254,41 @@ class HttpGenerator:
                 await session.close()
         self._session = self._control_session = None
 
-    async def _discover_all(self) -> None:
-        assert self._session is not None
-        timeout = self.http.startup_timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                async with asyncio.TaskGroup() as group:
-                    for server in self._servers:
-                        group.create_task(self._discover(server))
-        except BaseExceptionGroup as errors:  # the first server that failed the check; the others were cancelled
-            raise errors.exceptions[0] from None
-        except TimeoutError:
-            missing = [s for s in self._servers if not s.models]
-            raise BackendDeadError(
-                f"{len(missing)} of {len(self._servers)} generation servers did not answer GET /v1/models within "
-                f"generation.http.startup_timeout_s = {timeout:g} s: "
-                + "; ".join(f"{s.url} (last error: {s.last_error or 'no answer'})" for s in missing)
-                + ". Check that they are started and the URLs in generation.http.base_urls are right, or raise "
-                "generation.http.startup_timeout_s for slow starts.", backend=self.name) from None
-        if self.model is None:
-            self.model = self._servers[0].models[0]
-        for server in self._servers:
-            if server.max_model_len is not None and self.cfg.max_new_tokens >= server.max_model_len:
-                raise MisconfiguredBackendError(
-                    f"generation.max_new_tokens = {self.cfg.max_new_tokens} leaves no room for a prompt in the "
-                    f"max_model_len = {server.max_model_len} of server {server.url}. Fix: lower generation.max_new_tokens "
-                    f"(prompts take up to data.max_prompt_tokens more), or serve a longer context.", backend=self.name)
-        for server in self._servers:
-            if self.model not in server.models:
-                asked = "generation.http.model" if self.http.model else f"the model of {self._servers[0].url}"
-                raise MisconfiguredBackendError(
-                    f"server {server.url} does not serve model {self.model!r} ({asked}); it serves {server.models}. "
-                    f"Fix: set generation.http.model to the name the servers serve, or start every server with "
-                    f"--served-model-name {self.model}.", backend=self.name)
-
-    async def _discover(self, server: _Server) -> None:
-        """GET /v1/models until it answers; retried while the server is not up yet (the caller bounds it)."""
-        assert self._control_session is not None
-        delay = _STARTUP_RETRY_S[0]
-        while True:
-            try:
-                async with self._control_session.get(f"{server.url}/v1/models") as resp:
-                    status, text = resp.status, await resp.text()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                server.last_error = f"GET /v1/models: {type(exc).__name__}: {exc}"
-            else:
-                if status == 200:
-                    try:
-                        entries = json.loads(text)["data"]
-                        server.models = [str(entry["id"]) for entry in entries]
-                        lengths = [entry.get("max_model_len") for entry in entries if entry.get("max_model_len")]
-                        server.max_model_len = int(lengths[0]) if lengths else None
-                    except (ValueError, KeyError, TypeError) as exc:
-                        raise MisconfiguredBackendError(
-                            f"server {server.url} answered GET /v1/models with something that is not a model list "
-                            f"({text[:200]!r}): is it an OpenAI-compatible server?", backend=self.name) from exc
-                    if not server.models:
-                        raise MisconfiguredBackendError(f"server {server.url} serves no model (GET /v1/models is empty).",
-                                                        backend=self.name)
-                    server.last_error = ""
-                    return
-                if status in (401, 403, 404):
-                    what = {401: "refused the credentials (check generation.http.api_key)",
-                            403: "refused the credentials (check generation.http.api_key)",
-                            404: "has no /v1/models: is the URL an OpenAI-compatible server's base URL (without /v1)?"}[status]
-                    raise MisconfiguredBackendError(f"server {server.url} {what}; it answered HTTP {status}: "
-                                                    f"{server_message(text)}", backend=self.name)
-                server.last_error = f"GET /v1/models answered HTTP {status}: {server_message(text)}"
-            await asyncio.sleep(delay)  # the server is starting: nothing to wait on but time
-            delay = min(delay * 2, _STARTUP_RETRY_S[1])
-
     # ------------------------------------------------------------------ generation
 
     async def generate(self, request: GenerationRequest) -> Completion:
         server = await self._acquire(lambda: any(s.usable for s in self._servers), "generate")
+        try:
+            completion = await self._attempt(server, request)
+        except PromptRejectedError:
+            raise  # the server works; this prompt does not fit it
+        except GenerationError as exc:
+            self._attempt_failed(server, exc)  # raises BackendDeadError once failing for backend_dead_after_s
+            raise
+        self._health.answered(server.url, asyncio.get_running_loop().time())
+        server.flapping = False
+        return completion
+
+    async def _attempt(self, server: _Server, request: GenerationRequest) -> Completion:
+        """One completion request to `server` under its attempt clock (attempt_clock.py)."""
         assert self._session is not None
         loop = asyncio.get_running_loop()
         version = server.version
-        payload = completion_payload(request, model=self.model, per_request_seed=self.http.seed == "per_request")
+        payload = self._last_payload = completion_payload(request, model=self.model,
+                                                          per_request_seed=self.http.seed == "per_request")
         timeouts = self._timeouts.get(request, 0)
-        budget = self._latency.timeout_s(timeouts)
+        tokens = request.sampling.max_new_tokens
+        budget = self._latency.timeout_s(timeouts, tokens)
         if server.outstanding == 0:
             server.quiet_since = loop.time()
         server.outstanding += 1
         server.dispatched += 1
-        clock: _AttemptClock | None = None
+        clock: AttemptClock | None = None
         try:
             # At the cap, the caller's request_timeout_s bounds the attempt alone.
             async with asyncio.timeout(None) as timeout:
-                clock = _AttemptClock(timeout, budget if budget < self._latency.cap_s else None, loop.time(),
-                                      frozen=server.installing)
+                clock = AttemptClock(timeout, self._marks, budget_s=budget if budget < self._latency.cap_s else None,
+                                     limit_s=self._latency.overdue_limit_s(budget), frozen=server.installing)
                 server.attempts.add(clock)
                 async with self._session.post(f"{server.url}/v1/completions", json=payload) as resp:
                     status, text = resp.status, await resp.text()
@@ -400,18 +298,21 @@ class HttpGenerator:
                 f"request {request.request_id} to {server.url} failed: {type(exc).__name__}: {exc}",
                 backend=self.name) from exc
         except TimeoutError:
+            assert clock is not None
             self._timeouts[request] = timeouts + 1
             self.counters["attempt_timeouts"] += 1
+            why = "a newer request was answered meanwhile" if clock.overtaken else "nothing newer was answered to compare with"
             raise RequestTimeoutError(
-                f"request {request.request_id} to {server.url} got no answer within {budget:.3g} s (attempt "
-                f"{timeouts + 1}; the adaptive attempt timeout: {self._latency.describe()}); abandoned (a transient failure)",
-                backend=self.name) from None
+                f"request {request.request_id} to {server.url} got no answer within its attempt budget of {budget:.3g} s "
+                f"and was abandoned after {clock.active_s():.3g} s: {why} (attempt {timeouts + 1}; the adaptive attempt "
+                f"timeout: {self._latency.describe()}; a transient failure)", backend=self.name) from None
         except aiohttp.ClientError as exc:  # a broken response body
             raise TransientGenerationError(
                 f"request {request.request_id} to {server.url} failed: {type(exc).__name__}: {exc}",
                 backend=self.name) from exc
         finally:
             if clock is not None:
+                clock.close()
                 server.attempts.discard(clock)
             server.outstanding -= 1
             if server.outstanding == 0:
@@ -421,9 +322,40 @@ class HttpGenerator:
         server.silence_reported = False
         completion = read_completion(status, text, url=server.url, request=request, version=version,
                                      backend=self.name, model=self.model)
-        self._latency.record(clock.active_s(loop.time()))
+        self._latency.record(clock.active_s(), tokens)
+        self._marks.answered(clock.mark)
         self._timeouts.pop(request, None)
         return completion
+
+    def _attempt_failed(self, server: _Server, exc: GenerationError) -> None:
+        """Book a failed attempt: the server's last error, the hung-server rule, and the dead-backend clock."""
+        now = asyncio.get_running_loop().time()
+        server.last_error = str(exc)
+        timed_out = isinstance(exc, RequestTimeoutError)
+        if self._health.failed(server.url, now, timed_out=timed_out) and server.hung is None:
+            self._suspend(server)
+        failing = self._health.failing_for(now)
+        if failing is not None and failing >= self.cfg.backend_dead_after_s:
+            raise self._dead_error(failing) from exc
+
+    def _dead_error(self, failing_s: float) -> BackendDeadError:
+        return BackendDeadError(
+            f"no request to any generation server succeeded for {failing_s:.1f} s of failing attempts "
+            f"(generation.backend_dead_after_s = {self.cfg.backend_dead_after_s:g}): "
+            + "; ".join(s.describe() for s in self._servers)
+            + ". Check the servers' own logs for why they fail every request (or raise generation.backend_dead_after_s "
+            "to keep retrying longer).", backend=self.name)
+
+    def _suspend(self, server: _Server) -> None:
+        """Take a server whose attempts keep timing out while others answer out of rotation (until a probe completion
+        is answered, see `_probe_loop`)."""
+        server.hung = (f"its last {HUNG_AFTER} attempts got no answer within the attempt timeout while other servers "
+                       f"answered; /health answers, so it looks hung")
+        self.counters["hung_suspensions"] += 1
+        log.warning("%s: server %s is out of rotation: %s. It takes no new work until it answers a one-token "
+                    "completion, probed every %g s (generation.health_probe_interval_s).", self.name, server.url,
+                    server.hung, self.cfg.health_probe_interval_s)
+        self._changed()
 
     # ------------------------------------------------------------------ weights
 
@@ -501,7 +433,7 @@ class HttpGenerator:
                 if budget <= 0:
                     raise WeightSyncStepError(f"no time left to load weights v{target.version} on {server.url} "
                                               f"within generation.weight_sync_timeout_s")
-                control = _Control(self._control_session, server.url, self._probe_timeout_s())
+                control = HttpControl(self._control_session, server.url, self._probe_timeout_s())
                 async with asyncio.timeout(budget + RESUME_AFTER_FAILURE_S):  # the publisher's own bound, enforced
                     await self._publisher.install(control, target, budget)
             except TimeoutError:
@@ -532,17 +464,14 @@ class HttpGenerator:
         return True
 
     def _pause_clocks(self, server: _Server, paused: bool) -> None:
-        """Our install pauses the server: its requests' attempt clocks stand still meanwhile. A reload
-        changes the server's speed (its prefix cache is cleared: requests resume by prefilling again),
-        so attempts that span it lose their adaptive deadline and the latencies start over."""
-        now = asyncio.get_running_loop().time()
+        """Our install pauses the server: its requests' attempt clocks stand still meanwhile and keep their
+        budgets (a request that resumes by prefilling again is not abandoned while newer ones are no faster,
+        attempt_clock.py); the latencies are kept."""
         server.installing = paused
-        if paused:
-            self._latency.forget()
         for clock in server.attempts:
-            clock.freeze(now) if paused else clock.thaw(now)
+            clock.freeze() if paused else clock.thaw()
         if not paused and server.quiet_since is not None:
-            server.quiet_since = now
+            server.quiet_since = asyncio.get_running_loop().time()
 
     def _install_failed(self, server: _Server, target: StagedWeights, exc: BaseException) -> None:
         server.failed_installs += 1
@@ -565,6 +494,9 @@ class HttpGenerator:
         loop = asyncio.get_running_loop()
         while True:
             self._check_open()
+            failing = self._health.failing_for(loop.time())
+            if failing is not None and failing >= self.cfg.backend_dead_after_s:
+                raise self._dead_error(failing)
             if predicate():
                 usable = [s for s in self._servers if s.usable] or [s for s in self._servers if s.healthy]
                 return min(usable, key=lambda s: s.outstanding)
@@ -607,7 +539,9 @@ class HttpGenerator:
         if server.healthy:
             server.healthy = False
             self.counters["unhealthy_marks"] += 1
-            log.warning("%s: server %s is unhealthy: %s", self.name, server.url, error)
+            # Once per outage: a server whose /health answers but which resets every request flaps many times a second.
+            level = logging.DEBUG if server.flapping else logging.WARNING
+            log.log(level, "%s: server %s is unhealthy: %s", self.name, server.url, error)
         if self._latest is not None:
             server.loaded = None  # it may restart with its original weights: reinstall when it is back
         if server.install is not None and not server.install.done() and server.install is not asyncio.current_task():
@@ -645,10 +579,15 @@ class HttpGenerator:
                     self._mark_unhealthy(server, error)
                 elif not server.healthy:
                     # Healthy at once (installs go only to healthy servers); excluded until the install succeeds.
+                    # Back after an outage, it is a new process: whatever hung is gone.
                     server.healthy = True
+                    server.hung = None
+                    self._health.reinstated(server.url)
                     server.excluded = "back after an outage, reloading the latest weights" if self._latest is not None else None
                     self._changed()
                     recoveries.create_task(self._recover(server, server.epoch), name=f"{self.name}-recover-{server.url}")
+                elif server.hung is not None:
+                    await self._probe_hung(server)
                 else:
                     self._report_silence(server)
                 server.waker = loop.create_future()
@@ -674,6 +613,34 @@ class HttpGenerator:
                     "abandoned and retried after %.3g s (%s).", self.name, server.url, server.outstanding,
                     now - server.quiet_since, held, self.cfg.max_inflight, self._latency.timeout_s(),
                     self._latency.describe())
+    async def _probe_hung(self, server: _Server) -> None:
+        """Send a server that is out of rotation for hanging a one-token completion (the newest request's
+        prompt); it is back in rotation once that is answered within the probe's deadline."""
+        if self._last_payload is None:
+            return
+        assert self._control_session is not None
+        timeout_s = max(self._probe_timeout_s(), self._latency.timeout_s(0, 1))
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._control_session.post(f"{server.url}/v1/completions",
+                                                      json={**self._last_payload, "max_tokens": 1}) as resp:
+                    status, text = resp.status, await resp.text()
+            if status != 200:
+                raise GenerationError(f"probe completion answered HTTP {status}: {server_message(text)}")
+        except TimeoutError:
+            server.last_error = f"probe completion: no answer within {timeout_s:.3g} s"
+            return
+        except (aiohttp.ClientError, GenerationError) as exc:
+            server.last_error = f"probe completion: {exc}"
+            return
+        if server.hung is None:
+            return  # an outage and a recovery came first
+        server.hung = None
+        self._health.reinstated(server.url)
+        self.counters["hung_returns"] += 1
+        log.warning("%s: server %s answered a probe completion and is back in rotation", self.name, server.url)
+        self._changed()
+
     def _probe_timeout_s(self) -> float:
         """How long a health probe, /pause or /resume may take before the server counts as not answering."""
         return min(max(1.0, self.cfg.health_probe_interval_s), 10.0)
@@ -700,4 +667,7 @@ class HttpGenerator:
             await self._sync_server(server, asyncio.get_running_loop().time() + INSTALL_SHARE * self.cfg.weight_sync_timeout_s)
         if server.epoch == epoch and server.usable:
             self.counters["recoveries"] += 1
-            log.warning("%s: server %s is healthy again (serving version %d)", self.name, server.url, server.version)
+            log.log(logging.DEBUG if server.flapping else logging.WARNING,
+                    "%s: server %s is healthy again (serving version %d); until it answers a request, it is marked "
+                    "unhealthy and back again silently", self.name, server.url, server.version)
+            server.flapping = True

@@ -134,14 +134,15 @@ class Collector:
         self._seq = 0
         self._stopping = False
         self._jitter = random.Random(cfg.run.seed)
-        self._last_progress: float | None = None  # loop time of the last finished rollout or trained step
+        self._last_progress: float | None = None  # loop time of the last finished rollout, episode turn or trained step
         self._task_group: asyncio.TaskGroup | None = None
         self._episodes: EpisodeRunner | None = None  # env: each rollout is an episode, its slot held for the whole episode
         if cfg.env is not None:
             if codec is None:
                 raise ValueError("a Collector with an env: section needs the codec that tokenizes its episodes")
             self._episodes = EpisodeRunner(
-                cfg.env, cfg.generation, codec, self.counters, prompt_key=cfg.data.prompt_key, jitter=self._jitter, host_factory=host_factory,
+                cfg.env, cfg.generation, codec, self.counters, prompt_key=cfg.data.prompt_key,
+                max_prompt_tokens=cfg.data.max_prompt_tokens, jitter=self._jitter, host_factory=host_factory,
             )
         self._targets = StepTargets(r.groups_per_step) if r.on_stale == "wait" else None  # rollout/stale_policy.py
         self._step_started: float | None = None  # loop time the batch in training was taken
@@ -311,9 +312,12 @@ class Collector:
             self.counters["rollout/retries_total"] += 1
             self._tolerated("retried", error)
 
+        def turn_ended() -> None:  # an episode's turn is progress: the stall bound need not cover env.max_turns turns
+            self._last_progress = self._now()
+
         return await episodes.run(
             group.prompt, request, lambda turn, floor: self._generate_with_retries(turn, group, member, slot, floor),
-            on_retry=count_retry, between_attempts=slot.released_for,
+            on_retry=count_retry, between_attempts=slot.released_for, on_progress=turn_ended,
         )
 
     async def _finish_group(self, group: InFlightGroup) -> None:
@@ -327,7 +331,7 @@ class Collector:
         try:
             scored = await self.scorer.score(group.prompt, completions)
             if self.cfg.env is not None:
-                scored = add_env_reward(scored, completions, self.cfg.env.reward_weight)
+                scored = add_env_reward(scored, completions, self.cfg.env, group.prompt)
         except (RewardError, TeacherError) as exc:
             self._last_progress = self._now()
             on_error = self.cfg.distill.on_error if isinstance(exc, TeacherError) else self.cfg.reward.on_error
@@ -455,7 +459,7 @@ class Collector:
 
         Returns a smaller final batch at end of data (unless `data.drop_last`), None when no
         group is left to train, raises the run's diagnostic if it failed, and `StallError` if
-        no rollout finished and no step trained for `stall_timeout_s`.
+        no rollout (or episode turn) finished and no step trained for `stall_timeout_s`.
         """
         if step != self.next_step:
             raise AssertionError(f"next_batch({step}) but the next step is {self.next_step}")
@@ -558,4 +562,6 @@ class Collector:
         scoring = f"{self._scoring} being scored" + (f" by the teacher ({self.scorer.state()})" if self.per_sample else "")  # type: ignore[attr-defined]
         state = (f"{len(self.buffer)} buffered, {len(self._in_flight)} groups in flight with {self._slots.open} requests "
                  f"open and {scoring}, source exhausted: {self.source.exhausted}")
-        return stalled(step, stall_timeout_s, self.groups_per_step, state, self.generator.name, self.generator.serving_version)
+        bound, source = self.cfg.stall_bound()
+        source = source if bound == stall_timeout_s else "as the caller set it"
+        return stalled(step, stall_timeout_s, source, self.groups_per_step, state, self.generator.name, self.generator.serving_version)
