@@ -57,8 +57,9 @@ class RunControl:
     def request(self, label: str = STOP_CALL) -> None:
         """Ask the run to stop as Ctrl-C does (the step in progress finishes, a checkpoint is saved); from any thread."""
         with self._lock:
-            if self.stopped_by is None:
-                self.stopped_by = label
+            if self.stopped_by is not None:
+                return  # asked already: the one request is under way
+            self.stopped_by = label
             loop, stop = self._loop, self._stop
         if loop is not None and stop is not None:
             try:

@@ -219,15 +219,19 @@ class Stop:
     """The stop requests of a run, and the task a stop cancels: the start-up stages and the pipeline.
 
     Only that task is cancelled, never the cleanup after it (closing the engine, the final
-    checkpoint, the summary), which must run to its end for the checkpoint to be saved.
+    checkpoint, the summary), which must run to its end for the checkpoint to be saved. It is
+    cancelled once: a second cancel would interrupt the pipeline's wait for the step in progress
+    and cancel that step after its optimizer update, before its metrics line (`Trainer.stop()`
+    may be called many times).
     """
 
     received: list[int] = field(default_factory=list)
     pipeline: asyncio.Task[Any] | None = None
 
     def request(self, signum: int) -> None:
+        first = not self.received
         self.received.append(signum)
-        if self.pipeline is not None and not self.pipeline.done():
+        if first and self.pipeline is not None and not self.pipeline.done():
             self.pipeline.cancel()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import signal
 from pathlib import Path
 
 import datasets
@@ -168,3 +169,22 @@ def test_objects_given_as_config_values_are_named_as_by_the_named_arguments():
     prepared = build_config({"reward": {"functions": [local_reward]}}, overrides={"data.source": ROWS})
     assert prepared.config.reward.functions == ["python:local_reward"] and prepared.config.reward.isolation == "thread"
     assert prepared.config.data.source == build_config(train_dataset=ROWS).config.data.source
+
+
+def test_repeated_stop_requests_cancel_the_pipeline_once():
+    """A second cancel would interrupt the wait for the step in progress and cancel it after its update, before its metrics line."""
+    from asyncgrpo.train import Stop
+
+    class Pipeline:
+        cancels = 0
+
+        def done(self):
+            return False
+
+        def cancel(self):
+            self.cancels += 1
+
+    stop = Stop(pipeline=Pipeline())  # type: ignore[arg-type]
+    stop.request(signal.SIGINT)
+    stop.request(signal.SIGINT)
+    assert stop.pipeline.cancels == 1 and stop.received == [signal.SIGINT, signal.SIGINT]
