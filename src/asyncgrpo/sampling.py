@@ -98,7 +98,7 @@ def kept_support(scaled: Tensor, *, top_k: float | Tensor = 0, top_p: float | Te
     return keep
 
 
-def processed_logits(logits: Tensor, p: Processing, *, seen: Tensor | None = None) -> Tensor:
+def processed_logits(logits: Tensor, p: Processing, *, seen: Tensor | None = None) -> Tensor:  # the engine's side
     """The logits of the sampling distribution of `p`, float32, -inf outside the kept support.
 
     logits `[N, V]`; `seen` bool `[N, V]` (the context's tokens; needed when `p.penalises`). Greedy
@@ -127,3 +127,38 @@ def seen_before(input_ids: Tensor, attention_mask: Tensor, vocab_size: int, posi
     first = torch.full((input_ids.shape[0], vocab_size), length, dtype=torch.long, device=input_ids.device)
     first.scatter_reduce_(1, input_ids.long(), index, reduce="amin")
     return first[:, None, :] <= positions.to(first.device)[None, :, None]
+
+
+ROWS_PER_CHUNK = 1024  # kept_support sorts a float32 copy of the logits: bound it to this many positions at once
+
+
+def sampled_logprobs(logits: Tensor, target_ids: Tensor, p: Processing, *, seen: Tensor | None = None,
+                     with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+    """The trainer's side: log q of `target_ids` under the sampling distribution `p` of `logits`, and its entropy.
+
+    logits `[B, T, V]`, target_ids `[B, T]`, `seen` bool `[B, T, V]` (`seen_before`; needed when `p.penalises`).
+    The support is recomputed from these logits (never carried from the engine): at staleness 0 it is the
+    engine's own, token for token up to float rounding; later it is the support the current policy would
+    sample from, so a token that left it has log q = -inf (ratio 0: it no longer belongs to the objective).
+    Returns (logp `[B, T]` float32 with grad, entropy `[B, T]` detached or None), like `training.loss.token_logprobs`."""
+    b, t, v = logits.shape
+    x = logits.float()
+    if p.penalises:
+        if seen is None:
+            raise ValueError("repetition_penalty != 1 needs the context's tokens (seen)")
+        x = apply_repetition_penalty(x, seen, p.repetition_penalty)
+    if p.temperature != 1.0:
+        x = x / p.temperature
+    if p.truncates:
+        flat = x.reshape(b * t, v)
+        keep = torch.cat([kept_support(flat[i : i + ROWS_PER_CHUNK], top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
+                          for i in range(0, b * t, ROWS_PER_CHUNK)]) if b * t else flat.bool()
+        x = x.masked_fill(~keep.reshape(b, t, v), float("-inf"))
+    logq_all = torch.log_softmax(x, dim=-1)
+    logq = logq_all.gather(-1, target_ids.long().unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            detached = logq_all.detach()
+            entropy = -(detached.exp() * detached.nan_to_num(neginf=0.0)).sum(-1)
+    return logq, entropy

@@ -31,7 +31,10 @@ constant, or linear or cosine decay to 0 at `train.max_steps`.
 Invariants:
 - Policy version = number of training steps applied: step s starts at version s and ends
   at s + 1, whatever `updates_per_batch` is.
-- pi_theta is computed at `generation.temperature`, the temperature the generator sampled at.
+- pi_theta is the distribution the generator samples from: at `generation.temperature`, after
+  `generation.repetition_penalty`, renormalised over the support `generation.top_k` / `top_p` / `min_p`
+  keep of the trainer's own logits (sampling.py; DESIGN.md §3 "Which distribution is optimised").
+  The KL reference is scored over the whole vocabulary at the temperature.
 - The model stays in eval mode (no dropout), so pi_theta of unchanged weights equals the
   generator's pi_gen up to numerics. (Gradient checkpointing sets only the decoder layers'
   own `training` flag, which transformers reads to checkpoint; their submodules stay in eval.)
@@ -62,6 +65,7 @@ from asyncgrpo.config import Config
 from asyncgrpo.distill.judge import kl_mean
 from asyncgrpo.distill.loss import distill_advantages
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
+from asyncgrpo.sampling import Processing, sampled_logprobs, seen_before
 from asyncgrpo.telemetry.keys import DISTILL_KEYS, TRAIN_KEYS
 from asyncgrpo.training import heap
 from asyncgrpo.training import lora as lora_adapters
@@ -185,6 +189,9 @@ class TorchTrainer:
         self.pad_id = self._pad_id(tokenizer)
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.base_model.forward).parameters
         self._parallel: DataParallel | None = None
+        g = cfg.generation  # the distribution the generators sample from (sampling.py); pi_theta is scored under it
+        self.processing = Processing(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
+                                     repetition_penalty=g.repetition_penalty)
 
     @staticmethod
     def _enable_gradient_checkpointing(model: Any) -> None:
@@ -444,7 +451,7 @@ class TorchTrainer:
         cfg_l = self.cfg.train.loss
         batch = self._collate(chunk)
         logits = self._logits(self._training_model, batch)
-        logp_new, entropy = token_logprobs(logits, batch.targets, self.cfg.generation.temperature)
+        logp_new, entropy = self._policy_logprobs(logits, batch)
         del logits
         logp_prox = None
         if cfg_l.objective == "decoupled":
@@ -591,6 +598,16 @@ class TorchTrainer:
             logits = model(**kwargs).logits
         return logits[:, -batch.completion_width :, :]
 
+    def _policy_logprobs(self, logits: Tensor, batch: _MicroBatch, *, with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+        """log pi_theta of the completion tokens under the sampling distribution (`self.processing`: repetition penalty,
+        temperature, and renormalised over the support top-k / top-p / min-p keep of these logits; sampling.py)."""
+        seen = None
+        if self.processing.penalises:
+            length = batch.input_ids.shape[1]
+            positions = torch.arange(length - batch.completion_width, length, device=batch.input_ids.device)
+            seen = seen_before(batch.input_ids, batch.attention_mask, logits.shape[-1], positions)
+        return sampled_logprobs(logits, batch.targets, self.processing, seen=seen, with_entropy=with_entropy)
+
     def _fill_proximal(self, seqs: list[_Sequence]) -> None:
         """pi_prox of the current weights for each sequence (no grad), stored per sequence."""
         ordered = sorted(seqs, key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)))
@@ -598,9 +615,7 @@ class TorchTrainer:
         with torch.no_grad():
             for chunk in _chunks(ordered, self.cfg.train.micro_batch_size):
                 batch = self._collate(chunk)
-                logp, _ = token_logprobs(
-                    self._logits(self.model, batch), batch.targets, self.cfg.generation.temperature, with_entropy=False
-                )
+                logp, _ = self._policy_logprobs(self._logits(self.model, batch), batch, with_entropy=False)
                 for row, s in enumerate(chunk):
                     s.logp_prox = logp[row, : len(s.completion_ids)].detach().clone()
 
