@@ -184,7 +184,7 @@ class _Report:
     def step(self, record: StepRecord, collector: Collector, reward_names: list[str]) -> None:
         now = asyncio.get_running_loop().time()
         self.timeline.step(record, now)
-        keys = metric_keys(reward_names, distill=self.cfg.algorithm == "distill")
+        keys = metric_keys(reward_names, max_staleness=self.cfg.rollout.max_staleness, distill=self.cfg.algorithm == "distill")
         values = step_metrics(
             record, collector.metric_values(), reward_names=reward_names, elapsed_s=now,
             gen_tokens_per_s=self.rate.add(now, collector.counters["rollout/generated_tokens_total"]), eval_metrics={},

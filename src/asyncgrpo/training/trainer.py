@@ -42,7 +42,8 @@ Invariants:
 - A non-finite loss or gradient norm raises `NonFiniteLossError` before the optimizer
   applies it; weights are never updated with NaN/inf.
 - Every metric key in `TRAIN_KEYS` (and `DISTILL_KEYS` under `algorithm: distill`) is returned every
-  step, as a finite float.
+  step, as a finite float; so is every key of `offpolicy_keys(rollout.max_staleness)` (training/offpolicy.py),
+  except NaN for a staleness value the step has no token of.
 - `algorithm: distill`: the advantages are per token, -(log pi_gen - log pi_teacher) (distill/loss.py),
   with the same importance correction against pi_gen; `Rollout.advantage` is not used.
 """
@@ -72,6 +73,7 @@ from asyncgrpo.training import lora as lora_adapters
 from asyncgrpo.training.bf16_adamw import Bf16StateAdamW
 from asyncgrpo.training.device import autocast, check_precision, resolve_device
 from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
+from asyncgrpo.training.offpolicy import OffPolicyStats
 from asyncgrpo.types import Group
 
 if TYPE_CHECKING:
@@ -94,6 +96,7 @@ class _Sequence:
     logp_prox: Tensor | None = None
     loss_mask: tuple[bool, ...] | None = None  # an episode's: False on the environment's tokens
     logp_teacher: tuple[float, ...] | None = None
+    versions: tuple[int, ...] = ()  # the version that generated each completion token (empty: the step's own)
 
     @property
     def loss_tokens(self) -> int:
@@ -125,6 +128,7 @@ class _MicroBatch:
     mask: Tensor
     advantages: Tensor
     completion_width: int
+    staleness: Tensor  # [B, C]: the step's version minus the version that generated each token
 
 
 def _split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
@@ -189,6 +193,7 @@ class TorchTrainer:
         self.pad_id = self._pad_id(tokenizer)
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.base_model.forward).parameters
         self._parallel: DataParallel | None = None
+        self._offpolicy = OffPolicyStats(cfg.rollout.max_staleness, clip_low=t.loss.clip_low, clip_high=t.loss.clip_high)
         g = cfg.generation  # the distribution the generators sample from (sampling.py); pi_theta is scored under it
         self.processing = Processing(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
                                      repetition_penalty=g.repetition_penalty)
@@ -243,7 +248,7 @@ class TorchTrainer:
     def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
         """Train one step on `groups` (whole groups; at least one). Advances `version` by 1.
 
-        Returns every key of `TRAIN_KEYS` (and `DISTILL_KEYS` under distill) as a float.
+        Returns every key of `TRAIN_KEYS` (and `DISTILL_KEYS` under distill) and of `offpolicy_keys` as a float.
         """
         with self.lock:
             metrics = self._train_step(groups)
@@ -346,6 +351,7 @@ class TorchTrainer:
                 self._fill_proximal([s for seqs in self._share(update_groups) for s in seqs if s.loss_tokens])
 
         lr = self.lr
+        self._offpolicy = OffPolicyStats(self.cfg.rollout.max_staleness, clip_low=cfg_l.clip_low, clip_high=cfg_l.clip_high)
         stats = LossStats.zeros(self.device)
         losses: list[float] = []
         grad_norms: list[float] = []
@@ -380,10 +386,11 @@ class TorchTrainer:
             "completion/len_max": float(max(lengths)),
             "completion/truncated_frac": sum(r.completion.truncated for r in rollouts) / len(rollouts),
         }
+        offpolicy = self._offpolicy.metrics()
         if self.cfg.algorithm == "distill":
             metrics["distill/kl_mean"] = kl_mean(groups)
-            return {key: float(metrics[key]) for key in (*TRAIN_KEYS, *DISTILL_KEYS)}
-        return {key: float(metrics[key]) for key in TRAIN_KEYS}
+            return {**{key: float(metrics[key]) for key in (*TRAIN_KEYS, *DISTILL_KEYS)}, **offpolicy}
+        return {**{key: float(metrics[key]) for key in TRAIN_KEYS}, **offpolicy}
 
     def _update(self, groups: list[list[_Sequence]], *, first: bool) -> tuple[float | None, float, LossStats]:
         """One optimizer update over the sequences of `groups`; (None, 0, zeros) when they hold no loss token.
@@ -456,6 +463,9 @@ class TorchTrainer:
         logp_prox = None
         if cfg_l.objective == "decoupled":
             logp_prox = logp_new.detach() if first else batch.logp_prox
+        logp_start = logp_new.detach() if first else logp_prox  # pi of the step-start weights (None: not known here)
+        if logp_start is not None:
+            self._offpolicy.observe(logp_start, batch.logp_gen, batch.advantages, batch.mask, batch.staleness)
         logp_ref = None
         if cfg_l.kl_coef > 0:
             with torch.no_grad(), self._reference_model() as reference:
@@ -525,6 +535,7 @@ class TorchTrainer:
                     has_loss=has_loss,
                     loss_mask=c.loss_mask,
                     logp_teacher=rollout.teacher_logprobs,
+                    versions=tuple(c.versions),
                 )
             )
         return out
@@ -535,7 +546,7 @@ class TorchTrainer:
         assert width_c > 0, "micro-batches hold only sequences with completion tokens"
         length = width_p + width_c - 1
         pad = self.pad_id
-        input_rows, attn_rows, target_rows, gen_rows, mask_rows, prox_rows = [], [], [], [], [], []
+        input_rows, attn_rows, target_rows, gen_rows, mask_rows, prox_rows, stale_rows = [], [], [], [], [], [], []
         for s in seqs:
             p, c = len(s.prompt_ids), len(s.completion_ids)
             body = list(s.prompt_ids) + list(s.completion_ids[:-1])
@@ -545,6 +556,7 @@ class TorchTrainer:
             target_rows.append(list(s.completion_ids) + [pad] * (width_c - c))
             gen_rows.append(list(s.logp_gen) + [0.0] * (width_c - c))
             mask_rows.append(s.mask_row(width_c))
+            stale_rows.append([self.version - v for v in s.versions] + [0] * (width_c - len(s.versions)))
             if s.logp_prox is not None:
                 prox_rows.append(torch.nn.functional.pad(s.logp_prox, (0, width_c - c)))
         device = self.device
@@ -573,6 +585,7 @@ class TorchTrainer:
             mask=mask,
             advantages=advantages,
             completion_width=width_c,
+            staleness=torch.tensor(stale_rows, dtype=torch.long, device=device),
         )
 
     @contextlib.contextmanager
