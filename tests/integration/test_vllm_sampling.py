@@ -66,6 +66,7 @@ def test_vllm_truncated_sampling_logprobs_are_what_the_trainer_computes(served, 
     url, model_dir = served
     model = build_tiny(0)[0].eval()
     worst: dict[str, float] = {}
+    ratios: dict[str, tuple[float, float]] = {}  # mean pi_trainer / pi_vllm: full vocabulary (before) and log q (now)
 
     async def main():
         gen = HttpGenerator(generation_cfg(url), weights_dir=tmp_path / "weights", model_config=model_dir)
@@ -82,12 +83,19 @@ def test_vllm_truncated_sampling_logprobs_are_what_the_trainer_computes(served, 
             await gen.aclose()
 
     for name, (sampling, requests, completions) in run(main()).items():
-        errors = []
+        errors, full_ratio, ratio = [], [], []
+        untruncated = Processing(temperature=TEMPERATURE)
         for request, completion in zip(requests, completions):
+            got = torch.tensor(completion.logprobs)
             expected = trainer_logprobs(model, request.prompt_token_ids, completion.token_ids, sampling.processing)
-            errors += (torch.tensor(completion.logprobs) - expected).abs().tolist()
+            errors += (got - expected).abs().tolist()
+            ratio += (expected - got).exp().tolist()
+            full_ratio += (trainer_logprobs(model, request.prompt_token_ids, completion.token_ids, untruncated) - got).exp().tolist()
         worst[name] = max(errors)
+        ratios[name] = (sum(full_ratio) / len(full_ratio), sum(ratio) / len(ratio))
     print("max |log q_vllm - log q_trainer| per setting:", {k: f"{v:.2e}" for k, v in worst.items()})
+    print("mean ratio at staleness 0, trainer over the whole vocabulary -> over the sampled support:",
+          {k: f"{a:.4f} -> {b:.4f}" for k, (a, b) in ratios.items()})
     assert all(v < LOGPROB_TOLERANCE for v in worst.values()), worst
 
 
