@@ -200,10 +200,10 @@ def test_same_seed_same_completion_different_seed_different_completion():
     assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs)
     assert a.token_ids != c.token_ids
     assert d.token_ids == e.token_ids  # same seed, same batch
-    # a nucleus of one token samples the argmax; logprobs stay those of the untruncated distribution
+    # a nucleus of one token samples the argmax, with probability 1 in the distribution sampled (log q = 0)
     assert nucleus.token_ids == greedy.token_ids
-    assert torch.allclose(torch.tensor(nucleus.logprobs), torch.tensor(greedy.logprobs), atol=1e-6)
-    assert all(lp < -0.1 for lp in nucleus.logprobs)
+    assert nucleus.logprobs == (0.0,) * 10
+    assert all(lp < -0.1 for lp in greedy.logprobs)
 
 
 def test_cancelled_requests_leave_the_batch_and_the_queue():

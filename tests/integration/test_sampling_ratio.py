@@ -19,7 +19,7 @@ from asyncgrpo.types import GenerationRequest, Group, Prompt, Rollout
 pytestmark = pytest.mark.timeout(120)
 
 PROMPTS = ["what is 2+2?", "1+1=", "hello, tiny model.", "x"]
-KNOBS = [dict(top_p=0.9), dict(top_k=20), dict(min_p=0.1), dict(repetition_penalty=1.3),
+KNOBS = [dict(top_p=0.9), dict(top_k=20), dict(min_p=0.6), dict(repetition_penalty=1.3),
          dict(top_p=0.8, top_k=12, min_p=0.05, repetition_penalty=1.2)]
 
 

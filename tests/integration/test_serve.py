@@ -86,7 +86,7 @@ def test_completion_has_vllms_shape_and_the_sampled_distributions_logprobs(serve
     assert "token_ids" not in plain and plain["logprobs"] is None
 
 
-@pytest.mark.parametrize("knobs", [dict(top_p=0.9), dict(top_k=20), dict(min_p=0.1), dict(repetition_penalty=1.3),
+@pytest.mark.parametrize("knobs", [dict(top_p=0.9), dict(top_k=20), dict(min_p=0.6), dict(repetition_penalty=1.3),
                                    dict(top_p=0.8, top_k=12, min_p=0.05, repetition_penalty=1.2)], ids=str)
 def test_truncated_sampling_logprobs_are_what_the_trainer_computes(server, model_dir, tokenizer, knobs):
     """The served logprobs are log q of the sampled distribution, equal to the trainer's `sampled_logprobs` of the same
