@@ -141,13 +141,13 @@ def _loss_kl(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str, A
 def _offpolicy(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> Any:
     """Engine mismatch (staleness 0) apart from staleness drift (each staleness value), per step."""
     fig, (engine, ratio, clip) = plt.subplots(1, 3, figsize=(14, 3.8))
-    fig.suptitle("Is it staleness or the engine?  Left: the engine alone (staleness-0 tokens).  "
-                 "Middle, right: each staleness s; rows s >= 1 that drift from s = 0 are staleness.", fontsize=9)
+    fig.suptitle("Is it staleness or the engine?  Left: the engine alone (staleness-0 tokens; steps without any show no point).  "
+                 "Middle, right: each staleness s; rows s >= 1 that drift from s = 0 are staleness.", fontsize=9, y=1.03)
     drawn = False
     for key, style in (("engine_mismatch/logp_abs_mean", "-"), ("engine_mismatch/logp_abs_max", ":"), ("engine_mismatch/kl", "--")):
         steps, values = _series(metrics, key)
         if values:
-            engine.plot(steps, values, ls=style, lw=1.2, label=key.removeprefix("engine_mismatch/"))
+            engine.plot(steps, values, ls=style, lw=1.2, marker="o", ms=3, label=key.removeprefix("engine_mismatch/"))
             drawn = True
     engine.set(xlabel="step", title="engine mismatch at staleness 0 (nats)")
     stalenesses = sorted({int(k.split("/")[1][1:]) for m in metrics[:1] for k in m if k.startswith("offpolicy/s") and k.endswith("/tokens")})
@@ -160,10 +160,10 @@ def _offpolicy(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str,
         band = [(m["step"], m[f"offpolicy/s{s}/is_ratio/p1"], m[f"offpolicy/s{s}/is_ratio/p99"]) for m in metrics
                 if m.get(f"offpolicy/s{s}/is_ratio/p1") is not None]
         ratio.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], color=colour, alpha=0.2)
-        ratio.plot(steps, mean, color=colour, lw=1.2, label=f"s={s} mean (band p1-p99)")
+        ratio.plot(steps, mean, color=colour, lw=1.2, marker="o", ms=2, label=f"s={s} mean (band p1-p99)")
         for key, style in (("clip_frac", "-"), ("ess", "--")):
             steps, values = _series(metrics, f"offpolicy/s{s}/{key}")
-            clip.plot(steps, values, color=colour, ls=style, lw=1.2, label=f"s={s} {key}")
+            clip.plot(steps, values, color=colour, ls=style, lw=1.2, marker="o", ms=2, label=f"s={s} {key}")
     ratio.axhline(1.0, color="#888888", lw=0.8)
     ratio.set(xlabel="step", title="importance ratio pi_theta / pi_gen by staleness")
     clip.set(xlabel="step", title="clip fraction (solid) and ESS (dashed) by staleness")
