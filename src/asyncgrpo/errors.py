@@ -131,6 +131,7 @@ DIAGNOSTIC_KINDS = (
     "weight_sync",
     "backend_error",
     "disk",
+    "tracker",
     "eval",
     "internal",
     "step_report",

@@ -183,6 +183,7 @@ class Rollout:
     advantage: float
     reward_terms: Mapping[str, float | None] = field(default_factory=dict)
     teacher_logprobs: tuple[float, ...] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)  # columns reward functions logged for it (TRL's log_extra)
 
     def __post_init__(self) -> None:
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.completion.token_ids):

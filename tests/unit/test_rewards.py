@@ -175,7 +175,9 @@ def test_columns_are_aligned_lists_and_filtered_by_signature():
         return [0.0] * len(completions)
 
     run(RewardScorer([("a", with_kwargs), ("b", named_only)], timeout_s=5).score(PROMPT, ["x", "y"]))
-    assert seen["kwargs"] == (["say a: "] * 2, ["x", "y"], {"letter": ["a", "a"], "answer": ["x", "x"]})
+    prompts, completions, columns = seen["kwargs"]
+    assert {columns.pop(name) is not None for name in ("trainer_state", "log_metric", "log_extra")} == {True}  # TRL's, to **kwargs
+    assert (prompts, completions, columns) == (["say a: "] * 2, ["x", "y"], {"letter": ["a", "a"], "answer": ["x", "x"]})
     assert seen["named"] == ["x", "x"]
 
 

@@ -10,10 +10,12 @@ TRL does (so ``completion[0]["content"]`` is the text and `trl.rewards` function
 `completion_ids` each completion's token ids (a final stop token included, as TRL's; an episode's
 are every token after the prompt, the environment's too, as TRL's tool loop passes them),
 when the caller scores `Completion`s (training and evaluation do; plain texts have none); every
-column of the prompt's row repeated as a list aligned with `completions`. A function whose
-signature has no ``**kwargs`` receives only the arguments and columns it names. Functions may be sync or async (``async def``, or returning an
-awaitable). None means "no opinion on this completion": it is excluded from that
-function's term.
+column of the prompt's row repeated as a list aligned with `completions`; and TRL's `trainer_state`,
+`log_metric` and `log_extra` (rewards/trl_args.py: the step to schedule on; metrics that reach
+metrics.jsonl and the sinks as `user/<name>`; columns written beside each completion in samples.jsonl,
+`ScoredCompletion.extra`). A function whose signature has no ``**kwargs`` receives only the arguments
+and columns it names. Functions may be sync or async (``async def``, or returning an awaitable).
+None means "no opinion on this completion": it is excluded from that function's term.
 
 Invariants:
 - `resolve_reward` imports nothing heavy for ``builtin:<name>``; every failure is a
@@ -61,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from asyncgrpo.errors import ConfigError, RewardError
 from asyncgrpo.rewards.pool import RewardWorkerPool, WorkerCrashed, WorkerStartError
+from asyncgrpo.rewards.trl_args import TRL_ARGUMENTS, CallLog, RewardLog, TrainerState
 from asyncgrpo.tasks import REWARDS
 from asyncgrpo.threads import DaemonThreadPool, PoolClosed
 from asyncgrpo.types import Completion, Prompt
@@ -75,7 +78,7 @@ BUILTIN_PREFIX = "builtin:"
 # a library may raise from inside a call (sys.exit in a grader): a reward error, never a process exit.
 # CancelledError is not among them: cancelling a call stays a cancellation.
 REWARD_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
-RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids")
+RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids", *TRL_ARGUMENTS)
 Isolation = Literal["inline", "thread", "process"]
 
 
@@ -211,10 +214,12 @@ def _suggest(obj: Any, missing: str) -> str:
 
 @dataclass(frozen=True)
 class ScoredCompletion:
-    """One completion's reward: the weighted total (None: no function gave a usable value) and each function's value."""
+    """One completion's reward: the weighted total (None: no function gave a usable value), each function's value,
+    and the columns the functions logged for it with `log_extra`."""
 
     reward: float | None
     terms: Mapping[str, float | None] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 class RewardFunctionError(RewardError):
@@ -271,6 +276,8 @@ class RewardScorer:
             entries.append(_Entry(index, unique, fn, float(weight), _is_async(fn), _accepted_keywords(fn)))
         self._entries: tuple[_Entry, ...] = tuple(entries)
         self.timeout_s = float(timeout_s)
+        self.log = RewardLog()  # what the functions' log_metric calls logged (drained once per step)
+        self.trainer_state: Callable[[], TrainerState] = TrainerState  # the owner sets it to the run's step
         self.isolation = isolation
         self._pool: RewardWorkerPool | None = None
         self._threads: DaemonThreadPool | None = None
@@ -318,18 +325,25 @@ class RewardScorer:
             return []
         shown = [reward_input(c) if isinstance(c, Completion) else c for c in completions]
         ids = [list(c.token_ids) for c in completions if isinstance(c, Completion)]
-        per_function = [await self._call(entry, prompt, shown, ids if len(ids) == len(shown) else None) for entry in self._entries]
+        state = self.trainer_state()
+        calls = [await self._call(entry, prompt, shown, ids if len(ids) == len(shown) else None, state) for entry in self._entries]
+        for _, log in calls:
+            self.log.add(log)
         results = []
         for i in range(len(completions)):
-            terms = {entry.name: values[i] for entry, values in zip(self._entries, per_function)}
+            terms = {entry.name: values[i] for entry, (values, _) in zip(self._entries, calls)}
             used = [entry.weight * v for entry, v in zip(self._entries, terms.values()) if v is not None]
-            results.append(ScoredCompletion(reward=math.fsum(used) if used else None, terms=terms))
+            extra = {column: value for _, log in calls for column, value in log.extra_of(i).items()}
+            results.append(ScoredCompletion(reward=math.fsum(used) if used else None, terms=terms, extra=extra))
         return results
 
     async def _call(
-        self, entry: _Entry, prompt: Prompt, completions: list[str | list[Message]], completion_ids: list[list[int]] | None = None
-    ) -> list[float | None]:
+        self, entry: _Entry, prompt: Prompt, completions: list[str | list[Message]], completion_ids: list[list[int]] | None = None,
+        state: TrainerState | None = None,
+    ) -> tuple[list[float | None], CallLog]:
+        """One function on the group: its values and what it logged (TRL's log_metric / log_extra)."""
         n = len(completions)
+        log = CallLog(n)
         kwargs: dict[str, Any] = {
             name: [value] * n
             for name, value in prompt.columns.items()
@@ -338,12 +352,18 @@ class RewardScorer:
         kwargs["prompts"], kwargs["completions"] = trl_shaped(prompt, completions)
         if completion_ids is not None and (entry.accepted is None or "completion_ids" in entry.accepted):
             kwargs["completion_ids"] = completion_ids
+        if entry.accepted is None or "trainer_state" in entry.accepted:
+            kwargs["trainer_state"] = state if state is not None else TrainerState()
+        callbacks = tuple(name for name in ("log_metric", "log_extra") if entry.accepted is None or name in entry.accepted)
+        if self._pool is None or entry.is_async:  # in this process: the call logs straight into `log`
+            kwargs.update({name: getattr(log, name) for name in callbacks})
         deadline: asyncio.Timeout | None = None  # made when the call starts: asyncio.timeout fixes its deadline then
         try:
             if self._pool is not None and not entry.is_async:
                 async with self._pool.worker() as worker:  # waiting for or starting a worker is not part of the deadline
                     async with (deadline := asyncio.timeout(self.timeout_s)):
-                        result = await worker.call(entry.index, kwargs)
+                        result, records = await worker.call(entry.index, kwargs, callbacks)  # callbacks made in the worker
+                        log.merge(records)
             elif self._threads is not None and not entry.is_async:
                 async with self._threads.worker() as thread:  # waiting for a free thread is not part of the deadline
                     async with (deadline := asyncio.timeout(self.timeout_s)):
@@ -380,7 +400,7 @@ class RewardScorer:
                 f"raised {_describe(exc)}",
                 "fix the function (the original traceback is chained below)",
             ) from exc
-        return self._check(entry, prompt, completions, result)
+        return self._check(entry, prompt, completions, result), log
 
     async def _run(self, entry: _Entry, kwargs: dict[str, Any]) -> Any:
         """One call on the loop: awaited, or inline."""

@@ -131,7 +131,6 @@ class Collector:
         self._in_flight: dict[int, InFlightGroup] = {}
         self._slots = RequestSlots(cfg.generation.max_inflight, self._signal)
         self._scoring = 0  # groups whose reward functions are running
-        self._takes = 0
         self._seq = 0
         self._stopping = False
         self._jitter = random.Random(cfg.run.seed)
@@ -220,11 +219,10 @@ class Collector:
 
     def _admit(self, prompt: Prompt) -> None:
         assert self._task_group is not None
-        self._takes += 1
-        group = InFlightGroup(key=self._takes, prompt=prompt, size=self.group_size)
+        self.accounting.take()  # the take's key is its number in the run (a resumed run's accounting continues it)
+        group = InFlightGroup(key=self.accounting.taken, prompt=prompt, size=self.group_size)
         if self._targets is not None:
             group.target_step = self._targets.assign(self.next_step, self.generator.serving_version + self.max_staleness)
-        self.accounting.take()
         self._in_flight[group.key] = group
         group.task = self._task_group.create_task(self._run_group(group), name=f"group-{prompt.id}")
         self._signal.notify()
@@ -386,8 +384,8 @@ class Collector:
             if group.task is not None and group.task is not asyncio.current_task():
                 group.task.cancel()
             # A group's stale samples are its finished ones; a distilled sample is the unit, so it counts finished or not.
-            self._count_stale(group.live_members() if self.per_sample else sum(c is not None for c in group.completions),
-                              group.finished_tokens())
+            finished = sum(c is not None for c in group.completions)
+            self._count_stale(group.live_members() if self.per_sample else finished, finished, group.finished_tokens())
             prompt = group.prompt
             if self.cfg.rollout.on_stale in ("requeue", "patience") and prompt.requeues < self.cfg.rollout.max_requeues:
                 self.observer.take_ended(group.key, prompt.id, "requeued", None, self._now())
@@ -400,10 +398,11 @@ class Collector:
                 self._count_drop("stale", prompt)
         self._signal.notify()
 
-    def _count_stale(self, samples: int, tokens: int) -> None:
-        """A group thrown away as stale, in flight or buffered, with its finished samples and their tokens."""
+    def _count_stale(self, samples: int, completions: int, tokens: int) -> None:
+        """A group thrown away as stale, in flight or buffered: its samples, its finished completions and their tokens."""
         self.counters["rollout/stale_groups_total"] += 1
         self.counters["rollout/stale_samples_total"] += samples
+        self.counters["rollout/stale_completions_total"] += completions
         self.counters["rollout/wasted_tokens_total"] += tokens
         token_books.group_wasted(self.counters, "stale", tokens)
 
@@ -447,7 +446,7 @@ class Collector:
             self.accounting.drop_buffered("stale")
             self._untarget(group.target_step)
             self._count_drop("stale", group.prompt)
-            self._count_stale(len(group.rollouts), sum(r.completion.model_tokens for r in group.rollouts))
+            self._count_stale(len(group.rollouts), len(group.rollouts), sum(r.completion.model_tokens for r in group.rollouts))
 
     # ------------------------------------------------------------------ the trainer's side
 
@@ -532,6 +531,11 @@ class Collector:
         self._drop_stale_buffered(self.next_step)
         self._signal.notify()
         return batch
+
+    @property
+    def steps_trained(self) -> int:
+        """Steps completed: every step whose batch was taken, less the one training now (TRL's trainer_state.global_step)."""
+        return self.next_step - (1 if self.in_training else 0)
 
     def step_trained(self) -> None:
         """The step that took `in_training` has completed and its weights are published."""

@@ -251,7 +251,8 @@ def add_env_reward(scored: Sequence[ScoredCompletion], completions: Sequence[Com
     for s, completion in zip(scored, completions, strict=True):
         env_reward = completion.episode.env_reward if completion.episode is not None else None
         parts = [x for x in (s.reward, None if env_reward is None else weight * env_reward) if x is not None]
-        out.append(ScoredCompletion(reward=math.fsum(parts) if parts else None, terms={**s.terms, ENV_TERM: env_reward}))
+        out.append(ScoredCompletion(reward=math.fsum(parts) if parts else None, terms={**s.terms, ENV_TERM: env_reward},
+                                   extra=s.extra))
     return out
 
 

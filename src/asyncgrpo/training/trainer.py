@@ -73,6 +73,8 @@ from asyncgrpo.training import lora as lora_adapters
 from asyncgrpo.training.bf16_adamw import Bf16StateAdamW
 from asyncgrpo.training.device import autocast, check_precision, resolve_device
 from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
+from asyncgrpo.training.losses.aggregation import update_normalizer
+from asyncgrpo.training.losses.plugin import resolve_loss_plugin
 from asyncgrpo.training.offpolicy import OffPolicyStats
 from asyncgrpo.types import Group
 
@@ -96,7 +98,7 @@ class _Sequence:
     logp_prox: Tensor | None = None
     loss_mask: tuple[bool, ...] | None = None  # an episode's: False on the environment's tokens
     logp_teacher: tuple[float, ...] | None = None
-    versions: tuple[int, ...] = ()  # the version that generated each completion token (empty: the step's own)
+    versions: tuple[int, ...] = ()  # the policy version of each completion token (() for the filler)
 
     @property
     def loss_tokens(self) -> int:
@@ -115,7 +117,7 @@ class _MicroBatch:
     """Collated sequences. Prompts are left-padded and completions right-padded, so every
     completion starts at the same column and only the last C logits are needed.
 
-    input_ids/attention_mask/position_ids `[B, P + C - 1]`; targets/logp_gen/mask (and
+    input_ids/attention_mask/position_ids `[B, P + C - 1]`; targets/logp_gen/mask/staleness (and
     logp_prox) `[B, C]`; advantages `[B]`, or `[B, C]` per token under distill (distill/loss.py).
     """
 
@@ -197,6 +199,7 @@ class TorchTrainer:
         g = cfg.generation  # the distribution the generators sample from (sampling.py); pi_theta is scored under it
         self.processing = Processing(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
                                      repetition_penalty=g.repetition_penalty)
+        self._loss_plugin = resolve_loss_plugin(t.loss.type) if t.loss.plugin else None
 
     @staticmethod
     def _enable_gradient_checkpointing(model: Any) -> None:
@@ -400,10 +403,16 @@ class TorchTrainer:
         cfg_t, cfg_l = self.cfg.train, self.cfg.train.loss
         stats = LossStats.zeros(self.device)
         active = [s for seqs in groups for s in seqs if s.loss_tokens]
-        if cfg_l.normalization == "token":
-            normalizer = sum(s.loss_tokens for s in active)
-        else:
-            normalizer = len(active)
+        mine = [s for seqs in self._share(groups) for s in seqs if s.loss_tokens]
+        # Similar lengths together: less padding, same sum.
+        mine.sort(key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)))
+        # A rank without a sequence of this update still makes its one backward pass (zero loss) that sums the gradients.
+        chunks = list(_chunks(mine, cfg_t.micro_batch_size)) or [[]]
+        world = 1 if self._parallel is None else self._parallel.world_size
+        normalizer = update_normalizer(
+            cfg_l.aggregation, [s.loss_tokens for s in active], max_new_tokens=self.cfg.generation.max_new_tokens,
+            micro_batches=len(chunks) * world,  # bnpo: TRL's accumulation steps; ranks are assumed to cut alike
+        )
         self.optimizer.zero_grad(set_to_none=True)
         if normalizer == 0:
             # Nothing to learn from (e.g. every completion truncated and masked). With every
@@ -412,11 +421,6 @@ class TorchTrainer:
             self.optimizer.step()
             return None, 0.0, stats
         total = torch.zeros((), device=self.device)
-        mine = [s for seqs in self._share(groups) for s in seqs if s.loss_tokens]
-        # Similar lengths together: less padding, same sum.
-        mine.sort(key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)))
-        # A rank without a sequence of this update still makes its one backward pass (zero loss) that sums the gradients.
-        chunks = list(_chunks(mine, cfg_t.micro_batch_size)) or [[]]
         for index, chunk in enumerate(chunks):
             with self._gradient_sync(last=index == len(chunks) - 1):
                 if not chunk:
@@ -478,15 +482,12 @@ class TorchTrainer:
             batch.advantages,
             batch.mask,
             normalizer,
-            objective=cfg_l.objective,
-            clip_low=cfg_l.clip_low,
-            clip_high=cfg_l.clip_high,
+            loss=cfg_l,
             logp_prox=logp_prox,
-            is_cap=cfg_l.is_cap,
             logp_ref=logp_ref,
-            kl_coef=cfg_l.kl_coef,
-            normalization=cfg_l.normalization,
+            staleness=batch.staleness,
             entropy=entropy,
+            plugin=self._loss_plugin,
         )
 
     # ---------------------------------------------------------------------------------
@@ -555,8 +556,8 @@ class TorchTrainer:
             attn_rows.append([0] * left + [1] * len(body) + [0] * right)
             target_rows.append(list(s.completion_ids) + [pad] * (width_c - c))
             gen_rows.append(list(s.logp_gen) + [0.0] * (width_c - c))
-            mask_rows.append(s.mask_row(width_c))
             stale_rows.append([self.version - v for v in s.versions] + [0] * (width_c - len(s.versions)))
+            mask_rows.append(s.mask_row(width_c))
             if s.logp_prox is not None:
                 prox_rows.append(torch.nn.functional.pad(s.logp_prox, (0, width_c - c)))
         device = self.device
