@@ -32,6 +32,9 @@ def sampling_params(cfg: Config, stop_token_ids: tuple[int, ...] = ()) -> Sampli
         temperature=cfg.generation.temperature,
         top_p=cfg.generation.top_p,
         stop_token_ids=tuple(dict.fromkeys([*cfg.generation.stop_token_ids, *stop_token_ids])),
+        top_k=cfg.generation.top_k,
+        min_p=cfg.generation.min_p,
+        repetition_penalty=cfg.generation.repetition_penalty,
     )
 
 

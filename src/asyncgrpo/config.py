@@ -304,7 +304,16 @@ class GenerationConfig(_Section):
     )
     max_new_tokens: int = Field(32, ge=1, description="Most tokens generated per completion; a completion cut here is truncated.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; the trainer computes log-probs at the same temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: sample from the smallest set of tokens holding this much probability.")
+    top_p: float = Field(
+        1.0, gt=0, le=1,
+        description="Nucleus sampling: sample from the smallest set of most probable tokens holding this much probability (1: off).",
+    )
+    top_k: int = Field(0, ge=0, description="Sample from the k most probable tokens only (0: off).")
+    min_p: float = Field(0.0, ge=0, le=1, description="Drop tokens less probable than min_p x the most probable one (0: off).")
+    repetition_penalty: float = Field(
+        1.0, gt=0,
+        description="Divide a positive logit (multiply a negative one) of every token already in the prompt or completion by this (1: off).",
+    )
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a completion (the tokenizer's EOS always does).")
     max_inflight: int = Field(64, ge=1, description="Most completion requests open at once.")
     request_timeout_s: float = Field(60.0, gt=0, description="Deadline of one request attempt.")

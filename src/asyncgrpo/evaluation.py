@@ -64,6 +64,9 @@ async def evaluate(
         temperature=cfg.eval.temperature,
         top_p=cfg.generation.top_p if cfg.eval.temperature > 0 else 1.0,
         stop_token_ids=stop_ids,
+        top_k=cfg.generation.top_k if cfg.eval.temperature > 0 else 0,
+        min_p=cfg.generation.min_p if cfg.eval.temperature > 0 else 0.0,
+        repetition_penalty=cfg.generation.repetition_penalty,
     )
     k = cfg.eval.samples_per_prompt
     jitter = random.Random(cfg.run.seed + step)

@@ -8,6 +8,9 @@ Reads `metrics.jsonl` and `timeline.jsonl` and writes, into `RUN_DIR/plots/` (or
 - staleness.png: for each step, how many trained groups had each staleness (from the timeline),
   with the mean and max from the metrics;
 - counters.png: failed rollouts, stale groups, dropped groups, retries and requeues so far, per step;
+- offpolicy.png: "is it staleness or the engine?": the engine mismatch at staleness 0 (left), and per
+  staleness value the importance ratio's mean and p1-p99 band (middle) and the clip fraction and ESS
+  (right); docs/troubleshooting.md says how to read it;
 - timeline.png and timeline_start.png (the first steps, zoomed in): the pipeline. Generation
   slots are lanes, each rollout a bar coloured by what became of its group (trained,
   stale-cancelled, failed, dropped, unfinished at exit); the trainer's lane shows each step's
@@ -72,7 +75,8 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     plt.rcParams.update({"figure.dpi": 100, "font.size": 9, "axes.grid": True, "grid.alpha": 0.3})
     written = []
-    for name, draw in (("rewards", _rewards), ("loss_kl", _loss_kl), ("staleness", _staleness), ("counters", _counters)):
+    for name, draw in (("rewards", _rewards), ("loss_kl", _loss_kl), ("staleness", _staleness), ("counters", _counters),
+                       ("offpolicy", _offpolicy)):
         fig = draw(plt, metrics, timeline)
         written.append(_save(plt, fig, out / f"{name}.png"))
     if timeline:
@@ -139,6 +143,43 @@ def _loss_kl(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str, A
         else:
             ax.text(0.5, 0.5, f"no {key} values\n(a simulation trains nothing)", ha="center", va="center", transform=ax.transAxes)
         ax.set(xlabel="step", title=key)
+    return fig
+
+
+def _offpolicy(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> Any:
+    """Engine mismatch (staleness 0) apart from staleness drift (each staleness value), per step."""
+    fig, (engine, ratio, clip) = plt.subplots(1, 3, figsize=(14, 3.8))
+    fig.suptitle("Is it staleness or the engine?  Left: the engine alone (staleness-0 tokens; steps without any show no point).  "
+                 "Middle, right: each staleness s; rows s >= 1 that drift from s = 0 are staleness.", fontsize=9, y=1.03)
+    drawn = False
+    for key, style in (("engine_mismatch/logp_abs_mean", "-"), ("engine_mismatch/logp_abs_max", ":"), ("engine_mismatch/kl", "--")):
+        steps, values = _series(metrics, key)
+        if values:
+            engine.plot(steps, values, ls=style, lw=1.2, marker="o", ms=3, label=key.removeprefix("engine_mismatch/"))
+            drawn = True
+    engine.set(xlabel="step", title="engine mismatch at staleness 0 (nats)")
+    stalenesses = sorted({int(k.split("/")[1][1:]) for m in metrics[:1] for k in m if k.startswith("offpolicy/s") and k.endswith("/tokens")})
+    for s in stalenesses:
+        colour = f"C{s % 10}"
+        steps, mean = _series(metrics, f"offpolicy/s{s}/is_ratio/mean")
+        if not mean:
+            continue
+        drawn = True
+        band = [(m["step"], m[f"offpolicy/s{s}/is_ratio/p1"], m[f"offpolicy/s{s}/is_ratio/p99"]) for m in metrics
+                if m.get(f"offpolicy/s{s}/is_ratio/p1") is not None]
+        ratio.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], color=colour, alpha=0.2)
+        ratio.plot(steps, mean, color=colour, lw=1.2, marker="o", ms=2, label=f"s={s} mean (band p1-p99)")
+        for key, style in (("clip_frac", "-"), ("ess", "--")):
+            steps, values = _series(metrics, f"offpolicy/s{s}/{key}")
+            clip.plot(steps, values, color=colour, ls=style, lw=1.2, marker="o", ms=2, label=f"s={s} {key}")
+    ratio.axhline(1.0, color="#888888", lw=0.8)
+    ratio.set(xlabel="step", title="importance ratio pi_theta / pi_gen by staleness")
+    clip.set(xlabel="step", title="clip fraction (solid) and ESS (dashed) by staleness")
+    for ax in (engine, ratio, clip):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=7)
+    if not drawn:
+        ratio.text(0.5, 0.5, "no off-policy values\n(a simulation trains nothing)", ha="center", va="center", transform=ratio.transAxes)
     return fig
 
 

@@ -191,7 +191,8 @@ class _Report:
         now = asyncio.get_running_loop().time()
         self.timeline.step(record, now)
         if self.writer is None:
-            self.writer = MetricsWriter(self.file, metric_keys(reward_names, distill=self.cfg.algorithm == "distill"))
+            self.writer = MetricsWriter(self.file, metric_keys(reward_names, max_staleness=self.cfg.rollout.max_staleness,
+                                                                  distill=self.cfg.algorithm == "distill"))
         values = step_metrics(
             record, collector.metric_values(), reward_names=reward_names, elapsed_s=now,
             gen_tokens_per_s=self.rate.add(now, collector.counters["rollout/generated_tokens_total"]), eval_metrics={},

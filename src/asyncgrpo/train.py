@@ -302,7 +302,8 @@ class TrainingRun:
         self.scorer.trainer_state = functools.partial(run_trainer_state, cfg, len(prompts), lambda: self.collector.steps_trained)
         self.reward_terms = term_names(self.scorer.names, cfg.env)
         self.eval_codec = episode_codec(cfg, tokenizer)  # evaluation plays episodes tokenized as the collector's
-        self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.reward_terms, distill=teacher is not None))
+        keys = metric_keys(self.reward_terms, max_staleness=cfg.rollout.max_staleness, distill=teacher is not None)
+        self.metrics = MetricsWriter(self.metrics_file, keys)
         self.trackers = Trackers(cfg, run_dir)
         self.progress = Progress(cfg, plan.step)
         self.eval_state: dict[str, float | None] = dict.fromkeys([*EVAL_KEYS, *(f"eval/reward/{name}" for name in self.reward_terms)])

@@ -64,6 +64,15 @@ def _only(expected: Any, why: str) -> Callable[[Any, Mapping[str, Any]], Any]:
     return translate
 
 
+def _off_at(*neutral: Any) -> Callable[[Any, Mapping[str, Any]], Any]:
+    """A sampling knob: its neutral values (and TRL's null) are our default, anything else is the value."""
+
+    def translate(value: Any, trl: Mapping[str, Any]) -> Any:
+        return SAME_AS_HERE if value is None or value in neutral else value
+
+    return translate
+
+
 def _max_steps(value: Any, trl: Mapping[str, Any]) -> Any:
     if value == -1:
         raise NoCounterpart("-1 (train num_train_epochs) has none: train.max_steps is always a number of steps; the run also "
@@ -139,7 +148,8 @@ _SINGLE_UPDATE = (
     "a step's whole batch (rollout.groups_per_step x rollout.group_size completions) is one optimizer update "
     "(train.updates_per_batch splits it), its gradients accumulated over micro-batches of train.micro_batch_size"
 )
-_SAMPLING = "generation samples with temperature and top_p only (generation.temperature, generation.top_p)"
+_SAMPLING = ("generation samples with temperature, top_p, top_k, min_p and repetition_penalty only (generation.temperature, "
+             "generation.top_p, generation.top_k, generation.min_p, generation.repetition_penalty)")
 
 TABLE: tuple[TrlField, ...] = (
     TrlField("model_name_or_path", "model.path", "TRL's `ModelConfig`; a local directory, a hub id or builtin:<name>"),
@@ -167,9 +177,9 @@ TABLE: tuple[TrlField, ...] = (
     TrlField("max_prompt_length", "data.max_prompt_tokens", "longer prompts are dropped at load, with a count", older=True),
     TrlField("temperature", "generation.temperature"),
     TrlField("top_p", "generation.top_p"),
-    TrlField("top_k", None, _SAMPLING, _only(0, _SAMPLING)),
-    TrlField("min_p", None, _SAMPLING, _only(None, _SAMPLING)),
-    TrlField("repetition_penalty", None, _SAMPLING, _only(1.0, _SAMPLING)),
+    TrlField("top_k", "generation.top_k", "0 is off, as are TRL's null and vLLM's -1", _off_at(0, -1)),
+    TrlField("min_p", "generation.min_p", "0 is off, as is TRL's null", _off_at(0.0)),
+    TrlField("repetition_penalty", "generation.repetition_penalty", "1 is off", _off_at(1.0)),
     TrlField("epsilon", "train.loss.clip_low"),
     TrlField("epsilon_high", "train.loss.clip_high", "TRL's null means epsilon; under loss_type cispo it is train.loss.cispo_clip_max",
              _epsilon_high),

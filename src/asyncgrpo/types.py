@@ -17,7 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # sampling.py needs torch; this module does not
+    from asyncgrpo.sampling import Processing
 
 DropReason = Literal["stale", "failed", "too_few_survivors", "invalid_prompt", "filtered", "reward_error"]
 DROP_REASONS: tuple[DropReason, ...] = (
@@ -56,12 +59,26 @@ class Prompt:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one completion. `temperature >= 0` (0 = greedy); stop tokens end the completion and are kept in it."""
+    """How to sample one completion. `temperature >= 0` (0 = greedy); stop tokens end the completion and are kept in it.
+
+    `top_k` (0: off), `top_p` (1: off), `min_p` (0: off) and `repetition_penalty` (1: off) have vLLM's,
+    transformers' and TRL's meanings; sampling.py applies them (the order and the exact rules are there)."""
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def processing(self) -> Processing:
+        """The logits processing of this distribution (sampling.py)."""
+        from asyncgrpo.sampling import Processing
+
+        return Processing(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                          repetition_penalty=self.repetition_penalty)
 
 
 @dataclass(frozen=True)
@@ -107,7 +124,9 @@ class Completion:
 
     Shapes: `token_ids`, `logprobs` and `versions` all have length T (generated tokens,
     including a final stop token if one was sampled). `logprobs[t]` is log pi_gen of
-    `token_ids[t]` under the distribution actually sampled (after temperature);
+    `token_ids[t]` under the distribution actually sampled: after repetition penalty and temperature,
+    renormalised over the support top-k / top-p / min-p kept (sampling.py); the trainer scores the
+    same distribution of its own logits;
     `versions[t]` is the policy version whose weights produced token t.
     `dispatch_version` is the serving version when the request was dispatched; it stands
     in for the generation version of an empty completion.

@@ -12,6 +12,14 @@ import time
 
 import pytest
 import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from asyncgrpo.errors import GenerationError, PromptRejectedError, TransientGenerationError
 from asyncgrpo.generation.base import Generator
@@ -37,13 +45,29 @@ def request(rid: int, prompt: str, tokenizer, *, seed: int | None = None, **samp
 
 
 def teacher_forced(model, req: GenerationRequest, token_ids) -> torch.Tensor:
-    """log pi(token_t | prompt, tokens_<t) at the request's temperature (1 for greedy), by one plain forward."""
-    ids = torch.tensor([list(req.prompt_token_ids) + list(token_ids)])
+    """log q(token_t | prompt, tokens_<t) by one plain forward and transformers' own processors, in vLLM's order
+    (repetition penalty, temperature, min-p, top-k, top-p; greedy: the penalty only, at T = 1)."""
+    s = req.sampling
+    chain = LogitsProcessorList()
+    if s.repetition_penalty != 1.0:
+        chain.append(RepetitionPenaltyLogitsProcessor(penalty=s.repetition_penalty))
+    if s.temperature > 0:
+        chain.append(TemperatureLogitsWarper(s.temperature))
+        if s.min_p > 0:
+            chain.append(MinPLogitsWarper(min_p=s.min_p))
+        if s.top_k > 0:
+            chain.append(TopKLogitsWarper(top_k=s.top_k))
+        if s.top_p < 1:
+            chain.append(TopPLogitsWarper(top_p=s.top_p))
+    ids = list(req.prompt_token_ids) + list(token_ids)
     with torch.no_grad():
-        logits = model(ids).logits[0].float()
-    logp = torch.log_softmax(logits / (req.sampling.temperature or 1.0), dim=-1)
+        logits = model(torch.tensor([ids])).logits[0].float()
     p = len(req.prompt_token_ids)
-    return logp[p - 1 : -1].gather(1, torch.tensor(token_ids)[:, None]).squeeze(1)
+    out = []
+    for t, token in enumerate(token_ids):
+        scores = chain(torch.tensor([ids[: p + t]]), logits[p - 1 + t][None].clone())
+        out.append(torch.log_softmax(scores, dim=-1)[0, token])
+    return torch.stack(out)
 
 
 class Gate:
@@ -93,10 +117,12 @@ def test_engine_satisfies_generator_protocol():
     assert isinstance(LocalEngine(model, tokenizer), Generator)
 
 
-def test_logprobs_match_teacher_forcing_across_padding_temperatures_and_top_p():
+def test_logprobs_match_teacher_forcing_across_padding_temperatures_and_truncation():
     model, tokenizer = build_tiny(0)
     reference, _ = build_tiny(0)
-    settings = [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.3, top_p=0.8), dict(temperature=0.0)]
+    settings = [dict(temperature=1.0, top_k=20), dict(temperature=0.7, min_p=0.1),
+                dict(temperature=1.3, top_p=0.8, repetition_penalty=1.3), dict(temperature=0.0, repetition_penalty=1.2),
+                dict(temperature=1.0, top_p=0.9, top_k=12, min_p=0.05)]
     requests = [request(i, p, tokenizer, **s) for i, (p, s) in enumerate(zip(PROMPTS, settings))]
 
     async def main():
@@ -114,16 +140,17 @@ def test_logprobs_match_teacher_forcing_across_padding_temperatures_and_top_p():
             await engine.aclose()
 
     completions, stats = run(main())
-    assert stats["waves"] == 2  # the blocker's wave, then all four requests left-padded in one batch
+    assert stats["waves"] == 2  # the blocker's wave, then all five requests left-padded in one batch
     for req, out in zip(requests, completions):
         assert len(out.token_ids) == 12 and out.finish_reason == "length" and out.versions == (0,) * 12
         expected = teacher_forced(reference, req, out.token_ids)
         assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4), req
     greedy_req, greedy = requests[3], completions[3]
     ids = list(greedy_req.prompt_token_ids)
-    for token in greedy.token_ids:  # greedy = argmax of the plain forward at every step
+    penalty = RepetitionPenaltyLogitsProcessor(penalty=1.2)
+    for token in greedy.token_ids:  # greedy = argmax of the penalised forward at every step
         with torch.no_grad():
-            assert int(reference(torch.tensor([ids])).logits[0, -1].argmax()) == token
+            assert int(penalty(torch.tensor([ids]), reference(torch.tensor([ids])).logits[:, -1]).argmax()) == token
         ids.append(token)
 
 
@@ -173,10 +200,10 @@ def test_same_seed_same_completion_different_seed_different_completion():
     assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs)
     assert a.token_ids != c.token_ids
     assert d.token_ids == e.token_ids  # same seed, same batch
-    # a nucleus of one token samples the argmax; logprobs stay those of the untruncated distribution
+    # a nucleus of one token samples the argmax, with probability 1 in the distribution sampled (log q = 0)
     assert nucleus.token_ids == greedy.token_ids
-    assert torch.allclose(torch.tensor(nucleus.logprobs), torch.tensor(greedy.logprobs), atol=1e-6)
-    assert all(lp < -0.1 for lp in nucleus.logprobs)
+    assert nucleus.logprobs == (0.0,) * 10
+    assert all(lp < -0.1 for lp in greedy.logprobs)
 
 
 def test_cancelled_requests_leave_the_batch_and_the_queue():

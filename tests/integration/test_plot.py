@@ -18,7 +18,7 @@ from asyncgrpo.train import train
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                                 reason="matplotlib is not installed (pip install 'asyncgrpo[plot]')")
 
-PNGS = {"rewards.png", "loss_kl.png", "staleness.png", "counters.png", "timeline.png"}
+PNGS = {"rewards.png", "loss_kl.png", "staleness.png", "counters.png", "offpolicy.png", "timeline.png"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

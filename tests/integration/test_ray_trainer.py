@@ -31,7 +31,7 @@ from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.generation.ray_pool import RayGenerator
 from asyncgrpo.generation.ray_weights import StoredWeights
 from asyncgrpo.models.loading import load_model_and_tokenizer
-from asyncgrpo.telemetry.keys import TRAIN_KEYS
+from asyncgrpo.telemetry.keys import TRAIN_KEYS, offpolicy_keys
 from asyncgrpo.training.checkpoint import save_checkpoint
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.trainer import TorchTrainer
@@ -101,7 +101,7 @@ def test_two_ranks_make_the_single_process_step(cluster, loss):
 
     metrics, weights, version, served = run(scenario())
     assert live_placement_groups() == []
-    assert version == 1 and set(metrics) == set(TRAIN_KEYS)
+    assert version == 1 and set(metrics) == {*TRAIN_KEYS, *offpolicy_keys(1)}
     assert metrics["loss"] != 0.0
     for key in TRAIN_KEYS:
         assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-9), key

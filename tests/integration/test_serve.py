@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from asyncgrpo.generation.weight_sync import write_weights
 from asyncgrpo.models.loading import save_model
 from asyncgrpo.models.tiny import build_tiny
+from asyncgrpo.sampling import Processing, sampled_logprobs, seen_before
 from tests.integration.servers import ServeProcess, http, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -85,6 +86,28 @@ def test_completion_has_vllms_shape_and_the_sampled_distributions_logprobs(serve
     assert "token_ids" not in plain and plain["logprobs"] is None
 
 
+@pytest.mark.parametrize("knobs", [dict(top_p=0.9), dict(top_k=20), dict(min_p=0.6), dict(repetition_penalty=1.3),
+                                   dict(top_p=0.8, top_k=12, min_p=0.05, repetition_penalty=1.2)], ids=str)
+def test_truncated_sampling_logprobs_are_what_the_trainer_computes(server, model_dir, tokenizer, knobs):
+    """The served logprobs are log q of the sampled distribution, equal to the trainer's `sampled_logprobs` of the same
+    weights: the importance ratio at staleness 0 is 1 whatever the truncation."""
+    prompt = tokenizer("say c: ")["input_ids"]
+    status, out = complete(server, prompt=prompt, max_tokens=24, temperature=0.9, seed=3, logprobs=0,
+                           return_token_ids=True, ignore_eos=True, **knobs)
+    assert status == 200, out
+    ids, logprobs = out["choices"][0]["token_ids"], out["choices"][0]["logprobs"]["token_logprobs"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    full = torch.tensor([prompt + ids])
+    with torch.no_grad():
+        logits = model(full).logits[:, len(prompt) - 1 : -1]
+    positions = torch.arange(len(prompt) - 1, full.shape[1] - 1)
+    seen = seen_before(full, torch.ones_like(full), logits.shape[-1], positions)
+    expected, _ = sampled_logprobs(logits, torch.tensor([ids]), Processing(temperature=0.9, **knobs), seen=seen)
+    torch.testing.assert_close(torch.tensor([logprobs]), expected, atol=1e-4, rtol=0)
+    untruncated = torch.log_softmax(logits.float() / 0.9, -1).gather(-1, torch.tensor([ids])[..., None]).squeeze(-1)
+    assert float((torch.tensor([logprobs]) - untruncated).abs().max()) > 1e-3  # the knobs really change the distribution
+
+
 def test_errors_have_vllms_status_codes_and_wording(server):
     before = server.stats()
     cases = [
@@ -95,7 +118,10 @@ def test_errors_have_vllms_status_codes_and_wording(server):
         ({"prompt": [5, 6], "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": [], "max_tokens": 4}, 400, "empty"),
         ({"prompt": [5, 10_000], "max_tokens": 4}, 400, "out of vocabulary"),
-        ({"prompt": [5, 6], "max_tokens": 4, "top_k": 5}, 422, "top_k"),
+        ({"prompt": [5, 6], "max_tokens": 4, "top_k": -3}, 400, "top_k"),
+        ({"prompt": [5, 6], "max_tokens": 4, "min_p": 1.5}, 400, "min_p"),
+        ({"prompt": [5, 6], "max_tokens": 4, "repetition_penalty": 0}, 400, "repetition_penalty"),
+        ({"prompt": [5, 6], "max_tokens": 4, "presence_penalty": 0.5}, 422, "presence_penalty"),
         ({"prompt": [5, 6], "max_tokens": 4, "logprobs": 5}, 422, "logprobs=0"),
         ({"prompt": [5, 6], "max_tokens": 4, "frobnicate": 1}, 422, "frobnicate"),
     ]

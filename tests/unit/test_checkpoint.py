@@ -68,7 +68,7 @@ def test_round_trip_restores_weights_optimizer_scheduler_and_version(tmp_path, t
     assert_same_optimizer_state(trainer, fresh, state_dtype)
     # Both continue identically (same weights, moments, LR schedule, and bfloat16 moments' rounding noise).
     m1, m2 = trainer.train_step([a_group()]), fresh.train_step([a_group()])
-    assert m1 == pytest.approx(m2)
+    assert m1 == pytest.approx(m2, nan_ok=True)  # offpolicy rows of absent staleness values are NaN
     for name, tensor in trainer.model.state_dict().items():
         torch.testing.assert_close(tensor, fresh.model.state_dict()[name])
     assert_same_optimizer_state(trainer, fresh, state_dtype)

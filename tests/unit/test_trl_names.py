@@ -66,7 +66,9 @@ def test_the_readme_table_is_generated_from_the_table():
         ("train.loss.loss_type=dr_grpo", "Fix: replace it with train.loss.type=dr_grpo."),
         ("loss_type=ppo", "'ppo' has no counterpart here: the loss types here are grpo, dr_grpo, dapo"),
         ("vllm_importance_sampling_mode=token_mask", "Fix: replace it with train.loss.mismatch_correction=token_mask."),
-        ("top_k=50", "TRL's `top_k` has no counterpart here: generation samples with temperature and top_p only"),
+        ("top_k=50", "TRL's `top_k` is `generation.top_k` here (0 is off, as are TRL's null and vLLM's -1). "
+                    "Fix: replace it with generation.top_k=50."),
+        ("generation_kwargs={}", "generation samples with temperature, top_p, top_k, min_p and repetition_penalty only"),
         ("bf16=true", "Fix: replace it with train.precision=bfloat16."),
     ],
 )
@@ -120,7 +122,7 @@ def test_convert_trl_cli_writes_a_recipe_check_accepts(tmp_path, capsys):
     out = tmp_path / "recipe.yaml"
     assert main(["convert-trl", str(source), "--out", str(out)]) == 0
     err = capsys.readouterr().err
-    assert "num_generations: 4 -> rollout.group_size: 4" in err and "top_k: 50: generation samples with temperature" in err
+    assert "num_generations: 4 -> rollout.group_size: 4" in err and "top_k: 50 -> generation.top_k: 50" in err
     assert main(["check", str(out)]) == 0
     assert "rollout: 16 groups of 4 per step" in capsys.readouterr().out
 

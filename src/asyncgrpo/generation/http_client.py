@@ -9,11 +9,13 @@ Wire format, per request (what vLLM >= 0.10.2 and `asyncgrpo serve` accept)::
 
     {"model": M, "prompt": [ids], "max_tokens": N, "temperature": T, "top_p": P, "n": 1,
      "logprobs": 0, "return_token_ids": true, "stop_token_ids": [ids]}   (+ "seed": S with http.seed per_request)
+    (+ "top_k", "min_p", "repetition_penalty" when they are not off)
 
 read back: ``choices[0].token_ids``, ``choices[0].logprobs.token_logprobs``, ``choices[0].text``,
 ``choices[0].finish_reason``. For logprobs of the distribution actually sampled, start vLLM with
 ``--logprobs-mode processed_logprobs`` (its default returns the raw model's logprobs, before
-temperature).
+temperature, penalty and truncation): vLLM then returns log q renormalised over the support its
+min-p / top-k / top-p kept, in sampling.py's order, which is what the trainer scores.
 
 Answers, classified (connection failures and timeouts are the pool's, see generation/http.py):
 
@@ -78,6 +80,12 @@ def completion_payload(request: GenerationRequest, *, model: str | None, per_req
         "return_token_ids": True,
         "stop_token_ids": list(s.stop_token_ids),
     }
+    if s.top_k > 0:
+        payload["top_k"] = s.top_k
+    if s.min_p > 0:
+        payload["min_p"] = s.min_p
+    if s.repetition_penalty != 1.0:
+        payload["repetition_penalty"] = s.repetition_penalty
     if per_request_seed:
         payload["seed"] = request.seed
     return payload

@@ -21,9 +21,11 @@ Design and invariants:
   the caller must not mutate `state` until `load_weights` returns.
 - **Sampling.** Each row samples with its own `torch.Generator` seeded from `request.seed`, so a
   request is reproducible (bit for bit in the same batch composition; other batch shapes may
-  differ by float rounding). `logprobs` are of the temperature-scaled distribution
-  `log_softmax(logits / T)` before top-p truncation; `temperature == 0` is greedy with logprobs at
-  T = 1. A sampled stop token ends the row and is kept in `token_ids`; `text` drops it.
+  differ by float rounding). Rows sample from their request's distribution (sampling.py: repetition
+  penalty, temperature, min-p, top-k, top-p) and `logprobs` are log q of that distribution,
+  renormalised over the kept support, the one the trainer scores; `temperature == 0` is greedy (after
+  the repetition penalty) with logprobs at T = 1. A sampled stop token ends the row and is kept in
+  `token_ids`; `text` drops it.
 - **Errors.** An exception on the engine thread fails every queued and active request (and any
   queued weight load) with a fresh, non-transient `GenerationError` chained to it; the engine is
   then closed and every later call raises at once, naming the cause. Bad prompts (empty, unknown
@@ -53,6 +55,7 @@ import torch
 from transformers import DynamicCache
 
 from asyncgrpo.errors import GenerationError, PromptRejectedError
+from asyncgrpo.sampling import Processing, processed_logits
 from asyncgrpo.types import Completion, GenerationRequest
 
 StepHook = Callable[[dict[str, int]], None]
@@ -261,8 +264,10 @@ class LocalEngine:
 
     def _validate(self, request: GenerationRequest) -> None:
         s, prompt = request.sampling, request.prompt_token_ids
-        if s.max_new_tokens < 1 or not (math.isfinite(s.temperature) and s.temperature >= 0) or not (0 < s.top_p <= 1):
-            raise ValueError(f"request {request.request_id}: invalid sampling {s}: need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1.")
+        if (s.max_new_tokens < 1 or not (math.isfinite(s.temperature) and s.temperature >= 0) or not (0 < s.top_p <= 1)
+                or s.top_k < 0 or not (0 <= s.min_p <= 1) or not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0)):
+            raise ValueError(f"request {request.request_id}: invalid sampling {s}: need max_new_tokens >= 1, temperature >= 0, "
+                             f"0 < top_p <= 1, top_k >= 0, 0 <= min_p <= 1, repetition_penalty > 0.")
         if not prompt:
             raise PromptRejectedError(f"request {request.request_id}: the prompt is empty.", backend=self.name)
         bad = [t for t in prompt if not 0 <= t < self._vocab_size]
@@ -373,26 +378,35 @@ class LocalEngine:
         return self._forward(ids, mask, positions, cache), cache, mask, positions[:, -1]
 
     def _sample(self, rows: list[_Job], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """One token per row: argmax (T = 0) or inverse-CDF sampling with the row's own generator."""
-        temps = torch.tensor([j.request.sampling.temperature or 1.0 for j in rows], device=logits.device)
-        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-        chosen = logp.argmax(dim=-1)
+        """One token per row from its sampling distribution (sampling.py): argmax (T = 0) or inverse-CDF
+        sampling with the row's own generator; the token's log q under that distribution."""
+        processed = torch.empty_like(logits, dtype=torch.float32)
+        by_processing: dict[Processing, list[int]] = {}
+        for i, job in enumerate(rows):
+            by_processing.setdefault(job.request.sampling.processing, []).append(i)
+        for processing, members in by_processing.items():
+            index = torch.tensor(members, device=logits.device)
+            seen = self._seen([rows[i] for i in members]) if processing.penalises else None
+            processed[index] = processed_logits(logits[index], processing, seen=seen)
+        logq = torch.log_softmax(processed, dim=-1)
+        chosen = logq.argmax(dim=-1)
         sampled = [i for i, j in enumerate(rows) if j.request.sampling.temperature > 0]
         if sampled:
             index = torch.tensor(sampled, device=logits.device)
-            probs = logp[index].exp()
-            top_p = torch.tensor([rows[i].request.sampling.top_p for i in sampled], device=logits.device)
-            if bool((top_p < 1).any()):  # nucleus: keep the smallest most-probable prefix whose mass reaches top_p
-                sorted_p, order = probs.sort(dim=-1, descending=True)
-                drop = ((sorted_p.cumsum(-1) - sorted_p) >= top_p[:, None]) & (top_p[:, None] < 1)
-                probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
-            cdf = probs.double().cumsum(-1)
+            cdf = logq[index].exp().double().cumsum(-1)  # tokens outside the kept support have probability 0
             uniforms = torch.cat([self._uniform(rows[i]) for i in sampled])
             total = cdf[:, -1]
             target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
             # first index whose cdf exceeds the target: always a token of positive probability
             chosen[index] = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
-        return chosen.tolist(), logp.gather(1, chosen[:, None]).squeeze(1).tolist()
+        return chosen.tolist(), logq.gather(1, chosen[:, None]).squeeze(1).tolist()
+
+    def _seen(self, rows: list[_Job]) -> torch.Tensor:
+        """Bool `[rows, V]`: the tokens of each row's context (prompt and tokens so far), for the repetition penalty."""
+        seen = torch.zeros(len(rows), self._vocab_size, dtype=torch.bool, device=self._device)
+        for i, job in enumerate(rows):
+            seen[i, torch.tensor([*job.request.prompt_token_ids, *job.tokens], dtype=torch.long, device=self._device)] = True
+        return seen
 
     def _uniform(self, job: _Job) -> torch.Tensor:
         if job.rng is None:

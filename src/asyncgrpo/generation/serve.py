@@ -6,14 +6,15 @@ CPU machines, and a reference for what the client expects).
 
 Endpoints:
 - ``POST /v1/completions``: ``model``, ``prompt`` (token ids, or a string that is tokenized),
-  ``max_tokens`` (default: the rest of the context, as vLLM), ``temperature``, ``top_p``, ``seed``,
+  ``max_tokens`` (default: the rest of the context, as vLLM), ``temperature``, ``top_p``, ``top_k``
+  (-1 or 0: off), ``min_p``, ``repetition_penalty``, ``seed``,
   ``logprobs`` (0 or null: the sampled tokens' logprobs), ``return_token_ids``,
   ``stop_token_ids``, ``ignore_eos``, ``n`` (1 only). Fields this server does not implement are
-  accepted only at their neutral value (``stream: false``, ``top_k: -1``, ...); any other value
-  is a 422 naming the field, since silently ignoring a sampling setting would change results.
-  Logprobs are of the distribution actually sampled (``log_softmax(logits / T)``, before top-p),
-  like vLLM with ``--logprobs-mode processed_logprobs`` (top-p aside); T = 0 is greedy with
-  logprobs at T = 1.
+  accepted only at their neutral value (``stream: false``, ``presence_penalty: 0``, ...); any other
+  value is a 422 naming the field, since silently ignoring a sampling setting would change results.
+  Logprobs are of the distribution actually sampled (sampling.py: repetition penalty, temperature,
+  min-p, top-k, top-p, renormalised over the kept support), like vLLM with ``--logprobs-mode
+  processed_logprobs``; T = 0 is greedy (after the penalty) with logprobs at T = 1.
 - ``GET /health``, ``GET /v1/models`` (``data[0].id`` and ``max_model_len``).
 - ``POST /pause?mode=keep|wait|abort`` (vLLM's default is ``abort``): new requests wait until
   ``POST /resume``. ``keep``: requests already generating keep running (vLLM freezes them; the
@@ -89,11 +90,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "stream": (False, None),
     "echo": (False, None),
     "best_of": (1, None),
-    "top_k": (-1, 0, None),
-    "min_p": (0, 0.0, None),
     "presence_penalty": (0, 0.0, None),
     "frequency_penalty": (0, 0.0, None),
-    "repetition_penalty": (1, 1.0, None),
     "logit_bias": (None,),
     "suffix": (None,),
     "stop": (None,),
@@ -103,8 +101,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "stream_options": (None,),
 }
 _IGNORED = ("user", "request_id", "priority")
-_SUPPORTED = ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "logprobs", "return_token_ids",
-              "stop_token_ids", "ignore_eos", "n")
+_SUPPORTED = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+              "logprobs", "return_token_ids", "stop_token_ids", "ignore_eos", "n")
 
 
 class _BadRequest(Exception):
@@ -428,6 +426,18 @@ def _parse_completion(state: ServerState, body: dict[str, Any],
     top_p = 1.0 if top_p is None else top_p
     if not _is_number(top_p) or not 0 < top_p <= 1:
         raise _BadRequest(400, f"top_p must be in (0, 1], got {top_p!r}", "top_p")
+    top_k = body.get("top_k")
+    top_k = 0 if top_k is None or top_k == -1 else top_k
+    if not _is_int(top_k) or top_k < 0:
+        raise _BadRequest(400, f"top_k must be -1 or 0 (off) or a positive integer, got {top_k!r}", "top_k")
+    min_p = body.get("min_p")
+    min_p = 0.0 if min_p is None else min_p
+    if not _is_number(min_p) or not 0 <= min_p <= 1:
+        raise _BadRequest(400, f"min_p must be in [0, 1], got {min_p!r}", "min_p")
+    penalty = body.get("repetition_penalty")
+    penalty = 1.0 if penalty is None else penalty
+    if not _is_number(penalty) or penalty <= 0:
+        raise _BadRequest(400, f"repetition_penalty must be a number > 0, got {penalty!r}", "repetition_penalty")
     seed = body.get("seed")
     if seed is None:
         seed = random.getrandbits(63)
@@ -451,7 +461,8 @@ def _parse_completion(state: ServerState, body: dict[str, Any],
     if not ignore_eos and state.eos_token_id is not None:
         stops.append(state.eos_token_id)
     sampling = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                              stop_token_ids=tuple(dict.fromkeys(stops)))
+                              stop_token_ids=tuple(dict.fromkeys(stops)), top_k=top_k, min_p=float(min_p),
+                              repetition_penalty=float(penalty))
     request = GenerationRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_id=-1, prompt_token_ids=tuple(prompt_ids),
                                 sampling=sampling, seed=seed & 0x7FFF_FFFF_FFFF_FFFF)
     return request, bool(return_ids), logprobs is not None

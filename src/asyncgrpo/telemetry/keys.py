@@ -28,6 +28,19 @@ TRAIN_KEYS = (
     "completion/len_max",
     "completion/truncated_frac",
 )
+# Off-policy diagnostics (training/offpolicy.py): per staleness value s in 0..rollout.max_staleness, under
+# `offpolicy/s{s}/`, and the engine mismatch measured at staleness 0. Returned by the torch trainer every step.
+OFFPOLICY_BUCKET_KEYS = ("tokens", "clip_frac", "is_ratio/mean", "is_ratio/p1", "is_ratio/p99", "masked_frac", "ess")
+ENGINE_MISMATCH_KEYS = ("engine_mismatch/tokens", "engine_mismatch/logp_abs_mean", "engine_mismatch/logp_abs_max",
+                        "engine_mismatch/kl")
+
+
+def offpolicy_keys(max_staleness: int) -> tuple[str, ...]:
+    """The off-policy diagnostics' names of a run whose groups are at most `max_staleness` steps old."""
+    return (*(f"offpolicy/s{s}/{key}" for s in range(max_staleness + 1) for key in OFFPOLICY_BUCKET_KEYS),
+            *ENGINE_MISMATCH_KEYS)
+
+
 # Reported by the trainers under `algorithm: distill` only (distill/judge.py).
 DISTILL_KEYS = ("distill/kl_mean",)
 # The collector's state at the end of a step (`Collector.metric_values()`).

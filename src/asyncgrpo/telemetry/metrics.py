@@ -24,19 +24,29 @@ from typing import IO, Any
 
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.rewards.trl_args import METRIC_PREFIX
-from asyncgrpo.telemetry.keys import COUNTER_NAMES, DISTILL_KEYS, EVAL_KEYS, PIPELINE_KEYS, STEP_KEYS, TRAIN_KEYS
+from asyncgrpo.telemetry.keys import (
+    COUNTER_NAMES,
+    DISTILL_KEYS,
+    EVAL_KEYS,
+    PIPELINE_KEYS,
+    STEP_KEYS,
+    TRAIN_KEYS,
+    offpolicy_keys,
+)
 from asyncgrpo.types import StepRecord
 
 log = logging.getLogger("asyncgrpo")
 
 
-def metric_keys(reward_names: Iterable[str], *, distill: bool = False) -> tuple[str, ...]:
-    """Every key of a run's metrics lines; `distill` (`algorithm: distill`) adds `DISTILL_KEYS`."""
+def metric_keys(reward_names: Iterable[str], *, max_staleness: int, distill: bool = False) -> tuple[str, ...]:
+    """Every key of a run's metrics lines; `distill` (`algorithm: distill`) adds `DISTILL_KEYS`; the off-policy
+    diagnostics cover staleness 0..`max_staleness` (rollout.max_staleness)."""
     return (
         *STEP_KEYS,
         *PIPELINE_KEYS,
         *(f"reward/{name}" for name in reward_names),
         *TRAIN_KEYS,
+        *offpolicy_keys(max_staleness),
         *(DISTILL_KEYS if distill else ()),
         *COUNTER_NAMES,
         *EVAL_KEYS,

@@ -31,7 +31,10 @@ constant, or linear or cosine decay to 0 at `train.max_steps`.
 Invariants:
 - Policy version = number of training steps applied: step s starts at version s and ends
   at s + 1, whatever `updates_per_batch` is.
-- pi_theta is computed at `generation.temperature`, the temperature the generator sampled at.
+- pi_theta is the distribution the generator samples from: at `generation.temperature`, after
+  `generation.repetition_penalty`, renormalised over the support `generation.top_k` / `top_p` / `min_p`
+  keep of the trainer's own logits (sampling.py; DESIGN.md §3 "Which distribution is optimised").
+  The KL reference is scored over the whole vocabulary at the temperature.
 - The model stays in eval mode (no dropout), so pi_theta of unchanged weights equals the
   generator's pi_gen up to numerics. (Gradient checkpointing sets only the decoder layers'
   own `training` flag, which transformers reads to checkpoint; their submodules stay in eval.)
@@ -39,7 +42,8 @@ Invariants:
 - A non-finite loss or gradient norm raises `NonFiniteLossError` before the optimizer
   applies it; weights are never updated with NaN/inf.
 - Every metric key in `TRAIN_KEYS` (and `DISTILL_KEYS` under `algorithm: distill`) is returned every
-  step, as a finite float.
+  step, as a finite float; so is every key of `offpolicy_keys(rollout.max_staleness)` (training/offpolicy.py),
+  except NaN for a staleness value the step has no token of.
 - `algorithm: distill`: the advantages are per token, -(log pi_gen - log pi_teacher) (distill/loss.py),
   with the same importance correction against pi_gen; `Rollout.advantage` is not used.
 """
@@ -62,6 +66,7 @@ from asyncgrpo.config import Config
 from asyncgrpo.distill.judge import kl_mean
 from asyncgrpo.distill.loss import distill_advantages
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
+from asyncgrpo.sampling import Processing, sampled_logprobs, seen_before
 from asyncgrpo.telemetry.keys import DISTILL_KEYS, TRAIN_KEYS
 from asyncgrpo.training import heap
 from asyncgrpo.training import lora as lora_adapters
@@ -70,6 +75,7 @@ from asyncgrpo.training.device import autocast, check_precision, resolve_device
 from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
 from asyncgrpo.training.losses.aggregation import update_normalizer
 from asyncgrpo.training.losses.plugin import resolve_loss_plugin
+from asyncgrpo.training.offpolicy import OffPolicyStats
 from asyncgrpo.types import Group
 
 if TYPE_CHECKING:
@@ -124,7 +130,7 @@ class _MicroBatch:
     mask: Tensor
     advantages: Tensor
     completion_width: int
-    staleness: Tensor
+    staleness: Tensor  # [B, C]: the step's version minus the version that generated each token
 
 
 def _split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
@@ -189,6 +195,10 @@ class TorchTrainer:
         self.pad_id = self._pad_id(tokenizer)
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.base_model.forward).parameters
         self._parallel: DataParallel | None = None
+        self._offpolicy = OffPolicyStats(cfg.rollout.max_staleness, clip_low=t.loss.clip_low, clip_high=t.loss.clip_high)
+        g = cfg.generation  # the distribution the generators sample from (sampling.py); pi_theta is scored under it
+        self.processing = Processing(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
+                                     repetition_penalty=g.repetition_penalty)
         self._loss_plugin = resolve_loss_plugin(t.loss.type) if t.loss.plugin else None
 
     @staticmethod
@@ -241,7 +251,7 @@ class TorchTrainer:
     def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
         """Train one step on `groups` (whole groups; at least one). Advances `version` by 1.
 
-        Returns every key of `TRAIN_KEYS` (and `DISTILL_KEYS` under distill) as a float.
+        Returns every key of `TRAIN_KEYS` (and `DISTILL_KEYS` under distill) and of `offpolicy_keys` as a float.
         """
         with self.lock:
             metrics = self._train_step(groups)
@@ -344,6 +354,7 @@ class TorchTrainer:
                 self._fill_proximal([s for seqs in self._share(update_groups) for s in seqs if s.loss_tokens])
 
         lr = self.lr
+        self._offpolicy = OffPolicyStats(self.cfg.rollout.max_staleness, clip_low=cfg_l.clip_low, clip_high=cfg_l.clip_high)
         stats = LossStats.zeros(self.device)
         losses: list[float] = []
         grad_norms: list[float] = []
@@ -378,10 +389,11 @@ class TorchTrainer:
             "completion/len_max": float(max(lengths)),
             "completion/truncated_frac": sum(r.completion.truncated for r in rollouts) / len(rollouts),
         }
+        offpolicy = self._offpolicy.metrics()
         if self.cfg.algorithm == "distill":
             metrics["distill/kl_mean"] = kl_mean(groups)
-            return {key: float(metrics[key]) for key in (*TRAIN_KEYS, *DISTILL_KEYS)}
-        return {key: float(metrics[key]) for key in TRAIN_KEYS}
+            return {**{key: float(metrics[key]) for key in (*TRAIN_KEYS, *DISTILL_KEYS)}, **offpolicy}
+        return {**{key: float(metrics[key]) for key in TRAIN_KEYS}, **offpolicy}
 
     def _update(self, groups: list[list[_Sequence]], *, first: bool) -> tuple[float | None, float, LossStats]:
         """One optimizer update over the sequences of `groups`; (None, 0, zeros) when they hold no loss token.
@@ -450,11 +462,14 @@ class TorchTrainer:
         cfg_l = self.cfg.train.loss
         batch = self._collate(chunk)
         logits = self._logits(self._training_model, batch)
-        logp_new, entropy = token_logprobs(logits, batch.targets, self.cfg.generation.temperature)
+        logp_new, entropy = self._policy_logprobs(logits, batch)
         del logits
         logp_prox = None
         if cfg_l.objective == "decoupled":
             logp_prox = logp_new.detach() if first else batch.logp_prox
+        logp_start = logp_new.detach() if first else logp_prox  # pi of the step-start weights (None: not known here)
+        if logp_start is not None:
+            self._offpolicy.observe(logp_start, batch.logp_gen, batch.advantages, batch.mask, batch.staleness)
         logp_ref = None
         if cfg_l.kl_coef > 0:
             with torch.no_grad(), self._reference_model() as reference:
@@ -597,6 +612,16 @@ class TorchTrainer:
             logits = model(**kwargs).logits
         return logits[:, -batch.completion_width :, :]
 
+    def _policy_logprobs(self, logits: Tensor, batch: _MicroBatch, *, with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+        """log pi_theta of the completion tokens under the sampling distribution (`self.processing`: repetition penalty,
+        temperature, and renormalised over the support top-k / top-p / min-p keep of these logits; sampling.py)."""
+        seen = None
+        if self.processing.penalises:
+            length = batch.input_ids.shape[1]
+            positions = torch.arange(length - batch.completion_width, length, device=batch.input_ids.device)
+            seen = seen_before(batch.input_ids, batch.attention_mask, logits.shape[-1], positions)
+        return sampled_logprobs(logits, batch.targets, self.processing, seen=seen, with_entropy=with_entropy)
+
     def _fill_proximal(self, seqs: list[_Sequence]) -> None:
         """pi_prox of the current weights for each sequence (no grad), stored per sequence."""
         ordered = sorted(seqs, key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)))
@@ -604,9 +629,7 @@ class TorchTrainer:
         with torch.no_grad():
             for chunk in _chunks(ordered, self.cfg.train.micro_batch_size):
                 batch = self._collate(chunk)
-                logp, _ = token_logprobs(
-                    self._logits(self.model, batch), batch.targets, self.cfg.generation.temperature, with_entropy=False
-                )
+                logp, _ = self._policy_logprobs(self._logits(self.model, batch), batch, with_entropy=False)
                 for row, s in enumerate(chunk):
                     s.logp_prox = logp[row, : len(s.completion_ids)].detach().clone()
 
