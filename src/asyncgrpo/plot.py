@@ -3,50 +3,53 @@
 Reads `metrics.jsonl` and `timeline.jsonl` and writes, into `RUN_DIR/plots/` (or `--out`):
 
 - rewards.png: the training reward per step, with the evaluations (reward and pass rate) when there are any;
-- loss_kl.png: loss and KL per step (a simulation has neither: the panels say so), and under
-  `algorithm: distill` distill/kl_mean, the distillation's key metric;
+- loss_kl.png: loss, KL (only when the loss has a KL term) and, under `algorithm: distill`,
+  distill/kl_mean, the distillation's key metric;
 - staleness.png: for each step, how many trained groups had each staleness (from the timeline),
   with the mean and max from the metrics;
-- counters.png: failed rollouts, stale groups, dropped groups, retries and requeues so far, per step;
+- counters.png: failed rollouts, stale, dropped and requeued groups, and retries so far, per step;
 - offpolicy.png: "is it staleness or the engine?": the engine mismatch at staleness 0 (left), and per
   staleness value the importance ratio's mean and p1-p99 band (middle) and the clip fraction and ESS
   (right); docs/troubleshooting.md says how to read it;
-- timeline.png and timeline_start.png (the first steps, zoomed in): the pipeline. Generation
-  slots are lanes, each rollout a bar coloured by what became of its group (trained,
-  stale-cancelled, failed, dropped, unfinished at exit); the trainer's lane shows each step's
-  wait, training and weight sync, and evaluations.
+- env.png (runs with an environment): turns per episode, the environment's reward, its errors and
+  abandoned episodes, and re-tokenization drift;
+- distill.png (`algorithm: distill`): every distill/* metric, and the student's completion length;
+- timeline.png and timeline_start.png (the first steps, zoomed in): the pipeline (plot_timeline.py).
 
-matplotlib is an optional dependency (`pip install 'asyncgrpo[plot]'`); without it, or without the
-files, the command fails with one paragraph saying what to do.
+Invariant: a series that carries no information (no value, or 0 at every step) is left out, a panel
+without any series is left out, and a figure without any panel is not written (a stale copy of it
+in the output directory is removed); each is named, with why, in `Plots.left_out`, which the command
+prints. matplotlib is a dependency of asyncgrpo; without it, or without the files, the command fails
+with one paragraph saying what to do.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.plot_timeline import Pipeline
 from asyncgrpo.rundir import METRICS_FILE, PLOTS_DIR, TIMELINE_FILE
 from asyncgrpo.telemetry.metrics import read_jsonl
 
-COLOURS = {
-    "trained": "#2e9e4f",
-    "stale": "#f0a020",
-    "failed": "#d62728",
-    "dropped": "#7f7f7f",
-    "unfinished": "#c7c7c7",
-    "wait": "#dddddd",
-    "train": "#1f5fbf",
-    "sync": "#9467bd",
-    "eval": "#17becf",
-}
 ZOOM_STEPS = 8
+Metrics = list[dict[str, Any]]
 
 
-def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
-    """Write the run's PNGs; returns their paths."""
+@dataclass
+class Plots:
+    """What `plot_run` wrote, and what it left out and why (one line each: "FILE: ...")."""
+
+    written: list[Path] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
+
+
+def plot_run(run_dir: Path, out_dir: Path | None = None) -> Plots:
+    """Write the run's PNGs; returns their paths and what was left out."""
     try:
         import matplotlib
 
@@ -54,8 +57,9 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise AsyncGRPOError(
-            f"asyncgrpo plot needs matplotlib, which this Python cannot import ({exc}). "
-            f"Fix: pip install matplotlib (or pip install 'asyncgrpo[plot]')."
+            f"asyncgrpo plot needs matplotlib, a dependency of asyncgrpo that this Python cannot import ({exc}): "
+            f"asyncgrpo was installed without its dependencies (pip --no-deps), or matplotlib was removed since. "
+            f"Fix: pip install matplotlib."
         ) from None
     metrics_path, timeline_path = run_dir / METRICS_FILE, run_dir / TIMELINE_FILE
     if not metrics_path.is_file():
@@ -74,20 +78,27 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     out = out_dir if out_dir is not None else run_dir / PLOTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     plt.rcParams.update({"figure.dpi": 100, "font.size": 9, "axes.grid": True, "grid.alpha": 0.3})
-    written = []
-    for name, draw in (("rewards", _rewards), ("loss_kl", _loss_kl), ("staleness", _staleness), ("counters", _counters),
-                       ("offpolicy", _offpolicy)):
-        fig = draw(plt, metrics, timeline)
-        written.append(_save(plt, fig, out / f"{name}.png"))
+    plots = Plots()
+    figures: dict[str, Callable[[Any, Metrics, Metrics, list[str]], Any]] = {
+        "rewards": _rewards, "loss_kl": _loss_kl, "staleness": _staleness, "counters": _counters, "offpolicy": _offpolicy,
+        "env": _env, "distill": _distill}
+    for name, draw in figures.items():
+        notes: list[str] = []
+        fig = draw(plt, metrics, timeline, notes)
+        plots.left_out += [f"{name}.png: {note}" for note in notes]
+        if fig is None:
+            (out / f"{name}.png").unlink(missing_ok=True)  # a copy from an earlier `plot` would read as this run's
+        else:
+            plots.written.append(_save(plt, fig, out / f"{name}.png"))
     if timeline:
         pipeline = Pipeline.of(timeline)
-        written.append(_save(plt, pipeline.draw(plt, None, f"{run_dir.name}: the pipeline"), out / "timeline.png"))
+        plots.written.append(_save(plt, pipeline.draw(plt, None, f"{run_dir.name}: the pipeline"), out / "timeline.png"))
         steps = [line for line in timeline if line["e"] == "step"]
         if len(steps) > ZOOM_STEPS:
             window = (0.0, steps[ZOOM_STEPS - 1]["sync"][1])
             title = f"{run_dir.name}: the first {ZOOM_STEPS} steps"
-            written.append(_save(plt, pipeline.draw(plt, window, title), out / "timeline_start.png"))
-    return written
+            plots.written.append(_save(plt, pipeline.draw(plt, window, title), out / "timeline_start.png"))
+    return plots
 
 
 def _save(plt: Any, fig: Any, path: Path) -> Path:
@@ -96,12 +107,40 @@ def _save(plt: Any, fig: Any, path: Path) -> Path:
     return path
 
 
-def _series(metrics: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+def _series(metrics: Metrics, key: str) -> tuple[list[int], list[float]]:
     points = [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def _rewards(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> Any:
+def _informative(metrics: Metrics, keys: Sequence[str], notes: list[str], why: str = "") -> list[str]:
+    """The keys whose series has a value other than 0. A note names the others that the run's metrics carry: those
+    without any value, and those 0 at every step (`why`: what that means)."""
+    kept = [key for key in keys if any(_series(metrics, key)[1])]
+    carried = [key for key in keys if key not in kept and any(key in m for m in metrics)]
+    for group, reason in (([k for k in carried if not _series(metrics, k)[1]], "no value at any step"),
+                          ([k for k in carried if _series(metrics, k)[1]], f"0 at every step{why}")):
+        if group:
+            notes.append(f"left out {', '.join(group)} ({reason})")
+    return kept
+
+
+def _line_panels(plt: Any, metrics: Metrics, keys: Sequence[str], title: str, notes: list[str]) -> Any:
+    """One panel per key, its series per step; the notes (what was left out) under them."""
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys) + 1, 3.5), squeeze=False)
+    fig.suptitle(title, y=1.02)
+    for ax, key in zip(axes[0], keys):
+        ax.plot(*_series(metrics, key), color="#1f5fbf", lw=1.2, marker="o" if len(metrics) <= 30 else None, ms=3)
+        ax.set(xlabel="step", title=key)
+    _footnote(fig, notes)
+    return fig
+
+
+def _footnote(fig: Any, notes: list[str]) -> None:
+    if notes:
+        fig.text(0.01, -0.02, "\n".join(notes), ha="left", va="top", fontsize=8, color="#555555")
+
+
+def _rewards(plt: Any, metrics: Metrics, timeline: Metrics, notes: list[str]) -> Any:
     fig, ax = plt.subplots(figsize=(8, 4))
     steps, reward = _series(metrics, "reward/mean")
     ax.plot(steps, reward, color="#1f5fbf", alpha=0.35, lw=1, label="reward/mean (train batch)")
@@ -133,30 +172,30 @@ def _evaluations(metrics: list[dict[str, Any]], timeline: list[dict[str, Any]]) 
     return [(m["step"] + 1, m) for i, m in enumerate(metrics) if m.get(key) is not None and (i == 0 or metrics[i - 1].get(key) != m[key])]
 
 
-def _loss_kl(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> Any:
-    keys = ["loss", "kl", *(["distill/kl_mean"] if metrics and "distill/kl_mean" in metrics[0] else [])]
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5))
-    for ax, key in zip(axes, keys):
-        steps, values = _series(metrics, key)
-        if values:
-            ax.plot(steps, values, color="#1f5fbf", lw=1.2)
-        else:
-            ax.text(0.5, 0.5, f"no {key} values\n(a simulation trains nothing)", ha="center", va="center", transform=ax.transAxes)
-        ax.set(xlabel="step", title=key)
-    return fig
+def _loss_kl(plt: Any, metrics: Metrics, timeline: Metrics, notes: list[str]) -> Any:
+    """Loss; KL only when the loss has a KL term (else it is 0 at every step); distill/kl_mean under distill."""
+    keys = [*_informative(metrics, ["loss"], notes),
+            *_informative(metrics, ["kl"], notes, ": the loss has no KL term, train.loss.kl_coef: 0"),
+            *_informative(metrics, ["distill/kl_mean"], notes)]
+    if not keys:
+        notes.append("not written: no panel left")
+        return None
+    return _line_panels(plt, metrics, keys, "Loss and KL" if len(keys) > 1 else "Loss", notes)
 
 
-def _offpolicy(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> Any:
+def _offpolicy(plt: Any, metrics: Metrics, timeline: Metrics, notes: list[str]) -> Any:
     """Engine mismatch (staleness 0) apart from staleness drift (each staleness value), per step."""
+    keys = [k for k in metrics[0] if k.startswith(("offpolicy/", "engine_mismatch/"))]
+    if not any(m.get(k) is not None for m in metrics for k in keys):
+        notes.append("not written: no off-policy value (only the torch trainer measures them; a simulation trains nothing)")
+        return None
     fig, (engine, ratio, clip) = plt.subplots(1, 3, figsize=(14, 3.8))
     fig.suptitle("Is it staleness or the engine?  Left: the engine alone (staleness-0 tokens; steps without any show no point).  "
                  "Middle, right: each staleness s; rows s >= 1 that drift from s = 0 are staleness.", fontsize=9, y=1.03)
-    drawn = False
     for key, style in (("engine_mismatch/logp_abs_mean", "-"), ("engine_mismatch/logp_abs_max", ":"), ("engine_mismatch/kl", "--")):
         steps, values = _series(metrics, key)
         if values:
             engine.plot(steps, values, ls=style, lw=1.2, marker="o", ms=3, label=key.removeprefix("engine_mismatch/"))
-            drawn = True
     engine.set(xlabel="step", title="engine mismatch at staleness 0 (nats)")
     stalenesses = sorted({int(k.split("/")[1][1:]) for m in metrics[:1] for k in m if k.startswith("offpolicy/s") and k.endswith("/tokens")})
     for s in stalenesses:
@@ -164,7 +203,6 @@ def _offpolicy(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str,
         steps, mean = _series(metrics, f"offpolicy/s{s}/is_ratio/mean")
         if not mean:
             continue
-        drawn = True
         band = [(m["step"], m[f"offpolicy/s{s}/is_ratio/p1"], m[f"offpolicy/s{s}/is_ratio/p99"]) for m in metrics
                 if m.get(f"offpolicy/s{s}/is_ratio/p1") is not None]
         ratio.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], color=colour, alpha=0.2)
@@ -178,12 +216,10 @@ def _offpolicy(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str,
     for ax in (engine, ratio, clip):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=7)
-    if not drawn:
-        ratio.text(0.5, 0.5, "no off-policy values\n(a simulation trains nothing)", ha="center", va="center", transform=ratio.transAxes)
     return fig
 
 
-def _staleness(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> Any:
+def _staleness(plt: Any, metrics: Metrics, timeline: Metrics, notes: list[str]) -> Any:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     versions: dict[int, int] = {}
     for line in timeline:
@@ -216,93 +252,43 @@ COUNTERS = (("rollout/failed_total", "rollout/stale_groups_total", "rollout/drop
             ("rollout/retries_total",))
 
 
-def _counters(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> Any:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), gridspec_kw={"width_ratios": [3, 2]})
-    titles = ("Failed rollouts, stale, dropped and requeued groups", "Retried attempts")
-    for ax, keys, title in zip(axes, COUNTERS, titles):
+def _counters(plt: Any, metrics: Metrics, timeline: Metrics, notes: list[str]) -> Any:
+    """The failure counters so far; one that stayed 0 is left out, and so is a panel with none left."""
+    left_out: list[str] = []
+    panels = [(kept, title) for keys, title in zip(COUNTERS, ("Failed rollouts, stale, dropped and requeued groups", "Retried attempts"))
+              if (kept := _informative(metrics, keys, left_out))]
+    if not panels:
+        notes.append("not written: no rollout failed or was retried, and no group went stale, was dropped or requeued")
+        return None
+    notes += left_out
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.5), squeeze=False)
+    for ax, (keys, title) in zip(axes[0], panels):
         for key in keys:
             steps, values = _series(metrics, key)
-            if values:
-                ax.plot(steps, values, lw=1.5, label=f"{key.removeprefix('rollout/')} ({values[-1]:g})")
+            ax.plot(steps, values, lw=1.5, label=f"{key.removeprefix('rollout/')} ({values[-1]:g})")
         ax.set(xlabel="step", ylabel="so far", title=title)
         ax.legend(loc="upper left", fontsize=8)
+    _footnote(fig, notes)
     return fig
 
 
-class Pipeline:
-    """The timeline's rollouts packed into lanes (a lane is a generation slot), and the trainer's spans."""
-
-    def __init__(self, bars: list[tuple[int, float, float, str]], trainer: list[tuple[str, float, float]], lanes: int, end: float,
-                 max_inflight: int) -> None:
-        self.bars, self.trainer, self.lanes, self.end, self.max_inflight = bars, trainer, lanes, end, max_inflight
-
-    @classmethod
-    def of(cls, timeline: list[dict[str, Any]]) -> Pipeline:
-        fate = _take_fates(timeline)
-        rollouts = sorted((line for line in timeline if line["e"] == "rollout"), key=lambda line: (line["start"], line["end"]))
-        free: list[int] = []  # lanes free now, lowest first
-        busy: list[tuple[float, int]] = []  # (end, lane)
-        bars = []
-        for line in rollouts:
-            while busy and busy[0][0] <= line["start"]:
-                heapq.heappush(free, heapq.heappop(busy)[1])
-            lane = heapq.heappop(free) if free else len(busy)
-            heapq.heappush(busy, (line["end"], lane))
-            outcome = "failed" if line["outcome"] == "failed" else fate.get(line["take"], "unfinished")
-            bars.append((lane, line["start"], line["end"], outcome))
-        trainer = []
-        for line in timeline:
-            if line["e"] == "step":
-                trainer += [(part, *line[part]) for part in ("wait", "train", "sync")]
-            elif line["e"] == "eval":
-                trainer.append(("eval", *line["span"]))
-        lanes = 1 + max((b[0] for b in bars), default=0)
-        end = max([b[2] for b in bars] + [t[2] for t in trainer] + [0.0])
-        start = next((line for line in timeline if line["e"] == "start"), {})
-        return cls(bars, trainer, lanes, end, start.get("max_inflight", 0))
-
-    def draw(self, plt: Any, window: tuple[float, float] | None, title: str) -> Any:
-        lo, hi = window if window is not None else (0.0, self.end)
-        height = min(9.0, 2.0 + 0.06 * self.lanes)
-        fig, (gen, train) = plt.subplots(2, 1, figsize=(12, height), sharex=True,
-                                        gridspec_kw={"height_ratios": [max(3, self.lanes // 8), 1]})
-        by_outcome: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
-        for lane, start, end, outcome in self.bars:
-            if end >= lo and start <= hi:
-                by_outcome[outcome].append((lane, start, end))
-        for outcome in ("trained", "stale", "failed", "dropped", "unfinished"):
-            bars = by_outcome.get(outcome, [])
-            lanes: dict[int, list[tuple[float, float]]] = defaultdict(list)
-            for lane, start, end in bars:
-                lanes[lane].append((start, max(end - start, 1e-9)))
-            for lane, spans in lanes.items():
-                gen.broken_barh(spans, (lane, 0.8), facecolors=COLOURS[outcome], linewidth=0)
-            gen.bar(0, 0, color=COLOURS[outcome], label=f"{outcome} ({len(bars)})")
-        if self.max_inflight:
-            gen.axhline(self.max_inflight, color="black", lw=0.8, ls="--")
-            gen.text(lo, self.max_inflight, " generation.max_inflight", va="bottom", fontsize=8)
-        gen.set(ylim=(0, max(self.lanes, self.max_inflight) + 1), title=title,
-                ylabel="rollouts in progress\n(one lane each; a rollout waiting\nto retry holds no request slot)")
-        gen.grid(False)
-        gen.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="rollouts, by what\nbecame of the group")
-        for part, row in (("wait", 0), ("train", 0), ("sync", 1), ("eval", 2)):
-            spans = [(s, max(e - s, 1e-9)) for p, s, e in self.trainer if p == part and e >= lo and s <= hi]
-            if spans:
-                train.broken_barh(spans, (row, 0.8), facecolors=COLOURS[part], linewidth=0)
-            train.bar(0, 0, color=COLOURS[part], label={"wait": "waiting for a batch", "train": "training a step",
-                                                        "sync": "weight sync", "eval": "evaluation"}[part])
-        train.set(ylim=(0, 3), yticks=[0.4, 1.4, 2.4], yticklabels=["steps", "sync", "eval"], xlim=(lo, hi), xlabel="seconds since start")
-        train.grid(False)
-        train.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="trainer")
-        return fig
+def _env(plt: Any, metrics: Metrics, timeline: Metrics, notes: list[str]) -> Any:
+    """An environment run's own metrics (env/turns_mean has a value only when episodes are played)."""
+    if not any(_series(metrics, "env/turns_mean")[1]):
+        return None
+    rewards = sorted({k for m in metrics[:1] for k in m if k.startswith("reward/") and k not in ("reward/mean", "reward/std")})
+    keys = ["env/turns_mean", *_informative(metrics, rewards, notes),
+            *_informative(metrics, ["env/errors_total", "env/abandoned_total", "env/retokenization_drift_total"], notes)]
+    return _line_panels(plt, metrics, keys, "The environment: turns per episode, its reward terms, errors and drift", notes)
 
 
-def _take_fates(timeline: list[dict[str, Any]]) -> dict[int, str]:
-    """What became of each take: trained, stale (requeued or dropped as stale), dropped (another reason)."""
-    fate: dict[int, str] = {}
-    for line in timeline:
-        if line["e"] == "take" and line["ending"] != "buffered":
-            fate[line["take"]] = "stale" if line["ending"] in ("requeued", "stale") else "dropped"
-        elif line["e"] == "buffered":
-            fate[line["take"]] = "trained" if line["outcome"] == "trained" else "stale"
-    return fate
+def _distill(plt: Any, metrics: Metrics, timeline: Metrics, notes: list[str]) -> Any:
+    """A distillation run's own metrics: every distill/* key, and the length of the student's samples."""
+    keys = sorted({k for m in metrics[:1] for k in m if k.startswith("distill/")})
+    if not keys:
+        return None
+    keys = _informative(metrics, keys, notes) + _informative(metrics, ["completion/len_mean"], notes)
+    if not keys:
+        notes.append("not written: no panel left")
+        return None
+    return _line_panels(plt, metrics, keys, "Distillation: the student's reverse KL to the teacher, and its samples' length", notes)

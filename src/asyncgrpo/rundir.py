@@ -42,7 +42,8 @@ CHECKPOINTS_DIR = "checkpoints"
 WEIGHTS_DIR = "weights"
 TIMELINE_FILE = "timeline.jsonl"
 PLOTS_DIR = "plots"
-PLOT_FILES = ("rewards.png", "loss_kl.png", "staleness.png", "counters.png", "offpolicy.png", "timeline.png", "timeline_start.png")  # plot.py
+PLOT_FILES = ("rewards.png", "loss_kl.png", "staleness.png", "counters.png", "offpolicy.png", "env.png", "distill.png",  # plot.py
+              "timeline.png", "timeline_start.png")
 OWNED_FILES = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, OUTCOMES_FILE, ERROR_FILE, TIMELINE_FILE)
 OWNED_DIRS: dict[str, re.Pattern[str]] = {
     # directory: the names of what asyncgrpo writes in it (whole-name matches), besides atomic.py's temporaries
