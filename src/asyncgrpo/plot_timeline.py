@@ -3,20 +3,19 @@
 The top panel shows the generation side. Up to `BARS_MAX` rollouts in the drawn window it is one
 bar per rollout (a lane is a generation slot, each bar coloured by what became of its group:
 trained, stale-cancelled, failed, dropped, unfinished at exit). Past that, bars are a wall of
-colour, so the panel becomes two: in-flight bands (how many rollouts were open at each time,
-stacked by what became of them) and rates (rollouts started, finished, failed and cancelled per
+colour, so the panel becomes two: in-flight bands (how many rollouts were open, on average over
+each bin, stacked by what became of them) and rates (rollouts started, finished, failed and cancelled per
 second, in `BINS` bins; a rate that stays 0 is left out). The bottom panel is the trainer's lane:
 each step's wait, training and weight sync, and the evaluations.
 
 Invariants: the in-flight bands count exactly the rollouts the bars would draw (same fates), so
-their top edge is the number of open rollouts; rates count each rollout once, in the bin of its
-start (started) or of its end (its outcome).
+their top edge is the mean number of open rollouts in each bin (their area: rollout-seconds);
+rates count each rollout once, in the bin of its start (started) or of its end (its outcome).
 """
 
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_right
 from collections import defaultdict
 from typing import Any
 
@@ -114,19 +113,27 @@ class Pipeline:
         gen.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="rollouts, by what\nbecame of the group")
 
     def _bands(self, gen: Any, shown: list[tuple[int, float, float, str, str]], lo: float, hi: float) -> None:
-        """Rollouts open at each time, stacked by what became of their group (a step function, sampled finely)."""
-        times = [lo + (hi - lo) * i / (4 * BINS) for i in range(4 * BINS + 1)]
-        below = [0] * len(times)
+        """Rollouts in flight, on average over each of 2 * BINS bins, stacked by what became of their group.
+
+        A mean over the bin (each rollout adds the part of the bin it was open for), not a sample at
+        one instant: bursts shorter than a bin are neither lost nor drawn as spikes."""
+        bins = 2 * BINS
+        width = max(hi - lo, 1e-9) / bins
+        edges = [lo + i * width for i in range(bins + 1)]
+        below = [0.0] * bins
         for outcome in FATES:
-            starts = sorted(b[1] for b in shown if b[3] == outcome)
-            ends = sorted(b[2] for b in shown if b[3] == outcome)
-            if not starts:
+            spans = [(max(b[1], lo), min(b[2], hi)) for b in shown if b[3] == outcome]
+            if not spans:
                 continue
-            top = [b + bisect_right(starts, t) - bisect_right(ends, t) for b, t in zip(below, times)]
-            gen.fill_between(times, below, top, step="post", color=COLOURS[outcome], linewidth=0, label=f"{outcome} ({len(starts)})")
+            top = list(below)
+            for start, end in spans:
+                for i in range(int((start - lo) / width), min(int((end - lo) / width), bins - 1) + 1):
+                    top[i] += max(0.0, min(end, edges[i + 1]) - max(start, edges[i])) / width
+            gen.fill_between(edges, [*below, below[-1]], [*top, top[-1]], step="post", color=COLOURS[outcome], linewidth=0,
+                             label=f"{outcome} ({len(spans)})")
             below = top
         gen.set(ylim=(0, max([*below, self.max_inflight, 1]) * 1.1),
-                ylabel="rollouts in flight, stacked\n(a rollout waiting to retry\nholds no request slot)")
+                ylabel=f"rollouts in flight, mean\nper {width:.3g} s, stacked (a rollout\nwaiting to retry holds no slot)")
         gen.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="rollouts, by what\nbecame of the group")
 
     def _rates(self, ax: Any, shown: list[tuple[int, float, float, str, str]], lo: float, hi: float) -> None:
