@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training", "distill.teacher", "distill.loss"),
     ("pipeline", "assemble", "evaluation"),
     ("telemetry",),
-    ("train", "run_files", "simulate", "sim_metrics", "plot", "check", "trl_convert", "cli", "api", "api_config", "api_run"),
+    ("train", "run_files", "simulate", "sim_metrics", "plot", "plot_timeline", "check", "trl_convert", "cli", "api", "api_config", "api_run"),
 )
 
 
