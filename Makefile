@@ -61,6 +61,7 @@ bench: $(STAMP)
 	@set -e; py=$(abspath $(BIN))/python; export PYTHONPATH=$(CURDIR)/src; \
 	run() { echo; echo "== bench/$$*"; f=$$1; shift; "$$py" "bench/$$f" "$$@"; }; \
 	run orchestration_overhead.py --rollouts 24000; \
+	run orchestration_scaling.py --widths 64,4096 --rollouts 12000; \
 	run prompt_source.py 100000; \
 	run reward_isolation.py 500; \
 	run simulate_efficiency.py; \

@@ -30,19 +30,21 @@ GROUPS_PER_STEP = 8
 MEDIAN_S, SIGMA = 0.2, 1.0
 
 
-def workload(group_size: int, rollouts: int) -> Config:
-    slots = GROUPS_PER_STEP * group_size
+def workload(group_size: int, rollouts: int, groups_per_step: int = GROUPS_PER_STEP) -> Config:
+    """Issue 15's workload with `groups_per_step` groups per step and as many groups' worth of request slots."""
+    slots = groups_per_step * group_size
     mean_latency = MEDIAN_S * math.exp(SIGMA**2 / 2)
     # Training capacity (a step of `slots` rollouts per step_time) = generation capacity (`slots` per mean latency).
     step_time = mean_latency
     steps = rollouts // slots
+    prompts = max(512, 4 * groups_per_step)  # 512 at the default width, as issue 15 measured
     return load_config("recipes/simulate.yaml", [
-        "data.source=builtin:repeat_letter", "data.builtin_size=512", f"data.num_epochs={steps // 64 + 8}",
+        "data.source=builtin:repeat_letter", f"data.builtin_size={prompts}", f"data.num_epochs={steps * groups_per_step // prompts + 8}",
         "reward.functions=[builtin:coin]", "generation.scripted.faults=[]",
         f"generation.scripted.latency_s={{dist: lognormal, median: {MEDIAN_S}, sigma: {SIGMA}}}",
         "generation.scripted.tokens={dist: const, value: 24}", "generation.max_new_tokens=24",
         f"generation.max_inflight={slots}", "generation.request_timeout_s=30", "generation.rollout_deadline_s=90",
-        f"rollout.group_size={group_size}", f"rollout.groups_per_step={GROUPS_PER_STEP}", "rollout.max_staleness=1",
+        f"rollout.group_size={group_size}", f"rollout.groups_per_step={groups_per_step}", "rollout.max_staleness=1",
         "rollout.max_drop_fraction=1.0", f"train.step_time_s={step_time:.6f}", f"train.max_steps={steps}",
     ])
 

@@ -34,7 +34,7 @@ def _type(annotation: object) -> str:
     text = repr(annotation) if not isinstance(annotation, type) else annotation.__name__
     if typing.get_origin(annotation) is typing.Literal:
         return " \\| ".join(repr(a) for a in typing.get_args(annotation))
-    for noise in ("typing.", "asyncgrpo.config."):
+    for noise in ("typing.", "asyncgrpo.config.", "asyncgrpo.loss_config."):
         text = text.replace(noise, "")
     return text.replace("|", "\\|")
 

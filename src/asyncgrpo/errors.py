@@ -131,6 +131,7 @@ DIAGNOSTIC_KINDS = (
     "weight_sync",
     "backend_error",
     "disk",
+    "tracker",
     "eval",
     "internal",
     "step_report",
@@ -206,4 +207,4 @@ class PipelineError(AsyncGRPOError):
 
 
 class StallError(PipelineError):
-    """No rollout finished and no step trained for `rollout.stall_timeout_s`; names what was awaited."""
+    """No rollout (or episode turn) finished and no step trained for `rollout.stall_timeout_s`; names what was awaited."""

@@ -12,10 +12,9 @@ and scored with the environment's reward added (`eval/reward/env`). Evaluation's
 - keep counters of their own: their environment errors are failed samples
   (`eval/failed_requests`), never training's `env/*` totals;
 - run at most `generation.max_inflight` at once (the environments alive at once, as in training);
-- each end within `env.max_turns` x `generation.rollout_deadline_s` (training has staleness and the
-  stall timeout to end an episode that never ends; an evaluation has only this): one that does not
-  is cancelled like any cancelled episode (token, close(), grace; a process worker killed) and
-  counted as failed;
+- each end within `config.episode_limit_s` (the reset and env.max_turns turns of a generation and a
+  step, each within its own deadline; a second guard over those): one that does not is cancelled
+  like any cancelled episode (token, close(), grace; a process worker killed) and counted as failed;
 - are cancelled with the evaluation (the run stopping): each episode's environment is stopped
   before the cancellation goes on, so none outlives it (with `env.isolation: process`, no worker).
 """
@@ -29,7 +28,7 @@ import statistics
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-from asyncgrpo.config import Config
+from asyncgrpo.config import Config, episode_limit_s
 from asyncgrpo.environments.conversation import Codec
 from asyncgrpo.errors import Diagnostic, EpisodeError, FatalBackendError, GenerationError, RewardError
 from asyncgrpo.generation.base import Generator
@@ -93,10 +92,10 @@ async def evaluate(
             return []
         try:
             scored = await scorer.score(prompt, completions)
+            return add_env_reward(scored, completions, cfg.env, prompt) if cfg.env is not None else scored
         except RewardError as exc:
             failures.extend([exc] * len(completions))
             return []
-        return add_env_reward(scored, completions, cfg.env.reward_weight) if cfg.env is not None else scored
 
     try:
         async with asyncio.TaskGroup() as task_group:
@@ -135,9 +134,10 @@ def _sampler(cfg: Config, engine: Generator, codec: Codec | None, jitter: random
     if codec is None:
         raise ValueError("evaluating with an env: section needs the codec that tokenizes its episodes")
     # Counters of its own: an evaluation episode's errors are its failed samples, not training's env/* totals.
-    episodes = EpisodeRunner(env, cfg.generation, codec, Counter(), prompt_key=cfg.data.prompt_key, jitter=jitter)
+    episodes = EpisodeRunner(env, cfg.generation, codec, Counter(), prompt_key=cfg.data.prompt_key,
+                             max_prompt_tokens=cfg.data.max_prompt_tokens, jitter=jitter)
     slots = asyncio.Semaphore(cfg.generation.max_inflight)  # holders end within limit_s + the cancel grace
-    limit_s = env.max_turns * cfg.generation.rollout_deadline_s
+    limit_s = episode_limit_s(env, cfg.generation)
 
     async def play(prompt: Prompt, request: GenerationRequest) -> Completion:
         async with slots:
@@ -146,9 +146,10 @@ def _sampler(cfg: Config, engine: Generator, codec: Codec | None, jitter: random
                     return await episodes.run(prompt, request, generate, on_retry=lambda error: None, between_attempts=asyncio.sleep)
             except TimeoutError as exc:  # the episode was cancelled (its environment stopped) when the limit struck
                 raise EpisodeError(
-                    f"the evaluation episode of prompt {prompt.id} did not end within {limit_s:g} s (env.max_turns = "
-                    f"{env.max_turns} x generation.rollout_deadline_s = {cfg.generation.rollout_deadline_s:g}); it was "
-                    f"stopped and is left out. Fix: make the environment's steps end sooner, or raise generation.rollout_deadline_s.",
+                    f"the evaluation episode of prompt {prompt.id} did not end within {limit_s:g} s (env.step_timeout_s = "
+                    f"{env.step_timeout_s:g} for the reset, then env.max_turns = {env.max_turns} x (generation.rollout_deadline_s = "
+                    f"{cfg.generation.rollout_deadline_s:g} + env.step_timeout_s)); it was stopped and is left out. Fix: make the "
+                    f"environment's steps end sooner, or raise generation.rollout_deadline_s.",
                     backend=env.factory,
                 ) from exc
 

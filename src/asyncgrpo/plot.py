@@ -3,7 +3,8 @@
 Reads `metrics.jsonl` and `timeline.jsonl` and writes, into `RUN_DIR/plots/` (or `--out`):
 
 - rewards.png: the training reward per step, with the evaluations (reward and pass rate) when there are any;
-- loss_kl.png: loss and KL per step (a simulation has neither: the panels say so);
+- loss_kl.png: loss and KL per step (a simulation has neither: the panels say so), and under
+  `algorithm: distill` distill/kl_mean, the distillation's key metric;
 - staleness.png: for each step, how many trained groups had each staleness (from the timeline),
   with the mean and max from the metrics;
 - counters.png: failed rollouts, stale groups, dropped groups, retries and requeues so far, per step;
@@ -60,6 +61,12 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
             f"Fix: pass the directory a `train` run wrote (runs/<run.name>), or one given to `simulate --output-dir`."
         )
     metrics = read_jsonl(metrics_path)
+    if not metrics:
+        raise AsyncGRPOError(
+            f"{metrics_path} holds no step record (it is empty, or its one line was cut short), so there is nothing to draw. "
+            f"Fix: plot it once its run has trained a step, or restore the file from a copy (a training run's checkpoints "
+            f"keep one in records/)."
+        )
     timeline = read_jsonl(timeline_path) if timeline_path.is_file() else []
     out = out_dir if out_dir is not None else run_dir / PLOTS_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -123,8 +130,9 @@ def _evaluations(metrics: list[dict[str, Any]], timeline: list[dict[str, Any]]) 
 
 
 def _loss_kl(plt: Any, metrics: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> Any:
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, key in zip(axes, ("loss", "kl")):
+    keys = ["loss", "kl", *(["distill/kl_mean"] if metrics and "distill/kl_mean" in metrics[0] else [])]
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5))
+    for ax, key in zip(axes, keys):
         steps, values = _series(metrics, key)
         if values:
             ax.plot(steps, values, color="#1f5fbf", lw=1.2)

@@ -4,7 +4,10 @@ Invariants:
 - asyncgrpo only ever deletes or rewrites what it wrote. A run directory carries `MARKER`,
   written when asyncgrpo creates (or first takes an empty) directory; an existing non-empty
   directory without it is refused, whatever `run.overwrite` says. Starting over in a marked
-  directory removes only the entries of `OWNED_ENTRIES`: anything else a user put there stays.
+  directory removes only what asyncgrpo wrote, entry by entry: the files of `OWNED_FILES`, and
+  inside the directories of `OWNED_DIRS` the entries named as asyncgrpo (or the tracker it
+  drives) names them. Anything else a user put there, at the top or inside those directories,
+  stays, and `clear_run` names it.
 - One trainer per run directory: `claim` holds an exclusive `flock` on `LOCK_FILE` for the whole
   run. The kernel releases it when the holder exits, however it exits (SIGKILL included), so a
   stale lock never blocks; a second trainer is refused, naming the PID that holds the lock.
@@ -18,11 +21,14 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncgrpo.atomic import is_temporary
 from asyncgrpo.errors import ConfigError, RunDirectoryBusyError
 
 MARKER = ".asyncgrpo-run"
@@ -36,10 +42,20 @@ CHECKPOINTS_DIR = "checkpoints"
 WEIGHTS_DIR = "weights"
 TIMELINE_FILE = "timeline.jsonl"
 PLOTS_DIR = "plots"
-TRACKER_DIRS = ("tensorboard", "wandb", "mlruns")  # telemetry/sinks.py
-OWNED_ENTRIES = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, OUTCOMES_FILE, ERROR_FILE, CHECKPOINTS_DIR, WEIGHTS_DIR,
-                 TIMELINE_FILE, PLOTS_DIR, *TRACKER_DIRS)
-"""What a run writes besides the marker and the lock, and so what starting over removes."""
+PLOT_FILES = ("rewards.png", "loss_kl.png", "staleness.png", "counters.png", "timeline.png", "timeline_start.png")  # plot.py
+OWNED_FILES = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, OUTCOMES_FILE, ERROR_FILE, TIMELINE_FILE)
+OWNED_DIRS: dict[str, re.Pattern[str]] = {
+    # directory: the names of what asyncgrpo writes in it (whole-name matches), besides atomic.py's temporaries
+    CHECKPOINTS_DIR: re.compile(r"step_\d{6,}"),  # training/checkpoint.py
+    WEIGHTS_DIR: re.compile(r"v\d{6,}"),  # generation/weight_sync.py
+    PLOTS_DIR: re.compile("|".join(map(re.escape, PLOT_FILES))),
+    # telemetry/sinks.py's trackers: torch's SummaryWriter, wandb.init(dir=run_dir), MLflow's file store
+    "tensorboard": re.compile(r"events\.out\.tfevents\..+"),
+    "wandb": re.compile(r"(offline-)?run-\d{8}_\d{6}-\w+|latest-run|debug(-internal)?\.log"),
+    "mlruns": re.compile(r"\d+|\.trash|models"),
+}
+OWNED_ENTRIES = (*OWNED_FILES, *OWNED_DIRS)
+"""What a run writes besides the marker and the lock, and so where starting over removes what it wrote."""
 
 
 def check_run_directory(run_dir: Path) -> None:
@@ -94,19 +110,46 @@ def claim(run_dir: Path) -> Iterator[Path]:
         os.close(fd)  # releases the lock
 
 
-def clear_run(run_dir: Path) -> list[str]:
-    """Remove what an earlier run wrote in `run_dir` (which `claim` holds). Returns the removed names."""
-    removed = []
-    for name in OWNED_ENTRIES:
+@dataclass
+class Cleared:
+    """What `clear_run` did: the entries it removed and those it kept, as paths relative to the run directory."""
+
+    removed: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+
+
+def clear_run(run_dir: Path) -> Cleared:
+    """Remove what an earlier run wrote in `run_dir` (which `claim` holds), entry by entry (see the module docstring).
+
+    A directory of `OWNED_DIRS` left empty is removed too (a symbolic link to one stays, emptied of what asyncgrpo
+    wrote); an entry asyncgrpo would not have written, such as a directory where it writes a file, is kept."""
+    cleared = Cleared()
+    for name in OWNED_FILES:
         path = run_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
+        if path.is_symlink() or path.is_file():
             path.unlink()
-        else:
+            cleared.removed.append(name)
+        elif path.exists():
+            cleared.kept.append(name)
+    for name, written in OWNED_DIRS.items():
+        folder = run_dir / name
+        if not folder.is_dir():
+            if folder.exists() or folder.is_symlink():
+                cleared.kept.append(name)
             continue
-        removed.append(name)
-    return removed
+        for entry in sorted(folder.iterdir()):
+            relative = f"{name}/{entry.name}"
+            if not (is_temporary(entry.name) or written.fullmatch(entry.name)):
+                cleared.kept.append(relative)
+            elif entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+                cleared.removed.append(relative)
+            else:
+                entry.unlink()
+                cleared.removed.append(relative)
+        if not folder.is_symlink() and not any(folder.iterdir()):
+            folder.rmdir()
+    return cleared
 
 
 def _holder(fd: int) -> int | None:

@@ -16,6 +16,7 @@ pipeline started has ended when it returns.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rewards.trl_args import run_trainer_state
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.rollout.episode import term_names
 from asyncgrpo.rollout.ledger import PromptLedger
@@ -140,12 +142,13 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     outcomes: list[dict[str, Any]] = []
     collector = build_collector(cfg, prompts, generator, scorer=teacher or scorer, observer=report.timeline if report else None,
                                 host_factory=env_hosts, ledger=PromptLedger(sink=outcomes.append))
+    scorer.trainer_state = functools.partial(run_trainer_state, cfg, len(prompts), lambda: collector.steps_trained)
     records: list[StepRecord] = []
 
     async def record(step: StepRecord) -> None:
         records.append(step)
         if report is not None:
-            report.step(step, collector, term_names(scorer.names, cfg.env))
+            report.step(step, collector, term_names(scorer.names, cfg.env), scorer.log.drain())
 
     async def main() -> tuple[PipelineResult, float]:
         result = await run_pipeline(cfg, collector=collector, trainer=trainer, generator=generator, on_step=record)
@@ -174,25 +177,30 @@ class _Report:
     def __init__(self, cfg: Config, output_dir: Path, server: str) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
+        self.timeline_file = JsonlFile(output_dir / TIMELINE_FILE, truncate_to=0)
         self.timeline = Timeline(
-            output_dir / TIMELINE_FILE, server=server, max_inflight=cfg.generation.max_inflight,
+            self.timeline_file, server=server, max_inflight=cfg.generation.max_inflight,
             group_size=cfg.rollout.group_size, max_rollout_spans=cfg.logging.timeline_max_rollouts,
         )
         self.file = JsonlFile(output_dir / METRICS_FILE, truncate_to=0)
         self.rate = MovingRate(0.0, 0)
+        self.writer: MetricsWriter | None = None
 
-    def step(self, record: StepRecord, collector: Collector, reward_names: list[str]) -> None:
+    def step(self, record: StepRecord, collector: Collector, reward_names: list[str], logged: dict[str, float]) -> None:
+        """Write the step's metrics line; `logged`: the reward functions' log_metric means (user/<name>)."""
         now = asyncio.get_running_loop().time()
         self.timeline.step(record, now)
-        keys = metric_keys(reward_names, distill=self.cfg.algorithm == "distill")
+        if self.writer is None:
+            self.writer = MetricsWriter(self.file, metric_keys(reward_names, distill=self.cfg.algorithm == "distill"))
         values = step_metrics(
             record, collector.metric_values(), reward_names=reward_names, elapsed_s=now,
             gen_tokens_per_s=self.rate.add(now, collector.counters["rollout/generated_tokens_total"]), eval_metrics={},
         )
-        MetricsWriter(self.file, keys).write({**dict.fromkeys(keys), **values})
+        self.writer.write({**dict.fromkeys(self.writer.keys), **values, **logged})
 
     def close(self) -> None:
         self.timeline.close()
+        self.timeline_file.close()
         self.file.close()
 
 

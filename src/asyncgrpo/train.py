@@ -14,8 +14,8 @@
 5. `TrainingRun.finish`: a final checkpoint, error.txt when the run failed, and the summary.
 
 Invariants:
-- Every trained step has its metrics line; metrics.jsonl, outcomes.jsonl and the newest
-  checkpoint describe the same steps after any ending (a resume restores the records that the
+- Every trained step has its metrics line; metrics.jsonl, outcomes.jsonl, timeline.jsonl and the
+  newest checkpoint describe the same steps after any ending (a resume restores the records that the
   checkpoint copied, so damaged live files are replaced, never padded or silently shortened).
 - Any error, at any stage, ends as one paragraph (`train_cli`), with error.txt in the run
   directory when there is one and a checkpoint when a step completed.
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 import signal
@@ -54,6 +55,7 @@ from asyncgrpo.generation.ray_cluster import import_ray
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rewards.trl_args import run_trainer_state
 from asyncgrpo.rollout.episode import term_names
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.run_files import describe_last_checkpoint, disk_diagnostic, disk_problem, open_record, write_or_disk_error
@@ -71,12 +73,13 @@ from asyncgrpo.rundir import (
 from asyncgrpo.signals import EXIT_CODES as SIGNAL_EXIT_CODES
 from asyncgrpo.signals import StopSignals
 from asyncgrpo.telemetry.keys import EVAL_KEYS
-from asyncgrpo.telemetry.metrics import MetricsWriter, MovingRate, metric_keys, step_metrics, write_samples
+from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, metric_keys, step_metrics, write_samples
 from asyncgrpo.telemetry.progress import Progress, RunTotals
-from asyncgrpo.telemetry.sinks import Trackers, sink_problems
+from asyncgrpo.telemetry.sinks import TrackerError, Trackers, sink_problems
 from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.training.lora import check_peft
+from asyncgrpo.training.losses.plugin import resolve_loss_plugin
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import Group, Prompt, StepRecord
@@ -106,6 +109,8 @@ def preflight(cfg: Config) -> ResumePlan:
     if cfg.eval.source is not None:
         check_data_source(cfg.eval.source, key="eval.source")
     resolve_rewards(cfg.reward.functions)
+    if cfg.train.loss.plugin:
+        resolve_loss_plugin(cfg.train.loss.type)
     check_env(cfg.env)
     if problems := sink_problems(cfg.logging.sinks):
         raise ConfigError("\n".join(problems))
@@ -142,6 +147,7 @@ class RunSummary:
     totals: RunTotals = field(default_factory=RunTotals)
     wall_s: float = 0.0
     generator_use: float | None = None  # rollouts in progress per generation slot, on average
+    start_step: int = 0  # the step this invocation resumed at (0: a fresh run)
 
     @property
     def exit_code(self) -> int:
@@ -150,6 +156,8 @@ class RunSummary:
         return EXIT_CODES[self.result.outcome]
 
     def render(self) -> str:
+        """The summary. A resumed run's says which lines count this invocation (its steps, rewards, staleness,
+        generation) and which the whole run (prompts and counters, which the checkpoint carried over)."""
         r = self.result
         acc = self.accounting
         dropped = ", ".join(f"{k} {v}" for k, v in acc["dropped"].items() if v) or "none"
@@ -165,28 +173,33 @@ class RunSummary:
             lines.append(f"  error ({r.diagnostic.kind}): {r.diagnostic.render()}")
             if r.diagnostic.traceback:
                 lines.append("  first error's traceback is in " + str(self.run_dir / "error.txt"))
+        resumed = self.start_step > 0
+        this, whole = (" this invocation", ", whole run") if resumed else ("", "")
         t = self.totals
-        lines.append(f"  trained: {t.steps} steps, {t.samples} samples, {t.tokens} completion tokens in {_duration(self.wall_s)}")
+        since = f" (resumed at step {self.start_step})" if resumed else ""
+        lines.append(f"  trained{this}{since}: {t.steps} steps, {t.samples} samples, {t.tokens} completion tokens in {_duration(self.wall_s)}")
         if t.eval_first is not None and t.eval_last is not None:
-            lines.append(f"  eval reward: {t.eval_first:.3f} -> {t.eval_last:.3f}")
+            lines.append(f"  eval reward{this}: {t.eval_first:.3f} -> {t.eval_last:.3f}")
         if self.first_rewards and self.last_rewards:
             lines.append(
-                f"  reward: first 10% of steps {statistics.fmean(self.first_rewards):.3f} -> "
+                f"  reward{this}: first 10% of steps {statistics.fmean(self.first_rewards):.3f} -> "
                 f"last 10% {statistics.fmean(self.last_rewards):.3f}"
             )
+        if t.kl_first is not None and t.kl_last is not None:
+            lines.append(f"  distill/kl_mean{this}: first step {t.kl_first:.4f} -> last {t.kl_last:.4f}")
         lines.append(
-            f"  prompts: taken {acc['taken']}, trained {acc['trained']}, requeued {acc['requeued']}, dropped: {dropped}, "
+            f"  prompts{whole}: taken {acc['taken']}, trained {acc['trained']}, requeued {acc['requeued']}, dropped: {dropped}, "
             f"in flight at exit {acc['in_flight']}, buffered at exit {acc['buffered']}"
         )
-        staleness = f"mean {t.staleness_mean:.2f}, " if t.staleness_mean is not None else ""
-        wait = f"; the trainer waited for batches {t.wait_share:.0%} of its time" if t.wait_share is not None else ""
-        lines.append(f"  staleness trained: {staleness}max {r.staleness_max}{wait}")
+        if t.staleness:
+            wait = f"; the trainer waited for batches {t.wait_share:.0%} of its time" if t.wait_share is not None else ""
+            lines.append(f"  staleness trained{this}: mean {statistics.fmean(t.staleness):.2f}, max {max(t.staleness):g}{wait}")
         if self.generator_use is not None:
-            lines.append(f"  generation: on average {self.generator_use:.0%} of generation.max_inflight rollouts in progress")
+            lines.append(f"  generation{this}: on average {self.generator_use:.0%} of generation.max_inflight rollouts in progress")
         counters = {k.removeprefix("rollout/"): v for k, v in t.last.items()
                     if k.startswith("rollout/") and k.endswith("_total") and v and "generated" not in k}
         if counters:
-            lines.append("  counters: " + ", ".join(f"{k} {v}" for k, v in counters.items()))
+            lines.append(f"  counters{whole}: " + ", ".join(f"{k} {v}" for k, v in counters.items()))
         if self.final_checkpoint is not None:
             lines.append(f"  checkpoint: {self.final_checkpoint} (loads with transformers' from_pretrained)")
         if t.steps:
@@ -269,7 +282,7 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
     stop = stop if stop is not None else Stop()
     with claim(cfg.run.directory) as run_dir:
         plan = plan_resume(cfg)  # again, now that no other process can change the directory
-        if plan.checkpoint is None:
+        if plan.checkpoint is None or plan.start_over:
             _start_over(run_dir)
         run = TrainingRun.prepare(cfg, plan, run_dir, stop)
         try:
@@ -283,9 +296,12 @@ async def train(cfg: Config, *, stop: Stop | None = None) -> RunSummary:
 def _start_over(run_dir: Path) -> None:
     """A fresh start: nothing an earlier run wrote may mix into this one (and nothing else is touched)."""
     try:
-        clear_run(run_dir)
+        cleared = clear_run(run_dir)
     except OSError as exc:
         raise DiskError(disk_problem(Path(exc.filename or run_dir), exc)) from exc
+    if cleared.kept:
+        shown = ", ".join(cleared.kept[:10]) + (f" and {len(cleared.kept) - 10} more" if len(cleared.kept) > 10 else "")
+        log.warning("starting over in %s: removed what the earlier run wrote; kept what asyncgrpo did not write: %s", run_dir, shown)
 
 
 class TrainingRun:
@@ -306,6 +322,7 @@ class TrainingRun:
         self.outcomes = open_record(run_dir / OUTCOMES_FILE, offsets)
         self.metrics_file = open_record(run_dir / METRICS_FILE, offsets)
         self.samples_file = open_record(run_dir / SAMPLES_FILE, offsets, warnings)
+        self.timeline_file = open_record(run_dir / TIMELINE_FILE, offsets, warnings)
         self.ledger = PromptLedger(saved.get("done"), sink=self.outcomes.append)
         self.engine = _generator(cfg, trainer, tokenizer, run_dir)
         # train.world_size > 1: ranks on Ray train from here on (`trainer` only restored the run and built the engine).
@@ -313,8 +330,9 @@ class TrainingRun:
         if self.ranks is not None:
             self.trainer = self.ranks
         self.timeline = Timeline(
-            run_dir / TIMELINE_FILE, server=self.engine.name, max_inflight=cfg.generation.max_inflight,
+            self.timeline_file, server=self.engine.name, max_inflight=cfg.generation.max_inflight,
             group_size=cfg.rollout.group_size, max_rollout_spans=cfg.logging.timeline_max_rollouts,
+            start_step=plan.step, resumed=saved.get("timeline"),
         )
         self.scorer = RewardScorer.from_config(cfg.reward)
         self.teacher = teacher  # algorithm: distill: it scores the samples instead of the reward functions
@@ -322,6 +340,7 @@ class TrainingRun:
             cfg, prompts, self.engine, stop_token_ids=self.stop_ids, scorer=teacher or self.scorer, ledger=self.ledger,
             start_step=plan.step, resumed=saved, observer=self.timeline, tokenizer=tokenizer,
         )
+        self.scorer.trainer_state = functools.partial(run_trainer_state, cfg, len(prompts), lambda: self.collector.steps_trained)
         self.reward_terms = term_names(self.scorer.names, cfg.env)
         self.eval_codec = episode_codec(cfg, tokenizer)  # evaluation plays episodes tokenized as the collector's
         self.metrics = MetricsWriter(self.metrics_file, metric_keys(self.reward_terms, distill=teacher is not None))
@@ -334,6 +353,7 @@ class TrainingRun:
         self.token_rate = MovingRate(self.started, self.collector.counters["rollout/generated_tokens_total"])
         self.final_checkpoint: Path | None = None
         self.ended_at = 0.0  # loop time when the pipeline ended
+        self.tracker_failures: list[TrackerError] = []  # trackers that failed to close
 
     @classmethod
     def prepare(cls, cfg: Config, plan: ResumePlan, run_dir: Path, stop: Stop) -> TrainingRun:
@@ -354,10 +374,13 @@ class TrainingRun:
         log.info("reading the data %s ...", cfg.data.source)
         train_rows, eval_rows = _split_rows(cfg)
         tokens = {"tokenizer": tokenizer, "max_prompt_tokens": cfg.data.max_prompt_tokens}
-        prompts, report = build_prompts(train_rows, prompt_key=cfg.data.prompt_key, **tokens)
+        train_source, eval_source = prompt_sources(cfg)
+        prompts, report = build_prompts(train_rows, prompt_key=cfg.data.prompt_key, source=train_source, **tokens)
         eval_key = "eval.source" if cfg.eval.source else "data.prompt_key"
-        eval_prompts = build_prompts(eval_rows, prompt_key=cfg.data.prompt_key, key=eval_key, **tokens)[0] if eval_rows else []
-        warnings = [*plan.notes, *report.warnings(), *step_budget_warnings(cfg, len(prompts))]
+        eval_prompts, eval_report = (
+            build_prompts(eval_rows, prompt_key=cfg.data.prompt_key, key=eval_key, source=eval_source, **tokens) if eval_rows else ([], None)
+        )
+        warnings = [*plan.notes, *report.warnings(), *(eval_report.warnings() if eval_report else []), *step_budget_warnings(cfg, len(prompts))]
         teacher = None
         if cfg.algorithm == "distill":
             from asyncgrpo.distill.teacher import build_teacher
@@ -442,12 +465,16 @@ class TrainingRun:
             elapsed_s=now - self.started,
             gen_tokens_per_s=self.token_rate.add(now, self.collector.counters["rollout/generated_tokens_total"]),
             eval_metrics=self.eval_state,
-        )
+        ) | self.scorer.log.drain()  # the reward functions' log_metric values since the last step: user/<name>
         try:
-            self.trackers.log(self.metrics.write(values))
+            line = self.metrics.write(values)
             write_samples(self.samples_file, record, cfg.logging.samples_per_step)
         except OSError as exc:
             raise PipelineError(disk_diagnostic(exc, self.run_dir, self.run_dir / METRICS_FILE, step)) from exc
+        try:
+            self.trackers.log(line)
+        except TrackerError as exc:
+            raise PipelineError(_tracker_diagnostic(exc, step)) from exc
         self.rewards_by_step.append(values["reward/mean"])
         self.progress.update(values, record, self.collector.in_flight_groups)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.max_steps:
@@ -474,14 +501,19 @@ class TrainingRun:
 
     def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, int]]:
         """Taken in one synchronous moment, so the ledger, counters and record files agree."""
-        sizes = {f.path.name: f.offset() for f in (self.metrics_file, self.samples_file, self.outcomes)}
+        sizes = {f.path.name: f.offset() for f in self._records()}
         extra = {
             "done": self.ledger.done_by_epoch(),
             "accounting": self.collector.accounting.to_json(),
             "counters": dict(self.collector.counters),
             "offsets": sizes,
+            "timeline": self.timeline.state(asyncio.get_running_loop().time()),
         }
-        return extra, {name: sizes[name] for name in (METRICS_FILE, OUTCOMES_FILE)}
+        return extra, {name: sizes[name] for name in (METRICS_FILE, OUTCOMES_FILE, TIMELINE_FILE)}
+
+    def _records(self) -> tuple[JsonlFile, ...]:
+        """The run's append-only records: each continues from the checkpoint a resume starts from."""
+        return self.metrics_file, self.samples_file, self.outcomes, self.timeline_file
 
     def _save_checkpoint(self, step: int, extra: dict[str, Any], records: dict[str, int]) -> Path:
         from asyncgrpo.training.checkpoint import save_checkpoint
@@ -499,7 +531,7 @@ class TrainingRun:
         self.ended_at = asyncio.get_running_loop().time()
         self.progress.close()
         self.timeline.close()
-        self.trackers.close()
+        self.tracker_failures = self.trackers.close()
         await self.scorer.aclose()
         if self.teacher is not None:
             await self.teacher.aclose()
@@ -518,7 +550,9 @@ class TrainingRun:
                 self.final_checkpoint = self._save_checkpoint(self.trainer.version, extra, records)
             except OSError as exc:
                 result = _with_failure(result, disk_diagnostic(exc, self.run_dir, self.run_dir / "checkpoints", self.trainer.version))
-        for file in (self.metrics_file, self.samples_file, self.outcomes):
+        for failure in self.tracker_failures:
+            result = _with_failure(result, _tracker_diagnostic(failure, self.trainer.version))
+        for file in self._records():
             file.close()
         if result.diagnostic is not None:
             try:
@@ -538,6 +572,7 @@ class TrainingRun:
             totals=self.progress.totals,
             wall_s=time.perf_counter() - self.started,
             generator_use=self.timeline.utilisation(self.ended_at),
+            start_step=self.plan.step,
         )
 
 
@@ -560,12 +595,23 @@ def _resume(plan: ResumePlan, trainer: Any, run_dir: Path) -> dict[str, Any]:
     return saved
 
 
+def _tracker_diagnostic(exc: TrackerError, step: int) -> Diagnostic:
+    """A tracker of logging.sinks failed after `step` steps: the run's diagnostic (telemetry/sinks.py's policy)."""
+    return Diagnostic(kind="tracker", message=f"After step {step}, {exc}", backend=exc.sink, trainer_step=step, original=exc)
+
+
 def _with_failure(result: PipelineResult, diagnostic: Diagnostic) -> PipelineResult:
     """`result` failed with `diagnostic`, unless it already carries a first diagnostic (which stays: sticky)."""
     if result.diagnostic is not None:
         log.warning("warning: after the run's error, also: %s", diagnostic.render())
         return result
     return PipelineResult("failed", "error", result.steps, diagnostic, PipelineError(diagnostic), result.staleness_max)
+
+
+def prompt_sources(cfg: Config) -> tuple[str, str]:
+    """Where the training and the evaluation prompts come from, in words (for warnings about them)."""
+    held_out = f"eval.source = {cfg.eval.source}" if cfg.eval.source else f"the eval rows of data.source = {cfg.data.source}"
+    return f"data.source = {cfg.data.source}", held_out
 
 
 def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Generator:
@@ -576,13 +622,14 @@ def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Gene
         return RayGenerator(cfg, _serving_model(cfg, trainer, "cpu"), tokenizer, version=trainer.version)
     if cfg.generation.backend == "http":
         from asyncgrpo.generation.http import HttpGenerator
+        from asyncgrpo.models.loading import model_directory
 
-        model_dir = Path(cfg.model.path).expanduser()
+        model_dir = None if cfg.model.path.startswith("builtin:") else model_directory(cfg.model.path, weights=False)  # a hub id's snapshot
         http = cfg.generation.http
         return HttpGenerator(
             cfg.generation,
             weights_dir=Path(http.weights_dir) if http.weights_dir else run_dir / "weights",
-            model_config=model_dir if model_dir.is_dir() else trainer.model.config.to_dict(),
+            model_config=model_dir if model_dir is not None else trainer.model.config.to_dict(),
             initial_version=trainer.version,
         )
     from asyncgrpo.generation.local import LocalEngine

@@ -87,7 +87,8 @@ class Episode:
     observations, in order); `turns`: model generations; `env_reward`: the sum of the
     environment's step rewards (None: no step gave one); `version_span`: the lowest and highest
     policy version of the model's tokens; `drift_turns`: turns whose ids (as sampled) were not a
-    prefix of the chat template's rendering of the history (the ids were kept, never re-rendered).
+    prefix of the chat template's rendering of the history (the ids were kept, never re-rendered);
+    `step_rewards`: each step's reward, in turn order (what a non-finite `env_reward` is reported from).
     """
 
     messages: tuple[Mapping[str, Any], ...]
@@ -97,6 +98,7 @@ class Episode:
     version_span: tuple[int, int]
     drift_turns: int = 0
     info: tuple[Mapping[str, Any], ...] = ()
+    step_rewards: tuple[float | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,7 @@ class Rollout:
     advantage: float
     reward_terms: Mapping[str, float | None] = field(default_factory=dict)
     teacher_logprobs: tuple[float, ...] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)  # columns reward functions logged for it (TRL's log_extra)
 
     def __post_init__(self) -> None:
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.completion.token_ids):

@@ -11,11 +11,17 @@ Invariants:
 - A program in which every task waits with no timer pending can never wake up; the loop
   raises `VirtualDeadlock` at once instead of hanging, naming that state. In the pipeline
   that is always a bug (every wait has a deadline).
+- A timer that is due always fires, however large the clock: asyncio runs the timers due
+  before `time() + _clock_resolution`, and beyond 2**24 s (194 days) adding the monotonic
+  clock's 1 ns to a float clock changes nothing, so a timer due exactly now would never fire
+  and the loop would spin without advancing (`simulate` with `train.step_time_s=1e6`). The
+  virtual clock's resolution is therefore at least one unit in the last place of its value.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import selectors
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -54,6 +60,15 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._now
+
+    @property
+    def _clock_resolution(self) -> float:
+        """How close a timer must be to now to run now: 1 ns, or the clock's own step once 1 ns is below it."""
+        return max(1e-9, math.ulp(self._now))
+
+    @_clock_resolution.setter
+    def _clock_resolution(self, value: float) -> None:
+        """asyncio sets the wall clock's resolution at start-up; the virtual clock's follows its value instead."""
 
     def advance(self, seconds: float) -> None:
         self._now += max(seconds, 0.0)

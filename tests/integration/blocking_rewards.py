@@ -6,7 +6,7 @@ import time
 
 
 async def sleeps_on_the_loop(prompts, completions, **kwargs):
-    """An async reward that calls time.sleep: the event loop stops turning for an hour."""
+    """An async reward that calls time.sleep: the event loop running it (the scorer's reward loop) stops turning for an hour."""
     time.sleep(3600)
     return [0.0 for _ in completions]
 

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from asyncgrpo.generation.ray_cluster import ray_environment_defaults
+
+ray_environment_defaults()  # before Ray is first imported, as asyncgrpo does: a local cluster listens on loopback only
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'asyncgrpo[ray]' (make test installs it)")
 
 

@@ -34,6 +34,16 @@ def test_check_reports_the_data_the_eval_rows_and_a_fresh_start(tmp_path, capsys
     assert "a fresh start" in out and out.rstrip().endswith("recipes/demo.yaml: ok")
 
 
+def test_check_warns_about_characters_the_tiny_model_cannot_encode(tmp_path, capsys):
+    rows = [{"prompt": "say a"}] * 5 + [{"prompt": "Say B"}] * 2 + [{"prompt": "say c"}] * 4
+    data = write_rows(tmp_path / "d.jsonl", rows)
+    code = main(["check", "recipes/demo.yaml", f"data.source={data}", "eval.num_prompts=4", f"run.output_dir={tmp_path / 'run'}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"warning: column 'prompt' of data.source = {data}: 2 of 7 prompts (rows 5, 6) hold 2 distinct characters" in out
+    assert "'B' x2, 'S' x2" in out and "Fix: lower-case the text" in out
+
+
 def test_check_says_what_the_run_would_resume_from(tmp_path, capsys):
     run = tmp_path / "run"
     args = ["recipes/demo.yaml", f"run.output_dir={run}", "train.max_steps=2", "rollout.groups_per_step=2", "rollout.group_size=2",
@@ -49,7 +59,12 @@ def test_check_names_the_environment_and_its_reward(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "reward: the environment's x 1 (on error: fail)" in out
-    assert "env: asyncgrpo.environments.calculator:CalculatorEnv, up to 2 turns and 40 tokens, thread isolation, cancel grace 5 s" in out
+    assert ("env: asyncgrpo.environments.calculator:CalculatorEnv, up to 2 turns and 40 tokens, thread isolation, each reset or "
+            "step within 60 s, cancel grace 5 s; an episode ends within 540 s (9.0 min)") in out
+    # What a stuck run waits before it fails, and where that comes from: one turn, not env.max_turns of them.
+    assert ("stall: the run fails after 370 s (6.2 min) with no rollout or episode turn finished and no step trained "
+            "(rollout.stall_timeout_s, derived: 180 s generation.rollout_deadline_s + 120 s 2 x env.step_timeout_s + 5 s "
+            "env.cancel_grace_s + 5 s generation.health_probe_interval_s + 60 s margin)") in out
     assert "eval: 32 prompts from builtin:calculator, every 10 steps and before the first, 1 episode each" in out
 
 

@@ -89,3 +89,48 @@ def test_a_reward_that_raises_system_exit_or_keyboard_interrupt_is_a_reward_erro
     err = capsys.readouterr().err
     assert exit_code == 1 and "error (reward_error)" in err and reward in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.timeout(300)
+def test_an_environment_that_raises_system_exit_fails_the_run_with_a_diagnostic_never_exit_0(tmp_path, capsys):
+    exit_code = main(["train", "recipes/demo.yaml", f"run.output_dir={tmp_path}", "eval.every_steps=0", "reward.functions=[]",
+                      "env.factory=tests.envs:Exits", *QUICK])
+    err = capsys.readouterr().err
+    assert exit_code == 1 and "error (generation_failures)" in err and "tests.envs:Exits" in err and "SystemExit" in err, err
+    assert "Traceback" not in err and (tmp_path / "error.txt").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_an_async_reward_that_blocks_its_loop_fails_at_reward_timeout_s_naming_it(tmp_path, capsys):
+    exit_code = main(["train", "recipes/demo.yaml", f"run.output_dir={tmp_path}", "eval.every_steps=0", "reward.timeout_s=1",
+                      "reward.functions=[tests.integration.blocking_rewards:sleeps_on_the_loop]", *QUICK])
+    err = capsys.readouterr().err
+    assert exit_code == 1 and "error (reward_error)" in err, err
+    assert "'sleeps_on_the_loop' did not return within reward.timeout_s = 1 s" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fails_in", ["log", "close"])
+def test_a_tracker_that_loses_its_service_is_a_named_tracker_diagnostic(tmp_path, monkeypatch, capsys, fails_in):
+    """A killed W&B service raised ConnectionResetError: a disk error or an 'unexpected' one before (issue 20)."""
+    from asyncgrpo.telemetry import sinks
+
+    class Lost:
+        def __init__(self, cfg, run_dir):
+            pass
+
+        def log(self, values, step):
+            if fails_in == "log" and step == 1:
+                raise ConnectionResetError(104, "Connection reset by peer")
+
+        def close(self):
+            if fails_in == "close":
+                raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setitem(sinks.TRACKER_CLASSES, "tensorboard", Lost)
+    exit_code = main(["train", "recipes/demo.yaml", f"run.output_dir={tmp_path}", "eval.every_steps=0", "logging.sinks=[jsonl, tensorboard]", *QUICK])
+    err = capsys.readouterr().err
+    saved = 2 if fails_in == "log" else 4
+    assert exit_code == 1 and f"error (tracker): After step {saved}, the tensorboard tracker of logging.sinks failed" in err, err
+    assert "Traceback" not in err and "unexpected" not in err and "cannot write" not in err
+    assert (tmp_path / "checkpoints" / f"step_{saved:06d}").is_dir() and (tmp_path / "error.txt").is_file()

@@ -11,6 +11,7 @@ import pytest
 
 from asyncgrpo.cli import main
 from asyncgrpo.config import load_config
+from asyncgrpo.rundir import PLOT_FILES
 from asyncgrpo.telemetry.metrics import read_jsonl
 from asyncgrpo.train import train
 
@@ -53,9 +54,39 @@ def test_plot_draws_a_simulation(tmp_path):
     assert main(["simulate", "recipes/simulate.yaml", "train.max_steps=20", "--output-dir", str(out)]) == 0
     assert main(["plot", str(out), "--out", str(tmp_path / "png")]) == 0
     assert_pngs(tmp_path / "png", PNGS | {"timeline_start.png"})
+    assert {p.name for p in (tmp_path / "png").iterdir()} <= set(PLOT_FILES)  # what run.overwrite=true removes
 
 
 def test_plot_of_a_directory_without_metrics_says_what_to_pass(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "has no metrics.jsonl" in err and "simulate --output-dir" in err
+
+
+def test_a_distillation_runs_loss_panel_plots_distill_kl_mean():
+    """distill/kl_mean is the distillation's key metric: loss_kl.png has a panel for it (issue 20, item 7)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from asyncgrpo.plot import _loss_kl
+
+    metrics = [{"step": s, "loss": 1.0 / (s + 1), "kl": 0.0, "distill/kl_mean": 2.0 / (s + 1)} for s in range(5)]
+    fig = _loss_kl(plt, metrics, [])
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    assert list(panels) == ["loss", "kl", "distill/kl_mean"]
+    assert list(panels["distill/kl_mean"].lines[0].get_ydata()) == [m["distill/kl_mean"] for m in metrics]
+    plt.close(fig)
+    grpo = _loss_kl(plt, [{"step": 0, "loss": 1.0, "kl": 0.0}], [])
+    assert [ax.get_title() for ax in grpo.axes] == ["loss", "kl"]
+    plt.close(grpo)
+
+
+@pytest.mark.parametrize("content", ["not json\n", "not json"])
+def test_plot_of_metrics_without_a_record_is_an_error_naming_the_file_not_empty_pngs(tmp_path, capsys, content):
+    (tmp_path / "metrics.jsonl").write_text(content)
+    assert main(["plot", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert str(tmp_path / "metrics.jsonl") in err and ("line 1, is not a JSON record" in err or "holds no step record" in err)
+    assert not list(tmp_path.glob("plots/*.png"))

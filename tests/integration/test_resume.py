@@ -134,7 +134,7 @@ def test_a_resume_applies_a_changed_learning_rate_weight_decay_and_warm_up_from_
 @pytest.mark.parametrize("damage", ["emptied", "deleted", "garbled"])
 def test_damaged_records_are_restored_from_the_checkpoint_never_padded_or_shortened(tmp_path, damage):
     _train(tmp_path, "train.max_steps=4", "checkpoint.every_steps=2")
-    for name in ("outcomes.jsonl", "metrics.jsonl"):
+    for name in ("outcomes.jsonl", "metrics.jsonl", "timeline.jsonl"):
         path = tmp_path / name
         if damage == "deleted":
             path.unlink()
@@ -142,8 +142,38 @@ def test_damaged_records_are_restored_from_the_checkpoint_never_padded_or_shorte
             path.write_text("" if damage == "emptied" else "x" * 100_000)
     summary = _train(tmp_path, "train.max_steps=6", "checkpoint.every_steps=2")
     assert summary.result.steps == 6
-    for name in ("outcomes.jsonl", "metrics.jsonl"):
+    for name in ("outcomes.jsonl", "metrics.jsonl", "timeline.jsonl"):
         assert b"\0" not in (tmp_path / name).read_bytes()
     assert [m["step"] for m in records(tmp_path, "metrics.jsonl")] == list(range(6))
+    assert [t["step"] for t in records(tmp_path, "timeline.jsonl") if t["e"] == "step"] == list(range(6))
     trained = Counter(o["prompt_id"] for o in records(tmp_path, "outcomes.jsonl") if o["outcome"] == "trained")
     assert sum(trained.values()) == 6 * 2 and set(trained.values()) == {1}
+
+
+@pytest.mark.timeout(300)
+def test_the_timeline_survives_the_same_command_on_a_finished_run_and_continues_on_resume(tmp_path):
+    """timeline.jsonl is one of the run's records: appended on every start, never truncated (issue 20, item 1)."""
+    _train(tmp_path, "train.max_steps=3", "checkpoint.every_steps=2")
+    first = (tmp_path / "timeline.jsonl").read_bytes()
+    _train(tmp_path, "train.max_steps=3", "checkpoint.every_steps=2")  # the documented way to resume; nothing left to train
+    assert (tmp_path / "timeline.jsonl").read_bytes().startswith(first)
+    summary = _train(tmp_path, "train.max_steps=5", "checkpoint.every_steps=2")
+    assert summary.result.steps == 5
+    lines = records(tmp_path, "timeline.jsonl")
+    assert [line["step"] for line in lines if line["e"] == "start"] == [0, 3, 3]
+    steps = [line for line in lines if line["e"] == "step"]
+    assert [line["step"] for line in steps] == list(range(5))
+    ends = [line["sync"][1] for line in steps]
+    assert ends == sorted(ends)  # the run's time continues across the resumes
+    takes = [line["take"] for line in lines if line["e"] == "take"]
+    assert len(takes) == len(set(takes))  # take numbers continue too
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_resume_path_with_overwrite_continues_that_checkpoint(tmp_path):
+    """What `make demo ARGS=checkpoint.resume=PATH` runs: the named checkpoint is continued, not discarded (issue 20, item 14)."""
+    _train(tmp_path, "train.max_steps=2", "checkpoint.every_steps=2")
+    path = tmp_path / "checkpoints" / "step_000002"
+    summary = _train(tmp_path, "train.max_steps=3", "run.overwrite=true", f"checkpoint.resume={path}")
+    assert summary.result.steps == 3 and summary.totals.steps == 1
+    assert [m["step"] for m in records(tmp_path, "metrics.jsonl")] == [0, 1, 2]

@@ -77,10 +77,12 @@ def test_overwrite_removes_only_what_asyncgrpo_wrote_in_its_own_directory(tmp_pa
     assert first.returncode == 0, first.stderr
     assert (run_dir / MARKER).is_file() and (run_dir / "checkpoints" / "step_000002").is_dir()
     (run_dir / "my_notes.md").write_text("what I saw in this run")
+    (run_dir / "checkpoints" / "keep_me.txt").write_text("the good one was step 2")
     again = asyncgrpo("train", "recipes/demo.yaml", f"run.output_dir={run_dir}", "run.overwrite=true", "train.max_steps=1", *QUICK[1:])
     assert again.returncode == 0, again.stderr
     assert (run_dir / "my_notes.md").read_text() == "what I saw in this run"
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["keep_me.txt", "step_000001"]
+    assert "kept what asyncgrpo did not write: checkpoints/keep_me.txt" in again.stderr
 
 
 @pytest.mark.timeout(300)

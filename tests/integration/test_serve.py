@@ -266,3 +266,125 @@ def test_a_failed_engine_is_replaced_by_the_next_good_reload(model_dir, tmp_path
     assert seen["reload"][0] == 200, seen["reload"]
     assert seen["health"] == 200 and seen["completion"][0] == 200, seen["completion"]
     assert seen["stats"]["engine_failure"] is None and seen["stats"]["serving_version"] == 3
+
+
+def test_prompts_and_bodies_over_the_limits_are_refused_before_tokenising(server):
+    """builtin:tiny has max_model_len 512, so --max-prompt-chars defaults to 16 x 512 = 8192 characters and the body
+    limit to 1 MiB + 12 bytes per character. Over either, the answer names the limit and the flag that raises it."""
+    before = server.stats()
+    status, out = complete(server, prompt="a" * 8193, max_tokens=4)
+    assert status == 400 and out["error"]["param"] == "prompt", out
+    assert "8193 characters" in out["error"]["message"] and "--max-prompt-chars = 8192" in out["error"]["message"]
+    # At the limit the prompt is tokenised: 8192 characters are 8192 tokens of this char-level tokenizer, too many.
+    status, out = complete(server, prompt="a" * 8192, max_tokens=4)
+    assert status == 400 and "longer than the maximum model length" in out["error"]["message"], out
+    limit = (1 << 20) + 12 * 8192
+    status, out = complete(server, prompt=[5] * (limit // 3 + 1), max_tokens=4)  # "5, " is 3 bytes
+    assert status == 413 and out["error"]["code"] == 413, out
+    assert f"limit of {limit} bytes" in out["error"]["message"] and "--max-prompt-chars" in out["error"]["message"]
+    status, out = http("POST", f"{server.url}/collective_rpc", b" " * (limit + 1))
+    assert status == 413 and "--max-prompt-chars" in out["error"]["message"], out
+    assert http("GET", f"{server.url}/health")[0] == 200
+    after = server.stats()
+    assert after["requests_rejected"] - before["requests_rejected"] == 3
+    assert after["engine"]["steps"] == before["engine"]["steps"]  # nothing reached the engine
+
+
+def test_a_string_prompt_is_tokenised_off_the_event_loop(tmp_path):
+    """The tokenizer holds a prompt until /health has been answered: on the event loop, it never would be."""
+    from aiohttp import web
+
+    from asyncgrpo.generation.local import LocalEngine
+    from asyncgrpo.generation.serve import STATE, create_app
+
+    model, tokenizer = build_tiny(0)
+
+    class GatedTokenizer:
+        """The tiny tokenizer, whose encoding waits (at most 20 s) for `release`; refuses if it was not set by then."""
+
+        def __init__(self) -> None:
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def __deepcopy__(self, memo):  # the server tokenises with a copy of its own: let it be this one
+            return self
+
+        def __call__(self, text, **kwargs):
+            self.entered.set()
+            if not self.release.wait(20):
+                raise RuntimeError("/health was not answered while a prompt was being tokenised")
+            return tokenizer(text, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    gated = GatedTokenizer()
+
+    async def main():
+        engine = LocalEngine(model, tokenizer, name="serve-test")
+        app = create_app(engine, gated, model_name="tiny", max_model_len=512,
+                         vocab_size=model.get_input_embeddings().num_embeddings)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await engine.start()
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                async def call(method, path, json=None):
+                    async with session.request(method, f"{url}{path}", json=json) as resp:
+                        return resp.status, await resp.text()
+
+                completion = asyncio.ensure_future(call("POST", "/v1/completions", {
+                    "model": "tiny", "prompt": "say c: ", "max_tokens": 4, "seed": 1}))
+                assert await asyncio.to_thread(gated.entered.wait, 20), "the prompt was never tokenised"
+                health = await call("GET", "/health")
+                gated.release.set()
+                return health, await completion
+        finally:
+            gated.release.set()
+            await runner.cleanup()
+            await app[STATE].engine.aclose()
+            app[STATE].prompt_threads.close()
+
+    health, completion = asyncio.run(main())
+    assert health[0] == 200 and completion[0] == 200, (health, completion)
+
+
+def test_a_reload_from_a_fifo_is_refused_and_the_server_keeps_serving_and_stops_on_sigint(model_dir, tmp_path):
+    """A FIFO named like a weights file would block the read until a writer came (safetensors held the GIL while it
+    waited: nothing else answered, SIGINT included). It is refused, naming it; so are a device behind a symlink and a
+    FIFO version file; a good reload then works and SIGINT stops the server."""
+    import os
+    import signal
+
+    fifo_dir = tmp_path / "fifo"
+    fifo_dir.mkdir()
+    os.mkfifo(fifo_dir / "model.safetensors")
+    device_dir = tmp_path / "device"
+    device_dir.mkdir()
+    (device_dir / "model.safetensors").symlink_to("/dev/zero")
+    marker_dir = write_weights(build_tiny(1)[0].state_dict(), tmp_path / "weights", 7, model_config=model_dir)
+    (marker_dir / "asyncgrpo_version.json").unlink()
+    os.mkfifo(marker_dir / "asyncgrpo_version.json")
+
+    proc = ServeProcess(model_dir, tmp_path, extra=("--served-model-name", "tiny")).start()
+    try:
+        proc.wait_healthy()
+        cases = [(fifo_dir / "model.safetensors", "FIFO"), (device_dir / "model.safetensors", "character device"),
+                 (marker_dir / "asyncgrpo_version.json", "FIFO")]
+        for path, kind in cases:
+            status, out = http("POST", f"{proc.url}/collective_rpc",
+                               {"method": "reload_weights", "kwargs": {"weights_path": str(path.parent)}})
+            assert status == 400, out
+            assert f"{path} is not a regular file (it is a {kind})" in out["error"]["message"], out
+            assert http("GET", f"{proc.url}/health")[0] == 200
+        stats = proc.stats()
+        assert stats["reload_failures"] == len(cases) and stats["serving_version"] == 0
+        assert http("POST", f"{proc.url}/collective_rpc", {"method": "reload_weights", "kwargs": {}}) == (200, {"results": [None]})
+        assert proc.stats()["serving_version"] == 1
+        assert complete(proc, prompt=[5, 6, 7], max_tokens=4)[0] == 200
+        proc.proc.send_signal(signal.SIGINT)
+        assert proc.proc.wait(timeout=30) == 0, proc.log()
+    finally:
+        proc.kill()

@@ -79,10 +79,12 @@ def test_the_stop_message_names_the_signal_received(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_reward_that_blocks_the_event_loop_is_reported_and_a_stop_still_ends_the_process(tmp_path):
-    """`reward.timeout_s` cannot fire on a blocked loop; the watchdog says where it is blocked, and the
-    shutdown timer (a thread) ends the process after run.shutdown_timeout_s."""
-    with start_train(tmp_path, "reward.functions=[tests.integration.blocking_rewards:sleeps_on_the_loop]", "reward.timeout_s=1",
+def test_an_environment_that_blocks_the_event_loop_is_reported_and_a_stop_still_ends_the_process(tmp_path):
+    """An `async def` step that calls time.sleep blocks the pipeline's loop (async environment methods run on it), so
+    env.step_timeout_s cannot fire; the watchdog says where it is blocked, and the shutdown timer (a thread) ends the
+    process after run.shutdown_timeout_s. (An async reward that does the same blocks only its own reward loop:
+    tests/integration/test_every_stage_fails_cleanly.py.)"""
+    with start_train(tmp_path, "env.factory=tests.envs:SleepsOnTheLoop", "env.step_timeout_s=1", "env.cancel_grace_s=1", "reward.functions=[]",
                      "logging.blocked_loop_warn_s=2", "run.shutdown_timeout_s=3", "eval.every_steps=0") as proc:
         assert read_until(proc, "warning: the event loop has not turned for")
         signalled = time.monotonic()

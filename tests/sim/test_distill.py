@@ -83,3 +83,19 @@ def test_simulate_reports_the_distillation_kl_every_step(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sim.result.steps == 3 and len(lines) == 3
     assert all(line["distill/kl_mean"] > 0 and line["reward/mean"] < 0 for line in lines)
+
+
+def test_stale_len_mean_is_over_finished_completions_not_the_samples_cancelled_in_flight(tmp_path):
+    """Under distill a sample cancelled in flight is a stale sample with no tokens: it must not pull the mean
+    length of the finished stale completions towards 0 (issue 20, item 7: it read 0.098 beside 13.7 trained)."""
+    from asyncgrpo.telemetry.metrics import read_jsonl
+
+    cfg = distill_recipe(rollout={"on_stale": "drop", "max_staleness": 1}, train={"max_steps": 6},
+                         generation={"request_timeout_s": 60.0, "rollout_deadline_s": 120.0})
+    gen = ProgrammedGenerator(lambda r, a: Fate(after_s=20.0) if r.prompt_id in {2, 5} else OK)
+    sim = simulate(cfg, gen, output_dir=tmp_path)
+    counters = sim.collector.counters
+    assert counters["rollout/stale_samples_total"] == 2 and counters["rollout/stale_completions_total"] == 0
+    last = read_jsonl(tmp_path / "metrics.jsonl")[-1]
+    assert last["rollout/stale_len_mean"] is None  # no finished completion was thrown away: no mean, not 0
+    assert last["rollout/trained_len_mean"] > 0

@@ -332,3 +332,10 @@ def test_tolerated_failures_are_logged_first_in_full_then_summarised_on_virtual_
 
     assert total("attempt retried") == sim.collector.counters["rollout/retries_total"] > 10
     assert total("rollout failed") == sim.collector.counters["rollout/failed_total"] == 2
+
+
+@pytest.mark.timeout(60)  # a hang guard: without the fix the loop spins forever once virtual time passes 2**24 s
+def test_a_simulation_of_million_second_steps_finishes():
+    sim = simulate(recipe(train={"step_time_s": 1e6, "max_steps": 20}))
+    assert sim.result.outcome == "completed" and sim.result.steps == 20
+    assert sim.virtual_time_s >= 2e7

@@ -10,7 +10,7 @@ import pytest
 from asyncgrpo.errors import Diagnostic, PipelineError, StallError
 from asyncgrpo.rollout.first_failure import FirstFailure
 from asyncgrpo.sync import StateSignal
-from asyncgrpo.vtime import VirtualDeadlock, run_virtual
+from asyncgrpo.vtime import VirtualDeadlock, VirtualTimeLoop, run_virtual
 
 
 def test_wait_for_returns_at_once_when_the_predicate_already_holds():
@@ -129,6 +129,20 @@ def test_virtual_time_jumps_over_sleeps_and_timeouts():
     wall = time.perf_counter()
     assert run_virtual(main()) == pytest.approx(3600 + 7200)
     assert time.perf_counter() - wall < 5
+
+
+def test_a_timer_due_now_fires_however_far_the_virtual_clock_has_run():
+    """Past 2**24 s, 1 ns added to the clock is lost to rounding: a timer due now must still fire (issue 20, item 19)."""
+    loop = VirtualTimeLoop()
+    try:
+        loop.advance(2.0**25 + 0.5)
+        fired = loop.create_future()
+        loop.call_at(loop.time(), fired.set_result, "fired")
+        loop.call_soon(loop.stop)
+        loop.run_forever()  # one pass: the due timer and the stop run in it
+        assert fired.done()
+    finally:
+        loop.close()
 
 
 def test_a_wait_with_no_deadline_and_nothing_pending_is_reported_not_hung():

@@ -141,3 +141,10 @@ def test_a_warm_up_as_long_as_the_run_is_warned_with_the_rate_it_reaches():
     assert "rising to 40% of train.lr = 0.0015 at the last step, and train.lr_schedule = 'cosine' never starts" in warning
     assert "Fix: lower train.warmup_steps" in warning
     assert tolerance_warnings(load_config("recipes/demo.yaml", ["train.max_steps=6"])) == []
+
+
+def test_a_builtin_size_that_cannot_fit_in_memory_is_a_config_error_naming_the_bound():
+    """3e8 prompts built in memory ended in "unexpected MemoryError: ." (issue 20)."""
+    with pytest.raises(ConfigError, match=r"data\.builtin_size = 300000000: Input should be less than or equal to 1000000"):
+        load_config(None, ["data.builtin_size=300000000"])
+    assert load_config(None, ["data.builtin_size=1000000"]).data.builtin_size == 1_000_000

@@ -51,7 +51,32 @@ def test_a_failed_run_summary_starts_with_the_diagnostic_and_ends_with_what_to_t
     assert lines[0].startswith("asyncgrpo: failed after 3 steps") and lines[1].startswith("  error (drop_fraction): 40 of the last")
     text = "\n".join(lines)
     assert "trained: 3 steps, 24 samples, 300 completion tokens in 1m15s" in text
-    assert "eval reward: 0.100 -> 0.400" in text and "mean 0.50, max 0; the trainer waited for batches 50%" in text
+    assert "eval reward: 0.100 -> 0.400" in text and "mean 0.50, max 1; the trainer waited for batches 50%" in text
     assert "counters: failed_total 7" in text and "generated" not in text.split("counters:")[1].splitlines()[0]
     assert lines[-2] == "  what to try: the 'drop_fraction' section of docs/troubleshooting.md"
     assert lines[-1].startswith("  to continue: run the same command again")
+
+
+def test_an_interrupted_runs_staleness_max_is_the_max_of_what_it_trained(tmp_path):
+    """A stop ends the pipeline with a PipelineResult that never saw a step: the summary's max comes from the steps (issue 20, item 6)."""
+    summary = RunSummary(run_dir=tmp_path, result=PipelineResult("failed", "signal", 4), accounting=ACCOUNTING, interrupted_by=2,
+                         totals=RunTotals(steps=4, samples=8, tokens=80, staleness=[1, 1, 0.0, 1, 1]))
+    assert "staleness trained: mean 0.80, max 1" in summary.render()
+
+
+def test_a_resumed_runs_summary_says_which_lines_count_this_invocation_and_which_the_whole_run(tmp_path):
+    summary = RunSummary(
+        run_dir=tmp_path, result=PipelineResult("completed", "max_steps", 250), accounting=ACCOUNTING, start_step=100,
+        first_rewards=[0.5], last_rewards=[0.9],
+        totals=RunTotals(steps=150, samples=1200, tokens=9000, staleness=[1, 1], eval_first=0.5, eval_last=0.9,
+                         kl_first=0.25, kl_last=0.05, last={"rollout/failed_total": 7}),
+    )
+    text = summary.render()
+    assert "trained this invocation (resumed at step 100): 150 steps, 1200 samples" in text
+    assert "eval reward this invocation: 0.500 -> 0.900" in text and "reward this invocation: first 10% of steps" in text
+    assert "staleness trained this invocation: mean 1.00, max 1" in text
+    assert "prompts, whole run: taken 10" in text and "counters, whole run: failed_total 7" in text
+    assert "distill/kl_mean this invocation: first step 0.2500 -> last 0.0500" in text
+    fresh = RunSummary(run_dir=tmp_path, result=PipelineResult("completed", "max_steps", 2), accounting=ACCOUNTING,
+                       totals=RunTotals(steps=2, samples=4, tokens=9, staleness=[0, 1])).render()
+    assert "this invocation" not in fresh and "whole run" not in fresh and "  trained: 2 steps" in fresh

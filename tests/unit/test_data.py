@@ -243,6 +243,19 @@ def test_unknown_characters_are_reported(tok):
     assert "Say A" in report.warnings()[0]
 
 
+def test_the_unknown_characters_are_named_counted_and_located_with_the_fix(tok):
+    """builtin:tiny's tokenizer knows only its alphabet: the warning names each character it cannot encode, how often
+    it occurs, the rows holding them, the alphabet and the fix."""
+    rows = [{"prompt": "say a"}, {"prompt": "Say É\tnow"}, {"prompt": "ok"}, {"prompt": "SAY"}]
+    _, report = build_prompts(rows, prompt_key="prompt", tokenizer=tok, max_prompt_tokens=64, source="data.source = d.jsonl")
+    [warning] = report.warnings()
+    assert report.unknown_chars == {"S": 2, "É": 1, "\t": 1, "A": 1, "Y": 1}
+    assert "column 'prompt' of data.source = d.jsonl: 2 of 4 prompts (rows 1, 3)" in warning
+    assert "5 distinct characters the tokenizer cannot encode (6 in all): 'S' x2, '\\t' x1, 'A' x1, 'Y' x1, 'É' x1" in warning
+    assert "knows only lowercase a-z, digits 0-9, space, newline and +-*/=?:.,!'()" in warning
+    assert "Fix: lower-case the text" in warning
+
+
 def test_without_tokenizer(tok):
     rows = [{"prompt": "x" * 1000}, {"prompt": [{"role": "user", "content": "hi"}]}]
     prompts, report = build_prompts(rows, prompt_key="prompt", tokenizer=None, max_prompt_tokens=5)

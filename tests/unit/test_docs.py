@@ -39,3 +39,10 @@ def test_troubleshooting_has_a_section_for_every_diagnostic_kind():
     text = (SCRIPT.parent.parent / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
     missing = [kind for kind in DIAGNOSTIC_KINDS if f"\n## {kind}\n" not in text]
     assert not missing, f"docs/troubleshooting.md has no section for {missing}"
+
+
+def test_the_readme_states_the_tiny_models_alphabet():
+    from asyncgrpo.models.tiny import ALPHABET
+
+    readme = (SCRIPT.parent.parent / "README.md").read_text(encoding="utf-8")
+    assert f"knows only {ALPHABET};" in " ".join(readme.split()), "README.md must state models/tiny.py ALPHABET"

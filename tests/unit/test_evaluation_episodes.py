@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from asyncgrpo import evaluation
 from asyncgrpo.data.loading import build_prompts, read_eval_rows
 from asyncgrpo.environments.conversation import CharCodec
 from asyncgrpo.evaluation import evaluate
@@ -112,10 +113,11 @@ def test_an_environment_that_raises_during_evaluation_leaves_its_sample_out_with
     assert len(warnings) == 1 and f"{odd} of {len(prompts)} samples failed" in warnings[0] and "the tool crashed" in warnings[0]
 
 
-def ticking_recipe(tmp_path, monkeypatch, **generation: object):
+def ticking_recipe(tmp_path, monkeypatch, step_timeout_s: float = 60.0, **generation: object):
     monkeypatch.setenv("TICKS_DIR", str(tmp_path))
     cfg = recipe(
-        env={"factory": "tests.unit.test_process_episodes:Ticking", "isolation": "process", "cancel_grace_s": 0.2, "max_turns": 1},
+        env={"factory": "tests.unit.test_process_episodes:Ticking", "isolation": "process", "cancel_grace_s": 0.2, "max_turns": 1,
+             "step_timeout_s": step_timeout_s},
         reward={"functions": []},
         eval={"every_steps": 1, "num_prompts": 2},
         generation=generation,
@@ -150,8 +152,26 @@ def test_cancelling_an_evaluation_stops_its_episodes_and_leaves_no_worker(tmp_pa
 
 
 def test_an_evaluation_episode_past_its_time_limit_is_stopped_and_counted_failed(tmp_path, monkeypatch):
-    # env.max_turns 1 x generation.rollout_deadline_s 1.0: the episodes, stuck in step, are stopped after 1 s.
-    cfg, prompts, generator = ticking_recipe(tmp_path, monkeypatch, rollout_deadline_s=1.0, request_timeout_s=1.0)
+    # The episode's time limit (config.episode_limit_s) guards what the calls' own deadlines do not add up to (transient
+    # retries); here it is 5 s (room for a worker process's start on a loaded machine) while the step's deadline is an
+    # hour, so the limit stops the episodes stuck in step.
+    monkeypatch.setattr(evaluation, "episode_limit_s", lambda env, generation: 5.0)
+    cfg, prompts, generator = ticking_recipe(tmp_path, monkeypatch, step_timeout_s=3600.0)
+
+    async def main():
+        async with RewardScorer.from_config(cfg.reward, isolation="inline") as scorer:
+            async with asyncio.timeout(60):
+                return await evaluate(cfg, generator, scorer, prompts, (), step=0, codec=CODEC), ticks(tmp_path)
+
+    metrics, at_end = asyncio.run(main())
+    assert metrics["eval/failed_requests"] == 2 and metrics["eval/reward_mean"] is None and metrics["eval/pass_rate"] is None
+    assert_stopped_and_gone(tmp_path, at_end)
+
+
+def test_an_evaluation_episode_past_its_step_deadline_is_stopped_and_counted_failed(tmp_path, monkeypatch):
+    # env.step_timeout_s 5: the episodes, stuck in step, are stopped after 5 s (their worker killed after the grace). The
+    # reset, a worker process's start included, has the same deadline: 5 s leaves it room on a loaded machine.
+    cfg, prompts, generator = ticking_recipe(tmp_path, monkeypatch, step_timeout_s=5.0, rollout_deadline_s=1.0, request_timeout_s=1.0)
 
     async def main():
         async with RewardScorer.from_config(cfg.reward, isolation="inline") as scorer:

@@ -19,8 +19,8 @@ PACKAGE = Path(asyncgrpo.__file__).parent
 
 # Bottom first. A name is a module or a package (its modules); the longest match wins.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "types", "sync", "threads", "gc_pauses", "atomic", "vtime", "tasks", "config", "rundir", "signals", "watchdog", "worker_process",
-     "telemetry.keys"),
+    ("errors", "types", "sync", "threads", "gc_pauses", "atomic", "vtime", "tasks", "loss_config", "config", "trl_names", "rundir",
+     "signals", "watchdog", "worker_process", "telemetry.keys"),
     ("data", "models"),
     ("generation",),
     ("rewards",),
@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training", "distill.teacher", "distill.loss"),
     ("pipeline", "assemble", "evaluation"),
     ("telemetry",),
-    ("train", "run_files", "simulate", "sim_metrics", "plot", "check", "cli"),
+    ("train", "run_files", "simulate", "sim_metrics", "plot", "check", "trl_convert", "cli"),
 )
 
 

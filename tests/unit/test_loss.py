@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from asyncgrpo.loss_config import LossConfig
 from asyncgrpo.training.loss import LossStats, grpo_loss, grpo_token_terms, token_logprobs
 
 LN = math.log
@@ -48,14 +49,14 @@ def _behaviour_case():
 
 def test_behaviour_per_token_values_and_clipping():
     logp_new, logp_gen, adv, mask = _behaviour_case()
-    terms = grpo_token_terms(logp_new, logp_gen, adv, mask, objective="behaviour", clip_low=0.2, clip_high=0.28)
+    terms = grpo_token_terms(logp_new, logp_gen, adv, mask, loss=LossConfig(objective="behaviour", clip_low=0.2, clip_high=0.28))
     # row 0 (A=+2): r=1 -> -2; r=1.5 clipped high -> -1.28*2; r=0.5 (not clipped for A>0) -> -1.0
     # row 1 (A=-1): r=0.5 clipped low -> -(0.8 * -1) = 0.8; r=1.5 -> 1.5
     assert terms.loss[0].tolist() == pytest.approx([-2.0, -2.56, -1.0], abs=1e-9)
     assert terms.loss[1, :2].tolist() == pytest.approx([0.8, 1.5], abs=1e-9)
     assert terms.clipped.tolist() == [[False, True, False], [True, False, False]]
 
-    loss, stats = grpo_loss(logp_new, logp_gen, adv, mask, normalizer=5, objective="behaviour", clip_low=0.2, clip_high=0.28)
+    loss, stats = grpo_loss(logp_new, logp_gen, adv, mask, normalizer=5, loss=LossConfig(objective="behaviour", clip_low=0.2, clip_high=0.28))
     assert loss.item() == pytest.approx((-2 - 2.56 - 1.0 + 0.8 + 1.5) / 5, abs=1e-9)
     assert stats.clip_frac == pytest.approx(2 / 5)
     assert stats.is_ratio_mean == pytest.approx((1 + 1.5 + 0.5 + 0.5 + 1.5) / 5)
@@ -69,7 +70,7 @@ def test_behaviour_per_token_values_and_clipping():
 
 def test_sequence_normalisation():
     logp_new, logp_gen, adv, mask = _behaviour_case()
-    loss, _ = grpo_loss(logp_new, logp_gen, adv, mask, normalizer=2, normalization="sequence")
+    loss, _ = grpo_loss(logp_new, logp_gen, adv, mask, normalizer=2, loss=LossConfig(normalization="sequence"))
     seq0 = (-2 - 2.56 - 1.0) / 3
     seq1 = (0.8 + 1.5) / 2
     assert loss.item() == pytest.approx((seq0 + seq1) / 2, abs=1e-9)
@@ -89,7 +90,7 @@ def test_decoupled_per_token_values_clip_and_is_cap():
     new = _leaf([[prox_values[i][j] + LN(r) for j, (_, r) in enumerate(row)] for i, row in enumerate((row0, row1))])
     adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
     mask = torch.ones(2, 3, dtype=torch.bool)
-    terms = grpo_token_terms(new, gen, adv, mask, objective="decoupled", clip_low=0.2, clip_high=0.28, logp_prox=prox, is_cap=2.0)
+    terms = grpo_token_terms(new, gen, adv, mask, loss=LossConfig(objective="decoupled", clip_low=0.2, clip_high=0.28, is_cap=2.0), logp_prox=prox)
     # row 0: w=min(3,2)=2, r=1 -> -2; w=.5, r=1.5 clipped -> -1.28*.5; w=1, r=.9 -> -.9
     # row 1: w=1.5, r=.5 clipped low -> 0.8*2*1.5; w=1, r=1.2 -> 2.4; w=min(2.5,2)=2, r=1 -> 4
     assert terms.loss[0].tolist() == pytest.approx([-2.0, -0.64, -0.9], abs=1e-9)
@@ -97,7 +98,7 @@ def test_decoupled_per_token_values_clip_and_is_cap():
     assert terms.clipped.tolist() == [[False, True, False], [True, False, False]]
     assert terms.is_truncated.tolist() == [[True, False, False], [False, False, True]]
 
-    loss, stats = grpo_loss(new, gen, adv, mask, 6, objective="decoupled", logp_prox=prox, is_cap=2.0)
+    loss, stats = grpo_loss(new, gen, adv, mask, 6, loss=LossConfig(objective="decoupled", is_cap=2.0), logp_prox=prox)
     assert loss.item() == pytest.approx((-2 - 0.64 - 0.9 + 2.4 + 2.4 + 4.0) / 6, abs=1e-9)
     # is_ratio reports the untruncated pi_prox / pi_gen.
     assert stats.is_ratio_mean == pytest.approx((3 + 0.5 + 1 + 1.5 + 1 + 2.5) / 6)
@@ -115,7 +116,7 @@ def test_decoupled_per_token_values_clip_and_is_cap():
 def test_decoupled_needs_prox():
     logp_new, logp_gen, adv, mask = _behaviour_case()
     with pytest.raises(ValueError, match="logp_prox"):
-        grpo_loss(logp_new, logp_gen, adv, mask, 5, objective="decoupled")
+        grpo_loss(logp_new, logp_gen, adv, mask, 5, loss=LossConfig(objective="decoupled"))
 
 
 def test_kl_k3_value_and_gradient():
@@ -126,7 +127,7 @@ def test_kl_k3_value_and_gradient():
     adv = torch.zeros(1, dtype=torch.float64)
     mask = torch.ones(1, 2, dtype=torch.bool)
     k = [2.0 - LN(2.0) - 1.0, math.exp(-0.5) + 0.5 - 1.0]
-    loss, stats = grpo_loss(new, gen, adv, mask, 2, logp_ref=ref, kl_coef=0.1)
+    loss, stats = grpo_loss(new, gen, adv, mask, 2, logp_ref=ref, loss=LossConfig(kl_coef=0.1))
     assert stats.kl_mean == pytest.approx(sum(k) / 2, abs=1e-9)
     assert loss.item() == pytest.approx(0.1 * sum(k) / 2, abs=1e-9)
     loss.backward()
@@ -137,7 +138,7 @@ def test_kl_k3_value_and_gradient():
 def test_kl_coef_without_reference_is_an_error():
     logp_new, logp_gen, adv, mask = _behaviour_case()
     with pytest.raises(ValueError, match="logp_ref"):
-        grpo_loss(logp_new, logp_gen, adv, mask, 5, kl_coef=0.1)
+        grpo_loss(logp_new, logp_gen, adv, mask, 5, loss=LossConfig(kl_coef=0.1))
 
 
 def test_padding_garbage_is_ignored():
@@ -172,7 +173,7 @@ def test_micro_batch_accumulation_equals_full_batch(objective, normalization):
     lengths = [5, 3, 1, 4, 2, 5]
     mask = torch.tensor([[t < n for t in range(T)] for n in lengths])
     mask[3] = False  # a masked-out (e.g. truncated) sequence
-    kwargs = dict(objective=objective, clip_low=0.2, clip_high=0.28, is_cap=2.0, kl_coef=0.05, normalization=normalization)
+    kwargs = dict(loss=LossConfig(objective=objective, clip_low=0.2, clip_high=0.28, is_cap=2.0, kl_coef=0.05, normalization=normalization))
     normalizer = int(mask.sum()) if normalization == "token" else int((mask.sum(-1) > 0).sum())
 
     full = base.clone().requires_grad_(True)

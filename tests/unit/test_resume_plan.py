@@ -134,3 +134,19 @@ def test_a_lora_run_resumes_with_another_adapter_dropout(tmp_path):
     make_checkpoint(tmp_path, 3, ["train.lora.r=4"])
     plan = plan_resume(config(tmp_path, "train.lora.r=4", "train.lora.dropout=0.1"))
     assert plan.step == 3 and plan.changed == ["train.lora.dropout: 0.0 -> 0.1"]
+
+
+def test_an_explicit_checkpoint_of_this_run_wins_over_overwrite_and_nothing_is_removed(tmp_path):
+    """`make demo ARGS=checkpoint.resume=PATH` passes run.overwrite=true too: the user asked for that checkpoint (issue 20, item 14)."""
+    path = make_checkpoint(tmp_path, 3)
+    plan = plan_resume(config(tmp_path, "run.overwrite=true", f"checkpoint.resume={path}"))
+    assert plan.checkpoint == path and plan.step == 3 and not plan.start_over
+    [note] = plan.notes
+    assert "checkpoint.resume" in note and "run.overwrite=true" in note and "nothing in" in note
+
+
+def test_an_explicit_checkpoint_of_another_run_with_overwrite_continues_it_in_a_cleared_directory(tmp_path):
+    path = make_checkpoint(tmp_path / "other", 3, [f"run.output_dir={tmp_path / 'other'}"])
+    plan = plan_resume(config(tmp_path / "run", "run.overwrite=true", f"checkpoint.resume={path}"))
+    assert plan.checkpoint == path and plan.start_over
+    assert "removed" in plan.notes[0] and "run.overwrite=true" in plan.notes[0]

@@ -128,7 +128,7 @@ def test_a_catastrophic_regex_times_out_its_worker_is_killed_and_the_next_call_w
             elapsed = time.monotonic() - began
             ticker.cancel()
             assert not alive(stuck_pid)
-            assert await s._call(s._entries[1], PROMPT, ["aa", "bbb"]) == [2.0, 3.0]  # a new worker serves
+            assert (await s._call(s._entries[1], PROMPT, ["aa", "bbb"]))[0] == [2.0, 3.0]  # a new worker serves
             assert s._pool.pids != [stuck_pid]
             return err.value, elapsed, ticks
 
@@ -163,10 +163,10 @@ def test_results_exceptions_and_the_remote_traceback_come_back():
 def test_any_exception_is_a_reward_error_and_the_worker_keeps_serving(fn, raised):
     async def main():
         async with scorer(fn, which_process, workers=1) as s:
-            first = await s._call(s._entries[1], PROMPT, ["a"])
+            first = (await s._call(s._entries[1], PROMPT, ["a"]))[0]
             with pytest.raises(RewardError) as err:
                 await s._call(s._entries[0], PROMPT, ["a"])
-            assert await s._call(s._entries[1], PROMPT, ["a"]) == first  # the same worker
+            assert (await s._call(s._entries[1], PROMPT, ["a"]))[0] == first  # the same worker
             return err.value
 
     assert f"raised {raised}" in str(run(main()))
@@ -183,7 +183,7 @@ def test_a_worker_that_dies_is_a_reward_error_naming_the_function_and_exit_code_
         async with scorer(fn, length, workers=1) as s:
             with pytest.raises(RewardError) as err:
                 await s.score(PROMPT, ["a"])
-            assert await s._call(s._entries[1], PROMPT, ["abc"]) == [3.0]
+            assert (await s._call(s._entries[1], PROMPT, ["abc"]))[0] == [3.0]
             return err.value
 
     error = run(main())

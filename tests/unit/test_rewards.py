@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -15,6 +17,7 @@ from asyncgrpo.errors import ConfigError, RewardError
 from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion, resolve_reward, resolve_rewards, unscored_group_error
 from asyncgrpo.rollout.diagnostics import reward_failed
 from asyncgrpo.tasks import REWARDS
+from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.types import Prompt
 
 pytestmark = pytest.mark.timeout(30)
@@ -175,7 +178,9 @@ def test_columns_are_aligned_lists_and_filtered_by_signature():
         return [0.0] * len(completions)
 
     run(RewardScorer([("a", with_kwargs), ("b", named_only)], timeout_s=5).score(PROMPT, ["x", "y"]))
-    assert seen["kwargs"] == (["say a: "] * 2, ["x", "y"], {"letter": ["a", "a"], "answer": ["x", "x"]})
+    prompts, completions, columns = seen["kwargs"]
+    assert {columns.pop(name) is not None for name in ("trainer_state", "log_metric", "log_extra")} == {True}  # TRL's, to **kwargs
+    assert (prompts, completions, columns) == (["say a: "] * 2, ["x", "y"], {"letter": ["a", "a"], "answer": ["x", "x"]})
     assert seen["named"] == ["x", "x"]
 
 
@@ -339,18 +344,19 @@ def test_bad_return_values_are_reward_errors(result, fragment):
 
 def test_cancellation_is_not_a_reward_error():
     async def main():
-        began = asyncio.Event()
+        began = threading.Event()  # the function runs on the scorer's reward loop, on its own thread
 
         async def slow(prompts, completions, **kw):
             began.set()
             await asyncio.sleep(60)
             return [0.0]
 
-        task = asyncio.create_task(RewardScorer([("slow", slow)], timeout_s=30).score(PROMPT, ["a"]))
-        await began.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        async with RewardScorer([("slow", slow)], timeout_s=30) as scorer:
+            task = asyncio.create_task(scorer.score(PROMPT, ["a"]))
+            assert await run_in_daemon_thread(lambda: began.wait(30), name="test-wait")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
 
     run(main())
 
@@ -418,3 +424,64 @@ def test_a_sync_call_that_times_out_does_not_starve_later_calls_of_threads():
         run(main())
     finally:
         release.set()
+
+
+_blocking_calls = itertools.count()
+
+
+async def _blocks_its_loop_once(prompts, completions, **kw):
+    if next(_blocking_calls) == 0:
+        time.sleep(3)  # a sync call inside async def: it blocks whatever event loop runs the function
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_an_async_reward_that_blocks_its_loop_meets_reward_timeout_s_and_later_calls_get_a_fresh_loop(isolation):
+    global _blocking_calls
+    _blocking_calls = itertools.count()
+
+    async def main():
+        async with RewardScorer([("blocks", _blocks_its_loop_once)], timeout_s=0.5, isolation=isolation, specs=["x:y"]) as scorer:
+            with pytest.raises(RewardError, match=r"'blocks' did not return within reward.timeout_s = 0.5 s"):
+                await scorer.score(PROMPT, ["a"])
+            # The blocked loop is written off: the next call does not queue behind it (it would time out too).
+            return await scorer.score(PROMPT, ["a"])
+
+    assert [s.reward for s in run(main())] == [1.0]
+
+
+def test_weighted_rewards_whose_sum_is_not_finite_are_a_reward_error_naming_every_function():
+    def big(prompts, completions, **kw):
+        return [1e308] * len(completions)
+
+    def bigger(prompts, completions, **kw):
+        return [1e308] * len(completions)
+
+    cases = [([("big", big), ("bigger", bigger)], [1.0, 1.0], "big 1e+308 x weight 1, bigger 1e+308 x weight 1"),
+             ([("big", big)], [10.0], "big 1e+308 x weight 10")]
+    for functions, weights, terms in cases:  # a sum that overflows (math.fsum raises), a weight that does (inf)
+        with pytest.raises(RewardError) as err:
+            run(RewardScorer(functions, weights, timeout_s=5, isolation="inline").score(PROMPT, ["a"]))
+        message = str(err.value)
+        assert all(f"{name!r}" in message for name, _ in functions) and terms in message
+        assert "not a finite number" in message and "Fix" in message
+
+
+async def _quick(prompts, completions, **kw):
+    return [1.0] * len(completions)
+
+
+def test_the_reward_loop_starts_with_the_first_async_call_and_its_thread_ends_with_the_scorer():
+    def loop_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "asyncgrpo-reward-loop" and t.is_alive()]
+
+    async def main():
+        before = loop_threads()
+        async with RewardScorer([("quick", _quick)], timeout_s=5) as scorer:
+            assert loop_threads() == before
+            assert [s.reward for s in await scorer.score(PROMPT, ["a", "b"])] == [1.0, 1.0]
+            assert len(loop_threads()) == len(before) + 1
+        return before
+
+    before = run(main())
+    assert loop_threads() == before

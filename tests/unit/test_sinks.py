@@ -149,3 +149,81 @@ def test_trackio_writes_to_its_local_store(tmp_path):
     logs = json.loads(proc.stdout.strip().splitlines()[-1])
     got = {row.pop("step"): {k: v for k, v in row.items() if k != "timestamp"} for row in logs}
     assert got == EXPECTED
+
+
+class Failing:
+    """A tracker whose service went away: every call raises what W&B raises then."""
+
+    closed = 0
+
+    def __init__(self, cfg, run_dir):
+        pass
+
+    def log(self, values, step):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    def close(self):
+        Failing.closed += 1
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def test_a_tracker_that_fails_is_named_closed_and_not_called_again(tmp_path, monkeypatch):
+    """Issue 20: a killed W&B service ended the run as an unexpected ConnectionResetError."""
+    monkeypatch.setitem(sinks.TRACKER_CLASSES, "wandb", Failing)
+    cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["jsonl", "wandb"]}})
+    trackers = Trackers(cfg, tmp_path)
+    Failing.closed = 0
+    with pytest.raises(sinks.TrackerError) as info:
+        trackers.log(LINES[0])
+    message = str(info.value)
+    assert "the wandb tracker of logging.sinks failed while logging step 0 (ConnectionResetError" in message
+    assert "W&B's service" in message and "remove wandb from logging.sinks" in message
+    assert not isinstance(info.value, OSError) and Failing.closed == 1
+    trackers.log(LINES[1])  # the failed tracker is gone
+    assert trackers.close() == []
+
+
+def test_a_tracker_that_fails_to_close_is_returned_by_name(tmp_path, monkeypatch):
+    class FailsOnClose(Failing):
+        def log(self, values, step):
+            pass
+
+    monkeypatch.setitem(sinks.TRACKER_CLASSES, "mlflow", FailsOnClose)
+    cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["mlflow"]}})
+    trackers = Trackers(cfg, tmp_path)
+    trackers.log(LINES[0])
+    [failure] = trackers.close()
+    assert "the mlflow tracker of logging.sinks failed while closing" in str(failure)
+
+
+KILLED_WANDB_SCRIPT = """
+import os, pathlib, signal, sys
+from asyncgrpo.config import Config
+from asyncgrpo.telemetry.sinks import TrackerError, Trackers
+from tests.unit.test_sinks import LINES
+cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["wandb"], "project": "asyncgrpo-test"}})
+trackers = Trackers(cfg, pathlib.Path(sys.argv[1]))
+trackers.log(LINES[0])
+children = pathlib.Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+for pid in children:  # W&B's service process: killed, as an OOM killer or a user would
+    os.kill(int(pid), signal.SIGKILL)
+try:
+    trackers.log(LINES[1])
+except TrackerError as exc:
+    print("named:", exc)
+print("closing:", trackers.close())
+"""
+
+
+@needs("wandb")
+def test_a_killed_wandb_service_is_a_named_tracker_error_and_no_traceback_at_exit(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    proc = subprocess.run([sys.executable, "-c", KILLED_WANDB_SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    # W&B notices the dead service when logging step 1 or, if that send was still buffered, when closing: named either way.
+    assert "the wandb tracker of logging.sinks failed while" in proc.stdout, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "atexit" not in proc.stderr, proc.stderr

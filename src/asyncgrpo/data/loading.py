@@ -233,6 +233,12 @@ class LoadReport:
     unknown_token_prompts: int = 0
     chat: bool = False
     examples: dict[str, str] = field(default_factory=dict)
+    # Characters the tokenizer encodes as its unknown token, with how often they occur in the kept prompts,
+    # and the rows holding them (`unknown_rows`), for the warning; `where` names the column (and source).
+    unknown_chars: dict[str, int] = field(default_factory=dict)
+    unknown_rows: tuple[int, ...] = ()
+    where: str = "data.prompt_key"
+    alphabet: str | None = None  # the tokenizer's alphabet in words, when it is builtin:tiny's
 
     @property
     def dropped(self) -> int:
@@ -254,13 +260,24 @@ class LoadReport:
         """Things that are allowed but probably wrong."""
         out = []
         if self.unknown_token_prompts:
-            example = self.examples.get("unknown", "")
-            out.append(
-                f"{self.unknown_token_prompts} of {self.kept} prompts contain characters the tokenizer does not know "
-                f"(they become its unknown token), e.g. {example!r}. The built-in tiny model knows only lowercase "
-                f"letters, digits, space and +-*/=?:.,!'() and newline."
-            )
+            out.append(self._unknown_warning())
         return out
+
+    def _unknown_warning(self) -> str:
+        chars = sorted(self.unknown_chars.items(), key=lambda kv: (-kv[1], kv[0]))
+        listed = ", ".join(f"{c!r} x{n}" for c, n in chars[:12]) + (f" and {len(chars) - 12} more" if len(chars) > 12 else "")
+        total = sum(self.unknown_chars.values())
+        rows = ", ".join(map(str, self.unknown_rows[:8]))
+        more = self.unknown_token_prompts - min(len(self.unknown_rows), 8)
+        rows += f" and {more} more" if more > 0 else ""
+        known = f" The built-in tiny model's tokenizer knows only {self.alphabet} (upper case is unknown)." if self.alphabet else ""
+        fix = "lower-case the text and replace or remove the other characters" if self.alphabet else "replace or remove them"
+        return (
+            f"{self.where}: {self.unknown_token_prompts} of {self.kept} prompts (rows {rows}) hold "
+            f"{len(chars)} distinct characters the tokenizer cannot encode ({total} in all): {listed}. Each becomes the unknown "
+            f"token, so the model never sees them, e.g. in {self.examples.get('unknown', '')!r}.{known} Fix: {fix} in the data, "
+            f"or use a model whose tokenizer covers them."
+        )
 
 
 def build_prompts(
@@ -270,6 +287,7 @@ def build_prompts(
     tokenizer: Any | None,
     max_prompt_tokens: int,
     key: str = "data.prompt_key",
+    source: str | None = None,
 ) -> tuple[list[Prompt], LoadReport]:
     """Tokenize each row's prompt; drop (and count) prompts that are empty or too long.
 
@@ -281,7 +299,8 @@ def build_prompts(
     template for chat rows). The row's other columns go to `Prompt.columns`.
 
     With `tokenizer=None` (the simulator) prompts get no token ids and no length filter;
-    chat rows are then rendered as "role: content" lines.
+    chat rows are then rendered as "role: content" lines. `source` (the data source) only names where
+    the rows came from in the report's warnings.
     """
     if not rows:
         raise ConfigError(
@@ -294,6 +313,7 @@ def build_prompts(
     examples: dict[str, str] = {}
     any_chat = False
     unk_id = getattr(tokenizer, "unk_token_id", None) if tokenizer is not None else None
+    unknown_chars = _UnknownCharacters(tokenizer, unk_id)
     for index, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ConfigError(f"row {index} of the data is a {type(row).__name__}, not a mapping of columns.")
@@ -331,6 +351,7 @@ def build_prompts(
             if unk_id is not None and unk_id in ids:
                 unknown += 1
                 examples.setdefault("unknown", text[:200])
+                unknown_chars.add(index, text)
             longest_kept = max(longest_kept, len(ids))
         extra = {k: v for k, v in row.items() if k != prompt_key}
         messages = tuple(dict(m) for m in value) if not isinstance(value, str) else None
@@ -346,6 +367,10 @@ def build_prompts(
         unknown_token_prompts=unknown,
         chat=any_chat,
         examples=examples,
+        unknown_chars=unknown_chars.counts,
+        unknown_rows=tuple(unknown_chars.rows),
+        where=f"column {prompt_key!r}" + (f" of {source}" if source else ""),
+        alphabet=_tiny_alphabet(tokenizer),
     )
     if not prompts:
         if too_long:
@@ -359,6 +384,33 @@ def build_prompts(
             fix = f"check that {key} names the column holding the prompts"
         raise ConfigError(f"no prompts left to train on: {why}. Fix: {fix}.")
     return prompts, report
+
+
+class _UnknownCharacters:
+    """Which characters of the prompts the tokenizer encodes as its unknown token: each distinct character
+    of a prompt that holds the unknown token is encoded alone (once per character), and counted."""
+
+    def __init__(self, tokenizer: Any, unk_id: int | None) -> None:
+        self._tokenizer, self._unk_id = tokenizer, unk_id
+        self._known: dict[str, bool] = {}
+        self.counts: dict[str, int] = {}
+        self.rows: list[int] = []
+
+    def add(self, row: int, text: str) -> None:
+        self.rows.append(row)
+        for char in text:
+            if char not in self._known:
+                self._known[char] = self._unk_id not in _encode(self._tokenizer, char, add_special_tokens=False)
+            if not self._known[char]:
+                self.counts[char] = self.counts.get(char, 0) + 1
+
+
+def _tiny_alphabet(tokenizer: Any) -> str | None:
+    """builtin:tiny's alphabet in words when `tokenizer` is its tokenizer (same vocabulary), else None."""
+    from asyncgrpo.models.tiny import ALPHABET, VOCAB
+
+    vocab = tokenizer.get_vocab() if tokenizer is not None and hasattr(tokenizer, "get_vocab") else {}
+    return ALPHABET if set(vocab) == set(VOCAB) else None
 
 
 def _encode(tokenizer: Any, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:

@@ -17,6 +17,11 @@ ever re-rendering what the model sampled.
   separators); the delta is the encoding of the new contents.
 - An observation of `reset` re-renders the prompt with it (`prompt_ids`): it is part of the
   episode's prompt, not a turn.
+- Size before tokenizing: a token's text holds at most `Codec.max_token_chars` characters, so
+  messages of more than n x that many characters (`content_chars`) cannot fit in n tokens; the
+  episode runner refuses or ends on such an observation without encoding it (encoding megabytes
+  takes minutes and gigabytes). Encoding is CPU work of the caller's: a codec whose encoding can
+  take long says so (`offload`), and the runner then calls it off the event loop.
 
 Invariants: `ids` only grows, and only by `add_model` (exactly the sampled ids) or `observe`
 (environment ids, loss mask 0); `generated` counts every id after the prompt.
@@ -24,6 +29,8 @@ Invariants: `ids` only grows, and only by `add_model` (exactly the sampled ids) 
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -39,6 +46,14 @@ class Codec(Protocol):
     def exact(self) -> bool:
         """Whether the generator's ids are this codec's encoding of its text, so a mismatch is drift worth counting."""
 
+    @property
+    def offload(self) -> bool:
+        """Whether encoding may take long enough to belong on a thread (False: cheap, or the loop must stay single-threaded)."""
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters the text of one token holds (an upper bound)."""
+
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str: ...
 
     def encode(self, text: str) -> tuple[int, ...]: ...
@@ -48,9 +63,19 @@ class TokenizerCodec:
     """A Hugging Face tokenizer's chat template and encoding (no special tokens added: a template holds its own)."""
 
     exact = True
+    offload = True
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        # Episodes encode on threads of their own (`offload`): one at a time, since a Hugging Face fast tokenizer whose
+        # truncation or padding settings change under a concurrent call raises "Already borrowed".
+        self._encoding = threading.Lock()
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token string of the vocabulary, added tokens included: a byte-level token's string has one
+        character per byte and a byte-fallback token (<0xE2>) six, so none decodes to more characters than it has."""
+        return max(map(len, self._tokenizer.get_vocab()), default=1)
 
     @property
     def has_template(self) -> bool:
@@ -62,7 +87,8 @@ class TokenizerCodec:
         ))
 
     def encode(self, text: str) -> tuple[int, ...]:
-        return tuple(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        with self._encoding:
+            return tuple(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 class CharCodec:
@@ -71,6 +97,8 @@ class CharCodec:
 
     has_template = True
     exact = False
+    offload = False  # the simulator's loop runs on virtual time, with no threads
+    max_token_chars = 1
 
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
         text = "".join(
@@ -196,6 +224,11 @@ class Conversation:
         """The rendering of `messages` after the prompt's rendering, or None when it does not start with it."""
         full = self._encoded(messages, generation_prompt=generation_prompt)
         return full[len(self._base) :] if full[: len(self._base)] == self._base else None
+
+
+def content_chars(messages: Sequence[Message]) -> int:
+    """The characters of the messages' contents (a content that is not a string counted as its str())."""
+    return sum(len(c) if isinstance(c := m.get("content"), str) else len(str(c)) for m in messages)
 
 
 def as_row(prompt: Prompt, prompt_key: str) -> Mapping[str, Any]:

@@ -256,6 +256,7 @@ class OpenEnvServerHost:
         self._codec = ActionCodec(None, None)
         self._in_flight: asyncio.Future[Any] | None = None
         self._cancelled = False
+        self.close_error: BaseException | None = None  # a failed goodbye to the server is not the environment's error
 
     async def reset(self, row: Mapping[str, Any]) -> tuple[Message, ...]:
         from openenv.core.generic_client import GenericEnvClient

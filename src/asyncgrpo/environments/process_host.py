@@ -78,6 +78,7 @@ class ProcessHost:
         self._proc: WorkerProcess | None = None
         self._busy = False
         self._cancelled = False
+        self.close_error: BaseException | None = None  # a cancel's close() runs in the worker, which is then killed
         self._ended = False  # closed or cancelled: the worker is gone or going
 
     @property

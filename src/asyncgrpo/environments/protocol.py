@@ -102,7 +102,11 @@ class EnvironmentHost(Protocol):
     early: it sets the token, calls `close()` from elsewhere, waits up to `grace_s` for the
     environment's work to end, then stops it by force where the host can (a process is killed).
     It returns True when the work stopped, False when it is still running and abandoned.
+    `close_error` is what the `close()` that `cancel` called raised (None: it returned, or was not
+    called, or the host cannot tell); the caller counts and logs it.
     """
+
+    close_error: BaseException | None
 
     async def reset(self, row: Mapping[str, Any]) -> tuple[Message, ...]: ...
 

@@ -32,6 +32,7 @@ class SimulatedHost:
         self._role = role
         self._hosts = hosts
         self.ignores_cancel = rng.random() < model.ignore_cancel_prob
+        self.close_error: BaseException | None = None  # a simulated close never raises
 
     async def _call(self, what: str) -> None:
         await asyncio.sleep(sample(self._model.call_s, self._rng))

@@ -10,7 +10,10 @@ Job: run the protocol's calls (environments/protocol.py) for one episode and sto
   `step` may still run: the protocol asks close to interrupt it), and waits up to `grace_s` for
   every call the host started to return. True: nothing of the environment runs any more. False:
   a call is still running; Python cannot stop a thread, so it is abandoned, and the caller counts
-  and logs it (`env/abandoned_total`).
+  and logs it (`env/abandoned_total`). What that `close()` raises is kept in `close_error` (never
+  left in a future nobody reads), for the caller to count and log.
+- Processes the environment starts are its own: a thread has no process group to kill, so
+  `close()` must end them (env.isolation: process kills the worker's whole group).
 
 Invariants: `close()` reaches the environment at most once; the host knows at every moment which
 of its calls still run (`running`), whether or not their caller still waits for them; a result
@@ -80,6 +83,7 @@ class ThreadHost:
         self._env: Any = None
         self._closing = False
         self._running: set[_Call] = set()
+        self.close_error: BaseException | None = None
 
     @property
     def running(self) -> int:
@@ -131,10 +135,12 @@ class ThreadHost:
                             await close()
                     except TimeoutError:
                         return False
-                    except Exception:  # noqa: BLE001 - a close that fails while cancelling changes nothing: the episode is over
-                        pass
+                    except asyncio.CancelledError:
+                        raise
+                    except BaseException as exc:  # noqa: BLE001 - user code; the episode is over, the caller reports it
+                        self.close_error = exc
                 elif callable(close):
-                    self._start(loop, close, "close")
+                    self._start(loop, close, "close").result.add_done_callback(self._keep_close_error)
             pending = [call.finished for call in self._running if not call.finished.done()]
             if not pending:
                 return True
@@ -142,6 +148,10 @@ class ThreadHost:
             if loop.time() >= deadline:
                 return not any(not call.finished.done() for call in self._running)
             # A call returned before the deadline: the factory may have made an environment meanwhile; close it too.
+
+    def _keep_close_error(self, result: asyncio.Future[Any]) -> None:
+        if not result.cancelled() and (error := result.exception()) is not None:
+            self.close_error = error
 
     async def _invoke(self, method: Callable[..., Any], args: tuple[Any, ...], what: str, *, token: bool = True) -> Any:
         kwargs = {"token": self._token} if token and takes_token(method) else {}

@@ -42,7 +42,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 MARKER_VAR = "ASYNCGRPO_RAY_CLUSTER"
@@ -53,15 +53,15 @@ _DISMISS = b"x"
 
 
 @contextlib.contextmanager
-def marked_environment(token: str) -> Iterator[None]:
-    """`MARKER_VAR=token` and `SPT_NOENV=1` in this process's environment for the block (processes started in it
-    inherit them), then as before.
+def marked_environment(token: str, extra: Mapping[str, str] | None = None) -> Iterator[None]:
+    """`MARKER_VAR=token` and `SPT_NOENV=1` (and `extra`) in this process's environment for the block (processes
+    started in it inherit them), then as before.
 
     SPT_NOENV keeps the mark readable: Ray's processes rename themselves (`ray::DashboardAgent`) with a vendored
     setproctitle, which otherwise reuses the memory behind /proc/PID/environ for the longer title, wiping some
     or all of the variables there (Ray sets SPT_NOENV for its workers, not for its agents).
     """
-    marks = {MARKER_VAR: token, "SPT_NOENV": "1"}
+    marks = {MARKER_VAR: token, "SPT_NOENV": "1", **(extra or {})}
     before = {name: os.environ.get(name) for name in marks}
     os.environ.update(marks)
     try:

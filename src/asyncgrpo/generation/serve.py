@@ -1,4 +1,4 @@
-"""`asyncgrpo serve MODEL`: an OpenAI-compatible completion server over the in-process `LocalEngine`.
+"""`asyncgrpo serve MODEL`'s application: an OpenAI-compatible completion server over the in-process `LocalEngine`.
 
 Job: speak the subset of vLLM's HTTP API that asyncgrpo's `HttpGenerator` uses, with vLLM's
 request and response shapes, so one client drives both a vLLM server and this one (tests,
@@ -22,37 +22,44 @@ Endpoints:
 - ``POST /collective_rpc`` with ``{"method": "reload_weights", "kwargs": {"weights_path": DIR}}``:
   loads every ``*.safetensors`` file of DIR into the engine and bumps the serving version (to the
   version in DIR/asyncgrpo_version.json when the publisher wrote one and it is not older, else
-  by one). Weights holding NaN or inf are refused (HTTP 400 naming the tensors; the weights
-  served stay as they were). If the engine has failed (its decoding thread died), a good reload
-  starts a new engine over the same model with the new weights: the server recovers without a
-  restart. Like vLLM's dev-mode endpoint, it reads any path this process can read: bind to
-  loopback or a private network only.
+  by one). Weights holding NaN or inf, and files that are not regular files (a FIFO would block
+  the read forever), are refused (HTTP 400 naming them; the weights served stay as they were);
+  a read that takes longer than ``--reload-timeout-s`` is abandoned (HTTP 504); serve_weights.py.
+  If the engine has failed (its decoding thread died), a good reload starts a new engine over
+  the same model with the new weights: the server recovers without a restart. Like vLLM's
+  dev-mode endpoint, it reads any path this process can read: bind to loopback or a private
+  network only.
 - ``GET /stats`` (asyncgrpo extension, for tests and operators): serving version, request
   counters (total, active, waiting on a pause, completed, aborted, rejected), reloads, pause
   state, and the engine's own counters under ``engine``.
 
 Errors use vLLM's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a malformed
-body or a prompt the model cannot take (the message says "maximum context length" / "longer
-than the maximum model length", as vLLM's does), 404 for a model name this server does not
-serve, 422 for an unsupported field value, 500/503 when the engine failed or is closed.
+body, a string prompt over ``--max-prompt-chars`` (refused before it is tokenised) or a prompt the
+model cannot take (the message says "maximum context length" / "longer than the maximum model
+length", as vLLM's does), 404 for a model name this server does not serve, 413 for a body over the
+limit derived from ``--max-prompt-chars``, 422 for an unsupported field value, 500/503 when the
+engine failed or is closed, 504 for a reload whose read timed out.
 
 Invariants:
 - A client that disconnects cancels its handler (aiohttp ``handler_cancellation``), which
   cancels the engine request: the engine drops it at the next decoding step and ``/stats``
   counts it under ``requests_aborted``. Nothing keeps generating for a client that left.
 - Every request ends in exactly one counter: completed, aborted or rejected.
-- Shutdown (SIGINT/SIGTERM) closes connections (cancelling handlers), then the engine; bounded.
+- Nothing a request sends is unbounded in memory or in event-loop time: the body is at most
+  ``max_body_bytes``, a string prompt at most ``max_prompt_chars`` before it is tokenised, and it is
+  tokenised on a worker thread, so /health and every other request keep being answered meanwhile.
+- The process around the application (serve_process.py) stops on SIGINT/SIGTERM: it closes
+  connections (cancelling handlers), then the engine; bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import math
 import random
-import signal
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -62,12 +69,20 @@ from typing import Any
 from aiohttp import web
 
 from asyncgrpo.errors import GenerationError, PromptRejectedError
+from asyncgrpo.generation.serve_weights import read_weights
 from asyncgrpo.sync import StateSignal
+from asyncgrpo.threads import DaemonThreadPool
 from asyncgrpo.types import GenerationRequest, SamplingParams
 
 log = logging.getLogger("asyncgrpo.serve")
 
-VERSION_FILE = "asyncgrpo_version.json"
+# Request bounds. A string prompt longer than --max-prompt-chars (default: this many characters per token of
+# max_model_len, far more than any tokenizer packs into a token of real text) is refused before it is tokenised; the body
+# may hold that many characters at JSON's longest escape (a surrogate pair, 12 bytes), plus room for the other fields.
+PROMPT_CHARS_PER_TOKEN = 16
+BODY_BYTES_PER_PROMPT_CHAR = 12
+BODY_BYTES_OTHER_FIELDS = 1 << 20
+RELOAD_TIMEOUT_S = 300.0
 
 # Fields a client may send only at these neutral values (what vLLM would do by default).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -99,8 +114,8 @@ class _BadRequest(Exception):
         self.param = param
 
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "UnprocessableEntityError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestEntityTooLargeError",
+                422: "UnprocessableEntityError", 500: "InternalServerError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:
@@ -119,13 +134,22 @@ def _is_number(value: Any) -> bool:
 
 class ServerState:
     """Everything the handlers share; lives on the server's event loop. `engine` is replaced (by
-    `engine_factory(version)`, an engine not yet started) when a reload finds it failed."""
+    `engine_factory(version)`, an engine not yet started) when a reload finds it failed. String prompts are
+    tokenised on one worker thread (`prompt_threads`) with a copy of the tokenizer of its own (`prompt_tokenizer`):
+    never on the event loop, and never with the tokenizer the loop decodes with (fast tokenizers raise "Already
+    borrowed" when two threads use one)."""
 
     def __init__(self, engine: Any, tokenizer: Any, *, model_name: str, max_model_len: int, vocab_size: int,
-                 model_dir: str | None, engine_factory: Callable[[int], Any] | None = None) -> None:
+                 model_dir: str | None, engine_factory: Callable[[int], Any] | None = None,
+                 max_prompt_chars: int | None = None, reload_timeout_s: float = RELOAD_TIMEOUT_S) -> None:
         self.engine = engine
         self.engine_factory = engine_factory
         self.tokenizer = tokenizer
+        self.prompt_tokenizer = copy.deepcopy(tokenizer)
+        self.prompt_threads = DaemonThreadPool(1, name="asyncgrpo-serve-tokenize")
+        self.max_prompt_chars = max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+        self.max_body_bytes = BODY_BYTES_OTHER_FIELDS + BODY_BYTES_PER_PROMPT_CHAR * self.max_prompt_chars
+        self.reload_timeout_s = reload_timeout_s
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.model_dir = model_dir
@@ -155,13 +179,17 @@ STATE = web.AppKey("state", ServerState)
 
 
 def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: int, vocab_size: int,
-               model_dir: str | None = None, engine_factory: Callable[[int], Any] | None = None) -> web.Application:
+               model_dir: str | None = None, engine_factory: Callable[[int], Any] | None = None,
+               max_prompt_chars: int | None = None, reload_timeout_s: float = RELOAD_TIMEOUT_S) -> web.Application:
     """The aiohttp application over a started `LocalEngine`; run it with `handler_cancellation=True`
-    (as `run_server` does) so that a client disconnecting aborts its request. `engine_factory(version)`
-    builds a replacement engine over the same model (see ServerState); without it a failed engine stays failed."""
+    (as serve_process.run_server does) so that a client disconnecting aborts its request. `engine_factory(version)`
+    builds a replacement engine over the same model (see ServerState); without it a failed engine stays failed.
+    `max_prompt_chars` (None: PROMPT_CHARS_PER_TOKEN x max_model_len) bounds string prompts and, through it, the
+    body; `reload_timeout_s` bounds reading a reload's weights."""
     state = ServerState(engine, tokenizer, model_name=model_name, max_model_len=max_model_len, vocab_size=vocab_size,
-                        model_dir=model_dir, engine_factory=engine_factory)
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+                        model_dir=model_dir, engine_factory=engine_factory, max_prompt_chars=max_prompt_chars,
+                        reload_timeout_s=reload_timeout_s)
+    app = web.Application(client_max_size=state.max_body_bytes)
     app[STATE] = state
 
     async def health(_: web.Request) -> web.Response:
@@ -203,6 +231,8 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return error_response(400, f"JSON decode error: {exc}")
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(413, _too_large(state))
         if not isinstance(body, dict) or body.get("method") is None:
             return error_response(400, "Missing 'method' in request body")
         if body["method"] != "reload_weights":
@@ -213,13 +243,17 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
             return error_response(400, "reload_weights needs kwargs.weights_path (this server was not started from a directory)")
         async with state.reload_lock:
             try:
-                weights, file_version = await asyncio.to_thread(read_weights_dir, Path(path))
+                weights, file_version = await read_weights(Path(path), state.reload_timeout_s)
                 current = state.engine.serving_version
                 version = file_version if file_version is not None and file_version >= current else current + 1
                 await _install(state, weights, version)
             except GenerationError as exc:  # the engine is closed
                 state.counters["reload_failures"] += 1
                 return error_response(503, f"reload_weights from {path}: {exc}")
+            except TimeoutError as exc:  # the read was abandoned on its daemon thread
+                state.counters["reload_failures"] += 1
+                log.warning("asyncgrpo serve: reload_weights from %s failed: %s", path, exc)
+                return error_response(504, f"reload_weights from {path}: {exc}")
             except Exception as exc:  # noqa: BLE001 - unreadable files, wrong keys or shapes: told to the caller
                 state.counters["reload_failures"] += 1
                 log.warning("asyncgrpo serve: reload_weights from %s failed: %s", path, exc)
@@ -231,8 +265,9 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
     async def completions(request: web.Request) -> web.Response:
         state.counters["requests_total"] += 1
         try:
-            body = await _read_json(request)
-            gen_request, want_ids, want_logprobs = _parse_completion(state, body)
+            body = await _read_json(state, request)
+            prompt_ids = await _tokenize_prompt(state, body.get("prompt"))
+            gen_request, want_ids, want_logprobs = _parse_completion(state, body, prompt_ids)
         except _BadRequest as exc:
             state.counters["requests_rejected"] += 1
             return error_response(exc.status, str(exc), exc.param)
@@ -294,18 +329,45 @@ async def _install(state: ServerState, weights: dict[str, Any], version: int) ->
     await failed.aclose()  # its thread has exited: releases nothing more, idempotent
 
 
-async def _read_json(request: web.Request) -> dict[str, Any]:
+def _too_large(state: ServerState) -> str:
+    return (f"the request body is larger than this server's limit of {state.max_body_bytes} bytes, derived from its prompt "
+            f"limit --max-prompt-chars = {state.max_prompt_chars} ({BODY_BYTES_PER_PROMPT_CHAR} bytes per character plus "
+            f"{BODY_BYTES_OTHER_FIELDS} for the other fields). Fix: send a shorter prompt, or restart the server with a "
+            f"larger --max-prompt-chars")
+
+
+async def _read_json(state: ServerState, request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise _BadRequest(400, f"the request body is not valid JSON: {exc}") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise _BadRequest(413, _too_large(state)) from None
     if not isinstance(body, dict):
         raise _BadRequest(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
-def _parse_completion(state: ServerState, body: dict[str, Any]) -> tuple[GenerationRequest, bool, bool]:
-    """Validate a /v1/completions body like vLLM does (the subset we serve); raise _BadRequest."""
+async def _tokenize_prompt(state: ServerState, prompt: Any) -> list[int] | None:
+    """A string prompt's token ids, tokenised off the event loop once its length is within `max_prompt_chars`
+    (raise _BadRequest naming the limit and the flag that raises it); None for any other prompt."""
+    if not isinstance(prompt, str) or not prompt:
+        return None
+    if len(prompt) > state.max_prompt_chars:
+        raise _BadRequest(400, f"The prompt is {len(prompt)} characters long, over this server's limit of "
+                               f"--max-prompt-chars = {state.max_prompt_chars} (a longer prompt is refused before it is "
+                               f"tokenised; the default is {PROMPT_CHARS_PER_TOKEN} characters per token of the maximum "
+                               f"model length). Fix: send a shorter prompt (or its token ids), or restart the server with a "
+                               f"larger --max-prompt-chars.", "prompt")
+    tokenizer = state.prompt_tokenizer
+    async with state.prompt_threads.worker() as thread:
+        return list(await thread.call(lambda: tokenizer(prompt, add_special_tokens=True)["input_ids"]))
+
+
+def _parse_completion(state: ServerState, body: dict[str, Any],
+                      prompt_ids: list[int] | None = None) -> tuple[GenerationRequest, bool, bool]:
+    """Validate a /v1/completions body like vLLM does (the subset we serve); raise _BadRequest. `prompt_ids`:
+    the string prompt's tokens (`_tokenize_prompt`)."""
     for key, value in body.items():
         if key in _SUPPORTED or key in _IGNORED:
             continue
@@ -323,7 +385,7 @@ def _parse_completion(state: ServerState, body: dict[str, Any]) -> tuple[Generat
     if isinstance(prompt, str):
         if not prompt:
             raise _BadRequest(400, "The prompt cannot be empty", "prompt")
-        prompt_ids = list(state.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        prompt_ids = list(prompt_ids or ())
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         prompt_ids = list(prompt)
     elif isinstance(prompt, list) and not prompt:
@@ -434,96 +496,3 @@ def _abort_body(state: ServerState, request: GenerationRequest) -> dict[str, Any
         "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "abort", "stop_reason": None, "token_ids": []}],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens},
     }
-
-
-def read_weights_dir(directory: Path) -> tuple[dict[str, Any], int | None]:
-    """Every tensor of every *.safetensors file in `directory`, and the publisher's version (None if absent).
-    Raises ValueError if any floating-point tensor holds NaN or inf."""
-    from safetensors.torch import load_file
-
-    if not directory.is_dir():
-        raise FileNotFoundError(f"weights_path {directory} is not a directory")
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"weights_path {directory} holds no .safetensors file")
-    weights: dict[str, Any] = {}
-    for file in files:
-        weights.update(load_file(str(file)))
-    bad = [name for name, tensor in weights.items() if tensor.is_floating_point() and not bool(tensor.isfinite().all())]
-    if bad:
-        raise ValueError(f"{len(bad)} of {len(weights)} tensors hold NaN or inf (e.g. {', '.join(bad[:3])}); refused, "
-                         f"the weights being served are unchanged. Check the trainer (learning rate, loss scale) that "
-                         f"produced them")
-    version = None
-    marker = directory / VERSION_FILE
-    if marker.is_file():
-        version = int(json.loads(marker.read_text())["version"])
-    return weights, version
-
-
-# ---------------------------------------------------------------------------------------
-# The process
-
-
-async def run_server(model: str, *, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 64,
-                     served_model_name: str | None = None, dtype: str = "float32", seed: int = 0,
-                     stop: asyncio.Future | None = None) -> None:
-    """Load `model` (anything `model.path` accepts), serve it until `stop` resolves (default: SIGINT/SIGTERM)."""
-    from asyncgrpo.generation.local import LocalEngine
-    from asyncgrpo.models.loading import load_model_and_tokenizer
-
-    net, tokenizer = load_model_and_tokenizer(model, dtype, seed)
-    max_model_len = int(getattr(net.config, "max_position_embeddings", 0) or 0) or 2048
-    name = served_model_name or model
-    engine = LocalEngine(net, tokenizer, name=f"serve:{name}", max_batch_size=max_batch_size)
-    model_dir = model if Path(model).is_dir() else None
-
-    def engine_factory(version: int) -> LocalEngine:  # the failed engine's thread has exited: the model is free
-        return LocalEngine(net, tokenizer, name=f"serve:{name}", max_batch_size=max_batch_size, version=version)
-
-    app = create_app(engine, tokenizer, model_name=name, max_model_len=max_model_len,
-                     vocab_size=net.get_input_embeddings().num_embeddings, model_dir=model_dir,
-                     engine_factory=engine_factory)
-    loop = asyncio.get_running_loop()
-    own_signals = stop is None
-    if stop is None:
-        stop = loop.create_future()
-
-        def request_stop() -> None:
-            if not stop.done():
-                stop.set_result(None)
-
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, request_stop)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
-    await engine.start()
-    try:
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, shutdown_timeout=2.0)
-        await site.start()
-        bound = runner.addresses[0][1] if runner.addresses else port
-        print(f"asyncgrpo serve: serving {name!r} (max_model_len {max_model_len}) on http://{host}:{bound}",
-              file=sys.stderr, flush=True)
-        await stop
-    finally:
-        await runner.cleanup()  # closes connections: their handlers are cancelled, so are their engine requests
-        await app[STATE].engine.aclose()  # the engine now serving (a reload may have replaced a failed one)
-        if own_signals:
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(signum)
-
-
-def serve_cli(args: Any) -> int:
-    """The `asyncgrpo serve` command (arguments parsed by cli.py)."""
-    from asyncgrpo.errors import ConfigError
-
-    try:
-        asyncio.run(run_server(args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
-                               served_model_name=args.served_model_name, dtype=args.dtype, seed=args.seed))
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 3
-    except OSError as exc:
-        print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 1
-    return 0

@@ -2,12 +2,14 @@
 
 Job: one place that knows the accepted forms of `model.path`: `builtin:<name>` (`tiny`, built from
 the run seed; `smollm2-135m-instruct`, converted from an installed package, models/smollm2.py; no
-download) or a local Hugging Face directory (never a hub name: nothing is
-downloaded, `local_files_only=True`).
+download), a local Hugging Face directory, or a Hugging Face Hub id (`org/name`, not an existing
+path), resolved to its snapshot directory by models/hub.py and then loaded like a local directory
+(`local_files_only=True`).
 
 Invariants:
-- `check_model_path` imports no torch and touches only the file system, so a wrong path is
-  reported with the config errors, before anything heavy loads.
+- `check_model_path` imports no torch; it touches only the file system, and for a hub id fetches
+  the config and tokenizer files (not the weights), so a wrong path or id is reported with the
+  config errors, before anything heavy loads.
 - A directory's tokenizer is loaded with `PreTrainedTokenizerFast` when it has tokenizer.json:
   `AutoTokenizer` may swap in a model-specific class that rewrites the pre-tokenizer
   (research/cpu-environment.md §2, the qwen2 trap).
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.models.hub import hub_snapshot, is_hub_id
 
 BUILTIN_MODELS = ("tiny", "smollm2-135m-instruct")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -46,19 +49,28 @@ def check_model_path(path: str) -> None:
 
             check_installed()
         return
-    directory = Path(path).expanduser()
-    if not directory.is_dir():
-        raise ConfigError(
-            f"model.path = {path!r}: no such directory. asyncgrpo loads models only from local "
-            f"directories (nothing is downloaded). Fix: point model.path at a directory written by "
-            f"save_pretrained (holding config.json and the weights), or use builtin:tiny."
-        )
+    directory = model_directory(path, weights=False)
     if not (directory / "config.json").is_file():
         raise ConfigError(
             f"model.path = {path!r}: the directory has no config.json, so it is not a Hugging Face "
             f"model directory. Fix: point model.path at the directory that holds config.json, "
             f"model.safetensors and the tokenizer files (as written by save_pretrained)."
         )
+
+
+def model_directory(path: str, *, weights: bool) -> Path:
+    """The local directory of a `model.path` that is not a builtin: the directory itself, or a hub id's snapshot
+    (its weights fetched too when `weights`); ConfigError when it is neither."""
+    directory = Path(path).expanduser()
+    if directory.is_dir():
+        return directory
+    if is_hub_id(path):
+        return hub_snapshot(path, weights=weights)
+    raise ConfigError(
+        f"model.path = {path!r}: no such directory (looked for {directory.absolute()}), and not a Hugging Face Hub id "
+        f"(org/name). Fix: point model.path at a directory written by save_pretrained (holding config.json and the "
+        f"weights), give a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or use builtin:tiny."
+    )
 
 
 def _torch_dtype(dtype: str) -> Any:
@@ -85,7 +97,7 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32", seed: int = 0) -
 
     from transformers import AutoModelForCausalLM
 
-    directory = Path(path).expanduser()
+    directory = model_directory(path, weights=True)
     try:
         loaded: Any = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch_dtype, output_loading_info=True)
         model, info = loaded
@@ -95,7 +107,7 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32", seed: int = 0) -
             f"Fix: check that config.json describes a causal LM and the weight files are complete."
         ) from exc
     check_weights_matched(path, model, info)
-    return model, _directory_tokenizer(path)
+    return model, _directory_tokenizer(path, directory)
 
 
 def load_tokenizer(path: str) -> Any:
@@ -107,18 +119,17 @@ def load_tokenizer(path: str) -> Any:
         from asyncgrpo.models.smollm2 import converted_directory, gguf_tokenizer
 
         directory = converted_directory()
-        return gguf_tokenizer() if directory is None else _directory_tokenizer(str(directory))
+        return gguf_tokenizer() if directory is None else _directory_tokenizer(str(directory), directory)
     if path.startswith("builtin:"):
         from asyncgrpo.models.tiny import build_tiny_tokenizer
 
         return build_tiny_tokenizer()
-    return _directory_tokenizer(path)
+    return _directory_tokenizer(path, model_directory(path, weights=False))
 
 
-def _directory_tokenizer(path: str) -> Any:
+def _directory_tokenizer(path: str, directory: Path) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    directory = Path(path).expanduser()
     try:
         if (directory / "tokenizer.json").is_file():
             tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)

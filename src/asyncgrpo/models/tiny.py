@@ -30,6 +30,8 @@ PUNCTUATION = "+-*/=?:.,!'()"
 VOCAB: tuple[str, ...] = (
     SPECIAL_TOKENS + tuple(string.ascii_lowercase) + tuple(string.digits) + (" ",) + tuple(PUNCTUATION) + ("\n",)
 )
+# The alphabet in words, for the docs and for `check`'s warning about characters outside it.
+ALPHABET = f"lowercase a-z, digits 0-9, space, newline and {PUNCTUATION}"
 
 # An assistant message ends with <eos> (the token a turn of the model stops on) instead of a newline, so
 # the ids a multi-turn episode sampled are a prefix of the template's rendering of its history (no

@@ -61,18 +61,19 @@ class _Worker:
         self.process = process
         self.reusable = True  # false from a call's start until its complete reply
 
-    async def call(self, index: int, kwargs: dict[str, Any]) -> Any:
-        """Function `index` on `kwargs`: its result, or what it raised (its traceback chained below)."""
+    async def call(self, index: int, kwargs: dict[str, Any], callbacks: tuple[str, ...] = ()) -> tuple[Any, Any]:
+        """Function `index` on `kwargs`, given the TRL `callbacks` (log_metric, log_extra) the worker makes for it: its
+        result and the call's log records (rewards/trl_args.py), or what it raised (its traceback chained below)."""
         self.reusable = False
         try:
-            self.process.writer.write(encode((index, kwargs)))
+            self.process.writer.write(encode((index, kwargs, callbacks)))
             await self.process.writer.drain()
             reply = await _receive(self.process.reader)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             raise WorkerCrashed(await self.exit_code()) from exc
         self.reusable = True
         if reply[0] == "ok":
-            return reply[1]
+            return reply[1], reply[2]
         _, error, remote_traceback = reply
         if remote_traceback:
             error.__cause__ = RemoteTraceback(remote_traceback)

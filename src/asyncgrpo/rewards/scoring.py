@@ -10,24 +10,30 @@ TRL does (so ``completion[0]["content"]`` is the text and `trl.rewards` function
 `completion_ids` each completion's token ids (a final stop token included, as TRL's; an episode's
 are every token after the prompt, the environment's too, as TRL's tool loop passes them),
 when the caller scores `Completion`s (training and evaluation do; plain texts have none); every
-column of the prompt's row repeated as a list aligned with `completions`. A function whose
-signature has no ``**kwargs`` receives only the arguments and columns it names. Functions may be sync or async (``async def``, or returning an
-awaitable). None means "no opinion on this completion": it is excluded from that
-function's term.
+column of the prompt's row repeated as a list aligned with `completions`; and TRL's `trainer_state`,
+`log_metric` and `log_extra` (rewards/trl_args.py: the step to schedule on; metrics that reach
+metrics.jsonl and the sinks as `user/<name>`; columns written beside each completion in samples.jsonl,
+`ScoredCompletion.extra`). A function whose signature has no ``**kwargs`` receives only the arguments
+and columns it names. Functions may be sync or async (``async def``, or returning an awaitable).
+None means "no opinion on this completion": it is excluded from that function's term.
 
 Invariants:
 - `resolve_reward` imports nothing heavy for ``builtin:<name>``; every failure is a
   `ConfigError` naming ``reward.functions[i]``, the value, what is wrong and the fix.
 - `RewardScorer.score` returns exactly one `ScoredCompletion` per completion, or raises
-  `RewardError`. A function that raises (SystemExit and KeyboardInterrupt included), outlives ``reward.timeout_s``, returns the wrong
+  `RewardError`. A function that raises (any BaseException but our own cancellation: SystemExit
+  and KeyboardInterrupt included), outlives ``reward.timeout_s``, returns the wrong
   number of values, or a value that is not a finite real number is an error, reported with
-  the function's name and one offending input, chained to the original exception. An error
+  the function's name and one offending input, chained to the original exception; so is a
+  weighted total that is not a finite number (naming every function's value and weight). An error
   never becomes a 0.0 reward; what to do with it (fail or drop the group) is the caller's
   policy.
 - Cancelling `score` propagates as cancellation, never as a `RewardError`.
 - Functions are called one after another, in config order, once per group.
 
-Isolation of sync functions (``reward.isolation``; async functions always run on the loop):
+Async functions (``async def``) run on a reward loop of their own, on a thread (rewards/async_loop.py),
+under ``thread`` and ``process``: one that blocks its loop (``time.sleep`` in a coroutine) still
+meets ``reward.timeout_s``, and the loop is then written off. Isolation of sync functions (``reward.isolation``):
 - ``thread``: each call on one of up to ``reward.workers`` reusable daemon threads
   (asyncgrpo.threads.DaemonThreadPool), so a slow one blocks neither generation nor training.
   A call that times out is abandoned (Python cannot stop a thread) and its thread written off:
@@ -38,8 +44,8 @@ Isolation of sync functions (``reward.isolation``; async functions always run on
   name. A call that times out has its worker killed (SIGKILL) and replaced; a worker that dies
   (segfault, os._exit) is a `RewardError` naming the function and the exit code. `aclose` ends
   the workers; the owner calls it on every exit path.
-- ``inline`` (the simulator, on virtual time, no threads): sync functions run on the loop and
-  the timeout can only catch async functions.
+- ``inline`` (the simulator, on virtual time, no threads): every function runs on the loop and
+  the timeout can only catch async functions that await.
 """
 
 from __future__ import annotations
@@ -60,7 +66,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from asyncgrpo.errors import ConfigError, RewardError
+from asyncgrpo.rewards.async_loop import AsyncRewardLoop
 from asyncgrpo.rewards.pool import RewardWorkerPool, WorkerCrashed, WorkerStartError
+from asyncgrpo.rewards.trl_args import TRL_ARGUMENTS, CallLog, RewardLog, TrainerState
 from asyncgrpo.tasks import REWARDS
 from asyncgrpo.threads import DaemonThreadPool, PoolClosed
 from asyncgrpo.types import Completion, Prompt
@@ -71,11 +79,7 @@ if TYPE_CHECKING:
     from asyncgrpo.config import RewardConfig
 
 BUILTIN_PREFIX = "builtin:"
-# What a reward function may raise: any exception, and also SystemExit and KeyboardInterrupt, which
-# a library may raise from inside a call (sys.exit in a grader): a reward error, never a process exit.
-# CancelledError is not among them: cancelling a call stays a cancellation.
-REWARD_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
-RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids")
+RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids", *TRL_ARGUMENTS)
 Isolation = Literal["inline", "thread", "process"]
 
 
@@ -211,10 +215,12 @@ def _suggest(obj: Any, missing: str) -> str:
 
 @dataclass(frozen=True)
 class ScoredCompletion:
-    """One completion's reward: the weighted total (None: no function gave a usable value) and each function's value."""
+    """One completion's reward: the weighted total (None: no function gave a usable value), each function's value,
+    and the columns the functions logged for it with `log_extra`."""
 
     reward: float | None
     terms: Mapping[str, float | None] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 class RewardFunctionError(RewardError):
@@ -271,9 +277,12 @@ class RewardScorer:
             entries.append(_Entry(index, unique, fn, float(weight), _is_async(fn), _accepted_keywords(fn)))
         self._entries: tuple[_Entry, ...] = tuple(entries)
         self.timeout_s = float(timeout_s)
+        self.log = RewardLog()  # what the functions' log_metric calls logged (drained once per step)
+        self.trainer_state: Callable[[], TrainerState] = TrainerState  # the owner sets it to the run's step
         self.isolation = isolation
         self._pool: RewardWorkerPool | None = None
         self._threads: DaemonThreadPool | None = None
+        self._async = AsyncRewardLoop() if isolation != "inline" and any(e.is_async for e in entries) else None
         if isolation == "process" and not all(e.is_async for e in entries):
             if specs is None or len(specs) != len(functions):
                 raise ValueError("isolation='process' needs `specs`, one per function, for the workers to resolve them by")
@@ -297,6 +306,8 @@ class RewardScorer:
         """End the worker processes or threads, if any (bounded); a later `score` raises RewardError."""
         if self._threads is not None:
             self._threads.close()
+        if self._async is not None:
+            self._async.close()
         if self._pool is not None:
             await self._pool.aclose()
 
@@ -318,18 +329,42 @@ class RewardScorer:
             return []
         shown = [reward_input(c) if isinstance(c, Completion) else c for c in completions]
         ids = [list(c.token_ids) for c in completions if isinstance(c, Completion)]
-        per_function = [await self._call(entry, prompt, shown, ids if len(ids) == len(shown) else None) for entry in self._entries]
+        state = self.trainer_state()
+        calls = [await self._call(entry, prompt, shown, ids if len(ids) == len(shown) else None, state) for entry in self._entries]
+        for _, log in calls:
+            self.log.add(log)
         results = []
         for i in range(len(completions)):
-            terms = {entry.name: values[i] for entry, values in zip(self._entries, per_function)}
+            terms = {entry.name: values[i] for entry, (values, _) in zip(self._entries, calls)}
             used = [entry.weight * v for entry, v in zip(self._entries, terms.values()) if v is not None]
-            results.append(ScoredCompletion(reward=math.fsum(used) if used else None, terms=terms))
+            total = finite_sum(used) if used else None
+            if used and total is None:
+                raise self._total_error(prompt, shown[i], terms)
+            extra = {column: value for _, log in calls for column, value in log.extra_of(i).items()}
+            results.append(ScoredCompletion(reward=total, terms=terms, extra=extra))
         return results
 
+    def _total_error(self, prompt: Prompt, completion: str | list[Message], terms: Mapping[str, float | None]) -> RewardFunctionError:
+        parts = ", ".join(f"{e.name} {terms[e.name]!r} x weight {e.weight:g}" for e in self._entries if terms[e.name] is not None)
+        names = [e.name for e in self._entries if terms[e.name] is not None]
+        text = completion if isinstance(completion, str) else repr(completion)
+        return RewardFunctionError(
+            f"reward functions {', '.join(map(repr, names))} gave a total that is not a finite number ({parts} does not fit a "
+            f"float). Input: prompt {_clip(prompt.text)} (id {prompt.id}), completion {_clip(text)}. Fix: keep each "
+            f"function's values and reward.weights small enough that their weighted sum stays finite (rewards on the "
+            f"order of 1 are usual).",
+            function=", ".join(names),
+            prompt=prompt.text,
+            completion=text,
+        )
+
     async def _call(
-        self, entry: _Entry, prompt: Prompt, completions: list[str | list[Message]], completion_ids: list[list[int]] | None = None
-    ) -> list[float | None]:
+        self, entry: _Entry, prompt: Prompt, completions: list[str | list[Message]], completion_ids: list[list[int]] | None = None,
+        state: TrainerState | None = None,
+    ) -> tuple[list[float | None], CallLog]:
+        """One function on the group: its values and what it logged (TRL's log_metric / log_extra)."""
         n = len(completions)
+        log = CallLog(n)
         kwargs: dict[str, Any] = {
             name: [value] * n
             for name, value in prompt.columns.items()
@@ -338,24 +373,39 @@ class RewardScorer:
         kwargs["prompts"], kwargs["completions"] = trl_shaped(prompt, completions)
         if completion_ids is not None and (entry.accepted is None or "completion_ids" in entry.accepted):
             kwargs["completion_ids"] = completion_ids
+        if entry.accepted is None or "trainer_state" in entry.accepted:
+            kwargs["trainer_state"] = state if state is not None else TrainerState()
+        callbacks = tuple(name for name in ("log_metric", "log_extra") if entry.accepted is None or name in entry.accepted)
+        if self._pool is None or entry.is_async:  # in this process: the call logs straight into `log`
+            kwargs.update({name: getattr(log, name) for name in callbacks})
         deadline: asyncio.Timeout | None = None  # made when the call starts: asyncio.timeout fixes its deadline then
         try:
             if self._pool is not None and not entry.is_async:
                 async with self._pool.worker() as worker:  # waiting for or starting a worker is not part of the deadline
                     async with (deadline := asyncio.timeout(self.timeout_s)):
-                        result = await worker.call(entry.index, kwargs)
+                        result, records = await worker.call(entry.index, kwargs, callbacks)  # callbacks made in the worker
+                        log.merge(records)
             elif self._threads is not None and not entry.is_async:
                 async with self._threads.worker() as thread:  # waiting for a free thread is not part of the deadline
                     async with (deadline := asyncio.timeout(self.timeout_s)):
                         result = await _awaited(await thread.call(functools.partial(entry.fn, **kwargs)))
+            elif self._async is not None and entry.is_async:
+                async with (deadline := asyncio.timeout(self.timeout_s)):
+                    result = await self._async.call(entry.fn, kwargs, deadline)
             else:
                 async with (deadline := asyncio.timeout(self.timeout_s)):
                     result = await self._run(entry, kwargs)
         except WorkerStartError:
             raise
         except PoolClosed as exc:
-            raise WorkerStartError("reward.isolation: thread: the reward thread pool is closed (the run is ending).") from exc
-        except REWARD_FAILURES as exc:
+            raise WorkerStartError(f"reward.isolation: {self.isolation}: the reward threads are closed (the run is ending).") from exc
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our own cancellation (an expired deadline arrives as TimeoutError, below)
+            raise self._error(entry, prompt, completions[0], f"raised {_describe(exc)} by itself",
+                              "fix the function (the original traceback is chained below)") from exc
+        except BaseException as exc:  # noqa: BLE001 - user code: SystemExit and KeyboardInterrupt are reward errors too
             if deadline is not None and deadline.expired():
                 raise self._error(
                     entry,
@@ -380,7 +430,7 @@ class RewardScorer:
                 f"raised {_describe(exc)}",
                 "fix the function (the original traceback is chained below)",
             ) from exc
-        return self._check(entry, prompt, completions, result)
+        return self._check(entry, prompt, completions, result), log
 
     async def _run(self, entry: _Entry, kwargs: dict[str, Any]) -> Any:
         """One call on the loop: awaited, or inline."""
@@ -482,6 +532,15 @@ def unscored_group_error(prompt: Prompt, scored: Sequence[ScoredCompletion], nee
         f"a completion that no function scores is left out of training. Fix: return a number where the "
         f"function can judge (e.g. 0.0 for a wrong answer), or check why it cannot judge these completions."
     )
+
+
+def finite_sum(parts: Sequence[float]) -> float | None:
+    """The exact sum of `parts`, or None when it is not a finite float (math.fsum raises OverflowError on some overflows)."""
+    try:
+        total = math.fsum(parts)
+    except OverflowError:
+        return None
+    return total if math.isfinite(total) else None
 
 
 async def _awaited(result: Any) -> Any:

@@ -7,8 +7,11 @@ in frames of an 8-byte big-endian length and a pickle:
 
     parent -> worker  {"specs": [...], "sys_path": [...], "parent_pid": int}   once
     worker -> parent  ("ready",) | ("config_error", message)                    once
-    parent -> worker  (index, kwargs)                                            per call
-    worker -> parent  ("ok", result) | ("raised", exception, traceback_text)     per call
+    parent -> worker  (index, kwargs, callbacks)                                 per call
+    worker -> parent  ("ok", result, records) | ("raised", exception, traceback_text)   per call
+
+`callbacks` names TRL's log_metric / log_extra the function takes: the worker makes them on a `CallLog` of its
+own (rewards/trl_args.py) and sends its `records()` back with the result; callables never cross the boundary.
 
 The worker re-resolves ``reward.functions`` by name (`resolve_reward`), so it needs nothing
 pickled but the inputs. It serves one call at a time until the socket closes, then exits 0.
@@ -94,15 +97,18 @@ async def _settle(awaitable: Any) -> Any:
     return await awaitable
 
 
-def _call(fn: Any, kwargs: dict[str, Any]) -> bytes:
+def _call(fn: Any, kwargs: dict[str, Any], callbacks: tuple[str, ...]) -> bytes:
+    from asyncgrpo.rewards.trl_args import CallLog
+
+    log = CallLog(len(kwargs.get("completions", ())))
     try:
-        result = fn(**kwargs)
+        result = fn(**kwargs, **{name: getattr(log, name) for name in callbacks})
         if inspect.isawaitable(result):
             result = asyncio.run(_settle(result))
     except BaseException as exc:  # noqa: BLE001 - every failure of the function goes back to the parent
         return encode(("raised", _portable(exc), "".join(traceback.format_exception(exc))))
     try:
-        return encode(("ok", result))
+        return encode(("ok", result, log.records()))
     except Exception as exc:  # noqa: BLE001
         error = RemoteError(type(exc).__name__, f"its {type(result).__name__} result cannot be sent back from the worker process: {exc}")
         return encode(("raised", error, ""))
@@ -126,8 +132,8 @@ def main() -> None:
             return
         _send(stream, ("ready",))
         while (message := _read_frame(stream)) is not None:
-            index, kwargs = message
-            stream.write(_call(functions[index], kwargs))
+            index, kwargs, callbacks = message
+            stream.write(_call(functions[index], kwargs, callbacks))
             stream.flush()
 
 

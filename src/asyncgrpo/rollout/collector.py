@@ -131,18 +131,18 @@ class Collector:
         self._in_flight: dict[int, InFlightGroup] = {}
         self._slots = RequestSlots(cfg.generation.max_inflight, self._signal)
         self._scoring = 0  # groups whose reward functions are running
-        self._takes = 0
         self._seq = 0
         self._stopping = False
         self._jitter = random.Random(cfg.run.seed)
-        self._last_progress: float | None = None  # loop time of the last finished rollout or trained step
+        self._last_progress: float | None = None  # loop time of the last finished rollout, episode turn or trained step
         self._task_group: asyncio.TaskGroup | None = None
         self._episodes: EpisodeRunner | None = None  # env: each rollout is an episode, its slot held for the whole episode
         if cfg.env is not None:
             if codec is None:
                 raise ValueError("a Collector with an env: section needs the codec that tokenizes its episodes")
             self._episodes = EpisodeRunner(
-                cfg.env, cfg.generation, codec, self.counters, prompt_key=cfg.data.prompt_key, jitter=self._jitter, host_factory=host_factory,
+                cfg.env, cfg.generation, codec, self.counters, prompt_key=cfg.data.prompt_key,
+                max_prompt_tokens=cfg.data.max_prompt_tokens, jitter=self._jitter, host_factory=host_factory,
             )
         self._targets = StepTargets(r.groups_per_step) if r.on_stale == "wait" else None  # rollout/stale_policy.py
         self._step_started: float | None = None  # loop time the batch in training was taken
@@ -220,11 +220,10 @@ class Collector:
 
     def _admit(self, prompt: Prompt) -> None:
         assert self._task_group is not None
-        self._takes += 1
-        group = InFlightGroup(key=self._takes, prompt=prompt, size=self.group_size)
+        self.accounting.take()  # the take's key is its number in the run (a resumed run's accounting continues it)
+        group = InFlightGroup(key=self.accounting.taken, prompt=prompt, size=self.group_size)
         if self._targets is not None:
             group.target_step = self._targets.assign(self.next_step, self.generator.serving_version + self.max_staleness)
-        self.accounting.take()
         self._in_flight[group.key] = group
         group.task = self._task_group.create_task(self._run_group(group), name=f"group-{prompt.id}")
         self._signal.notify()
@@ -317,9 +316,12 @@ class Collector:
             self.counters["rollout/retries_total"] += 1
             self._tolerated("retried", error)
 
+        def turn_ended() -> None:  # an episode's turn is progress: the stall bound need not cover env.max_turns turns
+            self._last_progress = self._now()
+
         return await episodes.run(
             group.prompt, request, lambda turn, floor: self._generate_with_retries(turn, group, member, slot, floor),
-            on_retry=count_retry, between_attempts=slot.released_for,
+            on_retry=count_retry, between_attempts=slot.released_for, on_progress=turn_ended,
         )
 
     async def _finish_group(self, group: InFlightGroup) -> None:
@@ -333,7 +335,7 @@ class Collector:
         try:
             scored = await self.scorer.score(group.prompt, completions)
             if self.cfg.env is not None:
-                scored = add_env_reward(scored, completions, self.cfg.env.reward_weight)
+                scored = add_env_reward(scored, completions, self.cfg.env, group.prompt)
         except (RewardError, TeacherError) as exc:
             self._last_progress = self._now()
             on_error = self.cfg.distill.on_error if isinstance(exc, TeacherError) else self.cfg.reward.on_error
@@ -390,8 +392,8 @@ class Collector:
             if group.task is not None and group.task is not asyncio.current_task():
                 group.task.cancel()
             # A group's stale samples are its finished ones; a distilled sample is the unit, so it counts finished or not.
-            self._count_stale(group.live_members() if self.per_sample else sum(c is not None for c in group.completions),
-                              group.finished_tokens())
+            finished = sum(c is not None for c in group.completions)
+            self._count_stale(group.live_members() if self.per_sample else finished, finished, group.finished_tokens())
             prompt = group.prompt
             if self.cfg.rollout.on_stale in ("requeue", "patience") and prompt.requeues < self.cfg.rollout.max_requeues:
                 self.observer.take_ended(group.key, prompt.id, "requeued", None, self._now())
@@ -404,10 +406,11 @@ class Collector:
                 self._count_drop("stale", prompt)
         self._signal.notify()
 
-    def _count_stale(self, samples: int, tokens: int) -> None:
-        """A group thrown away as stale, in flight or buffered, with its finished samples and their tokens."""
+    def _count_stale(self, samples: int, completions: int, tokens: int) -> None:
+        """A group thrown away as stale, in flight or buffered: its samples, its finished completions and their tokens."""
         self.counters["rollout/stale_groups_total"] += 1
         self.counters["rollout/stale_samples_total"] += samples
+        self.counters["rollout/stale_completions_total"] += completions
         self.counters["rollout/wasted_tokens_total"] += tokens
         token_books.group_wasted(self.counters, "stale", tokens)
 
@@ -451,7 +454,7 @@ class Collector:
             self.accounting.drop_buffered("stale")
             self._untarget(group.target_step)
             self._count_drop("stale", group.prompt)
-            self._count_stale(len(group.rollouts), sum(r.completion.model_tokens for r in group.rollouts))
+            self._count_stale(len(group.rollouts), len(group.rollouts), sum(r.completion.model_tokens for r in group.rollouts))
 
     # ------------------------------------------------------------------ the trainer's side
 
@@ -460,7 +463,7 @@ class Collector:
 
         Returns a smaller final batch at end of data (unless `data.drop_last`), None when no
         group is left to train, raises the run's diagnostic if it failed, and `StallError` if
-        no rollout finished and no step trained for `stall_timeout_s`.
+        no rollout (or episode turn) finished and no step trained for `stall_timeout_s`.
         """
         if step != self.next_step:
             raise AssertionError(f"next_batch({step}) but the next step is {self.next_step}")
@@ -537,6 +540,11 @@ class Collector:
         self._signal.notify()
         return batch
 
+    @property
+    def steps_trained(self) -> int:
+        """Steps completed: every step whose batch was taken, less the one training now (TRL's trainer_state.global_step)."""
+        return self.next_step - (1 if self.in_training else 0)
+
     def step_trained(self) -> None:
         """The step that took `in_training` has completed and its weights are published."""
         self.accounting.train_buffered(len(self.in_training))
@@ -558,4 +566,6 @@ class Collector:
         scoring = f"{self._scoring} being scored" + (f" by the teacher ({self.scorer.state()})" if self.per_sample else "")  # type: ignore[attr-defined]
         state = (f"{len(self.buffer)} buffered, {len(self._in_flight)} groups in flight with {self._slots.open} requests "
                  f"open and {scoring}, source exhausted: {self.source.exhausted}")
-        return stalled(step, stall_timeout_s, self.groups_per_step, state, self.generator.name, self.generator.serving_version)
+        bound, source = self.cfg.stall_bound()
+        source = source if bound == stall_timeout_s else "as the caller set it"
+        return stalled(step, stall_timeout_s, source, self.groups_per_step, state, self.generator.name, self.generator.serving_version)

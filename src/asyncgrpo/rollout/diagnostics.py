@@ -28,7 +28,7 @@ def backend_fatal(error: FatalBackendError, backend: str, version: int | None, s
 def reward_failed(error: RewardError, version: int | None, step: int) -> Diagnostic:
     return Diagnostic(
         kind="reward_error",
-        message=f"A reward function failed: {error} Or set reward.on_error: drop to drop such groups (counted as "
+        message=f"A reward failed: {error} Or set reward.on_error: drop to drop such groups (counted as "
         f"reward_error) instead of stopping.",
         generation_version=version,
         trainer_step=step,
@@ -67,13 +67,16 @@ def policy_broken(verdict: Verdict, backend: str, version: int | None, step: int
     )
 
 
-def stalled(step: int, stall_timeout_s: float, groups_per_step: int, state: str, backend: str, serving_version: int) -> Diagnostic:
-    """`state`: the collector's counts at the stall (buffered, in flight, open requests, scoring, source)."""
+def stalled(
+    step: int, stall_timeout_s: float, source: str, groups_per_step: int, state: str, backend: str, serving_version: int,
+) -> Diagnostic:
+    """`source`: where the bound comes from (`Config.stall_bound`); `state`: the collector's counts at the stall
+    (buffered, in flight, open requests, scoring, source)."""
     return Diagnostic(
         kind="stall",
         message=(
-            f"The pipeline stalled: no rollout finished and no step trained for {stall_timeout_s:g} s "
-            f"(rollout.stall_timeout_s) while step {step} waited for {groups_per_step} groups. "
+            f"The pipeline stalled: no rollout or episode turn finished and no step trained for {stall_timeout_s:g} s "
+            f"(rollout.stall_timeout_s, {source}) while step {step} waited for {groups_per_step} groups. "
             f"State: {state}, serving version {serving_version}. Check that the generation backend answers."
         ),
         backend=backend,

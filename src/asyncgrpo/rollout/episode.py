@@ -10,27 +10,42 @@ policy; the prompt of each turn is the previous prompt plus exactly what was sam
 environment's tokens), `step(text)`. It stops when the environment says done, after
 `env.max_turns` turns, or when `env.max_tokens` tokens follow the prompt (a turn's
 `max_new_tokens` is cut to what is left; environment tokens that leave no room end the episode).
+After the reset and after each step it calls `on_progress` (the collector's stall clock).
+
+Observations are sized before they are tokenized (environments/conversation.py): a step's
+observation of more characters than the tokens left could hold ends the episode at
+`max_tokens` unencoded (kept for the reward functions); a reset observation of more characters
+than `data.max_prompt_tokens` tokens could hold fails the rollout. Encoding runs off the event
+loop when the codec asks for it.
 
 Failures and cancellation:
-- An exception in reset/step/factory is an `EpisodeError` (counted in `env/errors_total`) that
-  fails the rollout; one marked `TransientEnvironmentError` is retried as a fresh episode after the
+- What reset/step/factory raise (any exception, SystemExit and KeyboardInterrupt included: user
+  code never ends the process) is an `EpisodeError` (counted in `env/errors_total`) that fails
+  the rollout; one marked `TransientEnvironmentError` is retried as a fresh episode after the
   retry policy's backoff, while the rollout's `generation.rollout_deadline_s` allows. A generation
   error propagates as it is (the collector classifies it).
+- Each reset and step has `env.step_timeout_s`; one that outlives it is stopped as a cancelled
+  episode is (below) and fails the rollout (`EnvironmentTimeout`, counted in `env/errors_total`).
 - Cancelled (the group is stale, shut down, or the run ends), the host's `cancel(env.cancel_grace_s)`
   runs before the cancellation goes on: the token is set, `close()` is called, the work is awaited
-  up to the grace. Work that outlives it is counted in `env/abandoned_total` and logged with the
-  environment's name; never counted as a failure.
+  up to the grace. Work that outlives it is counted in `env/abandoned_total` (the first logged with
+  the environment's name); never counted as a failure.
 - Every other ending closes the environment, bounded by the same grace (a close that will not
-  return is abandoned and counted; one that raises is counted and logged, the sample kept).
+  return is abandoned and counted). A close that raises, on any ending, is counted in
+  `env/errors_total`, the sample kept. Of the abandoned episodes and of the failed closes of an
+  environment, the first is logged in full, later ones only counted (they tend to come alike).
 
 Rewards (`add_env_reward`): the episode's reward is env reward x `env.reward_weight` plus the
 weighted reward functions, which get the episode's messages as the completion (rewards/scoring.py `reward_input`);
-the term `env` is reported like a reward function's.
+the term `env` is reported like a reward function's. An environment reward that is not a finite
+number (a step's NaN or inf, steps or terms whose sum overflows) is an `EnvironmentRewardError`,
+a `RewardError` under `reward.on_error`, naming the environment, the steps and the prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -39,12 +54,13 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from asyncgrpo.config import EnvConfig, GenerationConfig
-from asyncgrpo.environments.conversation import Codec, Conversation, as_row
+from asyncgrpo.environments.conversation import Codec, Conversation, as_row, content_chars
 from asyncgrpo.environments.hosts import open_host
-from asyncgrpo.environments.protocol import EnvironmentHost, TransientEnvironmentError
-from asyncgrpo.errors import EpisodeError
-from asyncgrpo.rewards.scoring import ScoredCompletion
+from asyncgrpo.environments.protocol import EnvironmentHost, Message, TransientEnvironmentError
+from asyncgrpo.errors import EpisodeError, RewardError
+from asyncgrpo.rewards.scoring import ScoredCompletion, finite_sum
 from asyncgrpo.rollout.retry import delay_before_deadline
+from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.types import Completion, Episode, EpisodeStop, GenerationRequest, Prompt
 
 log = logging.getLogger("asyncgrpo")
@@ -53,6 +69,18 @@ T = TypeVar("T")
 ENV_TERM = "env"
 # A turn's generation: (request, the oldest version of the episode's model tokens so far, or None).
 Generate = Callable[[GenerationRequest, int | None], Awaitable[Completion]]
+
+
+class EnvironmentTimeout(EpisodeError):
+    """An environment call outlived `env.step_timeout_s`; the episode's environment is stopped as a cancelled one is."""
+
+
+class EnvironmentRewardError(RewardError):
+    """An episode's environment reward, or its total with the reward functions', is not a finite number."""
+
+
+def _no_progress() -> None:
+    return None
 
 
 class EpisodeRunner:
@@ -66,6 +94,7 @@ class EpisodeRunner:
         counters: MutableMapping[str, int],
         *,
         prompt_key: str,
+        max_prompt_tokens: int,
         jitter: random.Random,
         host_factory: Callable[[EnvConfig], EnvironmentHost] = open_host,
     ) -> None:
@@ -74,8 +103,10 @@ class EpisodeRunner:
         self.codec = codec
         self.counters = counters
         self.prompt_key = prompt_key
+        self.max_prompt_tokens = max_prompt_tokens
         self._jitter = jitter
         self._open_host = host_factory
+        self._logged: set[str] = set()  # the counters whose first ending was logged (`_count_and_log_first`)
 
     async def run(
         self,
@@ -85,6 +116,7 @@ class EpisodeRunner:
         *,
         on_retry: Callable[[EpisodeError], None],
         between_attempts: Callable[[float], Awaitable[None]],
+        on_progress: Callable[[], None] = _no_progress,
     ) -> Completion:
         """One episode under the failure policy of the module docstring."""
         loop = asyncio.get_running_loop()
@@ -92,7 +124,7 @@ class EpisodeRunner:
         attempt = 0
         while True:
             try:
-                return await self._attempt(prompt, request, generate)
+                return await self._attempt(prompt, request, generate, on_progress)
             except EpisodeError as error:
                 if not error.transient:
                     raise
@@ -107,11 +139,11 @@ class EpisodeRunner:
                 on_retry(error)
                 await between_attempts(delay)
 
-    async def _attempt(self, prompt: Prompt, request: GenerationRequest, generate: Generate) -> Completion:
+    async def _attempt(self, prompt: Prompt, request: GenerationRequest, generate: Generate, on_progress: Callable[[], None]) -> Completion:
         host = self._open_host(self.env)
         try:
-            completion = await self._play(host, prompt, request, generate)
-        except asyncio.CancelledError:
+            completion = await self._play(host, prompt, request, generate, on_progress)
+        except (asyncio.CancelledError, EnvironmentTimeout):  # a call may still run: stop it
             await self._cancel(host, prompt)
             raise
         except BaseException:
@@ -120,11 +152,17 @@ class EpisodeRunner:
         await self._close(host, prompt)
         return completion
 
-    async def _play(self, host: EnvironmentHost, prompt: Prompt, request: GenerationRequest, generate: Generate) -> Completion:
+    async def _play(
+        self, host: EnvironmentHost, prompt: Prompt, request: GenerationRequest, generate: Generate, on_progress: Callable[[], None]
+    ) -> Completion:
         env = self.env
-        conv = Conversation(self.codec, prompt)
-        conv.start(await self._env_call(host.reset(as_row(prompt, self.prompt_key)), "reset", prompt))
+        conv = await self._encoding(functools.partial(Conversation, self.codec, prompt))
+        observation = await self._env_call(host.reset(as_row(prompt, self.prompt_key)), "reset", prompt)
+        on_progress()
+        self._check_reset_size(observation, prompt)
+        await self._encoding(lambda: conv.start(observation))
         env_reward: float | None = None
+        step_rewards: list[float | None] = []
         infos = []
         turn = 0
         dispatch: int | None = None
@@ -143,9 +181,11 @@ class EpisodeRunner:
                 dispatch = completion.dispatch_version
             conv.add_model(completion)
             turn += 1
-            result = await self._env_call(host.step(completion.text), "step", prompt)
+            result = await self._env_call(host.step(completion.text), f"step of turn {turn}", prompt)
+            on_progress()
             if result.reward is not None:
                 env_reward = (env_reward or 0.0) + result.reward
+            step_rewards.append(result.reward)
             infos.append(result.info)
             stop: EpisodeStop | None = None
             if result.done:
@@ -155,11 +195,14 @@ class EpisodeRunner:
             elif conv.generated >= env.max_tokens:
                 stop = "max_tokens"
             if stop is not None:
-                conv.check_final_drift()
+                await self._encoding(conv.check_final_drift)
                 conv.record(result.messages)
                 break
-            ids = conv.delta(result.messages)
-            if conv.generated + len(ids) >= env.max_tokens:  # no room left for a model token after them
+            left = env.max_tokens - conv.generated
+            # More characters than `left` tokens can hold cannot fit: never encoded (that alone could take minutes).
+            fits = content_chars(result.messages) <= left * self.codec.max_token_chars
+            ids = await self._encoding(functools.partial(conv.delta, result.messages)) if fits else None
+            if ids is None or len(ids) >= left:  # no room left for a model token after them
                 stop = "max_tokens"
                 conv.record(result.messages)
                 break
@@ -174,6 +217,7 @@ class EpisodeRunner:
             version_span=(min(versions, default=dispatch), max(versions, default=dispatch)),
             drift_turns=conv.drift_turns,
             info=tuple(infos),
+            step_rewards=tuple(step_rewards),
         )
         return Completion(
             token_ids=tuple(conv.ids),
@@ -188,20 +232,55 @@ class EpisodeRunner:
         )
 
     async def _env_call(self, call: Awaitable[T], what: str, prompt: Prompt) -> T:
-        """An environment call; what it raises becomes a counted `EpisodeError` (cancellation stays cancellation)."""
+        """An environment call under `env.step_timeout_s`; what it raises (any BaseException: SystemExit too) or a
+        timeout becomes a counted `EpisodeError`. Our own cancellation stays cancellation."""
+        deadline = asyncio.timeout(self.env.step_timeout_s)
         try:
-            return await call
-        except Exception as exc:
-            self.counters["env/errors_total"] += 1
-            transient = isinstance(exc, TransientEnvironmentError)
-            raise EpisodeError(
-                f"environment {self.env.factory!r}: {what} raised {type(exc).__name__}: {exc} (prompt {prompt.id}). "
-                + ("It is marked transient: the episode is tried again while the rollout deadline allows. " if transient else "")
-                + "Fix: the environment's traceback is chained to this error (asyncgrpo --debug shows it); raise "
-                "TransientEnvironmentError for failures worth retrying.",
+            async with deadline:
+                return await call
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            error: BaseException = exc  # the environment cancelled itself
+        except BaseException as exc:  # noqa: BLE001 - user code: whatever it raises fails the rollout, never the process
+            error = exc
+        self.counters["env/errors_total"] += 1
+        if deadline.expired():
+            raise EnvironmentTimeout(
+                f"environment {self.env.factory!r}: {what} did not return within env.step_timeout_s = "
+                f"{self.env.step_timeout_s:g} s (prompt {prompt.id}); it was stopped (token set, close() called, up to "
+                f"env.cancel_grace_s = {self.env.cancel_grace_s:g} s) and the rollout failed. Fix: make the call end sooner "
+                "(poll token.cancelled in long steps), or raise env.step_timeout_s.",
                 backend=self.env.factory,
-                transient=transient,
-            ) from exc
+            ) from error
+        transient = isinstance(error, TransientEnvironmentError)
+        raise EpisodeError(
+            f"environment {self.env.factory!r}: {what} raised {type(error).__name__}: {error} (prompt {prompt.id}). "
+            + ("It is marked transient: the episode is tried again while the rollout deadline allows. " if transient else "")
+            + "Fix: the environment's traceback is chained to this error (asyncgrpo --debug shows it); raise "
+            "TransientEnvironmentError for failures worth retrying.",
+            backend=self.env.factory,
+            transient=transient,
+        ) from error
+
+    def _check_reset_size(self, observation: tuple[Message, ...], prompt: Prompt) -> None:
+        """A reset observation too long for any prompt fails the rollout before it is encoded."""
+        limit = self.max_prompt_tokens * self.codec.max_token_chars
+        chars = content_chars(observation)
+        if chars > limit:
+            self.counters["env/errors_total"] += 1
+            raise EpisodeError(
+                f"environment {self.env.factory!r}: reset returned an observation of {chars} characters (prompt {prompt.id}), "
+                f"more than data.max_prompt_tokens = {self.max_prompt_tokens} tokens can hold ({limit} characters at most "
+                f"{self.codec.max_token_chars} per token); the observation joins the prompt, so the rollout failed without "
+                "encoding it. Fix: return a shorter first observation, or raise data.max_prompt_tokens.",
+                backend=self.env.factory,
+            )
+
+    async def _encoding(self, work: Callable[[], T]) -> T:
+        """Tokenizer work of the episode: on a thread of its own when the codec asks (the loop never waits for it)."""
+        return await run_in_daemon_thread(work, name="asyncgrpo-env-encode") if self.codec.offload else work()
 
     async def _cancel(self, host: EnvironmentHost, prompt: Prompt) -> None:
         grace = self.env.cancel_grace_s
@@ -213,6 +292,9 @@ class EpisodeRunner:
         except Exception as exc:  # noqa: BLE001 - a host that cannot stop its work: the work is abandoned, and said so
             self._abandoned(prompt, f"could not be stopped: its host raised {type(exc).__name__}: {exc}")
             return
+        finally:
+            if host.close_error is not None:
+                self._close_failed(host.close_error, prompt)
         if not stopped:
             self._abandoned(prompt, f"was still running {grace:g} s (env.cancel_grace_s) after its cancellation")
 
@@ -226,18 +308,30 @@ class EpisodeRunner:
         except TimeoutError:
             if not await host.cancel(0.0):
                 self._abandoned(prompt, f"close() did not return within {self.env.cancel_grace_s:g} s (env.cancel_grace_s)")
-        except Exception as exc:  # noqa: BLE001 - counted and logged; the episode itself is over
-            self.counters["env/errors_total"] += 1
-            log.warning("environment %r: close() raised %s: %s (prompt %d); counted in env/errors_total",
-                        self.env.factory, type(exc).__name__, exc, prompt.id)
+        except BaseException as exc:  # noqa: BLE001 - user code (SystemExit too): counted and logged; the episode itself is over
+            self._close_failed(exc, prompt)
+
+    def _close_failed(self, error: BaseException, prompt: Prompt) -> None:
+        """A close() that raised: counted, the sample kept."""
+        self._count_and_log_first(
+            "env/errors_total", f"close() raised {type(error).__name__}: {error} (prompt {prompt.id})",
+            "The episode's sample is kept. Fix: make close() idempotent and safe to call while step runs, from another thread.",
+        )
 
     def _abandoned(self, prompt: Prompt, what: str) -> None:
-        self.counters["env/abandoned_total"] += 1
-        log.warning(
-            "environment %r: the episode of prompt %d %s; it is abandoned (counted in env/abandoned_total). Fix: poll "
-            "token.cancelled in long steps and make close() interrupt them, or use env.isolation: process.",
-            self.env.factory, prompt.id, what,
+        self._count_and_log_first(
+            "env/abandoned_total", f"the episode of prompt {prompt.id} {what}; it is abandoned",
+            "Fix: poll token.cancelled in long steps and make close() interrupt them, or use env.isolation: process.",
         )
+
+    def _count_and_log_first(self, counter: str, what: str, fix: str) -> None:
+        """Count an ending under `counter`; log the first of each counter in full (every episode of an environment tends
+        to fail alike: a line each would flood the log), saying that later ones are only counted."""
+        self.counters[counter] += 1
+        if counter not in self._logged:
+            self._logged.add(counter)
+            log.warning("environment %r: %s (counted in %s; later ones of this environment are counted there without a "
+                        "log line each). %s", self.env.factory, what, counter, fix)
 
 
 def transcript(messages: Sequence[Any]) -> str:
@@ -245,14 +339,39 @@ def transcript(messages: Sequence[Any]) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
-def add_env_reward(scored: Sequence[ScoredCompletion], completions: Sequence[Completion], weight: float) -> list[ScoredCompletion]:
-    """Each completion's reward with its episode's environment reward x `weight` added (term `env`; None: no reward from it)."""
+def add_env_reward(scored: Sequence[ScoredCompletion], completions: Sequence[Completion], env: EnvConfig, prompt: Prompt) -> list[ScoredCompletion]:
+    """Each completion's reward with its episode's environment reward x `env.reward_weight` added (term `env`; None: no
+    reward from it). Raises `EnvironmentRewardError` when an environment reward or a total is not a finite number."""
     out = []
     for s, completion in zip(scored, completions, strict=True):
-        env_reward = completion.episode.env_reward if completion.episode is not None else None
-        parts = [x for x in (s.reward, None if env_reward is None else weight * env_reward) if x is not None]
-        out.append(ScoredCompletion(reward=math.fsum(parts) if parts else None, terms={**s.terms, ENV_TERM: env_reward}))
+        episode = completion.episode
+        env_reward = episode.env_reward if episode is not None else None
+        if episode is not None and env_reward is not None and not math.isfinite(env_reward):
+            raise _env_reward_error(env, prompt, f"its steps' rewards {_rewards(episode.step_rewards)} sum to {env_reward!r}",
+                                    "return a finite number (or None) from every step")
+        weighted = None if env_reward is None else env.reward_weight * env_reward
+        parts = [x for x in (s.reward, weighted) if x is not None]
+        total = finite_sum(parts)
+        if total is None or (weighted is not None and not math.isfinite(weighted)):
+            raise _env_reward_error(
+                env, prompt, f"its reward {env_reward!r} x env.reward_weight = {env.reward_weight:g} plus the reward functions' "
+                f"{s.reward!r} (terms {dict(s.terms)}) is not a finite number", "keep the rewards and weights within float range")
+        out.append(ScoredCompletion(reward=total if parts else None, terms={**s.terms, ENV_TERM: env_reward}, extra=s.extra))
     return out
+
+
+def _rewards(values: Sequence[float | None]) -> str:
+    """The steps' rewards by turn: the ones that are not finite when there are any, else every one (8 at most)."""
+    turns = [(t, v) for t, v in enumerate(values, start=1) if v is not None]
+    shown = [(t, v) for t, v in turns if not math.isfinite(v)] or turns
+    return "(" + ", ".join(f"turn {t}: {v!r}" for t, v in shown[:8]) + (", ..." if len(shown) > 8 else "") + ")"
+
+
+def _env_reward_error(env: EnvConfig, prompt: Prompt, what: str, fix: str) -> EnvironmentRewardError:
+    return EnvironmentRewardError(
+        f"environment {env.factory!r} gave an episode of prompt {prompt.id} a reward that is not a finite number: "
+        f"{what}. Fix: {fix}; None leaves an episode unscored by the environment."
+    )
 
 
 def term_names(reward_names: Sequence[str], env: EnvConfig | None) -> list[str]:

@@ -69,6 +69,6 @@ def scored_rollouts(
         return Drop("filtered", None)
     advantages = group_advantages(rewards, scale_by_std=scale_by_std)
     return tuple(
-        Rollout(completion=c, reward=r, advantage=a, reward_terms=dict(s.terms))
+        Rollout(completion=c, reward=r, advantage=a, reward_terms=dict(s.terms), extra=dict(s.extra))
         for (c, s), r, a in zip(kept, rewards, advantages)
     )

@@ -39,6 +39,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     *(f"rollout/dropped/{reason}" for reason in DROP_REASONS),
     "rollout/stale_groups_total",
     "rollout/stale_samples_total",
+    "rollout/stale_completions_total",  # the finished ones among them (under distill an unfinished sample counts as one)
     "rollout/retries_total",
     "rollout/requeued_total",
     "rollout/wasted_tokens_total",

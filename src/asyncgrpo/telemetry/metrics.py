@@ -4,13 +4,16 @@ Invariants:
 - The key set is fixed when the run starts (DESIGN.md §5 names plus `reward/<function>`,
   `eval/*` and `eval/reward/<function>`) and every line carries every key, so charts have no gaps. A step that cannot
   produce a value (an eval metric before the first evaluation) writes null; a missing or
-  unexpected key is a bug and raises.
+  unexpected key is a bug and raises. The one open family is `user/<name>`, what reward functions log with
+  TRL's `log_metric` (rewards/trl_args.py): a name is in every line from the first step that logged it on
+  (null in a step that did not).
 - Lines are flushed as they are written, so a killed run keeps every finished step.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
@@ -20,8 +23,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.rewards.trl_args import METRIC_PREFIX
 from asyncgrpo.telemetry.keys import COUNTER_NAMES, DISTILL_KEYS, EVAL_KEYS, PIPELINE_KEYS, STEP_KEYS, TRAIN_KEYS
 from asyncgrpo.types import StepRecord
+
+log = logging.getLogger("asyncgrpo")
 
 
 def metric_keys(reward_names: Iterable[str], *, distill: bool = False) -> tuple[str, ...]:
@@ -64,8 +70,9 @@ def step_metrics(
         "time/elapsed_s": elapsed_s,
         "throughput/gen_tokens_per_s": gen_tokens_per_s,
         # Mean length of the finished completions thrown away as stale, to compare with
-        # completion/len_mean: stale cancellation must not quietly favour short answers.
-        "rollout/stale_len_mean": _ratio(collector_values["rollout/wasted_tokens_total"], collector_values["rollout/stale_samples_total"]),
+        # completion/len_mean: stale cancellation must not quietly favour short answers. Over finished completions only:
+        # a distilled sample cancelled in flight is a stale sample with no completion (and its tokens are not counted).
+        "rollout/stale_len_mean": _ratio(collector_values["rollout/wasted_tokens_total"], collector_values["rollout/stale_completions_total"]),
         "rollout/trained_len_mean": _ratio(collector_values["rollout/trained_tokens_total"], collector_values["rollout/trained_completions_total"]),
         # Share of generator time (rollouts' start to end) that ended in trained tokens.
         "rollout/goodput": _ratio(collector_values["rollout/trained_generation_ms_total"], collector_values["rollout/generation_ms_total"]),
@@ -96,19 +103,30 @@ class MovingRate:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file this module wrote. Only the last line may be cut short (a run
-    killed mid-write): it is left out. A damaged line anywhere else is an error naming it, never skipped."""
-    texts = path.read_text(encoding="utf-8").splitlines()
+    """The records of a JSON-lines file this module wrote. Only a last line cut short (no newline: a run killed
+    mid-write, or one still writing) is forgiven: it is left out with a warning naming it. A damaged line anywhere
+    else, a complete last line included, is an error naming the file and the line, never skipped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise AsyncGRPOError(
+            f"{path} is not UTF-8 text (byte {exc.start} cannot be decoded): it is not a JSON-lines record asyncgrpo wrote, "
+            f"or it was damaged. Fix: restore it from a copy (a training run's checkpoints keep one of metrics.jsonl, "
+            f"outcomes.jsonl and timeline.jsonl in records/), or point at the right file."
+        ) from None
+    texts = text.splitlines()
     records = []
-    for number, text in enumerate(texts, start=1):
+    for number, line in enumerate(texts, start=1):
         try:
-            records.append(json.loads(text))
+            records.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            if number == len(texts):
+            if number == len(texts) and not text.endswith("\n"):
+                log.warning("warning: %s, line %d, was cut short (its writer stopped mid-line): left out", path, number)
                 break
             raise AsyncGRPOError(
                 f"{path}, line {number}, is not a JSON record ({exc.msg}): the file was damaged after it was written. "
-                f"Fix: restore it, or remove the damaged line."
+                f"Fix: restore it from a copy (a training run's checkpoints keep one of metrics.jsonl, outcomes.jsonl and "
+                f"timeline.jsonl in records/), or remove the damaged line."
             ) from None
     return records
 
@@ -129,7 +147,11 @@ class JsonlFile:
             self._file.seek(truncate_to)
 
     def append(self, line: dict[str, Any]) -> None:
-        self._file.write(json.dumps(line) + "\n")
+        self.append_lines([line])
+
+    def append_lines(self, lines: Iterable[dict[str, Any]]) -> None:
+        """Append `lines` in one write, then flush."""
+        self._file.write("".join(json.dumps(line) + "\n" for line in lines))
         self._file.flush()
 
     def offset(self) -> int:
@@ -145,14 +167,16 @@ class MetricsWriter:
     def __init__(self, file: JsonlFile, keys: tuple[str, ...]) -> None:
         self.file = file
         self.keys = keys
+        self.user_keys: dict[str, None] = {}  # `user/<name>` keys seen so far, in order
 
     def write(self, values: dict[str, Any]) -> dict[str, Any]:
         """Append the line of `values` and return it as written (non-finite numbers as null)."""
         missing = [k for k in self.keys if k not in values]
-        extra = [k for k in values if k not in self.keys]
+        extra = [k for k in values if k not in self.keys and not k.startswith(METRIC_PREFIX)]
         if missing or extra:
             raise AssertionError(f"metrics line for step {values.get('step')}: missing {missing}, unexpected {extra}")
-        line = {k: _finite_or_none(values[k]) for k in self.keys}
+        self.user_keys.update(dict.fromkeys(k for k in values if k.startswith(METRIC_PREFIX)))
+        line = {k: _finite_or_none(values.get(k)) for k in (*self.keys, *self.user_keys)}
         self.file.append(line)
         return line
 
@@ -171,6 +195,7 @@ def write_samples(file: JsonlFile, record: StepRecord, per_step: int) -> None:
                 "advantage": rollout.advantage,
                 "generation_version": rollout.completion.generation_version,
                 "finish_reason": rollout.completion.finish_reason,
+                **({"extra": dict(rollout.extra)} if rollout.extra else {}),  # what reward functions logged with log_extra
             }
         )
 

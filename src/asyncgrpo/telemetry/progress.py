@@ -11,7 +11,6 @@ evaluation), so a long start is never silent. `RunTotals` keeps what the end-of-
 from __future__ import annotations
 
 import logging
-import statistics
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +40,8 @@ class RunTotals:
     staleness: list[float] = field(default_factory=list)
     eval_first: float | None = None
     eval_last: float | None = None
+    kl_first: float | None = None  # distill/kl_mean (algorithm: distill) of the first step that has one, and of the last
+    kl_last: float | None = None
     last: dict[str, Any] = field(default_factory=dict)
 
     def add(self, values: dict[str, Any], record: StepRecord) -> None:
@@ -52,6 +53,9 @@ class RunTotals:
         self.staleness.extend(record.staleness)
         self.last = values
         self.evaluated(values.get("eval/reward_mean"))
+        if (kl := values.get("distill/kl_mean")) is not None:
+            self.kl_first = kl if self.kl_first is None else self.kl_first
+            self.kl_last = kl
 
     def evaluated(self, reward: float | None) -> None:
         if reward is None:
@@ -65,10 +69,6 @@ class RunTotals:
         """The part of the trainer's time spent waiting for a batch (generation-bound when high)."""
         total = self.wait_s + self.busy_s
         return self.wait_s / total if total > 0 else None
-
-    @property
-    def staleness_mean(self) -> float | None:
-        return statistics.fmean(self.staleness) if self.staleness else None
 
 
 def step_fields(values: dict[str, Any], totals: RunTotals, in_flight_groups: int) -> dict[str, str]:

@@ -16,11 +16,17 @@ Invariants:
 - Every step, every tracker gets every metric key of the metrics line that has a value (the
   key set is fixed: telemetry/metrics.py); a null (an eval metric before its first evaluation)
   is left out, since trackers hold numbers. The x axis is `step` (0-based, as in metrics.jsonl).
-- A tracker's error propagates like a failed write of metrics.jsonl: the run's diagnostic.
+- A tracker's error is the run's diagnostic (kind `tracker`), like a failed write of metrics.jsonl:
+  `TrackerError` names the sink, what it was doing, the error and the fix, whatever the library
+  raised (a killed W&B service raises ConnectionResetError, which must not read as a disk error or
+  an unexpected one). A failed tracker is closed at once and not called again; a failure while
+  closing is returned by `close()` for the run to report. W&B is torn down on close, so its own
+  exit hook never retries a dead service and prints a raw traceback at exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -30,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from asyncgrpo.config import Config
+from asyncgrpo.errors import AsyncGRPOError
 
 # sink -> (module to import, pip package)
 TRACKERS: dict[str, tuple[str, str]] = {
@@ -54,6 +61,27 @@ def sink_problems(sinks: Iterable[str]) -> list[str]:
                 f"tracker), or remove {sink} from logging.sinks; metrics.jsonl is written either way."
             )
     return problems
+
+
+# sink -> what to check when it fails
+TRACKER_FIXES: dict[str, str] = {
+    "tensorboard": "check that the run directory's tensorboard/ folder is writable",
+    "wandb": "check that W&B's service is running and reachable (its log is wandb/debug-internal.log in the run directory)",
+    "mlflow": "check that MLFLOW_TRACKING_URI's server (or the run directory's mlruns/ file store) answers",
+    "trackio": "check trackio's local store (`trackio show`)",
+}
+
+
+class TrackerError(AsyncGRPOError):
+    """A tracker of `logging.sinks` failed: one paragraph naming it, what it was doing, the error and the fix."""
+
+    def __init__(self, sink: str, action: str, exc: BaseException) -> None:
+        self.sink = sink
+        super().__init__(
+            f"the {sink} tracker of logging.sinks failed while {action} ({type(exc).__name__}: {exc}); metrics.jsonl holds "
+            f"every step written so far. Fix: {TRACKER_FIXES[sink]}, or remove {sink} from logging.sinks; then run the "
+            f"same command again (it continues from the newest checkpoint)."
+        )
 
 
 class Tracker(Protocol):
@@ -87,7 +115,12 @@ class WandbTracker:
         self.run.log(values, step=step)
 
     def close(self) -> None:
-        self.run.finish()
+        import wandb
+
+        try:
+            self.run.finish()
+        finally:
+            wandb.teardown()  # unregisters W&B's exit hook, which would retry a dead service at exit and print a traceback
 
 
 class MlflowTracker:
@@ -140,17 +173,36 @@ class Trackers:
     """The trackers of `logging.sinks` (besides metrics.jsonl, which MetricsWriter writes)."""
 
     def __init__(self, cfg: Config, run_dir: Path) -> None:
-        self.trackers: list[Tracker] = [TRACKER_CLASSES[name](cfg, run_dir) for name in dict.fromkeys(cfg.logging.sinks) if name in TRACKER_CLASSES]
+        self.trackers: dict[str, Tracker] = {}
+        for name in dict.fromkeys(cfg.logging.sinks):
+            if name in TRACKER_CLASSES:
+                try:
+                    self.trackers[name] = TRACKER_CLASSES[name](cfg, run_dir)
+                except Exception as exc:  # noqa: BLE001 - any library's error: named, and the started ones closed
+                    self.close()
+                    raise TrackerError(name, "starting", exc) from exc
 
     def log(self, line: dict[str, Any]) -> None:
-        """One metrics line: every key with a numeric value."""
+        """One metrics line: every key with a numeric value. A tracker's failure raises TrackerError; it is closed first."""
         if not self.trackers:
             return
         values = {k: float(v) for k, v in line.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
-        for tracker in self.trackers:
-            tracker.log(values, line["step"])
+        for name, tracker in list(self.trackers.items()):
+            try:
+                tracker.log(values, line["step"])
+            except Exception as exc:  # noqa: BLE001 - any library's error: named (the sinks' failure policy)
+                del self.trackers[name]
+                with contextlib.suppress(Exception):  # the first error is the one to report
+                    tracker.close()
+                raise TrackerError(name, f"logging step {line['step']}", exc) from exc
 
-    def close(self) -> None:
-        for tracker in self.trackers:
-            tracker.close()
-        self.trackers = []
+    def close(self) -> list[TrackerError]:
+        """Close every tracker; returns the failures, each named (the run reports the first)."""
+        failures = []
+        for name, tracker in self.trackers.items():
+            try:
+                tracker.close()
+            except Exception as exc:  # noqa: BLE001 - any library's error: named
+                failures.append(TrackerError(name, "closing", exc))
+        self.trackers = {}
+        return failures

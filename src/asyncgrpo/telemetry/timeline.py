@@ -1,9 +1,10 @@
 """The run's timeline, `timeline.jsonl`: every rollout's span, every take's ending, every step's spans.
 
-One JSON object per line, with an `"e"` field saying which event it is; times are seconds since
-the first event of this process (the event loop's clock: virtual seconds in a simulation):
+One JSON object per line, with an `"e"` field saying which event it is; times are seconds of the
+run's own time: since the first event of its first process (the event loop's clock: virtual seconds
+in a simulation), a resumed process continuing from the time its checkpoint recorded:
 
-    {"e": "start", "server": NAME, "max_inflight": N, "group_size": G, "max_rollout_spans": M}
+    {"e": "start", "server": NAME, "max_inflight": N, "group_size": G, "max_rollout_spans": M, "step": S, "at": T}
     {"e": "rollout", "take": K, "prompt": P, "member": I, "start": T, "end": T, "outcome": "finished"|"failed"|"cancelled",
      "version": V, "tokens": N, "server": NAME}
     {"e": "take", "take": K, "prompt": P, "end": T, "ending": "buffered"|"requeued"|<drop reason>}
@@ -18,43 +19,59 @@ Invariants:
   that rollout spans are summarised, and each step line counts the spans left out since the
   previous one (`unrecorded`: rollouts by outcome and their tokens). Takes, steps and evals
   are always written (one line per take, step or evaluation).
+  The limit is the run's, not each process's: a resume continues the count its checkpoint recorded.
 - No I/O per event: lines are kept in memory and appended at each step and at `close()`, so
   the collector's hooks (rollout/events.py) cost a dict and a list append.
-- A resume starts the file afresh: it describes the run since its latest start.
+- One of the run's records, like metrics.jsonl: appended, never truncated. A resume continues the
+  file from its checkpoint's copy (train.py), with a "start" line naming the step it resumed at;
+  the takes in flight or buffered at that checkpoint end there without a line (the accounting
+  counts them requeued, rollout/accounting.py).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from asyncgrpo.rollout.events import BufferedOutcome, RolloutOutcome
+from asyncgrpo.telemetry.metrics import JsonlFile
 from asyncgrpo.types import StepRecord
 
 
 class Timeline:
     """Records the timeline of one process's part of a run (see the module docstring); a RolloutObserver."""
 
-    def __init__(self, path: Path | None, *, server: str, max_inflight: int, group_size: int, max_rollout_spans: int) -> None:
-        self.path = path
+    def __init__(self, file: JsonlFile | None, *, server: str, max_inflight: int, group_size: int, max_rollout_spans: int,
+                 start_step: int = 0, resumed: dict[str, Any] | None = None) -> None:
+        """`file` is appended to (its owner closes it); None keeps the lines in memory. `resumed`: the
+        `state()` a checkpoint recorded, so the run's time and its span limit continue from there."""
+        self.file = file
         self.server = server
         self.max_rollout_spans = max_rollout_spans
         self.max_inflight = max_inflight
-        self.rollout_spans = 0
-        self.rollout_seconds = 0.0  # summed over every rollout, written or not: the generator's use
-        self.lines: list[dict[str, Any]] = []  # not yet written (all of them when `path` is None)
-        self._file: IO[str] | None = path.open("w", encoding="utf-8") if path is not None else None
+        self.rollout_spans = int(resumed["rollout_spans"]) if resumed else 0  # written in full, by the whole run
+        self.rollout_seconds = 0.0  # summed over this process's rollouts, written or not: the generator's use
+        self.lines: list[dict[str, Any]] = []  # not yet written (all of them when `file` is None)
+        self._origin = float(resumed["elapsed_s"]) if resumed else 0.0  # the run's time when this process started
         self._t0: float | None = None
         self._started: dict[tuple[int, int], float] = {}
         self._take_of_seq: dict[int, int] = {}
         self._unrecorded: dict[str, int] = {}
-        self._emit({"e": "start", "server": server, "max_inflight": max_inflight, "group_size": group_size, "max_rollout_spans": max_rollout_spans})
+        self._emit({"e": "start", "server": server, "max_inflight": max_inflight, "group_size": group_size,
+                    "max_rollout_spans": max_rollout_spans, "step": start_step, "at": self._origin})
 
     def _t(self, t: float) -> float:
+        """Loop time `t` as the run's time."""
+        return round(self._origin + self._since_start(t), 6)
+
+    def _since_start(self, t: float) -> float:
+        """Seconds since this process's first event."""
         if self._t0 is None:
             self._t0 = t
-        return round(t - self._t0, 6)
+        return t - self._t0
+
+    def state(self, now: float) -> dict[str, Any]:
+        """What a checkpoint records, at loop time `now`, for a resume to continue the timeline."""
+        return {"elapsed_s": self._t(now), "rollout_spans": self.rollout_spans}
 
     def _emit(self, line: dict[str, Any]) -> None:
         self.lines.append(line)
@@ -106,9 +123,9 @@ class Timeline:
         self.flush()
 
     def utilisation(self, now: float) -> float | None:
-        """Rollouts in progress per generation slot, on average since the first event (a rollout waiting
-        to retry counts, though it holds no request slot); None before any time has passed."""
-        elapsed = self._t(now)
+        """Rollouts in progress per generation slot, on average since this process's first event (a rollout
+        waiting to retry counts, though it holds no request slot); None before any time has passed."""
+        elapsed = self._since_start(now)
         return self.rollout_seconds / (self.max_inflight * elapsed) if elapsed > 0 and self.max_inflight else None
 
     def evaluation(self, step: int, start: float, end: float) -> None:
@@ -116,18 +133,15 @@ class Timeline:
 
     def flush(self) -> None:
         """Append the lines kept since the last flush (in memory only when the timeline has no file)."""
-        if self._file is None:
+        if self.file is None:
             return
-        self._file.write("".join(json.dumps(line) + "\n" for line in self.lines))
-        self._file.flush()
+        self.file.append_lines(self.lines)
         self.lines.clear()
 
     def close(self) -> None:
+        """The last lines: what was left unrecorded, then a flush. The file stays open for its owner to close."""
         if self._unrecorded:
             self._emit({"e": "end", "unrecorded": self._unrecorded})
             self._unrecorded = {}
-        if self._file is not None:
-            self.flush()
-            self._file.close()
-            self._file = None
+        self.flush()
 

@@ -7,7 +7,7 @@ Layout of `run_dir/checkpoints/step_{step:06d}/`:
   the merged model, and `adapter/` holds the peft adapter (what a LoRA run resumes from);
 - `trainer_state.pt`: optimizer, LR scheduler, policy version, torch RNG state;
 - `run_config.yaml`: the run's resolved config;
-- `records/`: copies of the run's record files (metrics.jsonl, outcomes.jsonl) as they were
+- `records/`: copies of the run's record files (metrics.jsonl, outcomes.jsonl, timeline.jsonl) as they were
   when the checkpoint's state was taken, so a resume restores records that agree with it
   even when the live files were damaged;
 - `state.json`: step, version and the caller's `extra` (counters, data cursor), written last.

@@ -1,22 +1,22 @@
-"""The GRPO loss: pure tensor functions, no model, no optimizer (DESIGN.md §3 "Training").
+"""The GRPO loss: pure tensor functions, no model, no optimizer (DESIGN.md §3 "Training", docs/losses.md).
 
 Shapes: B sequences, T completion positions (a row holds one completion, right-padded),
 V vocabulary entries. Every `[B, T]` tensor is aligned: position t of row b is completion
 token t of sequence b.
 
-Objectives (A: the sequence's advantage, broadcast over its tokens):
-- `behaviour`: r = pi_theta / pi_gen; per-token loss
-  -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A).
-- `decoupled`: r = pi_theta / pi_prox clipped the same way, times the detached truncated
-  importance weight w = min(pi_prox / pi_gen, is_cap).
-- optional KL to a frozen reference: k3 = exp(ref - new) - (ref - new) - 1, times kl_coef,
-  added per token.
-
-Normalisation: `token` sums over every loss token and divides by `normalizer`, the number
-of loss tokens of the whole optimizer-update batch; `sequence` sums each sequence's token
-mean and divides by `normalizer`, the number of sequences with at least one loss token in
-the update batch. Because the normaliser belongs to the update batch and not to the
-micro-batch, summing the gradients of micro-batches equals the gradient of the whole batch.
+The ratio (TRL's coef_1): r = pi_theta / pi_anchor, per token or (`importance_sampling_level:
+sequence`, GSPO) the exponential of the sequence's mean log-ratio. The anchor is the staleness
+correction (`train.loss.objective`):
+- `behaviour`: pi_gen, the generator's log-probs; no weight.
+- `decoupled`: pi_prox, the trainer's log-probs of the weights the step started from, times the
+  detached weight pi_prox / pi_gen (training/losses/corrections.py: truncated at is_cap, or shaped
+  by the mismatch correction where it is mismatch alone).
+`train.loss.type` turns r into the per-token policy term (training/losses/objectives.py) or calls
+a plug-in (training/losses/plugin.py); the weight multiplies it (VESPO folds it in itself); an
+optional KL to a frozen reference, k3 = exp(ref - new) - (ref - new) - 1, times kl_coef, is added
+per token; the type's aggregation (training/losses/aggregation.py) divides by `normalizer`, which
+belongs to the whole optimizer update, so summing the gradients of micro-batches equals the
+gradient of the whole batch.
 
 Invariants:
 - Positions outside `mask` contribute exactly nothing (value and gradient), whatever the
@@ -30,15 +30,17 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-Objective = Literal["behaviour", "decoupled"]
-Normalization = Literal["token", "sequence"]
+from asyncgrpo.loss_config import LossConfig
+from asyncgrpo.training.losses.aggregation import aggregate
+from asyncgrpo.training.losses.corrections import off_policy_weight
+from asyncgrpo.training.losses.objectives import LOG_RATIO_CLAMP, policy_term
+from asyncgrpo.training.losses.plugin import LossBatch, LossFunction, call_plugin
 
-LOG_RATIO_CLAMP = 20.0
+DEFAULT_LOSS = LossConfig()
 
 
 def token_logprobs(
@@ -72,9 +74,9 @@ class TokenTerms:
     `loss`: the per-token loss (policy term plus kl_coef * kl), with grad.
     `ratio`: the importance ratio reported as `is_ratio` (detached): pi_theta / pi_gen for
     `behaviour`, the untruncated pi_prox / pi_gen for `decoupled`.
-    `clipped`: tokens whose clipped branch is active (no policy gradient): ratio above
-    1 + clip_high with A > 0, or below 1 - clip_low with A < 0.
-    `is_truncated`: tokens whose importance weight hit is_cap (`decoupled`; else all False).
+    `clipped`: tokens whose clipped branch is active (no policy gradient): PPO-clip's ratio above
+    1 + clip_high with A > 0, or below 1 - clip_low with A < 0; cispo's above cispo_clip_max with A > 0.
+    `is_truncated`: tokens whose weight pi_prox / pi_gen was truncated or masked (`decoupled`; else all False).
     `kl`: the k3 estimate per token (detached), zeros without a reference.
     """
 
@@ -97,16 +99,15 @@ def grpo_token_terms(
     advantages: Tensor,
     mask: Tensor,
     *,
-    objective: Objective = "behaviour",
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
+    loss: LossConfig = DEFAULT_LOSS,
     logp_prox: Tensor | None = None,
-    is_cap: float = 2.0,
     logp_ref: Tensor | None = None,
-    kl_coef: float = 0.0,
+    staleness: Tensor | None = None,
+    plugin: LossFunction | None = None,
 ) -> TokenTerms:
     """Per-token loss terms. logp_* `[B, T]`, advantages `[B]` (one per sequence) or `[B, T]` (one per
-    token: distillation, distill/loss.py), mask `[B, T]` (bool or 0/1).
+    token: distillation, distill/loss.py), mask `[B, T]` (bool or 0/1), staleness `[B, T]` (the trainer's
+    version minus each token's; None: all 0), `plugin` the function `loss.type` names when it is one.
 
     Only `logp_new` carries gradient; `logp_gen`, `logp_prox` and `logp_ref` are treated as
     constants (detached here).
@@ -115,41 +116,51 @@ def grpo_token_terms(
     adv = advantages.detach().to(logp_new.dtype)
     adv = (adv if adv.dim() == 2 else adv.unsqueeze(-1)).expand_as(logp_new)
     logp_gen = logp_gen.detach().to(logp_new.dtype)
-    if objective == "behaviour":
-        ratio = torch.exp(_safe_log_ratio(logp_new, logp_gen, mask))
-        weight = None
-        reported = ratio.detach()
-        is_truncated = torch.zeros_like(mask)
-    elif objective == "decoupled":
+    staleness = torch.zeros_like(mask, dtype=torch.long) if staleness is None else staleness
+    weight = None
+    if loss.objective == "decoupled":
         if logp_prox is None:
             raise ValueError("objective 'decoupled' needs logp_prox (the proximal log-probs computed at the start of the step)")
         logp_prox = logp_prox.detach().to(logp_new.dtype)
-        ratio = torch.exp(_safe_log_ratio(logp_new, logp_prox, mask))
-        raw_weight = torch.exp(_safe_log_ratio(logp_prox, logp_gen, mask))
-        weight = raw_weight.clamp(max=is_cap)
-        reported = raw_weight
-        is_truncated = (raw_weight > is_cap) & mask
+        log_rho = _safe_log_ratio(logp_prox, logp_gen, mask)
+        weight, is_truncated = off_policy_weight(log_rho, mask, staleness, loss)
+        reported = torch.exp(log_rho)
+        anchor = logp_prox
+    elif loss.objective == "behaviour":
+        anchor, is_truncated = logp_gen, torch.zeros_like(mask)
     else:
-        raise ValueError(f"unknown objective {objective!r}: use 'behaviour' or 'decoupled'")
+        raise ValueError(f"unknown objective {loss.objective!r}: use 'behaviour' or 'decoupled'")
+    log_ratio = _safe_log_ratio(logp_new, anchor, mask)
+    if loss.importance_sampling_level == "sequence":  # GSPO: the mean log-ratio of the sequence, on each of its tokens
+        seq = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
+        ratio = torch.exp(seq).expand_as(log_ratio)
+    else:
+        ratio = torch.exp(log_ratio)
+    if loss.objective == "behaviour":
+        reported = ratio.detach()
 
-    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    policy = -torch.minimum(ratio * adv, clipped_ratio * adv)
-    if weight is not None:
+    if loss.plugin:
+        if plugin is None:
+            raise ValueError(f"train.loss.type = {loss.type!r} is a plug-in: pass the function it names (training/losses/plugin.py)")
+        batch = LossBatch(logp_new, logp_gen, logp_prox, adv, mask, staleness, loss.clip_low, loss.clip_high)
+        policy, clipped, weighted = call_plugin(plugin, loss.type, batch), torch.zeros_like(mask), False
+    else:
+        policy, clipped, weighted = policy_term(loss.type, logp_new, log_ratio, ratio, adv, mask, weight, loss)
+    if weight is not None and not weighted:
         policy = policy * weight
-    clipped = ((ratio.detach() > 1.0 + clip_high) & (adv > 0)) | ((ratio.detach() < 1.0 - clip_low) & (adv < 0))
     clipped = clipped & mask
 
     if logp_ref is not None:
         delta = _safe_log_ratio(logp_ref.detach().to(logp_new.dtype), logp_new, mask)
         kl = torch.exp(delta) - delta - 1.0
-        loss = policy + kl_coef * kl if kl_coef else policy
+        total = policy + loss.kl_coef * kl if loss.kl_coef else policy
         kl_detached = kl.detach()
     else:
-        if kl_coef:
-            raise ValueError(f"kl_coef = {kl_coef} needs logp_ref (log-probs of the frozen reference model)")
-        loss = policy
+        if loss.kl_coef:
+            raise ValueError(f"kl_coef = {loss.kl_coef} needs logp_ref (log-probs of the frozen reference model)")
+        total = policy
         kl_detached = torch.zeros_like(policy.detach())
-    return TokenTerms(loss=loss, ratio=reported, clipped=clipped, is_truncated=is_truncated, kl=kl_detached)
+    return TokenTerms(loss=total, ratio=reported, clipped=clipped, is_truncated=is_truncated, kl=kl_detached)
 
 
 @dataclass
@@ -220,22 +231,19 @@ def grpo_loss(
     mask: Tensor,
     normalizer: float,
     *,
-    objective: Objective = "behaviour",
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
+    loss: LossConfig = DEFAULT_LOSS,
     logp_prox: Tensor | None = None,
-    is_cap: float = 2.0,
     logp_ref: Tensor | None = None,
-    kl_coef: float = 0.0,
-    normalization: Normalization = "token",
+    staleness: Tensor | None = None,
     entropy: Tensor | None = None,
+    plugin: LossFunction | None = None,
 ) -> tuple[Tensor, LossStats]:
     """The loss of one micro-batch, scaled for gradient accumulation over its update batch.
 
     logp_new/logp_gen/logp_prox/logp_ref `[B, T]`, advantages `[B]` or `[B, T]`, mask `[B, T]` (1 on the
-    completion tokens that count; prompt, padding and masked-out completions 0), entropy
-    `[B, T]` (statistics only, optional). `normalizer` (> 0): the update batch's loss tokens
-    (`token`) or its sequences with at least one loss token (`sequence`).
+    completion tokens that count; prompt, padding and masked-out completions 0), staleness `[B, T]`,
+    entropy `[B, T]` (statistics only, optional). `normalizer` (> 0): the update's, for `loss.aggregation`
+    (training/losses/aggregation.py `update_normalizer`).
 
     Returns (scalar loss with grad, detached `LossStats`).
     """
@@ -252,26 +260,9 @@ def grpo_loss(
         )
     mask = mask.bool()
     terms = grpo_token_terms(
-        logp_new,
-        logp_gen,
-        advantages,
-        mask,
-        objective=objective,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        logp_prox=logp_prox,
-        is_cap=is_cap,
-        logp_ref=logp_ref,
-        kl_coef=kl_coef,
+        logp_new, logp_gen, advantages, mask, loss=loss, logp_prox=logp_prox, logp_ref=logp_ref, staleness=staleness, plugin=plugin
     )
-    masked = torch.where(mask, terms.loss, torch.zeros_like(terms.loss))
-    if normalization == "token":
-        loss = masked.sum() / normalizer
-    elif normalization == "sequence":
-        per_seq_tokens = mask.sum(-1).clamp(min=1).to(masked.dtype)
-        loss = (masked.sum(-1) / per_seq_tokens).sum() / normalizer
-    else:
-        raise ValueError(f"unknown normalization {normalization!r}: use 'token' or 'sequence'")
+    total = aggregate(terms.loss, mask, loss.aggregation, normalizer)
 
     with torch.no_grad():
         f = mask.to(torch.float64)
@@ -286,4 +277,4 @@ def grpo_loss(
             kl_sum=(terms.kl.to(torch.float64) * f).sum(),
             entropy_sum=(entropy.detach().to(torch.float64) * f).sum() if entropy is not None else f.sum() * 0,
         )
-    return loss, stats
+    return total, stats

@@ -5,7 +5,10 @@
   (training/integrity.py); damaged or incomplete ones are skipped with a warning naming each
   and why. With no checkpoint at all, start over; with checkpoints but none intact, refuse.
 - `never`: refuse a run directory that already holds a run (unless `run.overwrite=true`).
-- a path: continue from exactly that checkpoint; it must be complete.
+- a path: continue from exactly that checkpoint; it must be complete. An explicit checkpoint wins
+  over `run.overwrite=true` (which `make demo` always passes): a checkpoint of this run directory is
+  continued and nothing is removed (starting over would delete it); one from elsewhere is continued
+  after what an earlier run wrote here is removed (`ResumePlan.start_over`). A note names both keys.
 
 A resumed run must keep what decides the data, the groups and the model; other changes
 (learning rate, weight decay, warm-up, max_steps, logging...) are reported and take effect from
@@ -15,7 +18,7 @@ the first resumed step (the trainer re-applies the optimizer's hyperparameters a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,7 @@ class ResumePlan:
     state: dict[str, Any] = field(default_factory=dict)  # the checkpoint's state.json
     changed: list[str] = field(default_factory=list)  # compatible changes, reported
     notes: list[str] = field(default_factory=list)  # skipped checkpoints, starting over
+    start_over: bool = False  # remove what an earlier run wrote in the run directory before continuing `checkpoint`
 
     @property
     def step(self) -> int:
@@ -59,7 +63,7 @@ class ResumePlan:
 def plan_resume(cfg: Config) -> ResumePlan:
     run_dir = cfg.run.directory
     mode = cfg.checkpoint.resume
-    if cfg.run.overwrite:
+    if cfg.run.overwrite and mode in ("auto", "never"):
         return ResumePlan()
     if mode == "never":
         if any((run_dir / name).exists() for name in OWNED_ENTRIES):
@@ -76,7 +80,15 @@ def plan_resume(cfg: Config) -> ResumePlan:
                 f"checkpoint.resume = {mode!r} is not a checkpoint to continue from: {problem}. Fix: give a complete checkpoint "
                 f"directory (runs/<name>/checkpoints/step_NNNNNN) or checkpoint.resume=auto."
             )
-        return _checked(cfg, path, [])
+        if not cfg.run.overwrite:
+            return _checked(cfg, path, [])
+        if path.resolve().is_relative_to(run_dir.resolve()):
+            note = (f"checkpoint.resume = {mode!r} with run.overwrite=true: continuing that checkpoint; run.overwrite is "
+                    f"not applied, since starting over would delete it (nothing in {run_dir} is removed)")
+            return _checked(cfg, path, [note])
+        note = (f"checkpoint.resume = {mode!r} with run.overwrite=true: what an earlier run wrote in {run_dir} is removed, "
+                f"then the run continues from that checkpoint (to start from step 0 instead, drop checkpoint.resume)")
+        return replace(_checked(cfg, path, [note]), start_over=True)
     notes: list[str] = []
     parent = run_dir / CHECKPOINTS_DIR
     candidates = sorted((p for p in parent.glob("step_*") if p.is_dir()), reverse=True) if parent.is_dir() else []

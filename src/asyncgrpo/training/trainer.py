@@ -71,6 +71,8 @@ from asyncgrpo.training import lora as lora_adapters
 from asyncgrpo.training.bf16_adamw import Bf16StateAdamW
 from asyncgrpo.training.device import autocast, check_precision, resolve_device
 from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
+from asyncgrpo.training.losses.aggregation import update_normalizer
+from asyncgrpo.training.losses.plugin import resolve_loss_plugin
 from asyncgrpo.types import Group
 
 if TYPE_CHECKING:
@@ -93,6 +95,7 @@ class _Sequence:
     logp_prox: Tensor | None = None
     loss_mask: tuple[bool, ...] | None = None  # an episode's: False on the environment's tokens
     logp_teacher: tuple[float, ...] | None = None
+    versions: tuple[int, ...] = ()  # the policy version of each completion token (() for the filler)
 
     @property
     def loss_tokens(self) -> int:
@@ -111,7 +114,7 @@ class _MicroBatch:
     """Collated sequences. Prompts are left-padded and completions right-padded, so every
     completion starts at the same column and only the last C logits are needed.
 
-    input_ids/attention_mask/position_ids `[B, P + C - 1]`; targets/logp_gen/mask (and
+    input_ids/attention_mask/position_ids `[B, P + C - 1]`; targets/logp_gen/mask/staleness (and
     logp_prox) `[B, C]`; advantages `[B]`, or `[B, C]` per token under distill (distill/loss.py).
     """
 
@@ -124,6 +127,7 @@ class _MicroBatch:
     mask: Tensor
     advantages: Tensor
     completion_width: int
+    staleness: Tensor
 
 
 def _split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
@@ -189,6 +193,7 @@ class TorchTrainer:
         self.pad_id = self._pad_id(tokenizer)
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.base_model.forward).parameters
         self._parallel: DataParallel | None = None
+        self._loss_plugin = resolve_loss_plugin(t.loss.type) if t.loss.plugin else None
 
     @staticmethod
     def _enable_gradient_checkpointing(model: Any) -> None:
@@ -392,10 +397,16 @@ class TorchTrainer:
         cfg_t, cfg_l = self.cfg.train, self.cfg.train.loss
         stats = LossStats.zeros(self.device)
         active = [s for seqs in groups for s in seqs if s.loss_tokens]
-        if cfg_l.normalization == "token":
-            normalizer = sum(s.loss_tokens for s in active)
-        else:
-            normalizer = len(active)
+        mine = [s for seqs in self._share(groups) for s in seqs if s.loss_tokens]
+        # Similar lengths together: less padding, same sum.
+        mine.sort(key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)))
+        # A rank without a sequence of this update still makes its one backward pass (zero loss) that sums the gradients.
+        chunks = list(_chunks(mine, cfg_t.micro_batch_size)) or [[]]
+        world = 1 if self._parallel is None else self._parallel.world_size
+        normalizer = update_normalizer(
+            cfg_l.aggregation, [s.loss_tokens for s in active], max_new_tokens=self.cfg.generation.max_new_tokens,
+            micro_batches=len(chunks) * world,  # bnpo: TRL's accumulation steps; ranks are assumed to cut alike
+        )
         self.optimizer.zero_grad(set_to_none=True)
         if normalizer == 0:
             # Nothing to learn from (e.g. every completion truncated and masked). With every
@@ -404,11 +415,6 @@ class TorchTrainer:
             self.optimizer.step()
             return None, 0.0, stats
         total = torch.zeros((), device=self.device)
-        mine = [s for seqs in self._share(groups) for s in seqs if s.loss_tokens]
-        # Similar lengths together: less padding, same sum.
-        mine.sort(key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)))
-        # A rank without a sequence of this update still makes its one backward pass (zero loss) that sums the gradients.
-        chunks = list(_chunks(mine, cfg_t.micro_batch_size)) or [[]]
         # Forward and backward alike under the dropout: gradient checkpointing replays the forward in the backward.
         with lora_adapters.adapter_dropout(self.model) if self._adapter_dropout else contextlib.nullcontext():
             for index, chunk in enumerate(chunks):
@@ -469,15 +475,12 @@ class TorchTrainer:
             batch.advantages,
             batch.mask,
             normalizer,
-            objective=cfg_l.objective,
-            clip_low=cfg_l.clip_low,
-            clip_high=cfg_l.clip_high,
+            loss=cfg_l,
             logp_prox=logp_prox,
-            is_cap=cfg_l.is_cap,
             logp_ref=logp_ref,
-            kl_coef=cfg_l.kl_coef,
-            normalization=cfg_l.normalization,
+            staleness=batch.staleness,
             entropy=entropy,
+            plugin=self._loss_plugin,
         )
 
     # ---------------------------------------------------------------------------------
@@ -526,6 +529,7 @@ class TorchTrainer:
                     has_loss=has_loss,
                     loss_mask=c.loss_mask,
                     logp_teacher=rollout.teacher_logprobs,
+                    versions=tuple(c.versions),
                 )
             )
         return out
@@ -536,7 +540,7 @@ class TorchTrainer:
         assert width_c > 0, "micro-batches hold only sequences with completion tokens"
         length = width_p + width_c - 1
         pad = self.pad_id
-        input_rows, attn_rows, target_rows, gen_rows, mask_rows, prox_rows = [], [], [], [], [], []
+        input_rows, attn_rows, target_rows, gen_rows, mask_rows, prox_rows, stale_rows = [], [], [], [], [], [], []
         for s in seqs:
             p, c = len(s.prompt_ids), len(s.completion_ids)
             body = list(s.prompt_ids) + list(s.completion_ids[:-1])
@@ -545,6 +549,7 @@ class TorchTrainer:
             attn_rows.append([0] * left + [1] * len(body) + [0] * right)
             target_rows.append(list(s.completion_ids) + [pad] * (width_c - c))
             gen_rows.append(list(s.logp_gen) + [0.0] * (width_c - c))
+            stale_rows.append([self.version - v for v in s.versions] + [0] * (width_c - len(s.versions)))
             mask_rows.append(s.mask_row(width_c))
             if s.logp_prox is not None:
                 prox_rows.append(torch.nn.functional.pad(s.logp_prox, (0, width_c - c)))
@@ -574,6 +579,7 @@ class TorchTrainer:
             mask=mask,
             advantages=advantages,
             completion_width=width_c,
+            staleness=torch.tensor(stale_rows, dtype=torch.long, device=device),
         )
 
     @contextlib.contextmanager
