@@ -41,6 +41,7 @@ import json
 import os
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -149,6 +150,12 @@ class MlflowTracker:
             # MLflow 3 keeps the file store for existing users behind this switch; it is the one store
             # that needs no server and no database, which is what a training run's own directory wants.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            if not Path(urllib.parse.urlparse(uri).path).exists():
+                # MLflow keeps one store object per URI for the process, and a store lays out its folder only when
+                # made: a second run in this process, after a fresh start removed the folder, has it laid out again.
+                from mlflow.store.tracking.file_store import FileStore
+
+                FileStore(uri)
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)
