@@ -11,7 +11,7 @@ import pytest
 
 from asyncgrpo.config import Config, load_config
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.telemetry import sinks
+from asyncgrpo.telemetry import keys, sinks
 from asyncgrpo.telemetry.sinks import Trackers, sink_problems
 
 LINES = [
@@ -285,3 +285,47 @@ def test_a_killed_wandb_service_is_a_named_tracker_error_and_no_traceback_at_exi
     # W&B notices the dead service when logging step 1 or, if that send was still buffered, when closing: named either way.
     assert "the wandb tracker of logging.sinks failed while" in proc.stdout, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "atexit" not in proc.stderr, proc.stderr
+
+
+class Recording:
+    """A tracker that keeps what it was given."""
+
+    ref: dict[str, str] = {}
+    logged: list[tuple[int, dict[str, float]]] = []
+
+    def __init__(self, cfg, run_dir, resume):
+        Recording.logged = []
+
+    def log(self, values, step):
+        Recording.logged.append((step, values))
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("names", ["asyncgrpo", "trl"])
+def test_metric_names_trl_gives_trackers_trl_names_beside_ours(tmp_path, monkeypatch, names):
+    monkeypatch.setitem(sinks.TRACKER_CLASSES, "wandb", Recording)
+    cfg = Config.model_validate({"logging": {"sinks": ["wandb"], "metric_names": names}})
+    trackers = Trackers(cfg, tmp_path)
+    trackers.log({**LINES[1], "reward/format": 0.5, "completion/len_mean": 12, "lr": 1e-5, "kl": 0.1, "eval/reward/format": 1})
+    [(step, values)] = Recording.logged
+    ours = {"version": 2.0, "loss": 0.25, "reward/mean": 0.5, "eval/reward_mean": 0.75, "rollout/failed_total": 3.0,
+            "reward/format": 0.5, "completion/len_mean": 12.0, "lr": 1e-5, "kl": 0.1, "eval/reward/format": 1.0}
+    theirs = {"reward": 0.5, "eval_reward": 0.75, "rewards/format/mean": 0.5, "completions/mean_length": 12.0,
+              "learning_rate": 1e-5, "eval_rewards/format/mean": 1.0}
+    assert step == 1 and values == (ours | theirs if names == "trl" else ours)
+
+
+@needs("trl")
+def test_the_trl_names_are_the_ones_trls_grpo_trainer_logs():
+    """Each name of the table is one GRPOTrainer logs (learning_rate and the eval_ prefix are transformers.Trainer's)."""
+    from pathlib import Path
+
+    import trl.trainer.grpo_trainer
+
+    source = Path(trl.trainer.grpo_trainer.__file__).read_text()
+    for ours, theirs in keys.TRL_NAMES.items():
+        if theirs not in ("learning_rate", "eval_reward"):
+            assert f'_metrics[mode]["{theirs}"]' in source, (ours, theirs)
+    assert '_metrics[mode][f"rewards/{reward_func_name}/mean"]' in source

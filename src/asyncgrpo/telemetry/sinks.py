@@ -25,6 +25,7 @@ Invariants:
 - Every step, every tracker gets every metric key of the metrics line that has a value (the
   key set is fixed: telemetry/metrics.py); a null (an eval metric before its first evaluation)
   is left out, since trackers hold numbers. The x axis is `step` (0-based, as in metrics.jsonl).
+  `logging.metric_names: trl` adds TRL GRPOTrainer's name of each key that has one (keys.TRL_NAMES).
 - A tracker's error is the run's diagnostic (kind `tracker`), like a failed write of metrics.jsonl:
   `TrackerError` names the sink, what it was doing, the error and the fix, whatever the library
   raised (a killed W&B service raises ConnectionResetError, which must not read as a disk error or
@@ -50,6 +51,7 @@ from asyncgrpo.atomic import replace_file
 from asyncgrpo.config import Config
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.rundir import TRACKER_RUNS_FILE
+from asyncgrpo.telemetry.keys import trl_name
 
 # sink -> (module to import, pip package)
 TRACKERS: dict[str, tuple[str, str]] = {
@@ -245,6 +247,7 @@ class Trackers:
 
     def __init__(self, cfg: Config, run_dir: Path) -> None:
         self.trackers: dict[str, Tracker] = {}
+        self.trl_names = cfg.logging.metric_names == "trl"
         runs_file = run_dir / TRACKER_RUNS_FILE
         runs: dict[str, dict[str, str]] = {}
         for name in dict.fromkeys(cfg.logging.sinks):
@@ -264,6 +267,8 @@ class Trackers:
         if not self.trackers:
             return
         values = {k: float(v) for k, v in line.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        if self.trl_names:
+            values |= {theirs: value for key, value in values.items() if (theirs := trl_name(key)) is not None}
         for name, tracker in list(self.trackers.items()):
             try:
                 tracker.log(values, line["step"])
