@@ -10,7 +10,9 @@
   store `<run dir>/mlruns`, with the config as params (dotted keys: `rollout.group_size`). MLflow 3
   reads a file store only with `MLFLOW_ALLOW_FILE_STORE=true` (set for this process when it writes
   one); to read it: `MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri <run dir>/mlruns`.
-- trackio: a run in project `logging.project` in trackio's local store (`trackio show`).
+- trackio: a run in project `logging.project` in trackio's local store (`trackio show`). trackio reads its
+  store's folder from `TRACKIO_DIR` once, when it is imported, for the whole process, and has no per-run
+  option: `TRACKIO_DIR=<run dir>/trackio asyncgrpo train ...` keeps it in the run directory.
 
 A resumed run continues its tracker runs: `<run dir>/trackers.json` records each tracker's run
 (W&B's run id, MLflow's tracking URI and run id, trackio's project and run name) when it starts,
@@ -24,7 +26,8 @@ Invariants:
   before any model loads), naming the package and its pip command; never a silent no-op.
 - Every step, every tracker gets every metric key of the metrics line that has a value (the
   key set is fixed: telemetry/metrics.py); a null (an eval metric before its first evaluation)
-  is left out, since trackers hold numbers. The x axis is `step` (0-based, as in metrics.jsonl).
+  is left out, since trackers hold numbers. The x axis is `step` (0-based, as in metrics.jsonl;
+  checkpoints/step_K follows the line of step K-1, whose `version` is K: DESIGN.md §5).
   `logging.metric_names: trl` adds TRL GRPOTrainer's name of each key that has one (keys.TRL_NAMES).
 - A tracker's error is the run's diagnostic (kind `tracker`), like a failed write of metrics.jsonl:
   `TrackerError` names the sink, what it was doing, the error and the fix, whatever the library
