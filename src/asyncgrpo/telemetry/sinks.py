@@ -17,9 +17,10 @@
 A resumed run continues its tracker runs: `<run dir>/trackers.json` records each tracker's run
 (W&B's run id, MLflow's tracking URI and run id, trackio's project and run name) when it starts,
 and a resume (which keeps the file; a fresh start removes it) reopens them: W&B `id=..., resume="allow"`,
-MLflow the same run id (set RUNNING again), trackio `resume="must"`. Steps logged after the checkpoint
-a resume starts from are logged again by the resumed run: W&B keeps the first value of a step and drops
-the repeat, MLflow and trackio keep both points of that step (metrics.jsonl keeps only the new one).
+MLflow the same run id (set RUNNING again; its params stay the first invocation's: MLflow refuses a
+changed param, and the resume's changes are in its log), trackio `resume="must"`. Steps logged after the
+checkpoint a resume starts from are logged again by the resumed run (metrics.jsonl keeps only the new
+ones); each tracker shows a repeated step its own way (W&B drops a step below its last, MLflow keeps both).
 
 Invariants:
 - A tracker whose package is missing is a config error (`sink_problems`, called by preflight,
