@@ -329,3 +329,15 @@ def test_the_trl_names_are_the_ones_trls_grpo_trainer_logs():
         if theirs not in ("learning_rate", "eval_reward"):
             assert f'_metrics[mode]["{theirs}"]' in source, (ours, theirs)
     assert '_metrics[mode][f"rewards/{reward_func_name}/mean"]' in source
+
+
+@needs("mlflow")
+def test_a_config_value_past_mlflows_param_limit_is_cut_not_refused(tmp_path, monkeypatch):
+    import mlflow.utils.validation
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setattr(mlflow.utils.validation, "MAX_PARAM_VAL_LENGTH", 10)  # MLflow's own check reads it too
+    write(tmp_path, "mlflow")
+    run, _ = mlflow_run(tmp_path)
+    assert run.data.params["logging.sinks"] == '["jsonl...' and run.data.params["run.name"] == "sinktest"
