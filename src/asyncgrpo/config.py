@@ -488,6 +488,12 @@ class LoggingConfig(_Section):
     project: str = Field(
         "asyncgrpo", min_length=1, description="Project (W&B, trackio) or experiment (MLflow) name the run is logged under, as run.name.",
     )
+    metric_names: Literal["asyncgrpo", "trl"] = Field(
+        "asyncgrpo",
+        description="trl: the trackers of logging.sinks also get TRL GRPOTrainer's name of each metric that has one "
+        "(reward, reward_std, completions/mean_length, rewards/<function>/mean, learning_rate, ...), so TRL dashboards carry "
+        "over; metrics.jsonl keeps asyncgrpo's names only.",
+    )
     timeline_max_rollouts: int = Field(
         50_000, ge=0,
         description="Rollout spans written in full to timeline.jsonl; later ones are counted per step instead (takes, steps and "
