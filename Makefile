@@ -47,7 +47,7 @@ chaos: $(STAMP)
 
 # Mutation testing of the rollout policies against the fast suite (scope and test selection:
 # [tool.mutmut] in pyproject.toml; score and surviving mutants: docs/benchmarks.md). One worker,
-# niced: about 3 minutes on 2 cores. `$(BIN)/mutmut results` lists the survivors afterwards.
+# niced: hours on 2 shared cores at that scope (1,273 mutants). `$(BIN)/mutmut results` lists the survivors.
 mutate: $(STAMP)
 	$(BIN)/pip install --quiet 'mutmut>=3,<4'
 	rm -rf mutants

@@ -400,7 +400,13 @@ class LoraConfig(_Section):
     r: int = Field(16, ge=1, description="Rank of the adapters.")
     alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is (alpha / r) * B @ A.")
     target_modules: list[str] | str = Field("all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]), or all-linear.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input (0: pi_theta of unchanged weights equals the generator's).")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapter input, in the policy's training forward and backward passes only (pi_prox, "
+        "the KL reference and generation run without it); 0: pi_theta of unchanged weights equals the generator's.",
+    )
 
 
 class TrainConfig(_Section):
@@ -481,6 +487,12 @@ class LoggingConfig(_Section):
     )
     project: str = Field(
         "asyncgrpo", min_length=1, description="Project (W&B, trackio) or experiment (MLflow) name the run is logged under, as run.name.",
+    )
+    metric_names: Literal["asyncgrpo", "trl"] = Field(
+        "asyncgrpo",
+        description="trl: the trackers of logging.sinks also get TRL GRPOTrainer's name of each metric that has one "
+        "(reward, reward_std, completions/mean_length, rewards/<function>/mean, learning_rate, ...), so TRL dashboards carry "
+        "over; metrics.jsonl keeps asyncgrpo's names only.",
     )
     timeline_max_rollouts: int = Field(
         50_000, ge=0,

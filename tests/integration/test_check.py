@@ -90,7 +90,7 @@ def test_check_says_where_and_how_the_trainer_computes(tmp_path, capsys):
     auto = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     assert main(["check", "recipes/demo.yaml", f"run.output_dir={tmp_path / 'run'}", "checkpoint.every_steps=0"]) == 0
     out = capsys.readouterr().out
-    assert (f"trainer: device auto ({auto}), float32 compute on float32 weights, lr schedule constant after 5 warm-up steps, "
+    assert (f"trainer: device auto ({auto}), float32 compute on float32 weights, lr schedule cosine after 5 warm-up steps, "
             f"every weight trained\n") in out
     assert "checkpoints: the final one only, keep 2;" in out
     args = ["train.device=cpu", "train.precision=bfloat16", "train.lr_schedule=cosine", "train.warmup_steps=0",

@@ -155,6 +155,12 @@ def scenario(seed: int) -> dict[str, Any]:
             "timeout_s": rng.choice((2.0, 30.0, 30.0)),
             "on_error": rng.choice(("fail", "drop")),
         }
+    if recipe.get("algorithm") == "distill" and recipe["rollout"]["on_stale"] != "wait" and rng.random() < 0.5:
+        # Over-admitted samples race for the steps within the bound and the slowest go stale in flight: the cancellation
+        # that bounds wasted generation (test_chaos.check_waste) must reach distilled samples too.
+        recipe["rollout"]["over_admit_groups"] = rng.randint(1, 4)
+        recipe["rollout"]["max_staleness"] = rng.randint(0, 1)
+        generation["weight_sync_every"] = 1
     if not faults and "weight_sync_faults" not in scripted and recipe["reward"]["functions"] == ["builtin:coin"] and not env_errors(recipe):
         # Fault-free: nothing may stop it but its own max_steps or end of data.
         recipe["rollout"]["filter_zero_variance"] = False

@@ -7,13 +7,17 @@ prints the one-line command that replays it.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import pytest
 
-from asyncgrpo.config import validate_config
+from asyncgrpo.config import Config, validate_config
+from asyncgrpo.generation.scripted import ScriptedGenerator
 from asyncgrpo.simulate import Simulation, simulate
 from asyncgrpo.telemetry.keys import WASTE_REASONS
+from asyncgrpo.training.stub import StubTrainer
+from asyncgrpo.types import Completion, GenerationRequest, Group
 from tests.sim.scenarios import is_fault_free, scenario
 
 BATCH = 100
@@ -23,11 +27,38 @@ def replay_command(seed: int) -> str:
     return f".venv/bin/python -m pytest -q tests/sim/test_chaos.py --chaos-seed={seed}"
 
 
+class WatchedGenerator(ScriptedGenerator):
+    """The scenario's scripted generator, noting the virtual time and the version of each request it completes."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
+        self.finished: list[tuple[float, int]] = []
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        completion = await super().generate(request)
+        self.finished.append((asyncio.get_running_loop().time(), completion.generation_version))
+        return completion
+
+
+class WatchedTrainer(StubTrainer):
+    """The stub trainer, noting the virtual time each step starts: the instant its batch was taken."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg.train.step_time_s, cfg.train.token_time_s)
+        self.started: list[float] = []
+
+    async def train_step(self, groups: list[Group]) -> dict[str, float]:
+        self.started.append(asyncio.get_running_loop().time())
+        return await super().train_step(groups)
+
+
 def check_scenario(seed: int) -> Simulation:
     cfg = validate_config(scenario(seed), source=f"chaos scenario {seed}")
     try:
-        sim = simulate(cfg)
+        generator, trainer = WatchedGenerator(cfg), WatchedTrainer(cfg)
+        sim = simulate(cfg, generator, trainer)
         check_outcome(sim)
+        check_waste(sim.cfg, generator, trainer)
     except BaseException as exc:
         raise AssertionError(f"chaos scenario {seed} broke an invariant: {exc!r}\n  replay: {replay_command(seed)}") from exc
     return sim
@@ -86,6 +117,21 @@ def check_outcome(sim: Simulation) -> None:
         check_per_sample(sim)
     if is_fault_free(cfg):
         check_fault_free(sim)
+
+
+def check_waste(cfg: Config, generator: WatchedGenerator, trainer: WatchedTrainer) -> None:
+    """Wasted generation is bounded: generation stops as soon as no remaining step can train it.
+
+    Taking step s makes every rollout of version s - K stale for good (K = rollout.max_staleness); the
+    collector then cancels them at once, so no request of that version may complete after step s started."""
+    k = cfg.rollout.max_staleness
+    for finished_at, version in generator.finished:
+        step = version + k
+        if step < len(trainer.started):
+            assert finished_at <= trainer.started[step], (
+                f"a request of version {version} completed at {finished_at:.3f} s (virtual), after step {step} had made it "
+                f"stale at {trainer.started[step]:.3f} s: it was generated on instead of being cancelled"
+            )
 
 
 def check_per_sample(sim: Simulation) -> None:
@@ -148,3 +194,11 @@ def test_chaos_scenarios_keep_every_invariant(chaos_seeds: list[int]) -> None:
                          "failed:reward_error", "failed:misconfigured_backend", "failed:filtered_fraction", "failed:weight_sync",
                          "failed:teacher_error"):
             assert outcomes[expected] > 0, f"no scenario reached {expected}: {outcomes}"
+
+
+def test_a_group_dispatched_after_its_version_went_stale_is_cancelled_before_it_generates() -> None:
+    # Scenario 364 (K = 0, over-admission): prompt 2's group is admitted at version 0 in the instant step 0 takes its
+    # batch, and dispatched just after, at version 0, which no remaining step can train. It used to generate for a
+    # whole latency and be thrown away at the end; now it ends as stale at dispatch (check_waste holds it to that).
+    sim = check_scenario(364)
+    assert sim.collector.counters["rollout/stale_groups_total"] == 1 and sim.collector.counters["rollout/wasted_tokens_total"] == 0

@@ -29,6 +29,7 @@ def test_stale_episodes_that_ignore_cancellation_are_abandoned_and_counted_never
     counters = sim.collector.counters
     assert sim.result.outcome == "completed" and sim.result.steps == 12
     assert counters["rollout/stale_groups_total"] == 2  # prompt 1, taken twice (one requeue)
+    assert sim.env_hosts is not None and sim.env_hosts.stopped == 0
     assert counters["env/abandoned_total"] == sim.env_hosts.abandoned >= 4  # both members of both takes, and at the end of the run
     assert counters["rollout/failed_total"] == counters["env/errors_total"] == 0
     turns = [r.completion.episode.turns for g in sim.trainer.trained_groups for r in g.rollouts]
@@ -39,7 +40,10 @@ def test_cooperative_episodes_stop_within_the_grace():
     sim = simulate(env_recipe(12, ignore_cancel_prob=0.0, stop_s={"dist": "const", "value": 0.1}), second_turn_of_prompt_1_hangs())
     assert sim.result.outcome == "completed"
     assert sim.collector.counters["rollout/stale_groups_total"] == 2
-    assert sim.collector.counters["env/abandoned_total"] == 0
+    # Each cancelled episode was told to stop (both members of both stale takes, and those in flight at the end of
+    # the run) and stopped within env.cancel_grace_s: none abandoned.
+    assert sim.env_hosts is not None and sim.env_hosts.stopped >= 4
+    assert sim.collector.counters["env/abandoned_total"] == sim.env_hosts.abandoned == 0
 
 
 def test_environment_errors_fail_their_rollouts_and_transient_ones_are_retried():

@@ -25,6 +25,10 @@ def test_uneven_rewards():
     assert sum(adv) == pytest.approx(0.0, abs=1e-12)
 
 
+def test_the_std_scaling_is_the_default():
+    assert group_advantages([1, 2, 6]) == group_advantages([1, 2, 6], scale_by_std=True)
+
+
 def test_centring_only():
     assert group_advantages([1.0, 0.0, 0.0, 1.0], scale_by_std=False) == pytest.approx([0.5, -0.5, -0.5, 0.5])
     assert group_advantages([1, 2, 6], scale_by_std=False) == pytest.approx([-2.0, -1.0, 3.0])

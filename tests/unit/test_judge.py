@@ -47,6 +47,11 @@ def test_too_few_survivors_carry_the_first_error():
     assert survivors([completion("a"), None, None], [None, error, GenerationError("x")], min_survivors=2) == Drop("too_few_survivors", error)
 
 
+def test_too_few_survivors_without_a_failure_carry_no_error():
+    # (every member ended, none failed, the group is smaller than min_survivors: what a partial group's kept members can be)
+    assert survivors([completion("a")], [None], min_survivors=2) == Drop("too_few_survivors", None)
+
+
 def test_every_member_needs_a_completion_or_an_error():
     with pytest.raises(AssertionError, match="1 survivors \\+ 0 errors != 2"):
         survivors([completion("a"), None], [None, None], min_survivors=1)
@@ -65,6 +70,13 @@ def test_too_few_rewarded_completions_drop_the_group_naming_the_function():
     drop = judge((1.0, None, None))
     assert isinstance(drop, Drop) and drop.reason == "too_few_survivors"
     assert isinstance(drop.error, UnscoredGroupError) and "'f' returned None for 2 of 3 completions" in str(drop.error)
+    assert "fewer than rollout.min_group_survivors = 2" in str(drop.error)
+
+
+def test_advantages_are_scaled_by_the_group_std_when_asked():
+    scaled = judge((1.0, 0.0, 0.0, 0.0), scale_by_std=True)
+    assert not isinstance(scaled, Drop)
+    assert [r.advantage for r in scaled] == pytest.approx([1.5, -0.5, -0.5, -0.5], rel=1e-4)  # centred, over the sample std 0.5
 
 
 def test_equal_rewards_are_filtered_only_when_asked():

@@ -1,4 +1,4 @@
-"""The collector's books, each on its own: replay buffer expiry, accounting, the prompt ledger, tracebacks.
+"""The collector's books, each on its own: replay buffer expiry, accounting, the prompt ledger, tracebacks, token books, the no-signal watch.
 
 The pipeline tests reach these only along their happy paths (a buffered group rarely goes
 stale, a ledger sink is a real run's file); these pin the rest (mutation testing found them
@@ -7,12 +7,16 @@ unchecked: docs/benchmarks.md, "Mutation testing").
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
+from asyncgrpo.rollout import token_books
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.buffer import ReplayBuffer
 from asyncgrpo.rollout.first_failure import format_traceback
 from asyncgrpo.rollout.ledger import PromptLedger
+from asyncgrpo.rollout.no_signal import NoSignalWatch
 from asyncgrpo.types import Completion, Group, Prompt, Rollout
 
 
@@ -84,6 +88,20 @@ def test_the_ledger_records_each_end_once_and_tells_its_sink():
     assert ledger.done_by_epoch() == {0: [3], 1: [5, 7]}
     with pytest.raises(AssertionError, match=r"^prompt 7 of epoch 1 ended twice$"):
         ledger.trained(Prompt(id=7, text="p", token_ids=(1,), epoch=1), step=9)
+
+
+def test_a_rollouts_generator_time_is_counted_in_whole_milliseconds():
+    counters: Counter[str] = Counter()
+    assert token_books.rollout_ended(counters, 1.5) == 1500 and token_books.rollout_ended(counters, 0.0004) == 0
+    assert counters["rollout/generation_ms_total"] == 1500
+
+
+def test_the_no_signal_warning_says_what_share_of_the_window_was_flat():
+    watch = NoSignalWatch(4)
+    assert [watch.observe(flat) for flat in (True, False, True)] == [None, None, None]  # the window is not full yet
+    warning = watch.observe(True)
+    assert warning is not None and "3 of the last 4 groups" in warning and "(75%)" in warning
+    assert watch.observe(True) is None  # once per run
 
 
 def test_no_exception_formats_as_no_traceback():

@@ -7,7 +7,7 @@ from pathlib import Path
 from asyncgrpo.rundir import MARKER, OWNED_DIRS, clear_run
 
 WRITTEN = [  # what a run (and the trackers it drives) writes
-    "config.yaml", "metrics.jsonl", "samples.jsonl", "outcomes.jsonl", "error.txt", "timeline.jsonl",
+    "config.yaml", "metrics.jsonl", "samples.jsonl", "outcomes.jsonl", "error.txt", "timeline.jsonl", "trackers.json",
     "checkpoints/step_000002/model.safetensors", "checkpoints/.tmp-step_000004-123-0123abcd/state.json",
     "weights/v000003/model.safetensors", "plots/rewards.png", "plots/timeline_start.png",
     "tensorboard/events.out.tfevents.1796143379.vm.24424.0",

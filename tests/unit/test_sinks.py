@@ -11,7 +11,7 @@ import pytest
 
 from asyncgrpo.config import Config, load_config
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.telemetry import sinks
+from asyncgrpo.telemetry import keys, sinks
 from asyncgrpo.telemetry.sinks import Trackers, sink_problems
 
 LINES = [
@@ -28,12 +28,17 @@ def needs(module: str):
                               reason=f"{module} is not installed (pip install 'asyncgrpo[sinks]')")
 
 
-def write(tmp_path, sink: str) -> Config:
+# A run of 4 steps in two invocations: steps 0-1, then a resume logging steps 2-3 (a checkpoint at step 2).
+RESUMED = [{**line, "step": line["step"] + 2} for line in LINES]
+EXPECTED_RESUMED = {**EXPECTED, **{step + 2: values for step, values in EXPECTED.items()}}
+
+
+def write(tmp_path, sink: str, lines: list[dict] = LINES) -> Config:
     cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["jsonl", sink], "project": "asyncgrpo-test"}})
     trackers = Trackers(cfg, tmp_path)
-    for line in LINES:
+    for line in lines:
         trackers.log(line)
-    trackers.close()
+    assert trackers.close() == []
     return cfg
 
 
@@ -51,21 +56,53 @@ def test_tensorboard_event_files_read_back(tmp_path):
     assert got == EXPECTED
 
 
-@needs("mlflow")
-def test_mlflow_writes_to_a_local_file_store_in_the_run_directory(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+def mlflow_run(tmp_path):
+    """The one MLflow run in the run directory's file store, and its metrics by step."""
     from mlflow.tracking import MlflowClient
 
-    write(tmp_path, "mlflow")
     client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
     [run] = client.search_runs([client.get_experiment_by_name("asyncgrpo-test").experiment_id])
-    assert run.info.run_name == "sinktest" and run.info.status == "FINISHED"
     got: dict[int, dict[str, float]] = {}
     for key in run.data.metrics:
         for metric in client.get_metric_history(run.info.run_id, key):
             got.setdefault(metric.step, {})[key] = metric.value
+    return run, got
+
+
+@needs("mlflow")
+def test_mlflow_writes_to_a_local_file_store_in_the_run_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    cfg = write(tmp_path, "mlflow")
+    run, got = mlflow_run(tmp_path)
+    assert run.info.run_name == "sinktest" and run.info.status == "FINISHED"
     assert got == EXPECTED
+    # The config as params, one per leaf, under dotted keys.
+    assert run.data.params["rollout.group_size"] == str(cfg.rollout.group_size)
+    assert run.data.params["run.name"] == "sinktest" and run.data.params["logging.sinks"] == '["jsonl", "mlflow"]'
+    assert len(run.data.params) > 50
+
+
+@needs("mlflow")
+def test_a_resumed_run_continues_its_mlflow_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    write(tmp_path, "mlflow")
+    write(tmp_path, "mlflow", RESUMED)
+    run, got = mlflow_run(tmp_path)
+    assert run.info.status == "FINISHED" and got == EXPECTED_RESUMED
+
+
+def test_the_config_flattens_into_dotted_params():
+    assert sinks.flat_params({"a": {"b": 1, "c": {"d": "x"}, "e": [1, 2], "f": {}}, "g": None}) == {
+        "a.b": "1", "a.c.d": "x", "a.e": "[1, 2]", "a.f": "{}", "g": "null"}
+
+
+def wandb_steps(run_file) -> dict[int, dict[str, float]]:
+    got = {}
+    for history in wandb_history(run_file.read_bytes()):
+        got[int(history.pop("_step"))] = {k: v for k, v in history.items() if not k.startswith("_")}
+    return got
 
 
 @needs("wandb")
@@ -74,10 +111,19 @@ def test_wandb_offline_run_files_hold_every_key(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     write(tmp_path, "wandb")
     [run_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    got = {}
-    for history in wandb_history(run_file.read_bytes()):
-        got[int(history.pop("_step"))] = {k: v for k, v in history.items() if not k.startswith("_")}
-    assert got == EXPECTED
+    assert wandb_steps(run_file) == EXPECTED
+
+
+@needs("wandb")
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    """Offline, each invocation writes a directory of its own; both hold the same run id (`wandb sync` makes them one run)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    write(tmp_path, "wandb")
+    write(tmp_path, "wandb", RESUMED)
+    run_files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 2 and len({path.stem for path in run_files}) == 1, run_files  # run-<id>.wandb
+    assert {**wandb_steps(run_files[0]), **wandb_steps(run_files[1])} == EXPECTED_RESUMED
 
 
 def wandb_history(data: bytes) -> list[dict[str, float]]:
@@ -124,19 +170,19 @@ TRACKIO_SCRIPT = """
 import json, pathlib, sys
 from asyncgrpo.config import Config
 from asyncgrpo.telemetry.sinks import Trackers
-from tests.unit.test_sinks import LINES
+from tests.unit.test_sinks import LINES, RESUMED
 cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["trackio"], "project": "asyncgrpo-test"}})
-trackers = Trackers(cfg, pathlib.Path(sys.argv[1]))
-for line in LINES:
-    trackers.log(line)
-trackers.close()
+for lines in [LINES, RESUMED][:int(sys.argv[2])]:  # one invocation, or one and its resume
+    trackers = Trackers(cfg, pathlib.Path(sys.argv[1]))
+    for line in lines:
+        trackers.log(line)
+    assert trackers.close() == []
 from trackio.sqlite_storage import SQLiteStorage
-print(json.dumps(SQLiteStorage.get_logs("asyncgrpo-test", "sinktest")))
+print(json.dumps([SQLiteStorage.get_runs("asyncgrpo-test"), SQLiteStorage.get_logs("asyncgrpo-test", "sinktest")]))
 """
 
 
-@needs("trackio")
-def test_trackio_writes_to_its_local_store(tmp_path):
+def trackio_runs(tmp_path, invocations: int):
     import json
     import os
     import subprocess
@@ -144,11 +190,21 @@ def test_trackio_writes_to_its_local_store(tmp_path):
 
     # trackio reads TRACKIO_DIR when it is imported: a process of its own keeps the store in tmp_path.
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
-    proc = subprocess.run([sys.executable, "-c", TRACKIO_SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", TRACKIO_SCRIPT, str(tmp_path), str(invocations)],
+                          env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    logs = json.loads(proc.stdout.strip().splitlines()[-1])
-    got = {row.pop("step"): {k: v for k, v in row.items() if k != "timestamp"} for row in logs}
-    assert got == EXPECTED
+    runs, logs = json.loads(proc.stdout.strip().splitlines()[-1])
+    return runs, {row.pop("step"): {k: v for k, v in row.items() if k != "timestamp"} for row in logs}
+
+
+@needs("trackio")
+def test_trackio_writes_to_its_local_store(tmp_path):
+    assert trackio_runs(tmp_path, 1) == (["sinktest"], EXPECTED)
+
+
+@needs("trackio")
+def test_a_resumed_run_continues_its_trackio_run(tmp_path):
+    assert trackio_runs(tmp_path, 2) == (["sinktest"], EXPECTED_RESUMED)
 
 
 class Failing:
@@ -156,7 +212,9 @@ class Failing:
 
     closed = 0
 
-    def __init__(self, cfg, run_dir):
+    ref: dict[str, str] = {}
+
+    def __init__(self, cfg, run_dir, resume):
         pass
 
     def log(self, values, step):
@@ -227,3 +285,59 @@ def test_a_killed_wandb_service_is_a_named_tracker_error_and_no_traceback_at_exi
     # W&B notices the dead service when logging step 1 or, if that send was still buffered, when closing: named either way.
     assert "the wandb tracker of logging.sinks failed while" in proc.stdout, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "atexit" not in proc.stderr, proc.stderr
+
+
+class Recording:
+    """A tracker that keeps what it was given."""
+
+    ref: dict[str, str] = {}
+    logged: list[tuple[int, dict[str, float]]] = []
+
+    def __init__(self, cfg, run_dir, resume):
+        Recording.logged = []
+
+    def log(self, values, step):
+        Recording.logged.append((step, values))
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("names", ["asyncgrpo", "trl"])
+def test_metric_names_trl_gives_trackers_trl_names_beside_ours(tmp_path, monkeypatch, names):
+    monkeypatch.setitem(sinks.TRACKER_CLASSES, "wandb", Recording)
+    cfg = Config.model_validate({"logging": {"sinks": ["wandb"], "metric_names": names}})
+    trackers = Trackers(cfg, tmp_path)
+    trackers.log({**LINES[1], "reward/format": 0.5, "completion/len_mean": 12, "lr": 1e-5, "kl": 0.1, "eval/reward/format": 1})
+    [(step, values)] = Recording.logged
+    ours = {"version": 2.0, "loss": 0.25, "reward/mean": 0.5, "eval/reward_mean": 0.75, "rollout/failed_total": 3.0,
+            "reward/format": 0.5, "completion/len_mean": 12.0, "lr": 1e-5, "kl": 0.1, "eval/reward/format": 1.0}
+    theirs = {"reward": 0.5, "eval_reward": 0.75, "rewards/format/mean": 0.5, "completions/mean_length": 12.0,
+              "learning_rate": 1e-5, "eval_rewards/format/mean": 1.0}
+    assert step == 1 and values == (ours | theirs if names == "trl" else ours)
+
+
+@needs("trl")
+def test_the_trl_names_are_the_ones_trls_grpo_trainer_logs():
+    """Each name of the table is one GRPOTrainer logs (learning_rate and the eval_ prefix are transformers.Trainer's)."""
+    from pathlib import Path
+
+    import trl.trainer.grpo_trainer
+
+    source = Path(trl.trainer.grpo_trainer.__file__).read_text()
+    for ours, theirs in keys.TRL_NAMES.items():
+        if theirs not in ("learning_rate", "eval_reward"):
+            assert f'_metrics[mode]["{theirs}"]' in source, (ours, theirs)
+    assert '_metrics[mode][f"rewards/{reward_func_name}/mean"]' in source
+
+
+@needs("mlflow")
+def test_a_config_value_past_mlflows_param_limit_is_cut_not_refused(tmp_path, monkeypatch):
+    import mlflow.utils.validation
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setattr(mlflow.utils.validation, "MAX_PARAM_VAL_LENGTH", 10)  # MLflow's own check reads it too
+    write(tmp_path, "mlflow")
+    run, _ = mlflow_run(tmp_path)
+    assert run.data.params["logging.sinks"] == '["jsonl...' and run.data.params["run.name"] == "sinktest"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from asyncgrpo.rollout.slots import RequestSlots
 from asyncgrpo.sync import StateSignal
 
@@ -30,6 +32,28 @@ def test_acquire_waits_for_a_release():
         first.release()
         second = await waiter
         assert slots.open == 1 and second.held
+
+    asyncio.run(main())
+
+
+def test_each_acquire_holds_one_more_slot_up_to_the_limit():
+    async def main():
+        slots = RequestSlots(3, StateSignal())
+        held = [await slots.acquire() for _ in range(3)]
+        assert slots.open == 3 and slots.free == 0
+        held[0].release()
+        assert slots.open == 2
+
+    asyncio.run(main())
+
+
+def test_waiting_to_retry_needs_a_held_slot():
+    async def main():
+        slots = RequestSlots(1, StateSignal())
+        slot = await slots.acquire()
+        slot.release()
+        with pytest.raises(AssertionError, match=r"^released_for\(\) on a slot that is not held$"):
+            await slot.released_for(0.0)
 
     asyncio.run(main())
 

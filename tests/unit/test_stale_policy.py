@@ -21,9 +21,9 @@ def test_targets_fill_the_lowest_step_with_room_and_a_release_reopens_it():
     targets.release(5)
     assert targets.assign(5, 7) == 5  # a dropped group's replacement trains in the same step
     assert targets.assign(6, 7) == 7  # steps before next_step are never targeted
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="every step from 5 to 7 full"):
         targets.assign(5, 7)  # every step within the bound is full: admission would not have admitted
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="released a target of step 9, which has none"):
         targets.release(9)
 
 

@@ -9,7 +9,7 @@ outlives the grace); one drawn to ignore cancellation always outlives the grace 
 
 Invariants: deterministic for a seed (host n of a run draws from its own stream, in the order the
 episodes start, which the virtual loop makes deterministic); `abandoned` counts the cancels that
-returned False, so a test can hold `env/abandoned_total` to it.
+returned False, so a test can hold `env/abandoned_total` to it, and `stopped` those that returned True.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class SimulatedHost:
         await asyncio.sleep(min(stop_s, grace_s))
         stopped = stop_s <= grace_s
         self._hosts.abandoned += not stopped
+        self._hosts.stopped += stopped
         return stopped
 
 
@@ -71,6 +72,7 @@ class SimulatedHosts:
         self._seed = seed
         self._made = 0
         self.abandoned = 0
+        self.stopped = 0
 
     def __call__(self, env: EnvConfig) -> EnvironmentHost:
         self._made += 1

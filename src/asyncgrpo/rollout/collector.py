@@ -294,7 +294,11 @@ class Collector:
 
         def record_dispatch() -> None:
             version = self.generator.serving_version
-            group.dispatch_versions[member] = version if floor is None else min(version, floor)
+            group.dispatch_versions[member] = version = version if floor is None else min(version, floor)
+            if group.key in self._in_flight and is_stale(generation_version=version, step=self.next_step, max_staleness=self.max_staleness):
+                # Admitted before the step that made its version stale was taken, dispatched after: it would be generated
+                # in vain. It ends now as stale; its cancellation reaches this request at its first await, as any stale one.
+                self._end(group, STALE)
 
         def count_retry(error: TransientGenerationError) -> None:
             self.counters["rollout/retries_total"] += 1

@@ -3,7 +3,7 @@
 Every policy keeps the hard bound (no group trained past K steps of staleness; the buffer's
 check before every take enforces it whatever the policy). They differ in what they trade:
 
-- `requeue` (default) and `drop`: the trainer takes a batch as soon as `groups_per_step` groups are
+- `requeue` and `drop`: the trainer takes a batch as soon as `groups_per_step` groups are
   buffered; groups in flight that the next step would leave past the bound are cancelled, their
   prompts requeued (up to `max_requeues`) or dropped. Most throughput; the cancelled rollouts are
   the slow ones, so with latency that follows length the trained completions are shorter than
@@ -12,10 +12,11 @@ check before every take enforces it whatever the policy). They differ in what th
   lowest step with room at admission, and a step trains only its own groups. Within the admission
   bound that step is at most K steps past the group's version, so nothing is ever stale: no waste,
   no length bias, and the trainer waits for its slowest group.
-- `patience`: `requeue`, except that once a batch is ready the trainer waits up to
-  `rollout.patience_share` of the last step's training time for *stragglers*: in-flight groups
-  still within the bound at this step that the next step would cancel (`is_straggler`). Finished
-  in time, they are the oldest in the buffer, so they are trained first.
+- `patience` (the default, `rollout.patience_share` 1): `requeue`, except that once a batch is ready
+  the trainer waits up to `rollout.patience_share` of the last step's training time for
+  *stragglers*: in-flight groups still within the bound at this step that the next step would
+  cancel (`is_straggler`). Finished in time, they are the oldest in the buffer, so they are
+  trained first.
 
 An opt-in for `requeue`, `drop` and `patience`, `rollout.partial_groups` (`may_finish_early`): when a
 batch is ready, a straggler with at least `min_group_survivors` finished members ends with them,

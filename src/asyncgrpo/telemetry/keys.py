@@ -84,3 +84,27 @@ PIPELINE_KEYS = (
     "rollout/trained_len_mean",
     "rollout/goodput",
 )
+
+# TRL's GRPOTrainer (trl 1.16) name of each key with a counterpart: with `logging.metric_names: trl` the trackers
+# get these beside ours (metrics.jsonl keeps ours only). `loss`, `grad_norm`, `kl` and `entropy` are the same in both.
+TRL_NAMES = {
+    "reward/mean": "reward",
+    "reward/std": "reward_std",
+    "completion/len_mean": "completions/mean_length",
+    "completion/len_max": "completions/max_length",
+    "completion/truncated_frac": "completions/clipped_ratio",
+    "clip_frac": "clip_ratio/region_mean",  # the fraction of tokens whose ratio was clipped, either side
+    "lr": "learning_rate",
+    "eval/reward_mean": "eval_reward",
+}
+
+
+def trl_name(key: str) -> str | None:
+    """TRL's name of metric `key`, None where TRL logs none (or the same name): `reward/<function>` is
+    `rewards/<function>/mean`, `eval/reward/<function>` is `eval_rewards/<function>/mean`."""
+    if key in TRL_NAMES:
+        return TRL_NAMES[key]
+    for ours, theirs in (("eval/reward/", "eval_rewards/"), ("reward/", "rewards/")):
+        if key.startswith(ours):
+            return f"{theirs}{key.removeprefix(ours)}/mean"
+    return None

@@ -7,15 +7,29 @@
 - wandb: a Weights & Biases run in `<run dir>/wandb`, project `logging.project`; `WANDB_MODE=offline`
   works with no network (`wandb sync` uploads it later).
 - mlflow: a run in experiment `logging.project` at `MLFLOW_TRACKING_URI`, default the local file
-  store `<run dir>/mlruns` (`mlflow ui --backend-store-uri <run dir>/mlruns`).
-- trackio: a run in project `logging.project` in trackio's local store (`trackio show`).
+  store `<run dir>/mlruns`, with the config as params (dotted keys: `rollout.group_size`). MLflow 3
+  reads a file store only with `MLFLOW_ALLOW_FILE_STORE=true` (set for this process when it writes
+  one); to read it: `MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri <run dir>/mlruns`.
+- trackio: a run in project `logging.project` in trackio's local store (`trackio show`). trackio reads its
+  store's folder from `TRACKIO_DIR` once, when it is imported, for the whole process, and has no per-run
+  option: `TRACKIO_DIR=<run dir>/trackio asyncgrpo train ...` keeps it in the run directory.
+
+A resumed run continues its tracker runs: `<run dir>/trackers.json` records each tracker's run
+(W&B's run id, MLflow's tracking URI and run id, trackio's project and run name) when it starts,
+and a resume (which keeps the file; a fresh start removes it) reopens them: W&B `id=..., resume="allow"`,
+MLflow the same run id (set RUNNING again; its params stay the first invocation's: MLflow refuses a
+changed param, and the resume's changes are in its log), trackio `resume="must"`. Steps logged after the
+checkpoint a resume starts from are logged again by the resumed run (metrics.jsonl keeps only the new
+ones); each tracker shows a repeated step its own way (W&B drops a step below its last, MLflow keeps both).
 
 Invariants:
 - A tracker whose package is missing is a config error (`sink_problems`, called by preflight,
   before any model loads), naming the package and its pip command; never a silent no-op.
 - Every step, every tracker gets every metric key of the metrics line that has a value (the
   key set is fixed: telemetry/metrics.py); a null (an eval metric before its first evaluation)
-  is left out, since trackers hold numbers. The x axis is `step` (0-based, as in metrics.jsonl).
+  is left out, since trackers hold numbers. The x axis is `step` (0-based, as in metrics.jsonl;
+  checkpoints/step_K follows the line of step K-1, whose `version` is K: DESIGN.md §5).
+  `logging.metric_names: trl` adds TRL GRPOTrainer's name of each key that has one (keys.TRL_NAMES).
 - A tracker's error is the run's diagnostic (kind `tracker`), like a failed write of metrics.jsonl:
   `TrackerError` names the sink, what it was doing, the error and the fix, whatever the library
   raised (a killed W&B service raises ConnectionResetError, which must not read as a disk error or
@@ -28,15 +42,20 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from asyncgrpo.atomic import replace_file
 from asyncgrpo.config import Config
 from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.rundir import TRACKER_RUNS_FILE
+from asyncgrpo.telemetry.keys import trl_name
 
 # sink -> (module to import, pip package)
 TRACKERS: dict[str, tuple[str, str]] = {
@@ -85,13 +104,17 @@ class TrackerError(AsyncGRPOError):
 
 
 class Tracker(Protocol):
+    ref: dict[str, str]  # what reopens this tracker's run on resume (trackers.json); empty: nothing to reopen
+
     def log(self, values: dict[str, float], step: int) -> None: ...
 
     def close(self) -> None: ...
 
 
 class TensorBoardTracker:
-    def __init__(self, cfg: Config, run_dir: Path) -> None:
+    ref: dict[str, str] = {}  # a resume adds an event file beside the earlier ones: the same run to TensorBoard
+
+    def __init__(self, cfg: Config, run_dir: Path, resume: dict[str, str] | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
@@ -106,10 +129,13 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    def __init__(self, cfg: Config, run_dir: Path) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, resume: dict[str, str] | None) -> None:
         import wandb
 
-        self.run = wandb.init(project=cfg.logging.project, name=cfg.run.name, dir=str(run_dir), config=cfg.model_dump(mode="json"))
+        run_id = resume["id"] if resume and resume.get("project") == cfg.logging.project else None
+        self.run = wandb.init(project=cfg.logging.project, name=cfg.run.name, dir=str(run_dir), config=cfg.model_dump(mode="json"),
+                              id=run_id, resume="allow" if run_id else None)
+        self.ref = {"project": cfg.logging.project, "id": self.run.id}
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
@@ -124,18 +150,40 @@ class WandbTracker:
 
 
 class MlflowTracker:
-    def __init__(self, cfg: Config, run_dir: Path) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, resume: dict[str, str] | None) -> None:
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
         if uri.startswith("file:"):
             # MLflow 3 keeps the file store for existing users behind this switch; it is the one store
             # that needs no server and no database, which is what a training run's own directory wants.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            if not Path(urllib.parse.urlparse(uri).path).exists():
+                # MLflow keeps one store object per URI for the process, and a store lays out its folder only when
+                # made: a second run in this process, after a fresh start removed the folder, has it laid out again.
+                from mlflow.store.tracking.file_store import FileStore
+
+                FileStore(uri)
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)
-        experiment = self.client.get_experiment_by_name(cfg.logging.project)
-        experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(cfg.logging.project)
-        self.run_id = self.client.create_run(experiment_id, run_name=cfg.run.name).info.run_id
+        if resume and resume.get("tracking_uri") == uri:
+            self.run_id = self.client.get_run(resume["run_id"]).info.run_id  # a run deleted from the store: MLflow's error, named
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:  # a fresh run (or a resume logging to another store): a new run, with the config as its params
+            experiment = self.client.get_experiment_by_name(cfg.logging.project)
+            experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(cfg.logging.project)
+            self.run_id = self.client.create_run(experiment_id, run_name=cfg.run.name).info.run_id
+            self.log_params(cfg)
+        self.ref = {"tracking_uri": uri, "run_id": self.run_id}
+
+    def log_params(self, cfg: Config) -> None:
+        """The config as params, one per leaf, dotted keys; a value past MLflow's length limit is cut, ending in `...`."""
+        from mlflow.entities import Param
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+        params = [Param(key, value if len(value) <= MAX_PARAM_VAL_LENGTH else value[:MAX_PARAM_VAL_LENGTH - 3] + "...")
+                  for key, value in flat_params(cfg.model_dump(mode="json")).items()]
+        for start in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=params[start:start + MAX_PARAMS_TAGS_PER_BATCH])
 
     def log(self, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -147,18 +195,47 @@ class MlflowTracker:
         self.client.set_terminated(self.run_id)
 
 
+def flat_params(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """A nested config as `{dotted.key: text}`: a mapping opens into its keys, any other value is JSON text (a string as is)."""
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flat_params(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, str) else json.dumps(value)
+    return flat
+
+
 class TrackioTracker:
-    def __init__(self, cfg: Config, run_dir: Path) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, resume: dict[str, str] | None) -> None:
         import trackio
 
         self.trackio = trackio
-        trackio.init(project=cfg.logging.project, name=cfg.run.name, config=cfg.model_dump(mode="json"))
+        again = resume is not None and resume == {"project": cfg.logging.project, "name": cfg.run.name}
+        trackio.init(project=cfg.logging.project, name=cfg.run.name, config=cfg.model_dump(mode="json"), resume="must" if again else "never")
+        self.ref = {"project": cfg.logging.project, "name": cfg.run.name}
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.trackio.log(values, step=step)
 
     def close(self) -> None:
         self.trackio.finish()
+
+
+def earlier_runs(path: Path) -> dict[str, dict[str, str]]:
+    """The tracker runs an earlier invocation in this run directory started (trackers.json); none on a fresh start."""
+    if not path.exists():
+        return {}
+    try:
+        runs = json.loads(path.read_text())
+        if not isinstance(runs, dict) or not all(isinstance(ref, dict) for ref in runs.values()):
+            raise ValueError("not an object of tracker runs")
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"{path} cannot be read ({type(exc).__name__}: {exc}); it records the tracker runs a resume continues; "
+            f"delete it to start new tracker runs (metrics.jsonl and the checkpoints are not affected)"
+        ) from exc
+    return runs
 
 
 TRACKER_CLASSES: dict[str, type] = {
@@ -174,10 +251,17 @@ class Trackers:
 
     def __init__(self, cfg: Config, run_dir: Path) -> None:
         self.trackers: dict[str, Tracker] = {}
+        self.trl_names = cfg.logging.metric_names == "trl"
+        runs_file = run_dir / TRACKER_RUNS_FILE
+        runs: dict[str, dict[str, str]] = {}
         for name in dict.fromkeys(cfg.logging.sinks):
             if name in TRACKER_CLASSES:
                 try:
-                    self.trackers[name] = TRACKER_CLASSES[name](cfg, run_dir)
+                    runs = runs or earlier_runs(runs_file)
+                    self.trackers[name] = TRACKER_CLASSES[name](cfg, run_dir, runs.get(name))
+                    if self.trackers[name].ref:
+                        runs[name] = self.trackers[name].ref
+                        replace_file(runs_file, json.dumps(runs, indent=1).encode())
                 except Exception as exc:  # noqa: BLE001 - any library's error: named, and the started ones closed
                     self.close()
                     raise TrackerError(name, "starting", exc) from exc
@@ -187,6 +271,8 @@ class Trackers:
         if not self.trackers:
             return
         values = {k: float(v) for k, v in line.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        if self.trl_names:
+            values |= {theirs: value for key, value in values.items() if (theirs := trl_name(key)) is not None}
         for name, tracker in list(self.trackers.items()):
             try:
                 tracker.log(values, line["step"])

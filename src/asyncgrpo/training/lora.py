@@ -4,8 +4,10 @@ Job: everything the trainer and checkpoints need to know about adapters, so the 
 code sees plain state dicts under the base model's own parameter names.
 
 Invariants:
-- `wrap` freezes the base weights; only the adapters (float32) train. Adapter dropout is off
-  while the trainer keeps the model in eval mode, like every other dropout.
+- `wrap` freezes the base weights; only the adapters (float32) train.
+- Adapter dropout (`train.lora.dropout`) applies only inside `adapter_dropout`: its dropout modules
+  alone are put in train mode there (the model's own dropouts stay off), and back in eval mode on
+  exit, so every other forward pass (pi_prox, the KL reference, evaluation) is deterministic.
 - `merged_state` returns the base model's state-dict names and shapes (what a generator loaded
   from `model.path` expects): base weights as they are (no copy) and, for each adapted linear,
   W + (alpha / r) * B @ A computed fresh. The peft model is never merged in place, so the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +95,21 @@ def base_model(model: Any) -> Any:
 def adapters_off(model: Any) -> contextlib.AbstractContextManager[Any]:
     """While entered, `model` computes as its base model (the adapters contribute nothing): the KL reference."""
     return model.disable_adapter()
+
+
+@contextlib.contextmanager
+def adapter_dropout(model: Any) -> Iterator[None]:
+    """While entered, the adapters' dropout applies (their dropout modules, and only those, are in train mode)."""
+    from peft.tuners.lora import LoraLayer
+
+    dropouts = [d for module in model.modules() if isinstance(module, LoraLayer) for d in module.lora_dropout.values()]
+    for dropout in dropouts:
+        dropout.train()
+    try:
+        yield
+    finally:
+        for dropout in dropouts:
+            dropout.eval()
 
 
 def merged_state(model: Any) -> dict[str, torch.Tensor]:

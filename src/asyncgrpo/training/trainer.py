@@ -35,9 +35,12 @@ Invariants:
   `generation.repetition_penalty`, renormalised over the support `generation.top_k` / `top_p` / `min_p`
   keep of the trainer's own logits (sampling.py; DESIGN.md §3 "Which distribution is optimised").
   The KL reference is scored over the whole vocabulary at the temperature.
-- The model stays in eval mode (no dropout), so pi_theta of unchanged weights equals the
+- The model stays in eval mode (its own dropouts off), so pi_theta of unchanged weights equals the
   generator's pi_gen up to numerics. (Gradient checkpointing sets only the decoder layers'
   own `training` flag, which transformers reads to checkpoint; their submodules stay in eval.)
+  The one exception is `train.lora.dropout`: the adapters' dropout applies to the policy's
+  forward and backward passes of an update (training/lora.py `adapter_dropout`), and then every
+  update's pi_prox is computed without it, like the KL reference: both stay deterministic.
 - Every trainable parameter is float32, before and after any step, at any precision.
 - A non-finite loss or gradient norm raises `NonFiniteLossError` before the optimizer
   applies it; weights are never updated with NaN/inf.
@@ -179,6 +182,7 @@ class TorchTrainer:
             self.reference.requires_grad_(False)
         self.model = lora_adapters.wrap(model, t.lora) if t.lora is not None else model
         self.model.eval()
+        self._adapter_dropout = t.lora is not None and t.lora.dropout > 0
         if t.gradient_checkpointing:
             self._enable_gradient_checkpointing(model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
@@ -347,10 +351,12 @@ class TorchTrainer:
         rollouts = [r for g in groups for r in g.rollouts]
 
         minibatches = _split_even(per_group, min(cfg_t.updates_per_batch, len(per_group)))  # each: its groups' sequences
+        # The first update starts from the step's weights, so its pi_prox is its own detached pi_theta;
+        # later updates need pi_prox of the weights as they were. Under adapter dropout pi_theta is one
+        # dropout draw, so every update's pi_prox is computed (without dropout).
+        own_prox = not self._adapter_dropout
         if cfg_l.objective == "decoupled":
-            # The first update starts from the step's weights, so its pi_prox is its own
-            # detached pi_theta; later updates need pi_prox of the weights as they were.
-            for update_groups in minibatches[1:]:
+            for update_groups in minibatches[1 if own_prox else 0 :]:
                 self._fill_proximal([s for seqs in self._share(update_groups) for s in seqs if s.loss_tokens])
 
         lr = self.lr
@@ -359,7 +365,7 @@ class TorchTrainer:
         losses: list[float] = []
         grad_norms: list[float] = []
         for index, update_groups in enumerate(minibatches):
-            loss, grad_norm, update_stats = self._update(update_groups, first=index == 0)
+            loss, grad_norm, update_stats = self._update(update_groups, first=index == 0 and own_prox)
             if loss is not None:
                 losses.append(loss)
                 grad_norms.append(grad_norm)
@@ -421,15 +427,17 @@ class TorchTrainer:
             self.optimizer.step()
             return None, 0.0, stats
         total = torch.zeros((), device=self.device)
-        for index, chunk in enumerate(chunks):
-            with self._gradient_sync(last=index == len(chunks) - 1):
-                if not chunk:
-                    self._backward_without_sequences()
-                    continue
-                loss, micro_stats = self._micro_batch_loss(chunk, normalizer, first=first)
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            total = total + loss.detach()
-            stats = stats + micro_stats
+        # Forward and backward alike under the dropout: gradient checkpointing replays the forward in the backward.
+        with lora_adapters.adapter_dropout(self.model) if self._adapter_dropout else contextlib.nullcontext():
+            for index, chunk in enumerate(chunks):
+                with self._gradient_sync(last=index == len(chunks) - 1):
+                    if not chunk:
+                        self._backward_without_sequences()
+                        continue
+                    loss, micro_stats = self._micro_batch_loss(chunk, normalizer, first=first)
+                    (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                total = total + loss.detach()
+                stats = stats + micro_stats
         if self._parallel is not None:
             total, stats = self._parallel.reduce(total, stats)
         if self.scaler is not None:
@@ -465,7 +473,7 @@ class TorchTrainer:
         logp_new, entropy = self._policy_logprobs(logits, batch)
         del logits
         logp_prox = None
-        if cfg_l.objective == "decoupled":
+        if cfg_l.objective == "decoupled":  # `first`: pi_prox is this very forward's (no dropout: see _train_step)
             logp_prox = logp_new.detach() if first else batch.logp_prox
         logp_start = logp_new.detach() if first else logp_prox  # pi of the step-start weights (None: not known here)
         if logp_start is not None:
