@@ -1,0 +1,81 @@
+"""Train shipped recipes and print what each learned: the held-out curve from start to end, and the wall time.
+
+    python scripts/recipe_curves.py local_model demo      # recipes/<name>.yaml, in a scratch directory
+    python scripts/recipe_curves.py local_model --keep runs/curves
+
+Job: produce the numbers of docs/benchmarks.md, "Recipes that learn". Each recipe runs as a user runs it
+(`python -m asyncgrpo.cli train recipes/<name>.yaml`, from a scratch directory holding `recipes/` and, for
+local_model, `runs/tiny_model` written by `python -m asyncgrpo.models.tiny` as the README says), with
+`logging.progress=false` and nothing else changed. It prints one markdown row per recipe: the curve metric
+(`eval/reward_mean`, or `distill/kl_mean` for a distillation recipe, which has no eval), its value at every
+evaluation, and the wall time of the whole command. A run that fails prints its stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def curve(run_dir: Path) -> tuple[str, list[tuple[int, float]]]:
+    """(metric, [(step, value)]) of a finished run: eval/reward_mean where it changes step, else distill/kl_mean."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    for metric in ("eval/reward_mean", "distill/kl_mean"):
+        points: list[tuple[int, float]] = []
+        for row in rows:
+            if metric in row and (not points or points[-1][1] != row[metric] or metric == "distill/kl_mean"):
+                points.append((int(row["step"]), float(row[metric])))
+        if points:
+            return metric, points
+    raise SystemExit(f"{run_dir / 'metrics.jsonl'} has neither eval/reward_mean nor distill/kl_mean")
+
+
+def run_recipe(name: str, workdir: Path) -> tuple[float, Path]:
+    """Train recipes/<name>.yaml in `workdir`; (wall seconds, run directory)."""
+    if name == "local_model" and not (workdir / "runs" / "tiny_model").is_dir():
+        subprocess.run([sys.executable, "-m", "asyncgrpo.models.tiny", "runs/tiny_model"], cwd=workdir, check=True,
+                       capture_output=True)
+    run_dir = workdir / "runs" / name
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "asyncgrpo.cli", "train", f"recipes/{name}.yaml", f"run.output_dir={run_dir}",
+         "logging.progress=false"],
+        cwd=workdir, capture_output=True, text=True,
+    )
+    wall = time.monotonic() - started
+    if result.returncode != 0:
+        print(result.stderr, file=sys.stderr)
+        raise SystemExit(f"recipes/{name}.yaml failed with exit code {result.returncode}")
+    return wall, run_dir
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipes", nargs="+", help="recipe names (recipes/<name>.yaml)")
+    parser.add_argument("--keep", type=Path, default=None, help="work in this directory and keep the runs")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="recipe-curves-") as scratch:
+        workdir = (args.keep or Path(scratch)).resolve()
+        (workdir / "recipes").mkdir(parents=True, exist_ok=True)
+        print("| recipe | metric | step: value | wall s |\n| --- | --- | --- | --- |")
+        for name in args.recipes:
+            source = ROOT / "recipes" / f"{name}.yaml"
+            if not source.is_file():
+                raise SystemExit(f"no recipe {source}; the names are {sorted(p.stem for p in source.parent.glob('*.yaml'))}")
+            (workdir / "recipes" / source.name).write_text(source.read_text())
+            wall, run_dir = run_recipe(name, workdir)
+            metric, points = curve(run_dir)
+            shown = ", ".join(f"{step}: {value:.3f}" for step, value in points)
+            print(f"| {name} | {metric} | {shown} | {wall:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
