@@ -7,8 +7,8 @@ Job: produce the numbers of docs/benchmarks.md, "Recipes that learn". Each recip
 (`python -m asyncgrpo.cli train recipes/<name>.yaml`, from a scratch directory holding `recipes/` and, for
 local_model, `runs/tiny_model` written by `python -m asyncgrpo.models.tiny` as the README says), with
 `logging.progress=false` and nothing else changed. It prints one markdown row per recipe: the curve metric
-(`eval/reward_mean`, or `distill/kl_mean` for a distillation recipe, which has no eval), its value at every
-evaluation, and the wall time of the whole command. A run that fails prints its stderr and exits 1.
+(`eval/reward_mean` at every evaluation where it changed, or for a distillation recipe, which has no eval,
+`distill/kl_mean` as the mean of each block of 10 steps), and the wall time of the whole command. A run that fails prints its stderr and exits 1.
 """
 
 from __future__ import annotations
@@ -25,15 +25,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def curve(run_dir: Path) -> tuple[str, list[tuple[int, float]]]:
-    """(metric, [(step, value)]) of a finished run: eval/reward_mean where it changes step, else distill/kl_mean."""
+    """(metric, [(step, value)]) of a finished run: eval/reward_mean where it changes, else distill/kl_mean as the
+    mean of each block of 10 steps (labelled by the block's first step)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    for metric in ("eval/reward_mean", "distill/kl_mean"):
-        points: list[tuple[int, float]] = []
-        for row in rows:
-            if metric in row and (not points or points[-1][1] != row[metric] or metric == "distill/kl_mean"):
-                points.append((int(row["step"]), float(row[metric])))
-        if points:
-            return metric, points
+    evals: list[tuple[int, float]] = []
+    for row in rows:
+        value = row.get("eval/reward_mean")
+        if value is not None and (not evals or evals[-1][1] != value):
+            evals.append((int(row["step"]), float(value)))
+    if evals:
+        return "eval/reward_mean", evals
+    blocks: dict[int, list[float]] = {}
+    for row in rows:
+        if row.get("distill/kl_mean") is not None:
+            blocks.setdefault(int(row["step"]) // 10 * 10, []).append(float(row["distill/kl_mean"]))
+    if blocks:
+        return "distill/kl_mean, mean per 10 steps", [(step, sum(v) / len(v)) for step, v in sorted(blocks.items())]
     raise SystemExit(f"{run_dir / 'metrics.jsonl'} has neither eval/reward_mean nor distill/kl_mean")
 
 
