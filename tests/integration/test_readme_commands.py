@@ -35,7 +35,7 @@ RUN_BY: dict[str, str] = {
     "make test": "Makefile `test`: the suite itself",
     ".venv/bin/python -m asyncgrpo.models.tiny runs/tiny_model": LOCAL_MODEL_TEST,
     ".venv/bin/asyncgrpo check recipes/local_model.yaml": LOCAL_MODEL_TEST,
-    ".venv/bin/asyncgrpo train recipes/local_model.yaml": "scripts/recipe_curves.py local_model "
+    ".venv/bin/asyncgrpo train recipes/local_model.yaml": "bench/recipe_curves.py local_model "
     "(docs/benchmarks.md, 'Recipes that learn': the whole 100 steps); the same run cut to 50 steps by " + LOCAL_MODEL_TEST,
     ".venv/bin/asyncgrpo train recipes/local_model.yaml model.path=/path/to/hf_model_dir train.max_steps=50":
     LOCAL_MODEL_TEST,
@@ -138,7 +138,7 @@ def eval_rewards(run_dir: Path) -> list[float]:
 @pytest.mark.timeout(600)
 def test_the_readmes_local_model_commands_save_check_and_train(tmp_path):
     commands = [c for c in readme_commands(README.read_text()) if "local_model" in c or "asyncgrpo.models.tiny" in c]
-    save, check, _, train_yours = commands  # the plain 100-step train is measured by scripts/recipe_curves.py
+    save, check, _, train_yours = commands  # the plain 100-step train is measured by bench/recipe_curves.py
     (tmp_path / "recipes").mkdir()
     (tmp_path / "recipes" / "local_model.yaml").write_text((ROOT / "recipes" / "local_model.yaml").read_text())
     saved = run_readme_command(save, tmp_path, {})

@@ -1,7 +1,7 @@
 """Train shipped recipes and print what each learned: the held-out curve from start to end, and the wall time.
 
-    python scripts/recipe_curves.py local_model demo      # recipes/<name>.yaml, in a scratch directory
-    python scripts/recipe_curves.py local_model --keep runs/curves
+    python bench/recipe_curves.py local_model demo      # recipes/<name>.yaml, in a scratch directory
+    python bench/recipe_curves.py local_model --keep runs/curves
 
 Job: produce the numbers of docs/benchmarks.md, "Recipes that learn". Each recipe runs as a user runs it
 (`python -m asyncgrpo.cli train recipes/<name>.yaml`, from a scratch directory holding `recipes/` and, for
