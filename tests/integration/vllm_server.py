@@ -223,11 +223,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _server_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+def _server_env(extra: dict[str, str], *, with_defaults: bool = True) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP") and (with_defaults or not k.startswith("VLLM_"))}
     env["VIRTUAL_ENV"] = str(VLLM_VENV)
     env["PATH"] = f"{VLLM_VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    env.update(DEFAULT_ENV)
+    if with_defaults:
+        env.update(DEFAULT_ENV)
     env.update(extra)
     return env
 
@@ -367,15 +369,30 @@ def start_vllm_server(
     raise last_error
 
 
+def start_vllm_command(
+    argv: Sequence[str],
+    env: dict[str, str],
+    *,
+    model: str,
+    port: int,
+    startup_timeout: float = 240.0,
+    warmup_timeout: float = 180.0,
+    log_path: str | os.PathLike | None = None,
+) -> VllmServerProcess:
+    """Start exactly `argv` (a whole command line, e.g. one copied from the README) with only
+    `env` added to the harness's offline/no-telemetry variables (not DEFAULT_ENV's vLLM
+    settings, so the command must bring its own), serving `model` on `port`; return once it is
+    healthy and one completion succeeded, like `start_vllm_server`."""
+    reason = vllm_available()
+    if reason is not None:
+        raise VllmServerError(f"vLLM is not available: {reason}")
+    base = {k: v for k, v in DEFAULT_ENV.items() if not k.startswith("VLLM_") or k == "VLLM_NO_USAGE_STATS"}
+    return _launch(list(argv), {**base, **env}, model=model, port=port, startup_timeout=startup_timeout,
+                   warmup=True, warmup_timeout=warmup_timeout, log_path=log_path, with_defaults=False)
+
+
 def _start_once(model_dir: Path, *, extra_args, env, served_model_name, startup_timeout, warmup,
                 warmup_timeout, log_path, port) -> VllmServerProcess:
-    if log_path is None:
-        fd, name = tempfile.mkstemp(prefix=f"vllm-server-{port}-", suffix=".log")
-        os.close(fd)
-        log = Path(name)
-    else:
-        log = Path(log_path)
-        log.parent.mkdir(parents=True, exist_ok=True)
     model = served_model_name or str(model_dir)
     cmd = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
@@ -384,13 +401,26 @@ def _start_once(model_dir: Path, *, extra_args, env, served_model_name, startup_
         *(["--served-model-name", served_model_name] if served_model_name else []),
         *extra_args,
     ]
+    return _launch(cmd, env, model=model, port=port, startup_timeout=startup_timeout, warmup=warmup,
+                   warmup_timeout=warmup_timeout, log_path=log_path, with_defaults=True)
+
+
+def _launch(cmd: list[str], env: dict[str, str], *, model: str, port: int, startup_timeout, warmup,
+            warmup_timeout, log_path, with_defaults: bool) -> VllmServerProcess:
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=f"vllm-server-{port}-", suffix=".log")
+        os.close(fd)
+        log = Path(name)
+    else:
+        log = Path(log_path)
+        log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with open(log, "ab") as out:
         out.write(("$ " + " ".join(cmd) + "\n").encode())
         out.flush()
         popen = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            env=_server_env(env), cwd=str(REPO_ROOT), start_new_session=True,
+            env=_server_env(env, with_defaults=with_defaults), cwd=str(REPO_ROOT), start_new_session=True,
         )
     server = VllmServerProcess(base_url=f"http://127.0.0.1:{port}", model=model, port=port, log_path=log, popen=popen)
     _LIVE.add(server)

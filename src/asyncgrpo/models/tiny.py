@@ -1,7 +1,7 @@
 """`builtin:tiny`: a ~1M-parameter Llama and a char-level tokenizer, built from a seed with no download.
 
 Job: give tests, the demo recipe and the simulator a real causal LM that builds in well under a
-second on a laptop CPU.
+second on a laptop CPU; `python -m asyncgrpo.models.tiny DIR` saves it as a model directory.
 
 Invariants:
 - Same seed -> bit-identical weights and the same tokenizer; building never touches the
@@ -104,3 +104,23 @@ def build_tiny(seed: int) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     model = model.float()
     model.eval()
     return model, build_tiny_tokenizer()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m asyncgrpo.models.tiny DIR [--seed N]`: write `builtin:tiny` (untrained, weights from the seed)
+    to DIR as a Hugging Face model directory (config.json, safetensors, tokenizer), e.g. for
+    recipes/local_model.yaml or a vLLM server."""
+    import argparse
+
+    from asyncgrpo.models.loading import save_model
+
+    parser = argparse.ArgumentParser(prog="python -m asyncgrpo.models.tiny", description=main.__doc__)
+    parser.add_argument("directory", help="where to write the model directory (created if missing)")
+    parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0, as builtin:tiny)")
+    args = parser.parse_args(argv)
+    print(save_model(*build_tiny(args.seed), args.directory))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
