@@ -116,7 +116,9 @@ def test_a_tracker_that_loses_its_service_is_a_named_tracker_diagnostic(tmp_path
     from asyncgrpo.telemetry import sinks
 
     class Lost:
-        def __init__(self, cfg, run_dir):
+        ref: dict[str, str] = {}  # nothing to reopen on resume
+
+        def __init__(self, cfg, run_dir, resume):
             pass
 
         def log(self, values, step):
