@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -278,42 +279,47 @@ class TrainingRun:
         self.stop_ids = tuple(dict.fromkeys([*cfg.generation.stop_token_ids, tokenizer.eos_token_id]))
         saved = _resume(plan, trainer, run_dir) if plan.checkpoint is not None else {}
         offsets = saved.get("offsets", {})
-        self.outcomes = open_record(run_dir / OUTCOMES_FILE, offsets)
-        self.metrics_file = open_record(run_dir / METRICS_FILE, offsets)
-        self.samples_file = open_record(run_dir / SAMPLES_FILE, offsets, warnings)
-        self.timeline_file = open_record(run_dir / TIMELINE_FILE, offsets, warnings)
-        self.ledger = PromptLedger(saved.get("done"), sink=self.outcomes.append)
-        self.engine = _generator(cfg, trainer, tokenizer, run_dir)
-        # train.world_size > 1: ranks on Ray train from here on (`trainer` only restored the run and built the engine).
-        self.ranks = _ranks(cfg, plan, tokenizer, trainer.version)
-        if self.ranks is not None:
-            self.trainer = self.ranks
-        self.timeline = Timeline(
-            self.timeline_file, server=self.engine.name, max_inflight=cfg.generation.max_inflight,
-            group_size=cfg.rollout.group_size, max_rollout_spans=cfg.logging.timeline_max_rollouts,
-            start_step=plan.step, resumed=saved.get("timeline"),
-        )
-        self.scorer = RewardScorer.from_config(cfg.reward)
-        self.teacher = teacher  # algorithm: distill: it scores the samples instead of the reward functions
-        self.collector = build_collector(
-            cfg, prompts, self.engine, stop_token_ids=self.stop_ids, scorer=teacher or self.scorer, ledger=self.ledger,
-            start_step=plan.step, resumed=saved, observer=self.timeline, tokenizer=tokenizer,
-        )
-        self.scorer.trainer_state = functools.partial(run_trainer_state, cfg, len(prompts), lambda: self.collector.steps_trained)
-        self.reward_terms = term_names(self.scorer.names, cfg.env)
-        self.eval_codec = episode_codec(cfg, tokenizer)  # evaluation plays episodes tokenized as the collector's
-        keys = metric_keys(self.reward_terms, max_staleness=cfg.rollout.max_staleness, distill=teacher is not None)
-        self.metrics = MetricsWriter(self.metrics_file, keys)
-        self.trackers = Trackers(cfg, run_dir)
-        self.progress = Progress(cfg, plan.step)
-        self.eval_state: dict[str, float | None] = dict.fromkeys([*EVAL_KEYS, *(f"eval/reward/{name}" for name in self.reward_terms)])
-        self.rewards_by_step: list[float] = []
-        self.trainer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncgrpo-trainer")
-        self.started = time.perf_counter()
-        self.token_rate = MovingRate(self.started, self.collector.counters["rollout/generated_tokens_total"])
-        self.final_checkpoint: Path | None = None
-        self.ended_at = 0.0  # loop time when the pipeline ended
-        self.tracker_failures: list[TrackerError] = []  # trackers that failed to close
+        # A part that cannot start closes the parts opened before it (the run's files, the trackers); once all
+        # started, `finish` closes them.
+        with contextlib.ExitStack() as undo:
+            self.trackers = Trackers(cfg, run_dir)  # first: a tracker that cannot start leaves nothing else open
+            undo.callback(self.trackers.close)
+            self.outcomes = undo.enter_context(contextlib.closing(open_record(run_dir / OUTCOMES_FILE, offsets)))
+            self.metrics_file = undo.enter_context(contextlib.closing(open_record(run_dir / METRICS_FILE, offsets)))
+            self.samples_file = undo.enter_context(contextlib.closing(open_record(run_dir / SAMPLES_FILE, offsets, warnings)))
+            self.timeline_file = undo.enter_context(contextlib.closing(open_record(run_dir / TIMELINE_FILE, offsets, warnings)))
+            self.ledger = PromptLedger(saved.get("done"), sink=self.outcomes.append)
+            self.engine = _generator(cfg, trainer, tokenizer, run_dir)
+            # train.world_size > 1: ranks on Ray train from here on (`trainer` only restored the run and built the engine).
+            self.ranks = _ranks(cfg, plan, tokenizer, trainer.version)
+            if self.ranks is not None:
+                self.trainer = self.ranks
+            self.timeline = Timeline(
+                self.timeline_file, server=self.engine.name, max_inflight=cfg.generation.max_inflight,
+                group_size=cfg.rollout.group_size, max_rollout_spans=cfg.logging.timeline_max_rollouts,
+                start_step=plan.step, resumed=saved.get("timeline"),
+            )
+            self.scorer = RewardScorer.from_config(cfg.reward)
+            self.teacher = teacher  # algorithm: distill: it scores the samples instead of the reward functions
+            self.collector = build_collector(
+                cfg, prompts, self.engine, stop_token_ids=self.stop_ids, scorer=teacher or self.scorer, ledger=self.ledger,
+                start_step=plan.step, resumed=saved, observer=self.timeline, tokenizer=tokenizer,
+            )
+            self.scorer.trainer_state = functools.partial(run_trainer_state, cfg, len(prompts), lambda: self.collector.steps_trained)
+            self.reward_terms = term_names(self.scorer.names, cfg.env)
+            self.eval_codec = episode_codec(cfg, tokenizer)  # evaluation plays episodes tokenized as the collector's
+            keys = metric_keys(self.reward_terms, max_staleness=cfg.rollout.max_staleness, distill=teacher is not None)
+            self.metrics = MetricsWriter(self.metrics_file, keys)
+            self.progress = Progress(cfg, plan.step)
+            self.eval_state: dict[str, float | None] = dict.fromkeys([*EVAL_KEYS, *(f"eval/reward/{name}" for name in self.reward_terms)])
+            self.rewards_by_step: list[float] = []
+            self.trainer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncgrpo-trainer")
+            self.started = time.perf_counter()
+            self.token_rate = MovingRate(self.started, self.collector.counters["rollout/generated_tokens_total"])
+            self.final_checkpoint: Path | None = None
+            self.ended_at = 0.0  # loop time when the pipeline ended
+            self.tracker_failures: list[TrackerError] = []  # trackers that failed to close
+            undo.pop_all()
 
     @classmethod
     def prepare(cls, cfg: Config, plan: ResumePlan, run_dir: Path, stop: Stop) -> TrainingRun:

@@ -5,6 +5,7 @@ made to fail exactly where the test says."""
 from __future__ import annotations
 
 import errno
+import warnings
 
 import pytest
 
@@ -107,6 +108,27 @@ def test_an_async_reward_that_blocks_its_loop_fails_at_reward_timeout_s_naming_i
     err = capsys.readouterr().err
     assert exit_code == 1 and "error (reward_error)" in err, err
     assert "'sleeps_on_the_loop' did not return within reward.timeout_s = 1 s" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(300)
+def test_a_tracker_that_cannot_start_leaves_no_file_of_the_run_open(tmp_path, monkeypatch, capsys):
+    """The trackers started last, after the run's records were opened, and a failing start left those open."""
+    import gc
+
+    from asyncgrpo.telemetry import sinks
+
+    class Refused:
+        def __init__(self, cfg, run_dir, resume):
+            raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setitem(sinks.TRACKER_CLASSES, "tensorboard", Refused)
+    exit_code = main(["train", "recipes/demo.yaml", f"run.output_dir={tmp_path}", "eval.every_steps=0", "logging.sinks=[jsonl, tensorboard]", *QUICK])
+    err = capsys.readouterr().err
+    assert exit_code == 1 and "the tensorboard tracker of logging.sinks failed while starting" in err and "Traceback" not in err, err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        gc.collect()
+    assert not [w for w in caught if str(tmp_path) in str(w.message)], [str(w.message) for w in caught]
 
 
 @pytest.mark.timeout(300)
