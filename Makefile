@@ -26,7 +26,7 @@ demo: $(STAMP)
 test: $(STAMP) vllm-venv-if-possible
 	$(BIN)/python -m pytest -q $(ARGS)
 
-# The inner loop: unit and simulation tests only (about a minute).
+# The inner loop: unit and simulation tests only (about 2.5 minutes on 2 cores; README "Tests").
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit tests/sim $(ARGS)
 
