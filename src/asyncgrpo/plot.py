@@ -87,7 +87,11 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> Plots:
         fig = draw(plt, metrics, timeline, notes)
         plots.left_out += [f"{name}.png: {note}" for note in notes]
         if fig is None:
-            (out / f"{name}.png").unlink(missing_ok=True)  # a copy from an earlier `plot` would read as this run's
+            stale = out / f"{name}.png"
+            if out_dir is None:  # the run's own plots/: a copy from an earlier `plot` would read as this run's
+                stale.unlink(missing_ok=True)
+            elif stale.exists():  # a folder the user chose: asyncgrpo may not have written it, so it stays
+                plots.left_out.append(f"{name}.png: an older {stale} was kept (not written by this plot; --out is yours)")
         else:
             plots.written.append(_save(plt, fig, out / f"{name}.png"))
     if timeline:

@@ -61,12 +61,13 @@ def test_plot_draws_a_short_training_run(tmp_path, capsys):
 
 
 def test_plot_draws_a_simulation_without_the_panels_it_has_no_values_for(tmp_path, capsys):
-    out, png = tmp_path / "sim", tmp_path / "png"
+    out = tmp_path / "sim"
     assert main(["simulate", "recipes/simulate.yaml", "train.max_steps=20", "--output-dir", str(out)]) == 0
+    png = out / "plots"  # the run's own plots folder, which asyncgrpo owns
     png.mkdir()
     (png / "loss_kl.png").write_bytes(PNG_MAGIC)  # an earlier run's: it would read as this one's
     capsys.readouterr()
-    assert main(["plot", str(out), "--out", str(png)]) == 0
+    assert main(["plot", str(out)]) == 0
     assert_pngs(png, {"rewards.png", "staleness.png", "counters.png", "timeline.png", "timeline_start.png"})
     names = {p.name for p in png.iterdir()}
     assert not {"loss_kl.png", "offpolicy.png", "env.png", "distill.png"} & names  # a simulation trains nothing
@@ -75,6 +76,12 @@ def test_plot_draws_a_simulation_without_the_panels_it_has_no_values_for(tmp_pat
     assert "loss_kl.png: not written" in said and "offpolicy.png: not written: no off-policy value" in said
     pipeline = Pipeline.of(read_jsonl(out / "timeline.jsonl"))
     assert len(pipeline.bars) > BARS_MAX and pipeline.aggregated(None)  # about 1500 rollouts: rates and bands
+    # A folder the user chose with --out: a file of the same name there may be the user's own, so it is kept and named.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "loss_kl.png").write_bytes(PNG_MAGIC)
+    assert main(["plot", str(out), "--out", str(mine)]) == 0
+    assert (mine / "loss_kl.png").read_bytes() == PNG_MAGIC and f"an older {mine / 'loss_kl.png'} was kept" in capsys.readouterr().out
 
 
 def rollouts(n, start=0.0, end=10.0):
