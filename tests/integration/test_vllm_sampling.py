@@ -31,7 +31,7 @@ from tests.integration.vllm_server import start_vllm_server, vllm_available
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 LONG_PROMPT = (1, *[10 + i % 26 for i in range(150)])  # longer than a KV block (128 tokens on CPU)
-RUNNING = 48  # long requests sharing LONG_PROMPT (~17,000 tokens in all): some are still generating when the update ends
+RUNNING = 48  # long requests sharing LONG_PROMPT (~17,000 tokens in all), frozen mid-generation by a pause before the update
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,12 @@ def test_a_prefix_shared_with_requests_running_during_a_weight_update_is_recompu
             for thread in threads:
                 thread.start()
             await until(lambda: server_metrics(url)["running"] >= 1, 120, "the long requests to be generating under version 1")
+            # Freeze them before the update starts (staging the weights takes seconds on a loaded machine, long
+            # enough for every request to finish): the update's own pause keep finds them paused already.
+            status, body = await asyncio.to_thread(http, "POST", f"{url}/pause?mode=keep", None)
+            assert status == 200, body
+            still_running = RUNNING - len(running)  # started under version 1, frozen unfinished through the update
             await gen.load_weights(new.state_dict(), 2)  # pause keep + clear cache + reload + resume
-            still_running = RUNNING - len(running)  # started before the update, not finished when it ended
             probe = GenerationRequest("probe", 0, LONG_PROMPT, SamplingParams(max_new_tokens=24, temperature=TEMPERATURE), seed=7)
             completion = await gen.generate(probe)
             return still_running, completion
