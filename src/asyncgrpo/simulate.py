@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.assemble import build_collector
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_rows
-from asyncgrpo.distill.simulated import SimulatedTeacher
 from asyncgrpo.environments.simulated import SimulatedHosts
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.gc_pauses import quiet_gc
@@ -138,7 +138,7 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     scorer = RewardScorer.from_config(cfg.reward, isolation="inline")
     # Episodes run on the simulator's model of an environment (generation.scripted.env), not env.factory.
     env_hosts = SimulatedHosts(cfg.generation.scripted.env, cfg.run.seed) if cfg.env is not None else None
-    teacher = SimulatedTeacher(cfg.distill, seed=cfg.run.seed) if cfg.algorithm == "distill" else None
+    teacher = algorithm_for(cfg).simulated_scorer()  # None: the reward functions score
     outcomes: list[dict[str, Any]] = []
     collector = build_collector(cfg, prompts, generator, scorer=teacher or scorer, observer=report.timeline if report else None,
                                 host_factory=env_hosts, ledger=PromptLedger(sink=outcomes.append))
@@ -192,7 +192,7 @@ class _Report:
         self.timeline.step(record, now)
         if self.writer is None:
             self.writer = MetricsWriter(self.file, metric_keys(reward_names, max_staleness=self.cfg.rollout.max_staleness,
-                                                                  distill=self.cfg.algorithm == "distill"))
+                                                                  algorithm_keys=algorithm_for(self.cfg).metric_keys))
         values = step_metrics(
             record, collector.metric_values(), reward_names=reward_names, elapsed_s=now,
             gen_tokens_per_s=self.rate.add(now, collector.counters["rollout/generated_tokens_total"]), eval_metrics={},

@@ -25,8 +25,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("generation",),
     ("rewards",),
     ("environments",),
-    ("rollout", "distill"),  # distill: the pure judge and the simulated teacher
-    ("training", "distill.teacher", "distill.loss"),
+    ("rollout", "distill", "algorithms.base"),  # distill: the pure judge and the simulated teacher; the algorithm protocol
+    # algorithms: each implementation uses rollout's judge, distill's teacher and loss; the trainer imports the registry.
+    ("training", "distill.teacher", "distill.loss", "algorithms"),
     ("pipeline", "assemble", "evaluation"),
     ("telemetry",),
     ("train", "run_files", "simulate", "sim_metrics", "plot", "plot_timeline", "check", "trl_convert", "cli", "api", "api_config", "api_run"),

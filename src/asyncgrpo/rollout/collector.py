@@ -31,8 +31,8 @@ import random
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from asyncgrpo.algorithms.base import Algorithm
 from asyncgrpo.config import Config, EnvConfig
-from asyncgrpo.distill.judge import taught_rollouts
 from asyncgrpo.environments.conversation import Codec
 from asyncgrpo.environments.hosts import open_host
 from asyncgrpo.environments.protocol import EnvironmentHost
@@ -49,7 +49,7 @@ from asyncgrpo.rollout.failure_log import FailureLog, Tolerated
 from asyncgrpo.rollout.failures import FailurePolicy, GroupEnding
 from asyncgrpo.rollout.first_failure import FirstFailure
 from asyncgrpo.rollout.in_flight import InFlightGroup, rollout_request
-from asyncgrpo.rollout.judge import Drop, scored_rollouts, survivors
+from asyncgrpo.rollout.judge import Drop, survivors
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.no_signal import NoSignalWatch
 from asyncgrpo.rollout.retry import generate_with_retries
@@ -79,7 +79,7 @@ class PromptSourceLike(Protocol):
 
 class ScorerLike(Protocol):
     """Scores a group's survivors, given as `Completion`s: the reward functions (rewards/scoring.py) get their texts (an
-    episode's messages) and token ids; under `algorithm: distill` the teacher (distill/teacher.py) scores their token ids."""
+    episode's messages) and token ids; or the algorithm's own scorer (algorithms/: distillation's teacher) their token ids."""
 
     async def score(self, prompt: Prompt, completions: list[Any]) -> list[Any]: ...
 
@@ -92,6 +92,7 @@ class Collector:
         source: PromptSourceLike,
         generator: Generator,
         scorer: ScorerLike,
+        algorithm: Algorithm,
         sampling: SamplingParams,
         start_step: int = 0,
         ledger: PromptLedger | None = None,
@@ -106,6 +107,7 @@ class Collector:
         self.source = source
         self.generator = generator
         self.scorer = scorer
+        self.algorithm = algorithm  # the unit, judging a scored unit (algorithms/)
         self.sampling = sampling
         r = cfg.rollout
         self.group_size = r.group_size
@@ -120,8 +122,7 @@ class Collector:
             max_filtered_fraction=r.max_filtered_fraction,
         )
         self.first_failure = FirstFailure()
-        self.per_sample = cfg.algorithm == "distill"  # each sample is its own unit, scored by the teacher (distill/)
-        self._no_signal = None if r.filter_zero_variance or self.per_sample else NoSignalWatch(r.drop_window)
+        self._no_signal = NoSignalWatch(r.drop_window) if algorithm.watches_no_signal and not r.filter_zero_variance else None
         self.failure_log = FailureLog(cfg.logging.failure_summary_s)
         self.ledger = ledger if ledger is not None else PromptLedger()
         self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
@@ -350,10 +351,7 @@ class Collector:
         finally:
             self._scoring -= 1
         self._last_progress = self._now()  # scoring a group is progress, however long the reward took
-        rollouts = taught_rollouts(completions, scored) if self.per_sample else scored_rollouts(
-            group.prompt, completions, scored, min_survivors=r.min_group_survivors,
-            filter_zero_variance=r.filter_zero_variance, scale_by_std=self.cfg.train.loss.scale_by_std,
-        )
+        rollouts = self.algorithm.judge(group.prompt, completions, scored)
         if isinstance(rollouts, Drop):
             self._end(group, rollouts)
             return
@@ -393,7 +391,7 @@ class Collector:
                 group.task.cancel()
             # A group's stale samples are its finished ones; a distilled sample is the unit, so it counts finished or not.
             finished = sum(c is not None for c in group.completions)
-            self._count_stale(group.live_members() if self.per_sample else finished, finished, group.finished_tokens())
+            self._count_stale(group.live_members() if self.algorithm.per_sample else finished, finished, group.finished_tokens())
             prompt = group.prompt
             if self.cfg.rollout.on_stale in ("requeue", "patience") and prompt.requeues < self.cfg.rollout.max_requeues:
                 self.observer.take_ended(group.key, prompt.id, "requeued", None, self._now())
@@ -563,7 +561,7 @@ class Collector:
         self._signal.notify()
 
     def _stalled(self, step: int, stall_timeout_s: float) -> Diagnostic:
-        scoring = f"{self._scoring} being scored" + (f" by the teacher ({self.scorer.state()})" if self.per_sample else "")  # type: ignore[attr-defined]
+        scoring = f"{self._scoring} being scored" + self.algorithm.scoring_state(self.scorer)
         state = (f"{len(self.buffer)} buffered, {len(self._in_flight)} groups in flight with {self._slots.open} requests "
                  f"open and {scoring}, source exhausted: {self.source.exhausted}")
         bound, source = self.cfg.stall_bound()
