@@ -133,12 +133,13 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
         log.warning("warning: %s", warning)
     if generator is None:
         generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
-    trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s, cfg.train.token_time_s)
+    algorithm = algorithm_for(cfg)
+    trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s, cfg.train.token_time_s, algorithm=algorithm)
     report = _Report(cfg, output_dir, generator.name) if output_dir is not None else None
     scorer = RewardScorer.from_config(cfg.reward, isolation="inline")
     # Episodes run on the simulator's model of an environment (generation.scripted.env), not env.factory.
     env_hosts = SimulatedHosts(cfg.generation.scripted.env, cfg.run.seed) if cfg.env is not None else None
-    teacher = algorithm_for(cfg).simulated_scorer()  # None: the reward functions score
+    teacher = algorithm.simulated_scorer()  # None: the reward functions score
     outcomes: list[dict[str, Any]] = []
     collector = build_collector(cfg, prompts, generator, scorer=teacher or scorer, observer=report.timeline if report else None,
                                 host_factory=env_hosts, ledger=PromptLedger(sink=outcomes.append))
