@@ -11,7 +11,7 @@
 
 Invariants: implements algorithms/base.py `Algorithm`; torch and the teacher's model code are imported only
 inside `build_scorer` and `token_advantages`; a rollout without teacher log-probs reaching the trainer is a
-bug, raised.
+bug, raised (a filler row, which has no rollout and no loss token, gets advantages 0).
 """
 
 from __future__ import annotations
@@ -65,7 +65,10 @@ class Distill:
         width = logp_gen.shape[1]
         rows = []
         for r in rollouts:
-            if r is None or r.teacher_logprobs is None:
+            if r is None:  # a filler (a data-parallel rank's empty share): no loss token, so no signal
+                rows.append([0.0] * width)
+                continue
+            if r.teacher_logprobs is None:
                 raise AssertionError("algorithm: distill, but a rollout carries no teacher log-probs")
             rows.append(list(r.teacher_logprobs) + [0.0] * (width - len(r.completion.token_ids)))
         return distill_advantages(logp_gen, torch.tensor(rows, dtype=torch.float32, device=logp_gen.device), mask)
