@@ -7,7 +7,8 @@ config key that names user code: ``reward.functions`` (rewards/resolve.py), ``en
 
 Invariants:
 - Every failure is a `ConfigError` naming the config key, its value, what is wrong and the fix,
-  chained to the original exception; nothing else escapes (an import that raises anything is one).
+  chained to the original exception: a module that cannot be found or that raises an `Exception`
+  while it is imported, a missing file, a missing attribute.
 - A ``.py`` file is imported once per process under a name derived from its resolved path; a file
   whose import failed is not left in `sys.modules`.
 - The working directory is appended to `sys.path` only when a dotted module is not found otherwise
