@@ -33,7 +33,8 @@ from asyncgrpo.gc_pauses import quiet_gc
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
-from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rewards.resolve import resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer
 from asyncgrpo.rewards.trl_args import run_trainer_state
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.rollout.episode import term_names

@@ -53,7 +53,8 @@ from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.ray_cluster import import_ray
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
-from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rewards.resolve import resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer
 from asyncgrpo.rewards.trl_args import run_trainer_state
 from asyncgrpo.rollout.episode import term_names
 from asyncgrpo.rollout.ledger import PromptLedger

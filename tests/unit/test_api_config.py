@@ -17,7 +17,7 @@ from asyncgrpo.config import load_config
 from asyncgrpo.data.loading import read_rows
 from asyncgrpo.environments.factories import load_factory
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.rewards.scoring import resolve_reward
+from asyncgrpo.rewards.resolve import resolve_reward
 from asyncgrpo.tasks import repeat_letter_reward
 from asyncgrpo.training.resume import plan_resume
 from tests.unit.test_resume_plan import make_checkpoint

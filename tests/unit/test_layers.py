@@ -20,7 +20,7 @@ PACKAGE = Path(asyncgrpo.__file__).parent
 # Bottom first. A name is a module or a package (its modules); the longest match wins.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "types", "sync", "threads", "gc_pauses", "atomic", "vtime", "tasks", "loss_config", "config", "trl_names", "rundir",
-     "signals", "watchdog", "objects", "worker_process", "telemetry.keys", "sampling"),
+     "signals", "watchdog", "objects", "user_modules", "worker_process", "telemetry.keys", "sampling"),
     ("data", "models"),
     ("generation",),
     ("rewards",),
