@@ -146,7 +146,7 @@ def scenario(seed: int) -> dict[str, Any]:
             "stop_s": {"dist": "uniform", "low": 0.0, "high": round(rng.uniform(0.01, 3.0), 3)},
         }
     if rng.random() < 0.25 and "env" not in recipe and not recipe["rollout"].get("partial_groups"):
-        # (distillation plays no episodes, config.py refuses both; its units of 1 cannot end early)
+        # (distillation plays no episodes, the config refuses both; its units of 1 cannot end early)
         # algorithm: distill: each sample its own unit, a simulated teacher with latency, faults and timeouts.
         recipe["algorithm"] = "distill"
         recipe["rollout"].update(group_size=1, min_group_survivors=1, filter_zero_variance=False)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 import typing
 from pathlib import Path
 
+import pytest
 import yaml
 from pydantic import BaseModel
 
