@@ -76,7 +76,7 @@ class Simulation:
         cfg, r = self.cfg, self.result
         trained_completions = sum(len(g.rollouts) for g in self.trainer.trained_groups)
         drawn = getattr(self.generator, "drawn_lengths", {})
-        length = population_length(drawn) or max(1.0, mean_of(cfg.generation.scripted.tokens))  # lengths are at least 1
+        length = population_length(drawn) or max(1.0, mean_of(cfg.simulate.tokens))  # lengths are at least 1
         bound = min(token_capacities(cfg, length)) / length  # completions/s; a latency of 0 leaves the training capacity
         rate = trained_completions / self.virtual_time_s if self.virtual_time_s > 0 else 0.0
         return {
@@ -133,13 +133,13 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     for warning in step_budget_warnings(cfg, len(prompts)):
         log.warning("warning: %s", warning)
     if generator is None:
-        generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
+        generator = ScriptedGenerator(cfg.simulate, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
     algorithm = algorithm_for(cfg)
-    trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s, cfg.train.token_time_s, algorithm=algorithm)
+    trainer = trainer if trainer is not None else StubTrainer(cfg.simulate.step_time_s, cfg.simulate.token_time_s, algorithm=algorithm)
     report = _Report(cfg, output_dir, generator.name) if output_dir is not None else None
     scorer = RewardScorer.from_config(cfg.reward, isolation="inline")
-    # Episodes run on the simulator's model of an environment (generation.scripted.env), not env.factory.
-    env_hosts = SimulatedHosts(cfg.generation.scripted.env, cfg.run.seed) if cfg.env is not None else None
+    # Episodes run on the simulator's model of an environment (simulate.env), not env.factory.
+    env_hosts = SimulatedHosts(cfg.simulate.env, cfg.run.seed) if cfg.env is not None else None
     teacher = algorithm.simulated_scorer()  # None: the reward functions score
     outcomes: list[dict[str, Any]] = []
     collector = build_collector(cfg, prompts, generator, scorer=teacher or scorer, observer=report.timeline if report else None,

@@ -31,7 +31,7 @@ class WatchedGenerator(ScriptedGenerator):
     """The scenario's scripted generator, noting the virtual time and the version of each request it completes."""
 
     def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
+        super().__init__(cfg.simulate, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
         self.finished: list[tuple[float, int]] = []
 
     async def generate(self, request: GenerationRequest) -> Completion:
@@ -44,7 +44,7 @@ class WatchedTrainer(StubTrainer):
     """The stub trainer, noting the virtual time each step starts: the instant its batch was taken."""
 
     def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg.train.step_time_s, cfg.train.token_time_s)
+        super().__init__(cfg.simulate.step_time_s, cfg.simulate.token_time_s)
         self.started: list[float] = []
 
     async def train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -90,7 +90,7 @@ def check_outcome(sim: Simulation) -> None:
         assert counters["env/errors_total"] == counters["env/abandoned_total"] == 0
     else:
         assert counters["env/errors_total"] <= counters["rollout/failed_total"] + counters["rollout/retries_total"]
-        if cfg.generation.scripted.env.ignore_cancel_prob == 0 and cfg.generation.scripted.env.stop_s.high <= cfg.env.cancel_grace_s:
+        if cfg.simulate.env.ignore_cancel_prob == 0 and cfg.simulate.env.stop_s.high <= cfg.env.cancel_grace_s:
             assert counters["env/abandoned_total"] == 0
     check_tokens(sim)
     if cfg.rollout.on_stale == "wait":  # each group trains at the step it targets (or earlier, at the end of data): never stale
@@ -183,7 +183,7 @@ def test_chaos_scenarios_keep_every_invariant(chaos_seeds: list[int]) -> None:
         kind = sim.result.diagnostic.kind if sim.result.diagnostic else sim.result.stop_reason
         outcomes[f"{sim.result.outcome}:{kind}"] += 1
         fault_free += is_fault_free(sim.cfg)
-        slow_publications += sim.cfg.generation.scripted.weight_sync_s.dist != "const" or sim.cfg.generation.scripted.weight_sync_s.value > 0
+        slow_publications += sim.cfg.simulate.weight_sync_s.dist != "const" or sim.cfg.simulate.weight_sync_s.value > 0
     if len(chaos_seeds) >= 500:
         # Enough fault-free runs to hold them to zero failures (about a fifth: environment and teacher
         # faults are drawn on top of request and publication faults), and publications that take time (the

@@ -187,7 +187,7 @@ def test_a_hung_request_ends_at_its_deadline():
     cfg = recipe(
         generation={"request_timeout_s": 4.0, "rollout_deadline_s": 10.0},
         rollout={"group_size": 3, "max_staleness": 4},
-        train={"max_steps": 3, "step_time_s": 5.0},
+        train={"max_steps": 3}, simulate={"step_time_s": 5.0},
     )
     gen = ProgrammedGenerator(lambda r, a: Fate(hang=True) if r.request_id == "0-0-0-0" else OK)
     sim = simulate(cfg, gen)
@@ -245,7 +245,7 @@ def test_a_failing_training_step_becomes_the_runs_diagnostic_not_a_raw_traceback
             return await super().train_step(groups)
 
     cfg = recipe()
-    sim = simulate(cfg, ProgrammedGenerator(), trainer=Exploding(cfg.train.step_time_s))
+    sim = simulate(cfg, ProgrammedGenerator(), trainer=Exploding(cfg.simulate.step_time_s))
     d = sim.result.diagnostic
     assert sim.result.outcome == "failed" and d.kind == "step_error" and d.trainer_step == 2
     assert isinstance(d.original, FloatingPointError) and "loss is nan" in d.traceback
@@ -336,6 +336,6 @@ def test_tolerated_failures_are_logged_first_in_full_then_summarised_on_virtual_
 
 @pytest.mark.timeout(60)  # a hang guard: without the fix the loop spins forever once virtual time passes 2**24 s
 def test_a_simulation_of_million_second_steps_finishes():
-    sim = simulate(recipe(train={"step_time_s": 1e6, "max_steps": 20}))
+    sim = simulate(recipe(train={"max_steps": 20}, simulate={"step_time_s": 1e6}))
     assert sim.result.outcome == "completed" and sim.result.steps == 20
     assert sim.virtual_time_s >= 2e7

@@ -52,6 +52,13 @@ def test_a_bad_key_is_the_clis_config_error():
         Trainer(**{"rollout.grup_size": 4})
 
 
+def test_a_simulator_key_at_its_old_place_names_its_new_one_in_every_form_a_caller_passes():
+    for config, overrides in (({"train": {"step_time_s": 2.0}}, None), (None, {"train.step_time_s": 2.0})):
+        with pytest.raises(ConfigError, match=r"train\.step_time_s moved to simulate\.step_time_s\. Fix: rename it"):
+            build_config(config, overrides=overrides)
+    assert build_config(overrides={"simulate.step_time_s": 2.0}).config.simulate.step_time_s == 2.0
+
+
 def test_a_key_given_by_a_named_argument_and_an_override_is_refused():
     with pytest.raises(ConfigError, match="model.path is given twice"):
         build_config(model="builtin:tiny", overrides={"model.path": "builtin:tiny"})

@@ -49,7 +49,7 @@ class Distill:
         return build_teacher(self.cfg, tokenizer)
 
     def simulated_scorer(self) -> Any | None:
-        return SimulatedTeacher(self.cfg.distill, seed=self.cfg.run.seed)
+        return SimulatedTeacher(self.cfg.distill, self.cfg.simulate, seed=self.cfg.run.seed)
 
     def scoring_state(self, scorer: Any) -> str:
         return f" by the teacher ({scorer.state()})"

@@ -1,6 +1,6 @@
 """The stub trainer of the simulator: a step takes virtual time and learns nothing.
 
-A step takes `train.step_time_s`, or, with `train.token_time_s`, that many seconds per
+A step takes `simulate.step_time_s`, or, with `simulate.token_time_s`, that many seconds per
 completion token of its batch (training time proportional to trained tokens). It reports
 only what it can measure honestly from the batch (no loss, no gradients), and publishes no
 weights (`generation_weights()` is None), so the scripted backend only records the new
