@@ -56,7 +56,7 @@ class Server:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "asyncgrpo.cli", "serve", "builtin:tiny", "--port", str(self.port),
+                [sys.executable, "-m", "asyncgrpo.commands.cli", "serve", "builtin:tiny", "--port", str(self.port),
                  "--max-batch-size", str(max_batch_size)], stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + SERVER_START_S
         while not self._healthy():  # an external process: polling its endpoint is the only way to see it

@@ -11,7 +11,7 @@ run() {  # name, recipe, overrides...
   local name=$1 recipe=$2; shift 2
   local start end
   start=$(date +%s.%N)
-  "$PYTHON" -m asyncgrpo.cli train "$recipe" run.output_dir="$OUT/$name" run.overwrite=true logging.progress=false \
+  "$PYTHON" -m asyncgrpo.commands.cli train "$recipe" run.output_dir="$OUT/$name" run.overwrite=true logging.progress=false \
     train.device=cuda eval.every_steps=0 checkpoint.every_steps=0 "$@"
   end=$(date +%s.%N)
   "$PYTHON" - "$OUT/$name" "$start" "$end" "$name" <<'PY'

@@ -355,7 +355,7 @@ def serve_table(args) -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo.cli", "serve", args.serve, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo.commands.cli", "serve", args.serve, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120

@@ -4,7 +4,7 @@
     python bench/recipe_curves.py local_model --keep runs/curves
 
 Job: produce the numbers of docs/benchmarks.md, "Recipes that learn". Each recipe runs as a user runs it
-(`python -m asyncgrpo.cli train recipes/<name>.yaml`, from a scratch directory holding `recipes/` and, for
+(`python -m asyncgrpo.commands.cli train recipes/<name>.yaml`, from a scratch directory holding `recipes/` and, for
 local_model, `runs/tiny_model` written by `python -m asyncgrpo.models.tiny` as the README says), with
 `logging.progress=false` and nothing else changed. It prints one markdown row per recipe: the curve metric
 (`eval/reward_mean` at every evaluation where it changed, or for a distillation recipe, which has no eval,
@@ -52,7 +52,7 @@ def run_recipe(name: str, workdir: Path) -> tuple[float, Path]:
     run_dir = workdir / "runs" / name
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "asyncgrpo.cli", "train", f"recipes/{name}.yaml", f"run.output_dir={run_dir}",
+        [sys.executable, "-m", "asyncgrpo.commands.cli", "train", f"recipes/{name}.yaml", f"run.output_dir={run_dir}",
          "logging.progress=false"],
         cwd=workdir, capture_output=True, text=True,
     )

@@ -34,7 +34,7 @@ SETTINGS = {
 }
 COMMON = ["rollout.max_staleness=0", "train.max_steps=1", "eval.every_steps=0", "rollout.group_size=8",
           "rollout.groups_per_step=4", "generation.max_new_tokens=24", "generation.temperature=1.0"]
-CLI = [sys.executable, "-c", "import sys; from asyncgrpo.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "import sys; from asyncgrpo.commands.cli import main; sys.exit(main())"]
 
 
 def _free_port() -> int:

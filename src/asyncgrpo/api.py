@@ -1,7 +1,7 @@
 """The Python API: `asyncgrpo.Trainer(model=..., reward_funcs=[...], train_dataset=ds, ...).train()`.
 
 A `Trainer` holds a validated config (api_config.py: a recipe, a dict, TRL's argument names,
-Python objects, dotted overrides) and runs it as `asyncgrpo train` does (api_run.py): the same
+Python objects, dotted overrides) and runs it as `asyncgrpo train` does (commands/run_training.py): the same
 preflight, run directory, checkpoints, records and messages. docs/python_api.md is the guide.
 
 Outcomes of `Trainer.train()`:
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.api_config import Prepared, build_config, dotted_tree
-from asyncgrpo.api_run import STOP_CALL, RunControl, run_training
+from asyncgrpo.commands.run_training import STOP_CALL, RunControl, run_training
 from asyncgrpo.config import Config, merge, validate_config
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.objects import registered
@@ -148,7 +148,7 @@ class Trainer:
 
     def check(self) -> str:
         """What `asyncgrpo check` prints: the files the config names, its data (the tokenizer loads, the weights do not) and what the run would do."""
-        from asyncgrpo.check import check_recipe
+        from asyncgrpo.commands.check import check_recipe
 
         with registered(self._prepared.objects):
             return check_recipe(self.config)

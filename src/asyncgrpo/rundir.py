@@ -43,7 +43,7 @@ WEIGHTS_DIR = "weights"
 TIMELINE_FILE = "timeline.jsonl"
 TRACKER_RUNS_FILE = "trackers.json"  # telemetry/sinks.py: the tracker runs a resume continues
 PLOTS_DIR = "plots"
-PLOT_FILES = ("rewards.png", "loss_kl.png", "staleness.png", "counters.png", "offpolicy.png", "env.png", "distill.png",  # plot.py
+PLOT_FILES = ("rewards.png", "loss_kl.png", "staleness.png", "counters.png", "offpolicy.png", "env.png", "distill.png",  # commands/plot.py
               "timeline.png", "timeline_start.png")
 OWNED_FILES = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, OUTCOMES_FILE, ERROR_FILE, TIMELINE_FILE, TRACKER_RUNS_FILE)
 OWNED_DIRS: dict[str, re.Pattern[str]] = {

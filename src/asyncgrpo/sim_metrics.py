@@ -28,7 +28,7 @@ from typing import Any
 
 from asyncgrpo.config import Config
 from asyncgrpo.generation.scripted import mean_of
-from asyncgrpo.telemetry.keys import WASTE_REASONS
+from asyncgrpo.metric_names import WASTE_REASONS
 
 
 def population_length(drawn_lengths: Mapping[int, Sequence[int]]) -> float | None:

@@ -25,11 +25,12 @@ from typing import Any
 
 from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.assemble import build_collector
+from asyncgrpo.commands.gc_pauses import quiet_gc
+from asyncgrpo.commands.vtime import run_virtual
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_rows
 from asyncgrpo.environments.simulated import SimulatedHosts
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.gc_pauses import quiet_gc
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
@@ -45,7 +46,6 @@ from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, me
 from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.training.stub import StubTrainer
 from asyncgrpo.types import StepRecord
-from asyncgrpo.vtime import run_virtual
 
 log = logging.getLogger("asyncgrpo")
 

@@ -17,12 +17,12 @@ Invariants:
 - Every trained step has its metrics line; metrics.jsonl, outcomes.jsonl, timeline.jsonl and the
   newest checkpoint describe the same steps after any ending (a resume restores the records that the
   checkpoint copied, so damaged live files are replaced, never padded or silently shortened).
-- Any error, at any stage, ends as one paragraph (api_run.py `run_training`), with error.txt in the run
+- Any error, at any stage, ends as one paragraph (commands/run_training.py), with error.txt in the run
   directory when there is one and a checkpoint when a step completed.
 
 Threads: the engine owns its decode thread; the trainer's steps and checkpoint writes run on
 one dedicated thread owned by `TrainingRun`, shut down on every exit path. Signals and stop requests: see
-api_run.py and signals.py (a stop cancels the pipeline, the step in progress finishes, a checkpoint is saved,
+commands/run_training.py and commands/signals.py (a stop cancels the pipeline, the step in progress finishes, a checkpoint is saved,
 exit 130/143).
 """
 
@@ -43,14 +43,18 @@ from typing import Any
 
 from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.assemble import build_collector, episode_codec
+from asyncgrpo.commands.gc_pauses import quiet_gc
+from asyncgrpo.commands.run_files import disk_diagnostic, disk_problem, open_record, write_or_disk_error
+from asyncgrpo.commands.signals import EXIT_CODES as SIGNAL_EXIT_CODES
+from asyncgrpo.commands.watchdog import LoopWatchdog
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_rows, read_rows
 from asyncgrpo.environments.hosts import check_env
 from asyncgrpo.errors import ConfigError, Diagnostic, DiskError, FatalBackendError, PipelineError
 from asyncgrpo.evaluation import eval_diagnostic, evaluate
-from asyncgrpo.gc_pauses import quiet_gc
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.ray_cluster import import_ray
+from asyncgrpo.metric_names import EVAL_KEYS
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.resolve import resolve_rewards
@@ -58,7 +62,6 @@ from asyncgrpo.rewards.scoring import RewardScorer
 from asyncgrpo.rewards.trl_args import run_trainer_state
 from asyncgrpo.rollout.episode import term_names
 from asyncgrpo.rollout.ledger import PromptLedger
-from asyncgrpo.run_files import disk_diagnostic, disk_problem, open_record, write_or_disk_error
 from asyncgrpo.rundir import (
     ERROR_FILE,
     METRICS_FILE,
@@ -69,8 +72,6 @@ from asyncgrpo.rundir import (
     claim,
     clear_run,
 )
-from asyncgrpo.signals import EXIT_CODES as SIGNAL_EXIT_CODES
-from asyncgrpo.telemetry.keys import EVAL_KEYS
 from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, metric_keys, step_metrics, write_samples
 from asyncgrpo.telemetry.progress import Progress, RunTotals
 from asyncgrpo.telemetry.sinks import TrackerError, Trackers, sink_problems
@@ -81,7 +82,6 @@ from asyncgrpo.training.losses.plugin import resolve_loss_plugin
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import Group, Prompt, StepRecord
-from asyncgrpo.watchdog import LoopWatchdog
 
 log = logging.getLogger("asyncgrpo")
 
@@ -139,7 +139,7 @@ class RunSummary:
     last_rewards: list[float] = field(default_factory=list)
     final_checkpoint: Path | None = None
     interrupted_by: int | None = None
-    stopped_by: str | None = None  # who asked for the stop, when not a signal's name: "stop()" (the Python API, api_run.py)
+    stopped_by: str | None = None  # who asked for the stop, when not a signal's name: "stop()" (the Python API, commands/run_training.py)
     warnings: list[str] = field(default_factory=list)
     totals: RunTotals = field(default_factory=RunTotals)
     wall_s: float = 0.0

@@ -94,7 +94,7 @@ class ServeProcess:
         log = open(self.log_path, "wb")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncgrpo.cli", "serve", self.model, "--port", str(self.port), *self.extra],
+            [sys.executable, "-m", "asyncgrpo.commands.cli", "serve", self.model, "--port", str(self.port), *self.extra],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
         log.close()

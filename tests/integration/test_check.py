@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from asyncgrpo.cli import main
+from asyncgrpo.commands.cli import main
 
 
 def write_rows(path, rows):

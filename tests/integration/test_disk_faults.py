@@ -30,7 +30,7 @@ def _small_file_limit() -> None:
 @pytest.mark.timeout(300)
 def test_a_checkpoint_the_disk_refuses_ends_in_one_paragraph_with_error_txt(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "asyncgrpo.cli", "train", "recipes/demo.yaml", f"run.output_dir={tmp_path}", "train.max_steps=2", *QUICK],
+        [sys.executable, "-m", "asyncgrpo.commands.cli", "train", "recipes/demo.yaml", f"run.output_dir={tmp_path}", "train.max_steps=2", *QUICK],
         cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=_small_file_limit,
     )
     assert result.returncode == 1, result.stderr

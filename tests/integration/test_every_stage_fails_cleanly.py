@@ -11,7 +11,7 @@ import pytest
 
 import asyncgrpo.models.loading
 import asyncgrpo.train
-from asyncgrpo.cli import main
+from asyncgrpo.commands.cli import main
 from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.telemetry.metrics import MetricsWriter
 from asyncgrpo.training import checkpoint

@@ -1,4 +1,4 @@
-"""A real training run freezes what its setup left alive while the pipeline runs (asyncgrpo/gc_pauses.py)."""
+"""A real training run freezes what its setup left alive while the pipeline runs (asyncgrpo/commands/gc_pauses.py)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ from asyncgrpo.errors import (
 from asyncgrpo.generation.attempt_timeout import MIN_SAMPLES
 from asyncgrpo.generation.http import HttpGenerator
 from asyncgrpo.generation.weight_sync import WeightSyncError
-from asyncgrpo.models.loading import load_model_and_tokenizer, save_model
+from asyncgrpo.models.loading import load_model_and_tokenizer
+from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.pipeline import run_pipeline
 from asyncgrpo.rollout.collector import Collector

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncgrpo.cli import main
+from asyncgrpo.commands.cli import main
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.models.loading import check_model_path, load_model_and_tokenizer, model_directory, save_model
+from asyncgrpo.models.loading import check_model_path, load_model_and_tokenizer, model_directory
+from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import build_tiny
 
 REPO = "tinyorg/tiny-llm"
@@ -77,7 +78,7 @@ def test_check_finds_a_hub_id_through_the_environment_alone(tmp_path):
     cache = tmp_path / "hub"
     snapshot = build_hub_cache(cache)
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "check", "recipes/demo.yaml", f"model.path={REPO}",
+    done = subprocess.run([sys.executable, "-m", "asyncgrpo.commands.cli", "check", "recipes/demo.yaml", f"model.path={REPO}",
                            f"run.output_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert f"snapshot {snapshot}" in done.stdout

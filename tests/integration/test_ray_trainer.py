@@ -30,8 +30,8 @@ from asyncgrpo.errors import TrainerRankError
 from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.generation.ray_pool import RayGenerator
 from asyncgrpo.generation.ray_weights import StoredWeights
+from asyncgrpo.metric_names import TRAIN_KEYS, offpolicy_keys
 from asyncgrpo.models.loading import load_model_and_tokenizer
-from asyncgrpo.telemetry.keys import TRAIN_KEYS, offpolicy_keys
 from asyncgrpo.training.checkpoint import save_checkpoint
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.trainer import TorchTrainer

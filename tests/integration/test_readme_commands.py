@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.models.loading import save_model
+from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import build_tiny
 from tests.integration.servers import free_port, http
 from tests.integration.vllm_server import VLLM_PYTHON, start_vllm_command, vllm_available
@@ -126,7 +126,7 @@ def run_readme_command(command: str, cwd: Path, substitutes: dict[str, str]) -> 
     words = shlex.split(command)
     for old, new in substitutes.items():
         words = [word.replace(old, new) for word in words]
-    program = {".venv/bin/python": [sys.executable], ".venv/bin/asyncgrpo": [sys.executable, "-m", "asyncgrpo.cli"]}
+    program = {".venv/bin/python": [sys.executable], ".venv/bin/asyncgrpo": [sys.executable, "-m", "asyncgrpo.commands.cli"]}
     return subprocess.run([*program[words[0]], *words[1:]], cwd=cwd, capture_output=True, text=True, timeout=600)
 
 

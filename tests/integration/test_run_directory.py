@@ -18,7 +18,7 @@ QUICK = ("train.max_steps=2", "eval.every_steps=0", "logging.progress=false", "r
 
 
 def asyncgrpo(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "asyncgrpo.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "asyncgrpo.commands.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 def users_folder(path: Path) -> dict[str, str]:

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncgrpo.generation.weight_sync import write_weights
-from asyncgrpo.models.loading import save_model
+from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.sampling import Processing, sampled_logprobs, seen_before
 from tests.integration.servers import ServeProcess, http, wait_until

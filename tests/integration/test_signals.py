@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from asyncgrpo.signals import REPEAT_WINDOW_S
+from asyncgrpo.commands.signals import REPEAT_WINDOW_S
 from asyncgrpo.training.checkpoint import PAUSE_FOR_TESTS_ENV
 from asyncgrpo.training.integrity import checkpoint_problem
 from tests.integration.train_process import read_until, records, start_train

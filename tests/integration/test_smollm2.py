@@ -46,7 +46,7 @@ def test_smollm2_loads_from_the_package_trains_two_steps_and_its_weights_change(
 
 
 def test_check_counts_prompt_tokens_with_smollm2s_tokenizer_and_converts_nothing(tmp_path, monkeypatch, capsys):
-    from asyncgrpo.cli import main
+    from asyncgrpo.commands.cli import main
     from asyncgrpo.models.smollm2 import CACHE_ENV
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from asyncgrpo.cli import main
+from asyncgrpo.commands.cli import main
 from asyncgrpo.telemetry.metrics import read_jsonl
 
 pytestmark = pytest.mark.timeout(300)

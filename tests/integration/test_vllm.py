@@ -41,7 +41,7 @@ import torch
 from asyncgrpo.config import load_config, validate_config
 from asyncgrpo.generation.http import HttpGenerator
 from asyncgrpo.generation.weight_sync import DiskWeightPublisher
-from asyncgrpo.models.loading import save_model
+from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.train import train
 from asyncgrpo.training.loss import token_logprobs

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from asyncgrpo.generation.http import HttpGenerator
-from asyncgrpo.models.loading import save_model
+from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.sampling import Processing, sampled_logprobs, seen_before
 from asyncgrpo.types import GenerationRequest, SamplingParams

@@ -19,7 +19,7 @@ def start_train(run_dir: Path, *overrides: str, env: dict[str, str] | None = Non
     """Start `asyncgrpo train recipes/demo.yaml` into `run_dir` with `overrides`; stderr is piped, as text. With
     `new_session` it leads a process group of its own (as a shell's foreground job: `os.killpg` is a terminal's Ctrl-C)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "asyncgrpo.cli", "train", "recipes/demo.yaml", "logging.progress=false",
+        [sys.executable, "-m", "asyncgrpo.commands.cli", "train", "recipes/demo.yaml", "logging.progress=false",
          f"run.output_dir={run_dir}", *overrides],
         cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env={**os.environ, **(env or {})},
         start_new_session=new_session,

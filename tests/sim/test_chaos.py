@@ -14,8 +14,8 @@ import pytest
 
 from asyncgrpo.config import Config, validate_config
 from asyncgrpo.generation.scripted import ScriptedGenerator
+from asyncgrpo.metric_names import WASTE_REASONS
 from asyncgrpo.simulate import Simulation, simulate
-from asyncgrpo.telemetry.keys import WASTE_REASONS
 from asyncgrpo.training.stub import StubTrainer
 from asyncgrpo.types import Completion, GenerationRequest, Group
 from tests.sim.scenarios import is_fault_free, scenario

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
+from asyncgrpo.commands.vtime import run_virtual
 from asyncgrpo.errors import PipelineError
 from asyncgrpo.pipeline import run_pipeline
 from asyncgrpo.training.stub import StubTrainer
-from asyncgrpo.vtime import run_virtual
 from tests.sim.fakes import ProgrammedGenerator, make_collector, recipe
 
 

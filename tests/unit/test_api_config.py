@@ -141,7 +141,7 @@ def test_a_resume_with_other_rows_is_refused_naming_the_data(tmp_path):
 
 
 def test_a_runs_console_handler_is_there_for_the_run_only_and_only_when_logging_is_not_configured(monkeypatch):
-    from asyncgrpo.api_run import console_logging
+    from asyncgrpo.commands.run_training import console_logging
 
     logger = logging.getLogger("asyncgrpo")
     monkeypatch.setattr(logging.getLogger(), "handlers", [])

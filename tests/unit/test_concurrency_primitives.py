@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from asyncgrpo.commands.vtime import VirtualDeadlock, VirtualTimeLoop, run_virtual
 from asyncgrpo.errors import Diagnostic, PipelineError, StallError
 from asyncgrpo.rollout.first_failure import FirstFailure
 from asyncgrpo.sync import StateSignal
-from asyncgrpo.vtime import VirtualDeadlock, VirtualTimeLoop, run_virtual
 
 
 def test_wait_for_returns_at_once_when_the_predicate_already_holds():

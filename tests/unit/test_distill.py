@@ -17,7 +17,7 @@ from asyncgrpo.distill.judge import kl_mean, taught_rollouts
 from asyncgrpo.distill.loss import distill_advantages
 from asyncgrpo.distill.teacher import TeacherWorker, teacher_logprobs
 from asyncgrpo.errors import TeacherError, TeacherTimeoutError
-from asyncgrpo.telemetry.keys import DISTILL_KEYS, TRAIN_KEYS, offpolicy_keys
+from asyncgrpo.metric_names import DISTILL_KEYS, TRAIN_KEYS, offpolicy_keys
 from asyncgrpo.training.trainer import TorchTrainer
 from asyncgrpo.types import Completion, Group, Prompt
 from tests.tiny_models import tiny_llama

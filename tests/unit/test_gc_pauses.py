@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from asyncgrpo.gc_pauses import GEN0_THRESHOLD, quiet_gc
+from asyncgrpo.commands.gc_pauses import GEN0_THRESHOLD, quiet_gc
 
 
 @pytest.fixture(autouse=True)

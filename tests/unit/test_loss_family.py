@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncgrpo.check import check_recipe
+from asyncgrpo.commands.check import check_recipe
 from asyncgrpo.config import load_config, tolerance_warnings
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.loss_config import LossConfig

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from asyncgrpo.telemetry.keys import TRAIN_KEYS, offpolicy_keys
+from asyncgrpo.metric_names import TRAIN_KEYS, offpolicy_keys
 from asyncgrpo.training.offpolicy import OffPolicyStats
 from asyncgrpo.training.trainer import TorchTrainer
 from asyncgrpo.types import Group

@@ -11,7 +11,7 @@ import torch
 from asyncgrpo.generation import serve_weights
 from asyncgrpo.generation.serve_weights import NotARegularFile, read_weights, read_weights_dir
 from asyncgrpo.generation.weight_sync import VERSION_FILE, write_weights
-from asyncgrpo.models.loading import save_model
+from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import build_tiny
 
 pytestmark = pytest.mark.timeout(60)

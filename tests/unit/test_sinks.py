@@ -9,9 +9,10 @@ import struct
 
 import pytest
 
+from asyncgrpo import metric_names
 from asyncgrpo.config import Config, load_config
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.telemetry import keys, sinks
+from asyncgrpo.telemetry import sinks
 from asyncgrpo.telemetry.sinks import Trackers, sink_problems
 
 LINES = [
@@ -325,7 +326,7 @@ def test_the_trl_names_are_the_ones_trls_grpo_trainer_logs():
     import trl.trainer.grpo_trainer
 
     source = Path(trl.trainer.grpo_trainer.__file__).read_text()
-    for ours, theirs in keys.TRL_NAMES.items():
+    for ours, theirs in metric_names.TRL_NAMES.items():
         if theirs not in ("learning_rate", "eval_reward"):
             assert f'_metrics[mode]["{theirs}"]' in source, (ours, theirs)
     assert '_metrics[mode][f"rewards/{reward_func_name}/mean"]' in source

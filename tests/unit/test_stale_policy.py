@@ -7,11 +7,11 @@ import itertools
 
 import pytest
 
+from asyncgrpo.metric_names import COUNTER_NAMES
 from asyncgrpo.rollout import token_books
 from asyncgrpo.rollout.admission import group_capacity
 from asyncgrpo.rollout.buffer import ReplayBuffer
 from asyncgrpo.rollout.stale_policy import StepTargets, is_straggler, may_finish_early, patience_deadline
-from asyncgrpo.telemetry.keys import COUNTER_NAMES
 from asyncgrpo.types import Completion, Group, Prompt, Rollout
 
 

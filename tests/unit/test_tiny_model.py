@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.models.loading import check_model_path, load_model_and_tokenizer, save_model
+from asyncgrpo.models.loading import check_model_path, load_model_and_tokenizer
+from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import VOCAB, build_tiny, build_tiny_tokenizer
 
 

@@ -12,8 +12,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from asyncgrpo.config import Config
+from asyncgrpo.metric_names import TRAIN_KEYS, offpolicy_keys
 from asyncgrpo.rollout.advantages import group_advantages
-from asyncgrpo.telemetry.keys import TRAIN_KEYS, offpolicy_keys
 from asyncgrpo.training.trainer import NonFiniteLossError, TorchTrainer
 from asyncgrpo.types import Completion, Group, Prompt, Rollout
 from tests.tiny_models import tiny_llama

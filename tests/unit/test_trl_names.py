@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import yaml
 
-from asyncgrpo.cli import main
+from asyncgrpo.commands.cli import main
 from asyncgrpo.config import Config, load_config, section_model
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.trl_convert import convert_trl

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from asyncgrpo.watchdog import LoopWatchdog
+from asyncgrpo.commands.watchdog import LoopWatchdog
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from asyncgrpo.generation.weight_sync import VERSION_FILE, write_weights
-from asyncgrpo.models.loading import save_model
+from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import build_tiny
 
 pytestmark = pytest.mark.timeout(60)

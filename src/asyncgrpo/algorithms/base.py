@@ -42,7 +42,7 @@ class Algorithm(Protocol):
     watches_no_signal: bool
     """Whether a run of groups whose rewards are all equal is warned about (unless rollout.filter_zero_variance)."""
     metric_keys: tuple[str, ...]
-    """The keys `step_metrics` adds to every training step's metrics (telemetry/keys.py)."""
+    """The keys `step_metrics` adds to every training step's metrics (metric_names.py)."""
 
     def __init__(self, cfg: Config) -> None: ...
 

@@ -35,7 +35,7 @@ Invariants:
   (not the event loop's: the start takes seconds; not a short-lived worker thread: the cluster would
   die with it). If the process ends without `disconnect()` (even by SIGKILL), the head processes end
   with it; the reaper stops what the raylet started (agents, workers), which would not.
-- SIGINT and SIGTERM stay asyncgrpo's (signals.py): Ray's failure signal handler is turned off
+- SIGINT and SIGTERM stay asyncgrpo's (commands/signals.py): Ray's failure signal handler is turned off
   (`RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1`, unless the environment sets it, before Ray is first
   imported: Ray reads it then), which would otherwise dump a stack and abort the process after a
   clean stop. `ray_environment_defaults()` sets both variables Ray reads at import; whoever imports
@@ -70,7 +70,7 @@ _AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 def ray_environment_defaults() -> None:
     """Set (unless the environment does) what Ray reads once, when it is first imported."""
-    # Ray's failure signal handler (absl) would take SIGTERM from asyncgrpo's own handling (signals.py): it prints a
+    # Ray's failure signal handler (absl) would take SIGTERM from asyncgrpo's own handling (commands/signals.py): it prints a
     # stack dump and aborts the process after the clean stop.
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     # Ray's single-node mode: a loopback address stays loopback (ray.address = 127.0.0.1:PORT, a local cluster's

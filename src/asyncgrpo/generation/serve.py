@@ -51,7 +51,7 @@ Invariants:
 - Nothing a request sends is unbounded in memory or in event-loop time: the body is at most
   ``max_body_bytes``, a string prompt at most ``max_prompt_chars`` before it is tokenised, and it is
   tokenised on a worker thread, so /health and every other request keep being answered meanwhile.
-- The process around the application (serve_process.py) stops on SIGINT/SIGTERM: it closes
+- The process around the application (commands/serve.py) stops on SIGINT/SIGTERM: it closes
   connections (cancelling handlers), then the engine; bounded.
 """
 
@@ -135,7 +135,7 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
                model_dir: str | None = None, engine_factory: Callable[[int], Any] | None = None,
                max_prompt_chars: int | None = None, reload_timeout_s: float = RELOAD_TIMEOUT_S) -> web.Application:
     """The aiohttp application over a started `LocalEngine`; run it with `handler_cancellation=True`
-    (as serve_process.run_server does) so that a client disconnecting aborts its request. `engine_factory(version)`
+    (as commands.serve.run_server does) so that a client disconnecting aborts its request. `engine_factory(version)`
     builds a replacement engine over the same model (see ServerState); without it a failed engine stays failed.
     `max_prompt_chars` (None: PROMPT_CHARS_PER_TOKEN x max_model_len) bounds string prompts and, through it, the
     body; `reload_timeout_s` bounds reading a reload's weights."""

@@ -1,4 +1,4 @@
-"""Resolve `model.path` to a (model, tokenizer) pair, and save models in the same layout.
+"""Resolve `model.path` to a (model, tokenizer) pair.
 
 Job: one place that knows the accepted forms of `model.path`: `builtin:<name>` (`tiny`, built from
 the run seed; `smollm2-135m-instruct`, converted from an installed package, models/smollm2.py; no
@@ -18,8 +18,8 @@ Invariants:
 - A directory whose weight files provide fewer than half of the architecture's tensors is
   refused (transformers would initialise the rest at random and say nothing that stops a run).
 - `load_tokenizer(path)` tokenizes exactly as the tokenizer of `load_model_and_tokenizer(path)`.
-- `save_model` writes the standard `save_pretrained` layout; `load_model_and_tokenizer` on it
-  gives bit-identical weights and the same tokenization.
+- A directory written by models/saving.py's `save_model` loads with bit-identical weights and the
+  same tokenization.
 """
 
 from __future__ import annotations
@@ -167,12 +167,3 @@ def check_weights_matched(path: str, model: Any, info: dict[str, Any]) -> None:
         f"(e.g. {', '.join(unexpected[:3]) or 'none'}). Training would start from random weights. Fix: put the "
         f"config.json that was saved with these weights next to them, or point model.path at the right directory."
     )
-
-
-def save_model(model: Any, tokenizer: Any, directory: str | Path) -> Path:
-    """Write model and tokenizer in the save_pretrained layout; returns the directory."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory

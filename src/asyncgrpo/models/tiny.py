@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     recipes/local_model.yaml or a vLLM server."""
     import argparse
 
-    from asyncgrpo.models.loading import save_model
+    from asyncgrpo.models.saving import save_model
 
     parser = argparse.ArgumentParser(prog="python -m asyncgrpo.models.tiny", description=main.__doc__)
     parser.add_argument("directory", help="where to write the model directory (created if missing)")

@@ -38,6 +38,7 @@ from asyncgrpo.environments.hosts import open_host
 from asyncgrpo.environments.protocol import EnvironmentHost
 from asyncgrpo.errors import Diagnostic, FatalBackendError, GenerationError, RewardError, TeacherError, TransientGenerationError
 from asyncgrpo.generation.base import Generator
+from asyncgrpo.metric_names import COUNTER_NAMES
 from asyncgrpo.rollout import token_books
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.admission import is_stale, may_admit_group
@@ -56,7 +57,6 @@ from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rollout.slots import RequestSlots, Slot
 from asyncgrpo.rollout.stale_policy import StepTargets, is_straggler, may_finish_early, patience_deadline
 from asyncgrpo.sync import StateSignal
-from asyncgrpo.telemetry.keys import COUNTER_NAMES
 from asyncgrpo.types import Completion, DropReason, GenerationRequest, Group, Prompt, SamplingParams
 
 log = logging.getLogger("asyncgrpo")
@@ -160,7 +160,7 @@ class Collector:
         return self._slots.open
 
     def metric_values(self) -> dict[str, int]:
-        """Its gauges and counters by metric name (telemetry/keys.py), for the step's metrics line."""
+        """Its gauges and counters by metric name (metric_names.py), for the step's metrics line."""
         return {"rollout/inflight": self._slots.open, "buffer/size": len(self.buffer), **self.counters}
 
     def occupancy(self) -> int:

@@ -1,6 +1,6 @@
 """Where generated tokens and generator time end up: trained, or wasted by reason. Pure counting, no I/O.
 
-The collector calls these on its running counters (names in telemetry/keys.py, kept across a
+The collector calls these on its running counters (names in metric_names.py, kept across a
 resume) at the three places a completion's fate is sealed:
 
 - `rollout_ended`: a rollout ended (finished, failed or cancelled); its time from start to end,
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, MutableMapping
 
-from asyncgrpo.telemetry.keys import WASTE_REASONS
+from asyncgrpo.metric_names import WASTE_REASONS
 from asyncgrpo.types import DropReason, Group
 
 

@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from asyncgrpo.errors import AsyncGRPOError
-from asyncgrpo.rewards.trl_args import METRIC_PREFIX
-from asyncgrpo.telemetry.keys import (
+from asyncgrpo.metric_names import (
     COUNTER_NAMES,
     EVAL_KEYS,
     PIPELINE_KEYS,
@@ -32,6 +31,7 @@ from asyncgrpo.telemetry.keys import (
     TRAIN_KEYS,
     offpolicy_keys,
 )
+from asyncgrpo.rewards.trl_args import METRIC_PREFIX
 from asyncgrpo.types import StepRecord
 
 log = logging.getLogger("asyncgrpo")

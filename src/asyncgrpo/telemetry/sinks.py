@@ -29,7 +29,7 @@ Invariants:
   key set is fixed: telemetry/metrics.py); a null (an eval metric before its first evaluation)
   is left out, since trackers hold numbers. The x axis is `step` (0-based, as in metrics.jsonl;
   checkpoints/step_K follows the line of step K-1, whose `version` is K: DESIGN.md §5).
-  `logging.metric_names: trl` adds TRL GRPOTrainer's name of each key that has one (keys.TRL_NAMES).
+  `logging.metric_names: trl` adds TRL GRPOTrainer's name of each key that has one (metric_names.TRL_NAMES).
 - A tracker's error is the run's diagnostic (kind `tracker`), like a failed write of metrics.jsonl:
   `TrackerError` names the sink, what it was doing, the error and the fix, whatever the library
   raised (a killed W&B service raises ConnectionResetError, which must not read as a disk error or
@@ -54,8 +54,8 @@ from typing import Any, Protocol
 from asyncgrpo.atomic import replace_file
 from asyncgrpo.config import Config
 from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.metric_names import trl_name
 from asyncgrpo.rundir import TRACKER_RUNS_FILE
-from asyncgrpo.telemetry.keys import trl_name
 
 # sink -> (module to import, pip package)
 TRACKERS: dict[str, tuple[str, str]] = {

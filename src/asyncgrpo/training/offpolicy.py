@@ -31,8 +31,8 @@ import math
 import torch
 from torch import Tensor
 
-from asyncgrpo.telemetry.keys import ENGINE_MISMATCH_KEYS as MISMATCH_KEYS
-from asyncgrpo.telemetry.keys import OFFPOLICY_BUCKET_KEYS as BUCKET_KEYS
+from asyncgrpo.metric_names import ENGINE_MISMATCH_KEYS as MISMATCH_KEYS
+from asyncgrpo.metric_names import OFFPOLICY_BUCKET_KEYS as BUCKET_KEYS
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -61,7 +61,7 @@ class OffPolicyStats:
         self._parts.append(rows[:, keep].cpu())
 
     def metrics(self) -> dict[str, float]:
-        """Every key of `telemetry.keys.offpolicy_keys(max_staleness)`."""
+        """Every key of `metric_names.offpolicy_keys(max_staleness)`."""
         rows = torch.cat(self._parts, dim=1) if self._parts else torch.zeros(4, 0, dtype=torch.float64)
         log_ratio, staleness, clipped, zero = rows.unbind()
         out: dict[str, float] = {}

@@ -69,8 +69,8 @@ from torch import Tensor
 from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.config import Config
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
+from asyncgrpo.metric_names import TRAIN_KEYS
 from asyncgrpo.sampling import Processing, sampled_logprobs, seen_before
-from asyncgrpo.telemetry.keys import TRAIN_KEYS
 from asyncgrpo.training import heap
 from asyncgrpo.training import lora as lora_adapters
 from asyncgrpo.training.batch import MicroBatch, TrainSequence, by_length, chunks, collate, filler, sequences, split_even

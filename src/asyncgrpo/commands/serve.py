@@ -1,6 +1,6 @@
 """The `asyncgrpo serve MODEL` process: load the model, serve `serve.create_app` over it until SIGINT/SIGTERM.
 
-Job: build the engine and the application (serve.py), bind, announce the address and the request
+Job: build the engine and the application (generation/serve.py), bind, announce the address and the request
 bounds on stderr, and on a stop close the connections (cancelling their handlers, so their engine
 requests), then the engine, then the prompt tokeniser's thread; bounded by aiohttp's shutdown timeout.
 `serve_cli` maps failures to exit codes: 3 for a model that cannot load, 1 for an address that cannot be bound.

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.commands.plot_timeline import Pipeline
 from asyncgrpo.errors import AsyncGRPOError
-from asyncgrpo.plot_timeline import Pipeline
 from asyncgrpo.rundir import METRICS_FILE, PLOTS_DIR, TIMELINE_FILE
 from asyncgrpo.telemetry.metrics import read_jsonl
 

@@ -128,11 +128,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_command(args: argparse.Namespace) -> int:
     if args.command == "serve":
-        from asyncgrpo.generation.serve_process import serve_cli
+        from asyncgrpo.commands.serve import serve_cli
 
         return serve_cli(args)
     if args.command == "plot":
-        from asyncgrpo.plot import plot_run
+        from asyncgrpo.commands.plot import plot_run
 
         plots = plot_run(args.run_dir, args.out)
         for path in plots.written:
@@ -146,12 +146,12 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.command == "simulate":
         return _simulate(prepared, as_json=args.json, output_dir=args.output_dir)
     if args.command == "check":
-        from asyncgrpo.check import check_recipe
+        from asyncgrpo.commands.check import check_recipe
 
         print(check_recipe(prepared.config))
         print(f"{args.recipe}: ok")
         return 0
-    from asyncgrpo.api_run import run_training
+    from asyncgrpo.commands.run_training import run_training
 
     summary = run_training(prepared)
     print(summary.render(), file=sys.stderr)
