@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from asyncgrpo.config import Config
-from asyncgrpo.generation.scripted import mean_of
+from asyncgrpo.distributions import mean_of
 from asyncgrpo.metric_names import WASTE_REASONS
 
 

@@ -29,10 +29,11 @@ from asyncgrpo.commands.gc_pauses import quiet_gc
 from asyncgrpo.commands.vtime import run_virtual
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_rows
+from asyncgrpo.distributions import mean_of
 from asyncgrpo.environments.simulated import SimulatedHosts
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.base import Generator
-from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
+from asyncgrpo.generation.scripted import ScriptedGenerator
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
 from asyncgrpo.rewards.resolve import resolve_rewards
 from asyncgrpo.rewards.scoring import RewardScorer

@@ -52,7 +52,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("threads", "atomic", "worker_process"),  # the machine: daemon-thread calls, atomic files, worker processes
     ("loss_config", "trl_names"),  # the recipe's parts: the train.loss section, TRL's names for our keys
     ("config", "trl_convert"),  # the recipe; a TRL GRPOConfig converted to one
-    ("metric_names", "rundir", "api_config"),  # what a run shares: metric names, its directory, a Config from Python
+    # what a run shares: metric names, its directory, a Config from Python, draws from the simulator's distributions
+    ("metric_names", "rundir", "api_config", "distributions"),
     ("models",),  # model.path -> (model, tokenizer); the builtin models
     ("data", "generation"),  # prompts; their completion (engines, servers, the scripted backend)
     ("rewards", "environments"),  # what a rollout calls: scoring, and the hosts of multi-turn episodes
@@ -98,6 +99,7 @@ TOP_LEVEL: dict[str, str] = {
     "metric_names": "metric names: rollout, training, telemetry and the commands fill or read them",
     "rundir": "the run directory's files: training (checkpoints), telemetry, the commands and the API",
     "api_config": "a Config from Python objects: the API and the CLI's overrides (commands) build one",
+    "distributions": "draws from the simulator's distributions: the scripted backend, environment and teacher, the simulator",
     "pipeline": "the loop train and simulate share (issue 21 item 4 gives the wiring one place)",
     "assemble": "the wiring of source, scorer and collector from a recipe (issue 21 item 4)",
     "evaluation": "held-out evaluation beside the loop, through the rollouts' retry policy",

@@ -18,8 +18,8 @@ import random
 from collections.abc import Sequence
 
 from asyncgrpo.config import DistillConfig, SimulateConfig
+from asyncgrpo.distributions import sample
 from asyncgrpo.errors import TeacherError, TeacherTimeoutError
-from asyncgrpo.generation.scripted import sample
 from asyncgrpo.types import Completion, Prompt
 
 

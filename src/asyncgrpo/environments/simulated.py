@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from asyncgrpo.config import EnvConfig, ScriptedEnvConfig
+from asyncgrpo.distributions import sample
 from asyncgrpo.environments.protocol import EnvironmentHost, Message, StepResult, TransientEnvironmentError
-from asyncgrpo.generation.scripted import sample
 
 
 class SimulatedHost:

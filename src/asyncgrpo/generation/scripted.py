@@ -51,31 +51,13 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from asyncgrpo.config import Distribution, FaultConfig, SimulateConfig, WeightSyncFaultConfig
+from asyncgrpo.config import FaultConfig, SimulateConfig, WeightSyncFaultConfig
+from asyncgrpo.distributions import sample
 from asyncgrpo.errors import GenerationError, MisconfiguredBackendError, PromptRejectedError, TransientGenerationError
 from asyncgrpo.generation.weight_sync import WeightSyncError
 from asyncgrpo.types import Completion, GenerationRequest
 
 TOKEN_POOL_SLACK = 4096  # pool positions beyond max_new_tokens: the offsets a completion can start at
-
-
-def sample(dist: Distribution, rng: random.Random) -> float:
-    if dist.dist == "const":
-        value = float(dist.value)  # type: ignore[arg-type]
-    elif dist.dist == "uniform":
-        value = rng.uniform(dist.low, dist.high)  # type: ignore[arg-type]
-    else:
-        value = float(dist.median) * math.exp(float(dist.sigma) * rng.gauss(0.0, 1.0))  # type: ignore[arg-type]
-    return min(value, dist.max) if dist.max is not None else value
-
-
-def mean_of(dist: Distribution) -> float:
-    """Expected value (before the `max` clamp) - used for the simulator's capacity bound."""
-    if dist.dist == "const":
-        return float(dist.value)  # type: ignore[arg-type]
-    if dist.dist == "uniform":
-        return (float(dist.low) + float(dist.high)) / 2  # type: ignore[arg-type]
-    return float(dist.median) * math.exp(float(dist.sigma) ** 2 / 2)  # type: ignore[arg-type]
 
 
 class ScriptedGenerator:
