@@ -20,8 +20,10 @@ still a cycle (rewards/pool -> rewards/worker -> rewards/scoring -> rewards/pool
 5. No module imports another unit's private name (`from asyncgrpo.rewards.worker import
    _die_with_parent`): a helper two units need moves down to where both can import it.
 6. A floor holds at most MAX_UNITS_PER_FLOOR units.
-7. The top level of the package holds only TOP_LEVEL's loose modules, each shared by several
-   floors (the reason is given beside each); everything else lives in its package.
+7. The top level of the package holds only TOP_LEVEL's loose modules, each with its reason: what
+   several floors share (errors, carriers, the recipe, metric names, the run directory, ...), the
+   loop and its wiring (pipeline, assemble, evaluation: issue 21 item 4 decides their place) and
+   the Python API (api.py, the package's front door). Everything else lives in its package.
 
 KNOWN_VIOLATIONS lists what the rules find today that work in progress removes, each entry naming
 who removes it; the test fails on a violation it does not list and on an entry that no longer
