@@ -134,7 +134,7 @@ class Import:
     name: str | None
 
 
-def module_names() -> dict[str, Path]:
+def package_modules() -> dict[str, Path]:
     """Every module of the package, dotted without the `asyncgrpo.` prefix (a package is its __init__)."""
     modules = {}
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -172,7 +172,7 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
 
 @functools.cache
 def package_imports() -> tuple[Import, ...]:
-    modules = module_names()
+    modules = package_modules()
     return tuple(i for module, path in modules.items() for i in imports_of(module, path, set(modules)))
 
 
@@ -271,7 +271,7 @@ def report(found: dict[str, list[str]]) -> str:
 
 
 def test_every_module_has_a_floor():
-    unplaced = [m for m in module_names() if floor_of(m) is None]
+    unplaced = [m for m in package_modules() if floor_of(m) is None]
     assert not unplaced, f"modules missing from LAYERS in {__file__}: {unplaced}"
 
 
@@ -317,7 +317,7 @@ def with_added(module: str, target: str, name: str | None = None) -> dict[str, l
 def test_an_upward_import_is_caught_even_inside_a_function(tmp_path):
     path = tmp_path / "example.py"
     path.write_text("def f():\n    from asyncgrpo.rollout.collector import Collector\n", encoding="utf-8")
-    (found,) = imports_of("generation.http", path, set(module_names()))
+    (found,) = imports_of("generation.http", path, set(package_modules()))
     assert found == Import("generation.http", 2, "rollout.collector", "Collector")
     assert "upward: generation.http imports rollout.collector" in with_added("generation.http", "rollout.collector")
 
@@ -325,7 +325,7 @@ def test_an_upward_import_is_caught_even_inside_a_function(tmp_path):
 def test_an_import_under_type_checking_counts(tmp_path):
     path = tmp_path / "example.py"
     path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from asyncgrpo import api\n", encoding="utf-8")
-    assert imports_of("types", path, set(module_names())) == [Import("types", 3, "api", None)]
+    assert imports_of("types", path, set(package_modules())) == [Import("types", 3, "api", None)]
 
 
 def test_a_sideways_import_is_caught():
