@@ -170,7 +170,7 @@ TRACKIO_SCRIPT = """
 import json, pathlib, sys
 from asyncgrpo.config import Config
 from asyncgrpo.telemetry.sinks import Trackers
-from tests.unit.test_sinks import LINES, RESUMED
+from tests.component.test_sinks import LINES, RESUMED
 cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["trackio"], "project": "asyncgrpo-test"}})
 for lines in [LINES, RESUMED][:int(sys.argv[2])]:  # one invocation, or one and its resume
     trackers = Trackers(cfg, pathlib.Path(sys.argv[1]))
@@ -258,7 +258,7 @@ KILLED_WANDB_SCRIPT = """
 import os, pathlib, signal, sys
 from asyncgrpo.config import Config
 from asyncgrpo.telemetry.sinks import TrackerError, Trackers
-from tests.unit.test_sinks import LINES
+from tests.component.test_sinks import LINES
 cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["wandb"], "project": "asyncgrpo-test"}})
 trackers = Trackers(cfg, pathlib.Path(sys.argv[1]))
 trackers.log(LINES[0])
