@@ -16,7 +16,8 @@ While a fast-tier test runs (its setup, call and teardown, fixtures included) th
 Recording does not block the action (blocking could leave a pool waiting for a worker that never starts); the
 test's teardown report is made a failure naming each thing it did and where such a test belongs.
 
-Invariants: nothing is installed before the first fast-tier test, so a run of the other tiers alone pays nothing;
+Invariants: nothing is installed before the first fast-tier test, so a run of the other tiers alone pays nothing
+(installing imports torch for its optimizer hook: about 2 s, once, where no test module imported it already);
 what a thread that was already running when the run entered the fast tier does (a leftover of an earlier tier in
 `make test`, or a thread started while the test modules were imported) is never blamed on a fast-tier test, while
 every thread started during the fast tier is watched; the hooks cannot be removed (audit hooks are permanent), so
