@@ -124,7 +124,7 @@ def test_the_diagnostic_stays_the_first_and_each_check_raises_a_fresh_exception(
     cfg = recipe(rollout={"max_generation_failures": 0, "max_staleness": 1, "groups_per_step": 1})  # prompts 0 and 1 in flight
     sim = simulate(cfg, FailingTogether({0: first, 1: later}))
     # Both groups failed and were recorded: the second broke the budget again, after the first had.
-    assert sim.collector.accounting.dropped["failed"] == 2 and sim.collector.policy.streak == 2
+    assert sim.collector.accounting.dropped["failed"] == 2 and sim.collector.books.policy.streak == 2
     errors = []
     for _ in range(2):
         with pytest.raises(PipelineError) as info:

@@ -60,6 +60,11 @@ class FailurePolicy:
         self._counts: Counter[GroupEnding] = Counter()  # endings in the window, kept as it slides (not recounted per group)
         self._finished = 0
 
+    @property
+    def judged(self) -> int:
+        """Groups recorded so far (every judged group, buffered or dropped)."""
+        return self._finished
+
     def record(self, ending: GroupEnding, error: BaseException | None = None) -> Verdict | None:
         """Account one finished group; return a Verdict if a rule is now broken."""
         if ending == "success":
