@@ -76,7 +76,7 @@ def check_outcome(sim: Simulation) -> None:
     assert result.outcome in ("completed", "failed"), f"outcome {result.outcome}: {result.diagnostic}"
     # Exactly-once: the buckets match the collector's live state.
     assert acc.in_flight == collector.in_flight_groups
-    assert acc.buffered == len(collector.buffer) + len(collector.in_training)
+    assert acc.buffered == len(collector.batches.buffer) + len(collector.batches.in_training)
     assert collector.open_requests == 0, "requests still counted open after the pipeline ended"
     assert sim.generator.in_progress == 0, "a request kept running after its rollout ended"
     # No prompt is trained twice in the same epoch.
@@ -178,7 +178,7 @@ def check_tokens(sim: Simulation) -> None:
     """Every generated token is trained, wasted for a reason, or still held (in flight, buffered, in training)."""
     collector, counters = sim.collector, sim.collector.counters
     held = sum(g.finished_tokens() for g in collector._in_flight.values())
-    held += sum(r.completion.model_tokens for g in collector.buffer.groups() + collector.in_training for r in g.rollouts)
+    held += sum(r.completion.model_tokens for g in collector.batches.buffer.groups() + collector.batches.in_training for r in g.rollouts)
     wasted = sum(counters[f"rollout/wasted_tokens/{reason}"] for reason in WASTE_REASONS)
     assert counters["rollout/generated_tokens_total"] == counters["rollout/trained_tokens_total"] + wasted + held, counters
     assert counters["rollout/wasted_tokens/stale"] == counters["rollout/wasted_tokens_total"]

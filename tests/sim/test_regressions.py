@@ -195,7 +195,7 @@ def test_a_hung_request_ends_at_its_deadline():
     assert sim.collector.counters["rollout/failed_total"] == 1
     assert gen.attempts["0-0-0-0"] >= 2  # each attempt ended at the request timeout and was retried
     assert gen.finished_at["0-0-0-0"] <= 10.0  # ... until the rollout deadline
-    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.buffer.groups()}
+    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.batches.buffer.groups()}
     assert len(finished[0].rollouts) == 2 and finished[0].failed_rollouts == 1
 
 
@@ -273,7 +273,7 @@ def test_a_backend_that_raises_cancelled_error_by_itself_fails_that_rollout_only
     sim = simulate(cfg, ProgrammedGenerator(fate))
     assert sim.result.outcome == "completed"
     assert sim.collector.counters["rollout/failed_total"] == 1
-    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.buffer.groups()}
+    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.batches.buffer.groups()}
     assert finished[0].failed_rollouts == 1 and len(finished[0].rollouts) == 2
 
 

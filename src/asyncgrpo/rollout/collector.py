@@ -1,29 +1,26 @@
-"""The collector: runs each admitted prompt's group of rollouts, hands every ending to the books, and batches to the trainer.
+"""The collector: runs each admitted prompt's group of rollouts, and hands how each rollout, group and take ended to the books.
 
-One `Collector` owns, for one run: a task per in-flight group (and under it a task per rollout),
-the request slots, the replay buffer and the run's first fatal error. It asks the staleness policy
-(rollout/stale_policy.py) what to admit, what to do with a group the next step would leave behind
-and how long a ready batch waits, and tells the books (rollout/books.py) how each rollout, group
-and take ended; it keeps no record of its own. All of its state lives on one event loop and
-changes only in synchronous code; every change calls `StateSignal.notify()`.
+One `Collector` owns, for one run: the admission loop, a task per in-flight group (and under it a
+task per rollout), the request slots and the run's first fatal error. It asks the staleness policy
+(rollout/stale_policy.py) which step a new group targets and what becomes of a group left behind,
+hands every ending to the books (rollout/books.py; it keeps no record of its own) and every
+finished group to the trainer's side (rollout/batches.py: the buffer and each step's batch). Its
+state lives on one event loop and changes only in synchronous code, each change followed by
+`StateSignal.notify()`.
 
 Invariants (DESIGN.md §2):
-- Every take of a prompt ends in exactly one way, through `_end` (groups in flight) or the
-  buffer's own endings (`_drop_stale_buffered`, `step_trained`), and each ending reaches the books
-  once. Whoever ends a group first (finish, stale cancellation) removes it from `_in_flight`, and
-  only a group still there can be ended.
-- No stale group (staleness > K) reaches the trainer: `next_batch` drops stale buffered groups
-  right before taking a batch, and in-flight groups that are stale at the next step are cancelled
-  (requests aborted, slots freed) as soon as the steps move past them, their prompts requeued or
-  dropped as the staleness policy says.
-- Errors are never swallowed: a rollout error is retried (transient), or fails the rollout
-  (counted); judged groups feed the failure policy; a broken budget, a misconfigured backend or a
-  fatal reward error becomes the run's sticky diagnostic, which the trainer raises through
-  `raise_if_failed()`.
-- Cancellation (stale, shutdown, end of data) is never counted as a failure.
-- Tasks: `run()` owns a TaskGroup with one task per in-flight group; each group task owns a
-  TaskGroup with one task per dispatched rollout. `stop()` cancels them all; work unfinished at
-  exit stays reported as in flight or buffered.
+- Every in-flight group ends exactly once, through `_end`: buffered, dropped, or stale (cancelled:
+  requests aborted, slots freed, its prompt requeued or dropped as the policy says); whoever ends
+  it first removes it from `_in_flight`, and only a group still there can be ended. Each ending
+  reaches the books in one call.
+- A group no remaining step can train is cancelled as soon as the steps move past it
+  (`_cancel_stale`), or when it is dispatched, or finishes, after that.
+- Errors are never swallowed: a rollout error is retried (transient) or fails the rollout; judged
+  groups feed the failure policy; a broken budget, a misconfigured backend or a fatal reward error
+  becomes the run's sticky diagnostic (`raise_if_failed()`). Cancellation is never a failure.
+- Tasks: `run()` owns a TaskGroup with one task per in-flight group, each group task a TaskGroup
+  with one task per dispatched rollout; `stop()` cancels them all, and work unfinished at exit
+  stays reported as in flight or buffered.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal
 
 from asyncgrpo.config import Config, EnvConfig
 from asyncgrpo.distill.judge import taught_rollouts
@@ -43,9 +40,9 @@ from asyncgrpo.errors import Diagnostic, FatalBackendError, GenerationError, Rew
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.rollout.accounting import Accounting
 from asyncgrpo.rollout.admission import is_stale, may_admit_group
+from asyncgrpo.rollout.batches import Batches
 from asyncgrpo.rollout.books import Books
-from asyncgrpo.rollout.buffer import ReplayBuffer
-from asyncgrpo.rollout.diagnostics import backend_fatal, policy_broken, reward_failed, stalled, teacher_failed
+from asyncgrpo.rollout.diagnostics import backend_fatal, policy_broken, scoring_failed, stalled
 from asyncgrpo.rollout.episode import EpisodeRunner, add_env_reward
 from asyncgrpo.rollout.events import RolloutObserver
 from asyncgrpo.rollout.failure_log import FailureLog, Tolerated, source_of
@@ -55,36 +52,15 @@ from asyncgrpo.rollout.in_flight import InFlightGroup, rollout_request
 from asyncgrpo.rollout.judge import Drop, scored_rollouts, survivors
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.no_signal import NoSignalWatch
+from asyncgrpo.rollout.ports import PromptSourceLike, ScorerLike
 from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rollout.slots import RequestSlots, Slot
-from asyncgrpo.rollout.stale_policy import is_straggler, may_finish_early, stale_policy
+from asyncgrpo.rollout.stale_policy import stale_policy
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.types import Completion, GenerationRequest, Group, Prompt, Rollout, SamplingParams
 
 log = logging.getLogger("asyncgrpo")
-
-
-class _Stale:
-    """The ending of a group that no remaining step can train (`STALE`)."""
-
-
-STALE = _Stale()
-
-
-class PromptSourceLike(Protocol):
-    @property
-    def exhausted(self) -> bool: ...
-
-    def take(self) -> Prompt | None: ...
-
-    def requeue(self, prompt: Prompt) -> Prompt: ...
-
-
-class ScorerLike(Protocol):
-    """Scores a group's survivors, given as `Completion`s: the reward functions (rewards/scoring.py) get their texts (an
-    episode's messages) and token ids; under `algorithm: distill` the teacher (distill/teacher.py) scores their token ids."""
-
-    async def score(self, prompt: Prompt, completions: list[Any]) -> list[Any]: ...
+STALE: Literal["stale"] = "stale"  # the ending of a group that no remaining step can train
 
 
 class Collector:
@@ -115,38 +91,25 @@ class Collector:
         self.group_size = r.group_size
         self.groups_per_step = r.groups_per_step
         self.max_staleness = r.max_staleness
-        self.buffer = ReplayBuffer(r.max_staleness)
-        self.books = Books(
-            FailurePolicy(max_generation_failures=r.max_generation_failures, drop_window=r.drop_window,
-                          max_drop_fraction=r.max_drop_fraction, max_filtered_fraction=r.max_filtered_fraction),
-            accounting=accounting, ledger=ledger, observer=observer,
-        )
+        self.books = Books(FailurePolicy.from_rollout(r), accounting=accounting, ledger=ledger, observer=observer)
         self.stale = stale_policy(r)  # rollout.on_stale
         self.first_failure = FirstFailure()
         self.per_sample = cfg.algorithm == "distill"  # each sample is its own unit, scored by the teacher (distill/)
         self._no_signal = None if r.filter_zero_variance or self.per_sample else NoSignalWatch(r.drop_window)
         self.failure_log = FailureLog(cfg.logging.failure_summary_s)
-        self.next_step = start_step  # the index of the step whose batch is taken next
-        self.in_training: list[Group] = []
         self._signal = StateSignal()
         self._in_flight: dict[int, InFlightGroup] = {}
         self._slots = RequestSlots(cfg.generation.max_inflight, self._signal)
+        self.batches = Batches(cfg, books=self.books, stale=self.stale, signal=self._signal, first_failure=self.first_failure,
+                               in_flight=self._in_flight, source=source, start_step=start_step,
+                               on_advance=self._cancel_stale, stalled=self._stalled)
         self._scoring = 0  # groups whose reward functions are running
         self._seq = 0
         self._stopping = False
         self._jitter = random.Random(cfg.run.seed)
-        self._last_progress: float | None = None  # loop time of the last finished rollout, episode turn or trained step
         self._task_group: asyncio.TaskGroup | None = None
-        self._episodes: EpisodeRunner | None = None  # env: each rollout is an episode, its slot held for the whole episode
-        if cfg.env is not None:
-            if codec is None:
-                raise ValueError("a Collector with an env: section needs the codec that tokenizes its episodes")
-            self._episodes = EpisodeRunner(
-                cfg.env, cfg.generation, codec, self.counters, prompt_key=cfg.data.prompt_key,
-                max_prompt_tokens=cfg.data.max_prompt_tokens, jitter=self._jitter, host_factory=host_factory,
-            )
-        self._step_started: float | None = None  # loop time the batch in training was taken
-        self._last_step_s: float | None = None  # how long the last step trained (the unit of rollout.patience_share)
+        # env: each rollout is an episode, its slot held for the whole episode
+        self._episodes = EpisodeRunner.of_run(cfg, codec, self.counters, self._jitter, host_factory)
 
     # ------------------------------------------------------------------ views
 
@@ -159,6 +122,11 @@ class Collector:
         return self.books.counters
 
     @property
+    def next_step(self) -> int:
+        """The index of the step whose batch is taken next."""
+        return self.batches.next_step
+
+    @property
     def in_flight_groups(self) -> int:
         return len(self._in_flight)
 
@@ -168,11 +136,11 @@ class Collector:
 
     def metric_values(self) -> dict[str, int]:
         """Its gauges and counters by metric name (telemetry/keys.py), for the step's metrics line."""
-        return {"rollout/inflight": self._slots.open, "buffer/size": len(self.buffer), **self.counters}
+        return {"rollout/inflight": self._slots.open, "buffer/size": len(self.batches.buffer), **self.counters}
 
     def occupancy(self) -> int:
         """Groups admitted and not yet taken for a step (the step in training is the lag term of admission)."""
-        return len(self._in_flight) + len(self.buffer)
+        return len(self._in_flight) + len(self.batches.buffer)
 
     def raise_if_failed(self) -> None:
         """Raise the run's first fatal error, if there is one (see rollout/first_failure.py)."""
@@ -180,10 +148,6 @@ class Collector:
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
-
-    def _mark_start(self) -> None:
-        if self._last_progress is None:
-            self._last_progress = self._now()
 
     def _may_admit(self) -> bool:
         # Evaluated on every wake-up: the cheap necessary condition first (with no slot free no group may start),
@@ -195,15 +159,11 @@ class Collector:
             over_admit_groups=self.cfg.rollout.over_admit_groups,
         )
 
-    def _data_done(self) -> bool:
-        """No group will ever reach the buffer again: the source is exhausted and nothing is in flight."""
-        return self.source.exhausted and not self._in_flight
-
     # ------------------------------------------------------------------ dispatcher
 
     async def run(self) -> None:
         """Admit groups until `stop()`; owns every group task. Its waits end with `stop()` or the owner's cancellation."""
-        self._mark_start()
+        self.batches.mark_start()
         async with asyncio.TaskGroup() as task_group:
             self._task_group = task_group
             while True:
@@ -253,8 +213,11 @@ class Collector:
         self.books.rollout_started(group, member, started)
         try:
             with slot:
-                if self._episodes is not None:
-                    result = await self._run_episode(self._episodes, request, group, member, slot)
+                if self._episodes is not None:  # an episode (rollout/episode.py): its turns generated under the retry policy
+                    result = await self._episodes.run(
+                        group.prompt, request, lambda turn, floor: self._generate_with_retries(turn, group, member, slot, floor),
+                        on_retry=self._retried, between_attempts=slot.released_for, on_progress=self.batches.progressed,
+                    )  # an episode's turn is progress: the stall bound need not cover env.max_turns turns
                 else:
                     result = await self._generate_with_retries(request, group, member, slot)
         except asyncio.CancelledError as exc:
@@ -272,7 +235,7 @@ class Collector:
             self._fail_run(backend_fatal(result, self.generator.name, group.dispatch_versions[member], self.next_step))
         elif not isinstance(result, Completion):
             self._tolerated("failed", result)
-        self._last_progress = self._now()  # a rollout finished (a cancelled one never gets here)
+        self.batches.progressed()  # a rollout finished (a cancelled one never gets here)
 
     async def _generate_with_retries(
         self, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot, floor: int | None = None
@@ -293,17 +256,6 @@ class Collector:
             before_attempt=record_dispatch, on_retry=self._retried, between_attempts=slot.released_for,
         )
 
-    async def _run_episode(self, episodes: EpisodeRunner, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot) -> Completion:
-        """One rollout as an episode (rollout/episode.py), its turns generated under the retry policy."""
-
-        def turn_ended() -> None:  # an episode's turn is progress: the stall bound need not cover env.max_turns turns
-            self._last_progress = self._now()
-
-        return await episodes.run(
-            group.prompt, request, lambda turn, floor: self._generate_with_retries(turn, group, member, slot, floor),
-            on_retry=self._retried, between_attempts=slot.released_for, on_progress=turn_ended,
-        )
-
     def _retried(self, error: Exception) -> None:
         self.books.retried()
         self._tolerated("retried", error)
@@ -321,19 +273,16 @@ class Collector:
             if self.cfg.env is not None:
                 scored = add_env_reward(scored, completions, self.cfg.env, group.prompt)
         except (RewardError, TeacherError) as exc:
-            self._last_progress = self._now()
-            on_error = self.cfg.distill.on_error if isinstance(exc, TeacherError) else self.cfg.reward.on_error
-            if on_error == "fail":
-                version = group.version_floor()
-                self._fail_run(teacher_failed(exc, version, self.next_step) if isinstance(exc, TeacherError)
-                               else reward_failed(exc, version, self.next_step))
+            self.batches.progressed()
+            if (fatal := scoring_failed(exc, self.cfg, group.version_floor(), self.next_step)) is not None:
+                self._fail_run(fatal)
             else:
                 self._tolerated("reward_error", exc)
             self._end(group, Drop("reward_error", exc))
             return
         finally:
             self._scoring -= 1
-        self._last_progress = self._now()  # scoring a group is progress, however long the reward took
+        self.batches.progressed()  # scoring a group is progress, however long the reward took
         rollouts = self._judge(group, completions, scored)
         if isinstance(rollouts, Drop):
             self._end(group, rollouts)
@@ -360,14 +309,14 @@ class Collector:
 
     # ------------------------------------------------------------------ endings
 
-    def _end(self, group: InFlightGroup, ending: Group | Drop | _Stale) -> None:
+    def _end(self, group: InFlightGroup, ending: Group | Drop | Literal["stale"]) -> None:
         """The one way an in-flight group ends: buffered (a `Group`), dropped (a `Drop`), or `STALE`:
         cancelled because no remaining step can train it (its rollouts aborted, its prompt requeued or dropped)."""
         del self._in_flight[group.key]
         verdict: Verdict | None = None
         if isinstance(ending, Group):
             verdict = self.books.buffered(group, ending, self._now())
-            self.buffer.put(ending)
+            self.batches.buffer.put(ending)
         elif isinstance(ending, Drop):
             self.stale.release(group.target_step)
             verdict = self.books.dropped(group, ending, self.next_step, self._now())
@@ -400,100 +349,19 @@ class Collector:
             if floor is not None and is_stale(generation_version=floor, step=self.next_step, max_staleness=self.max_staleness):
                 self._end(group, STALE)
 
-    def _drop_stale_buffered(self, step: int) -> None:
-        for group in self.buffer.remove_stale(step):
-            self.stale.release(group.target_step)
-            self.books.stale_buffered(group, step, self._now())
-
-    # ------------------------------------------------------------------ the trainer's side
+    # ------------------------------------------------------------------ the trainer's side (rollout/batches.py)
 
     async def next_batch(self, step: int, stall_timeout_s: float) -> list[Group] | None:
-        """Wait for step `step`'s batch: `groups_per_step` trainable groups, oldest first.
+        """Step `step`'s batch, once it is ready (`Batches.next_batch`)."""
+        return await self.batches.next_batch(step, stall_timeout_s)
 
-        Returns a smaller final batch at end of data (unless `data.drop_last`), None when no
-        group is left to train, raises the run's diagnostic if it failed, and `StallError` if
-        no rollout (or episode turn) finished and no step trained for `stall_timeout_s`.
-        """
-        if step != self.next_step:
-            raise AssertionError(f"next_batch({step}) but the next step is {self.next_step}")
-        self._mark_start()
-        while True:
-            self.raise_if_failed()
-            self._drop_stale_buffered(step)
-            if self._ready(step):
-                await self._hold_ready_batch(step)
-                return self._take(step, self.groups_per_step)
-            if self._data_done():
-                if len(self.buffer) and not self.cfg.data.drop_last:
-                    return self._take(step, len(self.buffer))
-                return None
-            assert self._last_progress is not None
-            deadline = self._last_progress + stall_timeout_s
-            if self._now() >= deadline:
-                self._fail_run(self._stalled(step, stall_timeout_s))
-                continue
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await self._signal.wait_for(lambda: self._ready(step) or self._data_done() or self.first_failure.failed)
-            except TimeoutError:
-                pass  # the loop re-checks: progress may have moved the deadline
-
-    def _ready(self, step: int) -> bool:
-        return self.stale.ready(step, self.buffer, self._in_flight.values(), self.source.exhausted)
-
-    async def _hold_ready_batch(self, step: int) -> None:
-        """What a ready batch waits for, as the staleness policy says: stragglers, up to its deadline; then, with
-        `rollout.partial_groups`, stragglers with enough finished members end early with them, scored in time for this step."""
-        k = self.max_staleness
-        deadline = self.stale.wait_until(self._now(), self._last_step_s)
-        if deadline is not None:
-            await self._wait_until(deadline, lambda: not any(
-                is_straggler(version_floor=g.version_floor(), step=step, max_staleness=k) for g in self._in_flight.values()))
-        if self.stale.finish_early:
-            early = [g for g in self._in_flight.values() if may_finish_early(
-                version_floor=g.version_floor(), step=step, max_staleness=k, dispatched=g.dispatched == g.size,
-                finished=sum(c is not None for c in g.completions), min_survivors=self.cfg.rollout.min_group_survivors)]
-            for group in early:
-                group.finish_early()
-            # Their scoring ends within the reward time limits; those still scoring are cancelled as stale later.
-            await self._wait_until(self._now() + self.cfg.stall_timeout_s, lambda: all(g.key not in self._in_flight for g in early))
-
-    async def _wait_until(self, deadline: float, done: Callable[[], bool]) -> None:
-        """Wait until `done()`, the run fails, or the loop time `deadline`; then raise the run's diagnostic if it failed."""
-        try:
-            async with asyncio.timeout_at(deadline):
-                await self._signal.wait_for(lambda: self.first_failure.failed or done())
-        except TimeoutError:
-            pass  # what is left is cancelled as stale when the steps move past it
-        self.raise_if_failed()
-
-    def _take(self, step: int, n: int) -> list[Group]:
-        batch = self.buffer.take(n, prefer_target=self.stale.prefer_target(step))
-        for group in batch:
-            self.stale.release(group.target_step)
-            if is_stale(generation_version=group.generation_version, step=step, max_staleness=self.max_staleness):
-                raise AssertionError(f"group of version {group.generation_version} taken for step {step} with K={self.max_staleness}")
-        self.in_training = batch
-        self._step_started = self._now()
-        self.next_step = step + 1
-        self._cancel_stale()
-        self._drop_stale_buffered(self.next_step)
-        self._signal.notify()
-        return batch
+    def step_trained(self) -> None:
+        """The step that took the batch in training has completed and its weights are published."""
+        self.batches.step_trained()
 
     @property
     def steps_trained(self) -> int:
-        """Steps completed: every step whose batch was taken, less the one training now (TRL's trainer_state.global_step)."""
-        return self.next_step - (1 if self.in_training else 0)
-
-    def step_trained(self) -> None:
-        """The step that took `in_training` has completed and its weights are published."""
-        self.books.trained(self.in_training, self.next_step - 1, self._now())
-        self.in_training = []
-        self._last_progress = self._now()
-        if self._step_started is not None:
-            self._last_step_s = self._last_progress - self._step_started
-        self._signal.notify()
+        return self.batches.steps_trained
 
     def weights_published(self) -> None:
         """A generator's serving version changed: admission may open."""
@@ -501,7 +369,7 @@ class Collector:
 
     def _stalled(self, step: int, stall_timeout_s: float) -> Diagnostic:
         scoring = f"{self._scoring} being scored" + (f" by the teacher ({self.scorer.state()})" if self.per_sample else "")  # type: ignore[attr-defined]
-        state = (f"{len(self.buffer)} buffered, {len(self._in_flight)} groups in flight with {self._slots.open} requests "
+        state = (f"{len(self.batches.buffer)} buffered, {len(self._in_flight)} groups in flight with {self._slots.open} requests "
                  f"open and {scoring}, source exhausted: {self.source.exhausted}")
         bound, source = self.cfg.stall_bound()
         source = source if bound == stall_timeout_s else "as the caller set it"
