@@ -4,6 +4,7 @@ patience deadline, the buffer's preference for a step's own groups, and where th
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 from typing import get_args
 
 import pytest
@@ -90,6 +91,9 @@ def test_the_token_books_put_each_token_in_one_place():
     }
 
 
+LEFT, DONE = SimpleNamespace(exhausted=False), SimpleNamespace(exhausted=True)  # a prompt source with prompts left, and without
+
+
 def _policy(on_stale: str, **rollout) -> StalePolicy:
     return stale_policy(RolloutConfig(on_stale=on_stale, groups_per_step=2, max_requeues=1, patience_share=0.5, **rollout))
 
@@ -117,16 +121,16 @@ def test_only_wait_targets_steps_and_a_step_waits_for_its_own_groups():
     for name in ("patience", "requeue", "drop"):
         policy = _policy(name)
         assert policy.target(3, 5) is None and policy.prefer_target(3) is None
-        assert policy.ready(3, ReplayBuffer(max_staleness=2), [], exhausted=False) is False
+        assert policy.ready(3, ReplayBuffer(max_staleness=2), [], LEFT) is False
     wait = _policy("wait")
     assert [wait.target(3, 5) for _ in range(3)] == [3, 3, 4] and wait.prefer_target(3) == 3
     buffer = ReplayBuffer(max_staleness=2)
     for seq, target in ((1, 4), (2, 4)):
         buffer.put(_group(seq, 2, target))
     coming = [InFlightGroup(key=1, prompt=Prompt(id=9, text="p", token_ids=(1,)), size=2, target_step=3)]
-    assert not wait.ready(3, buffer, coming, exhausted=True)  # two buffered, but step 3's own group is still coming
-    assert not wait.ready(3, buffer, [], exhausted=False)  # more of its own may be admitted
-    assert wait.ready(3, buffer, [], exhausted=True) and wait.ready(4, buffer, coming, exhausted=False)
+    assert not wait.ready(3, buffer, coming, DONE)  # two buffered, but step 3's own group is still coming
+    assert not wait.ready(3, buffer, [], LEFT)  # more of its own may be admitted
+    assert wait.ready(3, buffer, [], DONE) and wait.ready(4, buffer, coming, LEFT)
     wait.release(3)
     wait.release(None)  # a group without a target holds no room
     assert wait.target(3, 5) == 3

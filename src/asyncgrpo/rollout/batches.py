@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
 from asyncgrpo.config import Config
 from asyncgrpo.errors import Diagnostic
@@ -31,14 +30,9 @@ from asyncgrpo.rollout.books import Books
 from asyncgrpo.rollout.buffer import ReplayBuffer
 from asyncgrpo.rollout.first_failure import FirstFailure
 from asyncgrpo.rollout.in_flight import InFlightGroup
-from asyncgrpo.rollout.stale_policy import StalePolicy, is_straggler, may_finish_early
+from asyncgrpo.rollout.stale_policy import Exhaustible, StalePolicy, is_straggler, may_finish_early
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.types import Group
-
-
-class Exhaustible(Protocol):
-    @property
-    def exhausted(self) -> bool: ...
 
 
 class Batches:
@@ -131,7 +125,7 @@ class Batches:
                 pass  # the loop re-checks: progress may have moved the deadline
 
     def _ready(self, step: int) -> bool:
-        return self._stale.ready(step, self.buffer, self._in_flight.values(), self._source.exhausted)
+        return self._stale.ready(step, self.buffer, self._in_flight.values(), self._source)
 
     async def _hold_ready_batch(self, step: int) -> None:
         """What a ready batch waits for, as the staleness policy says: stragglers, up to its deadline; then, with

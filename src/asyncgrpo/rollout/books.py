@@ -1,4 +1,6 @@
-"""The books of a run's rollouts: one place that records how each rollout, group and take ended. No tasks, no I/O.
+"""The books of a run's rollouts: one place that records how each rollout, group and take ended.
+
+No tasks and no I/O of its own (the ledger's sink and the observer do theirs: a run's outcomes.jsonl and timeline).
 
 The collector hands every ending here exactly once, and each method updates every record the
 ending touches, so no record can miss one:

@@ -62,6 +62,13 @@ class Targeted(Protocol):
     def target_step(self) -> int | None: ...
 
 
+class Exhaustible(Protocol):
+    """The prompt source as a policy sees it: will a new prompt still come?"""
+
+    @property
+    def exhausted(self) -> bool: ...
+
+
 class Buffered(Sized, Protocol):
     """The replay buffer as a policy sees it: its size, and how many of its groups target a step."""
 
@@ -84,8 +91,8 @@ class StalePolicy:
     def release(self, target: int | None) -> None:
         """A group holding `target` was dropped or taken: its room is free again."""
 
-    def ready(self, step: int, buffer: Buffered, in_flight: Iterable[Targeted], exhausted: bool) -> bool:
-        """Is step `step`'s batch buffered? `in_flight`: the groups still coming; `exhausted`: no new prompt will come."""
+    def ready(self, step: int, buffer: Buffered, in_flight: Iterable[Targeted], source: Exhaustible) -> bool:
+        """Is step `step`'s batch buffered? `in_flight`: the groups still coming; `source`: where new ones come from."""
         return len(buffer) >= self.groups_per_step
 
     def prefer_target(self, step: int) -> int | None:
@@ -138,11 +145,11 @@ class WaitPolicy(StalePolicy):
         if target is not None:
             self.targets.release(target)
 
-    def ready(self, step: int, buffer: Buffered, in_flight: Iterable[Targeted], exhausted: bool) -> bool:
+    def ready(self, step: int, buffer: Buffered, in_flight: Iterable[Targeted], source: Exhaustible) -> bool:
         if buffer.count_target(step) >= self.groups_per_step:
             return len(buffer) >= self.groups_per_step
         own_coming = any(g.target_step == step for g in in_flight)
-        return exhausted and not own_coming and len(buffer) >= self.groups_per_step
+        return source.exhausted and not own_coming and len(buffer) >= self.groups_per_step
 
     def prefer_target(self, step: int) -> int | None:
         return step
