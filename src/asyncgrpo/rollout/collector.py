@@ -3,7 +3,7 @@
 One `Collector` owns, for one run: the admission loop, a task per in-flight group (and under it a
 task per rollout), the request slots and the run's first fatal error. It asks the staleness policy
 (rollout/stale_policy.py) which step a new group targets and what becomes of a group left behind,
-hands every ending to the books (rollout/books.py; it keeps no record of its own) and every
+hands every ending to the books (rollout/books.py; it updates none of their records itself) and every
 finished group to the trainer's side (rollout/batches.py: the buffer and each step's batch). Its
 state lives on one event loop and changes only in synchronous code, each change followed by
 `StateSignal.notify()`.
