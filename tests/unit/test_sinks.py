@@ -217,45 +217,115 @@ def test_an_unknown_sink_is_a_config_error_naming_the_choices():
         load_config(None, ["logging.sinks=[jsonl, neptune]"])
 
 
-TRACKIO_SCRIPT = """
-import json, pathlib, sys
-from asyncgrpo.config import Config
-from asyncgrpo.telemetry.sinks import Trackers
-from tests.unit.test_sinks import LINES, RESUMED
-cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["trackio"], "project": "asyncgrpo-test"}})
-for lines in [LINES, RESUMED][:int(sys.argv[2])]:  # one invocation, or one and its resume
-    trackers = Trackers(cfg, pathlib.Path(sys.argv[1]))
-    for line in lines:
-        trackers.log(line)
-    assert trackers.close() == []
+TRACKIO_READER = """
+import json, sys
 from trackio.sqlite_storage import SQLiteStorage
 print(json.dumps([SQLiteStorage.get_runs("asyncgrpo-test"), SQLiteStorage.get_logs("asyncgrpo-test", "sinktest")]))
 """
 
 
-def trackio_runs(tmp_path, invocations: int):
+def trackio_runs(store):
+    """The runs of project asyncgrpo-test in the trackio store `store`, and run sinktest's values by step, read as a
+    user would: trackio imported with TRACKIO_DIR=store (in a process of its own, since trackio reads it at import)."""
     import json
     import os
     import subprocess
     import sys
 
-    # trackio reads TRACKIO_DIR when it is imported: a process of its own keeps the store in tmp_path.
-    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
-    proc = subprocess.run([sys.executable, "-c", TRACKIO_SCRIPT, str(tmp_path), str(invocations)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", TRACKIO_READER], env={**os.environ, "TRACKIO_DIR": str(store)},
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     runs, logs = json.loads(proc.stdout.strip().splitlines()[-1])
     return runs, {row.pop("step"): {k: v for k, v in row.items() if k != "timestamp"} for row in logs}
 
 
-@needs("trackio")
-def test_trackio_writes_to_its_local_store(tmp_path):
-    assert trackio_runs(tmp_path, 1) == (["sinktest"], EXPECTED)
+@pytest.fixture
+def trackio_env(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRACKIO_DIR", raising=False)
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+    return tmp_path
 
 
 @needs("trackio")
-def test_a_resumed_run_continues_its_trackio_run(tmp_path):
-    assert trackio_runs(tmp_path, 2) == (["sinktest"], EXPECTED_RESUMED)
+def test_trackio_writes_its_store_in_the_run_directory_each_run_its_own(trackio_env):
+    """trackio reads TRACKIO_DIR once per process: two runs in one process still get a store each, in their run directory."""
+    write(trackio_env / "a", "trackio")
+    write(trackio_env / "b", "trackio", RESUMED)
+    assert trackio_runs(trackio_env / "a" / "trackio") == (["sinktest"], EXPECTED)
+    assert trackio_runs(trackio_env / "b" / "trackio") == (["sinktest"], {step + 2: values for step, values in EXPECTED.items()})
+
+
+@needs("trackio")
+def test_a_resumed_run_continues_its_trackio_run(trackio_env):
+    write(trackio_env / "a", "trackio")
+    write(trackio_env / "a", "trackio", RESUMED)
+    assert trackio_runs(trackio_env / "a" / "trackio") == (["sinktest"], EXPECTED_RESUMED)
+
+
+@needs("trackio")
+def test_trackio_dir_wins_over_the_run_directorys_store(trackio_env, monkeypatch):
+    monkeypatch.setenv("TRACKIO_DIR", str(trackio_env / "elsewhere"))
+    write(trackio_env / "a", "trackio")
+    assert trackio_runs(trackio_env / "elsewhere") == (["sinktest"], EXPECTED)
+    assert not (trackio_env / "a" / "trackio").exists()
+
+
+@needs("trackio")
+def test_a_failed_trackio_call_is_named_and_its_process_ends(trackio_env, monkeypatch):
+    """trackio refuses to resume a run its store does not hold: the run's error says so; no process is left behind."""
+    import json
+
+    (trackio_env / "a" / "trackers.json").write_text(json.dumps(
+        {"trackio": {"project": "asyncgrpo-test", "name": "sinktest", "dir": str(trackio_env / "a" / "trackio")}}))
+    cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["trackio"], "project": "asyncgrpo-test"}})
+    started = []
+    real = sinks.subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(sinks.subprocess, "Popen", popen)
+    with pytest.raises(sinks.TrackerError, match=r"the trackio tracker of logging.sinks failed while starting \(TrackioError: "
+                                                 r"trackio raised ValueError: Run 'sinktest' does not exist"):
+        Trackers(cfg, trackio_env / "a")
+    [process] = started
+    assert process.returncode is not None
+
+
+KILLED_RUN_SCRIPT = """
+import pathlib, sys
+from asyncgrpo.config import Config
+from asyncgrpo.telemetry.sinks import Trackers
+from tests.unit.test_sinks import LINES
+cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["trackio"], "project": "asyncgrpo-test"}})
+trackers = Trackers(cfg, pathlib.Path(sys.argv[1]))
+for line in LINES:
+    trackers.log(line)
+print(trackers.trackers["trackio"].process.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+@needs("trackio")
+def test_trackios_process_ends_with_its_run_and_keeps_what_was_logged_when_the_run_is_killed(trackio_env):
+    import os
+    import select
+    import subprocess
+    import sys
+
+    with subprocess.Popen([sys.executable, "-c", KILLED_RUN_SCRIPT, str(trackio_env / "a")], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as run:
+        try:
+            pidfd = os.pidfd_open(int(run.stdout.readline()))
+        finally:
+            run.kill()  # SIGKILL: the run closes nothing; the trackio process sees its stdin end
+    try:
+        assert select.select([pidfd], [], [], 60)[0], "trackio's process outlived the killed run by 60 s"
+    finally:
+        os.close(pidfd)
+    assert trackio_runs(trackio_env / "a" / "trackio") == (["sinktest"], EXPECTED)
 
 
 class Failing:

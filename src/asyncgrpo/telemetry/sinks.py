@@ -10,12 +10,12 @@
   `<run dir>/mlflow.db` (artifact root `<run dir>/mlartifacts`), with the config as params (dotted keys:
   `rollout.group_size`). It needs `sqlalchemy` and `alembic` beside mlflow-skinny (the `sinks` extra has
   them) and no environment variable: `mlflow ui --backend-store-uri sqlite:///<run dir>/mlflow.db` reads it.
-- trackio: a run in project `logging.project` in trackio's local store (`trackio show`). trackio reads its
-  store's folder from `TRACKIO_DIR` once, when it is imported, for the whole process, and has no per-run
-  option: `TRACKIO_DIR=<run dir>/trackio asyncgrpo train ...` keeps it in the run directory.
+- trackio: a run in project `logging.project` in the trackio store `<run dir>/trackio` (`TRACKIO_DIR`, when
+  set, wins), read with `TRACKIO_DIR=<run dir>/trackio trackio show`. trackio reads its store's folder once
+  per process, when imported, so it runs in a process of its own (telemetry/trackio_worker.py).
 
 A resumed run continues its tracker runs: `<run dir>/trackers.json` records each tracker's run
-(W&B's run id, MLflow's tracking URI and run id, trackio's project and run name) when it starts,
+(W&B's run id, MLflow's tracking URI and run id, trackio's project, run name and store) when it starts,
 and a resume (which keeps the file; a fresh start removes it) reopens them: W&B `id=..., resume="allow"`,
 MLflow the same run id (set RUNNING again; its params stay the first invocation's: MLflow refuses a
 changed param, and the resume's changes are in its log), trackio `resume="must"`. Steps logged after the
@@ -44,6 +44,8 @@ import contextlib
 import importlib.util
 import json
 import os
+import select
+import subprocess
 import sys
 import time
 from collections.abc import Iterable
@@ -53,7 +55,8 @@ from typing import Any, Protocol
 from asyncgrpo.atomic import replace_file
 from asyncgrpo.config import Config
 from asyncgrpo.errors import AsyncGRPOError
-from asyncgrpo.rundir import MLFLOW_ARTIFACTS_DIR, MLFLOW_STORE, TRACKER_RUNS_FILE
+from asyncgrpo.rundir import MLFLOW_ARTIFACTS_DIR, MLFLOW_STORE, TRACKER_RUNS_FILE, TRACKIO_STORE_DIR
+from asyncgrpo.telemetry import trackio_worker
 from asyncgrpo.telemetry.keys import trl_name
 
 # sink -> the (module to import, pip package) pairs it needs
@@ -88,7 +91,7 @@ TRACKER_FIXES: dict[str, str] = {
     "tensorboard": "check that the run directory's tensorboard/ folder is writable",
     "wandb": "check that W&B's service is running and reachable (its log is wandb/debug-internal.log in the run directory)",
     "mlflow": "check that MLFLOW_TRACKING_URI's server (or the run directory's mlflow.db) answers",
-    "trackio": "check trackio's local store (`trackio show`)",
+    "trackio": "check trackio's store (the run directory's trackio/ folder, or TRACKIO_DIR) and its messages above",
 }
 
 
@@ -218,20 +221,82 @@ def flat_params(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
-class TrackioTracker:
-    def __init__(self, cfg: Config, run_dir: Path, resume: dict[str, str] | None) -> None:
-        import trackio
+TRACKIO_START_S = 300.0  # importing trackio and starting (or reopening) its run
+TRACKIO_LOG_S = 60.0  # trackio.log queues the values: the answer comes at once unless the process is stuck
+TRACKIO_FINISH_S = 600.0  # trackio.finish flushes what is queued, and uploads it when a Space is configured
+TRACKIO_EXIT_S = 60.0  # after finish, or once its stdin is closed, the process ends; past this it is killed
 
-        self.trackio = trackio
-        again = resume is not None and resume == {"project": cfg.logging.project, "name": cfg.run.name}
-        trackio.init(project=cfg.logging.project, name=cfg.run.name, config=cfg.model_dump(mode="json"), resume="must" if again else "never")
-        self.ref = {"project": cfg.logging.project, "name": cfg.run.name}
+
+class TrackioError(Exception):
+    """trackio's process failed: trackio raised (its error type and text), exited, or did not answer in time."""
+
+
+class TrackioTracker:
+    """trackio, in a process of its own (telemetry/trackio_worker.py, whose docstring says why), with its store in
+    `<run dir>/trackio`, or in TRACKIO_DIR when that is set."""
+
+    def __init__(self, cfg: Config, run_dir: Path, resume: dict[str, str] | None) -> None:
+        store = os.environ.get("TRACKIO_DIR") or str((run_dir / TRACKIO_STORE_DIR).resolve())
+        self.ref = {"project": cfg.logging.project, "name": cfg.run.name, "dir": store}
+        # Its own session: a Ctrl-C at the terminal reaches only the run, which then finishes the trackio run itself.
+        self.process = subprocess.Popen([sys.executable, trackio_worker.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        env={**os.environ, "TRACKIO_DIR": store}, start_new_session=True)
+        self.pending = b""
+        try:
+            self.call(TRACKIO_START_S, "init", {"project": cfg.logging.project, "name": cfg.run.name,
+                                                "config": cfg.model_dump(mode="json"), "resume": "must" if resume == self.ref else "never"})
+        except BaseException:
+            self.stop()
+            raise
 
     def log(self, values: dict[str, float], step: int) -> None:
-        self.trackio.log(values, step=step)
+        self.call(TRACKIO_LOG_S, "log", values, step)
 
     def close(self) -> None:
-        self.trackio.finish()
+        try:
+            self.call(TRACKIO_FINISH_S, "finish")
+        finally:
+            self.stop()
+
+    def call(self, seconds: float, *request: Any) -> None:
+        """Send one request; wait for its answer at most `seconds`. Raises TrackioError."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        try:
+            self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            raise self.exited() from None
+        deadline = time.monotonic() + seconds
+        while b"\n" not in self.pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.process.stdout], [], [], remaining)[0]:
+                raise TrackioError(f"trackio's process (PID {self.process.pid}) did not answer {request[0]} within {seconds:.0f} s")
+            chunk = os.read(self.process.stdout.fileno(), 65536)
+            if not chunk:
+                raise self.exited()
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        error = json.loads(line)
+        if error is not None:
+            raise TrackioError(f"trackio raised {error[0]}: {error[1]}")
+
+    def exited(self) -> TrackioError:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(TRACKIO_EXIT_S)
+        return TrackioError(f"trackio's process (PID {self.process.pid}) exited with code {self.process.returncode}; "
+                            f"its messages are above")
+
+    def stop(self) -> None:
+        """End the process: its stdin closed (which ends it), killed if still running after TRACKIO_EXIT_S."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        with contextlib.suppress(BrokenPipeError):
+            self.process.stdin.close()
+        try:
+            self.process.wait(TRACKIO_EXIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdout.close()
 
 
 def earlier_runs(path: Path) -> dict[str, dict[str, str]]:
