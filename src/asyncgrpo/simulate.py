@@ -23,20 +23,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.assemble import build_collector
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_rows
-from asyncgrpo.distill.simulated import SimulatedTeacher
 from asyncgrpo.environments.simulated import SimulatedHosts
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.gc_pauses import quiet_gc
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
-from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rewards.resolve import resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer
 from asyncgrpo.rewards.trl_args import run_trainer_state
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.rollout.episode import term_names
+from asyncgrpo.rollout.events import RolloutObserver
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rundir import METRICS_FILE, TIMELINE_FILE
 from asyncgrpo.sim_metrics import population_length, token_capacities, token_metrics
@@ -75,7 +77,7 @@ class Simulation:
         cfg, r = self.cfg, self.result
         trained_completions = sum(len(g.rollouts) for g in self.trainer.trained_groups)
         drawn = getattr(self.generator, "drawn_lengths", {})
-        length = population_length(drawn) or max(1.0, mean_of(cfg.generation.scripted.tokens))  # lengths are at least 1
+        length = population_length(drawn) or max(1.0, mean_of(cfg.simulate.tokens))  # lengths are at least 1
         bound = min(token_capacities(cfg, length)) / length  # completions/s; a latency of 0 leaves the training capacity
         rate = trained_completions / self.virtual_time_s if self.virtual_time_s > 0 else 0.0
         return {
@@ -117,14 +119,14 @@ def check_simulatable(cfg: Config) -> None:
 
 
 def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrainer | None = None,
-             output_dir: Path | None = None) -> Simulation:
+             output_dir: Path | None = None, observer: RolloutObserver | None = None) -> Simulation:
     """Run one simulation to its end; config errors raise ConfigError, invariant breaks InvariantViolation.
 
     `generator` and `trainer` replace the scripted backend and the stub trainer (tests drive
     exact fates with them); they must read time only through the event loop. With `output_dir`
     (`simulate --output-dir DIR`), the run's `metrics.jsonl` and `timeline.jsonl` are written
     there, on virtual time, as a training run writes them (`asyncgrpo plot DIR` draws them);
-    the train-only metrics (loss, kl, ...) are null.
+    the train-only metrics (loss, kl, ...) are null. `observer` watches the rollouts when no `output_dir`'s timeline does.
     """
     check_simulatable(cfg)
     rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)
@@ -132,15 +134,16 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     for warning in step_budget_warnings(cfg, len(prompts)):
         log.warning("warning: %s", warning)
     if generator is None:
-        generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
-    trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s, cfg.train.token_time_s)
+        generator = ScriptedGenerator(cfg.simulate, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
+    algorithm = algorithm_for(cfg)
+    trainer = trainer if trainer is not None else StubTrainer(cfg.simulate.step_time_s, cfg.simulate.token_time_s, algorithm=algorithm)
     report = _Report(cfg, output_dir, generator.name) if output_dir is not None else None
     scorer = RewardScorer.from_config(cfg.reward, isolation="inline")
-    # Episodes run on the simulator's model of an environment (generation.scripted.env), not env.factory.
-    env_hosts = SimulatedHosts(cfg.generation.scripted.env, cfg.run.seed) if cfg.env is not None else None
-    teacher = SimulatedTeacher(cfg.distill, seed=cfg.run.seed) if cfg.algorithm == "distill" else None
+    # Episodes run on the simulator's model of an environment (simulate.env), not env.factory.
+    env_hosts = SimulatedHosts(cfg.simulate.env, cfg.run.seed) if cfg.env is not None else None
+    teacher = algorithm.simulated_scorer()  # None: the reward functions score
     outcomes: list[dict[str, Any]] = []
-    collector = build_collector(cfg, prompts, generator, scorer=teacher or scorer, observer=report.timeline if report else None,
+    collector = build_collector(cfg, prompts, generator, scorer=teacher or scorer, observer=report.timeline if report else observer,
                                 host_factory=env_hosts, ledger=PromptLedger(sink=outcomes.append))
     scorer.trainer_state = functools.partial(run_trainer_state, cfg, len(prompts), lambda: collector.steps_trained)
     records: list[StepRecord] = []
@@ -192,7 +195,7 @@ class _Report:
         self.timeline.step(record, now)
         if self.writer is None:
             self.writer = MetricsWriter(self.file, metric_keys(reward_names, max_staleness=self.cfg.rollout.max_staleness,
-                                                                  distill=self.cfg.algorithm == "distill"))
+                                                                  algorithm_keys=algorithm_for(self.cfg).metric_keys))
         values = step_metrics(
             record, collector.metric_values(), reward_names=reward_names, elapsed_s=now,
             gen_tokens_per_s=self.rate.add(now, collector.counters["rollout/generated_tokens_total"]), eval_metrics={},

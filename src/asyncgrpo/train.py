@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.assemble import build_collector, episode_codec
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_rows, read_rows
-from asyncgrpo.distill.teacher_path import check_teacher_path
 from asyncgrpo.environments.hosts import check_env
 from asyncgrpo.errors import ConfigError, Diagnostic, DiskError, FatalBackendError, PipelineError
 from asyncgrpo.evaluation import eval_diagnostic, evaluate
@@ -53,7 +53,8 @@ from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.ray_cluster import import_ray
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
-from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rewards.resolve import resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer
 from asyncgrpo.rewards.trl_args import run_trainer_state
 from asyncgrpo.rollout.episode import term_names
 from asyncgrpo.rollout.ledger import PromptLedger
@@ -100,8 +101,7 @@ def preflight(cfg: Config) -> ResumePlan:
     check_devices(cfg)
     if cfg.train.lora is not None:
         check_peft()
-    if cfg.algorithm == "distill":
-        check_teacher_path(cfg)
+    algorithm_for(cfg).preflight()  # e.g. distillation's teacher path
     check_data_source(cfg.data.source, key="data.source")
     if cfg.eval.source is not None:
         check_data_source(cfg.eval.source, key="eval.source")
@@ -122,8 +122,7 @@ def check_devices(cfg: Config) -> None:
     wanted = [("train.device", cfg.train.device)] if cfg.train.world_size == 1 else []
     if cfg.runtime == "local" and cfg.generation.backend == "local":
         wanted.append(("generation.local.device", cfg.generation.local.device))
-    if cfg.algorithm == "distill":
-        wanted.append(("distill.device", cfg.distill.device if cfg.distill.device != "auto" else cfg.train.device))
+    wanted += algorithm_for(cfg).devices()  # e.g. distillation's teacher
     for key, spec in wanted:
         if spec not in ("auto", "cpu"):
             from asyncgrpo.training.device import resolve_device
@@ -300,7 +299,7 @@ class TrainingRun:
                 start_step=plan.step, resumed=saved.get("timeline"),
             )
             self.scorer = RewardScorer.from_config(cfg.reward)
-            self.teacher = teacher  # algorithm: distill: it scores the samples instead of the reward functions
+            self.teacher = teacher  # the algorithm's own scorer (distillation's teacher), in place of the reward functions
             self.collector = build_collector(
                 cfg, prompts, self.engine, stop_token_ids=self.stop_ids, scorer=teacher or self.scorer, ledger=self.ledger,
                 start_step=plan.step, resumed=saved, observer=self.timeline, tokenizer=tokenizer,
@@ -308,7 +307,7 @@ class TrainingRun:
             self.scorer.trainer_state = functools.partial(run_trainer_state, cfg, len(prompts), lambda: self.collector.steps_trained)
             self.reward_terms = term_names(self.scorer.names, cfg.env)
             self.eval_codec = episode_codec(cfg, tokenizer)  # evaluation plays episodes tokenized as the collector's
-            keys = metric_keys(self.reward_terms, max_staleness=cfg.rollout.max_staleness, distill=teacher is not None)
+            keys = metric_keys(self.reward_terms, max_staleness=cfg.rollout.max_staleness, algorithm_keys=algorithm_for(cfg).metric_keys)
             self.metrics = MetricsWriter(self.metrics_file, keys)
             self.progress = Progress(cfg, plan.step)
             self.eval_state: dict[str, float | None] = dict.fromkeys([*EVAL_KEYS, *(f"eval/reward/{name}" for name in self.reward_terms)])
@@ -347,12 +346,7 @@ class TrainingRun:
             build_prompts(eval_rows, prompt_key=cfg.data.prompt_key, key=eval_key, source=eval_source, **tokens) if eval_rows else ([], None)
         )
         warnings = [*plan.notes, *report.warnings(), *(eval_report.warnings() if eval_report else []), *step_budget_warnings(cfg, len(prompts))]
-        teacher = None
-        if cfg.algorithm == "distill":
-            from asyncgrpo.distill.teacher import build_teacher
-
-            log.info("loading the teacher %s ...", cfg.distill.teacher)
-            teacher = build_teacher(cfg, tokenizer)
+        teacher = algorithm_for(cfg).build_scorer(tokenizer)  # None: the reward functions score
         run = cls(cfg, plan, run_dir, stop, TorchTrainer(model, tokenizer, cfg), tokenizer, prompts, eval_prompts, warnings, teacher)
         if plan.checkpoint is not None:
             log.warning("resuming from %s (step %d)", plan.checkpoint, plan.step)

@@ -30,7 +30,7 @@ def test_preflight_imports_nothing_heavy(tmp_path):
 def test_resolve_builtin_does_not_import_heavy_libraries():
     code = (
         "import sys\n"
-        "from asyncgrpo.rewards.scoring import resolve_reward\n"
+        "from asyncgrpo.rewards.resolve import resolve_reward\n"
         "resolve_reward('builtin:repeat_letter', 0)\n"
         "heavy = [m for m in ('torch', 'transformers', 'datasets', 'pyarrow') if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rewards.resolve import resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer
 from tests.unit.test_trl_rewards import MESSAGES, completion, echo_module, prompts_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -24,7 +25,7 @@ def test_conversational_prompts_pass_message_lists_and_text_prompts_pass_strings
 
     async def score():
         specs = [f"{module}:trl_style"]
-        from asyncgrpo.rewards.scoring import resolve_rewards
+        from asyncgrpo.rewards.resolve import resolve_rewards
 
         async with RewardScorer(resolve_rewards(specs), isolation=isolation, specs=specs, workers=1) as scorer:
             chat_scores = await scorer.score(chat, ["12", " 13"])

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from asyncgrpo.errors import ConfigError, RewardError
-from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion, resolve_reward, resolve_rewards, unscored_group_error
+from asyncgrpo.rewards.resolve import resolve_reward, resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion, unscored_group_error
 from asyncgrpo.rollout.diagnostics import reward_failed
 from asyncgrpo.tasks import REWARDS
 from asyncgrpo.threads import run_in_daemon_thread

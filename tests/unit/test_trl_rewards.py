@@ -44,7 +44,7 @@ def test_trl_reward_functions_work_unchanged():
     chat = prompts_of([{"prompt": MESSAGES}])[0]
 
     async def score():
-        from asyncgrpo.rewards.scoring import resolve_rewards
+        from asyncgrpo.rewards.resolve import resolve_rewards
 
         specs = ["trl.rewards:think_format_reward"]
         async with RewardScorer(resolve_rewards(specs), isolation="thread", specs=specs) as scorer:
