@@ -82,11 +82,10 @@ def build_collector(
         scorer = RewardScorer.from_config(cfg.reward, isolation=isolation)
     collector = Collector(
         cfg, source=source, generator=generator, scorer=scorer, algorithm=algorithm_for(cfg), sampling=sampling_params(cfg, stop_token_ids),
-        start_step=start_step, ledger=ledger, observer=observer,
+        start_step=start_step, accounting=Accounting.resumed(resumed["accounting"]) if resumed else None, ledger=ledger, observer=observer,
         codec=episode_codec(cfg, tokenizer),
         **({"host_factory": host_factory} if host_factory is not None else {}),
     )
     if resumed:
-        collector.accounting = Accounting.resumed(resumed["accounting"])
         collector.counters.update(resumed["counters"])
     return collector

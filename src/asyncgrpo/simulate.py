@@ -40,6 +40,7 @@ from asyncgrpo.rewards.scoring import RewardScorer
 from asyncgrpo.rewards.trl_args import run_trainer_state
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.rollout.episode import term_names
+from asyncgrpo.rollout.events import RolloutObserver
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rundir import METRICS_FILE, TIMELINE_FILE
 from asyncgrpo.sim_metrics import population_length, token_capacities, token_metrics
@@ -119,14 +120,14 @@ def check_simulatable(cfg: Config) -> None:
 
 
 def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrainer | None = None,
-             output_dir: Path | None = None) -> Simulation:
+             output_dir: Path | None = None, observer: RolloutObserver | None = None) -> Simulation:
     """Run one simulation to its end; config errors raise ConfigError, invariant breaks InvariantViolation.
 
     `generator` and `trainer` replace the scripted backend and the stub trainer (tests drive
     exact fates with them); they must read time only through the event loop. With `output_dir`
     (`simulate --output-dir DIR`), the run's `metrics.jsonl` and `timeline.jsonl` are written
     there, on virtual time, as a training run writes them (`asyncgrpo plot DIR` draws them);
-    the train-only metrics (loss, kl, ...) are null.
+    the train-only metrics (loss, kl, ...) are null. `observer` watches the rollouts when no `output_dir`'s timeline does.
     """
     check_simulatable(cfg)
     rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)
@@ -143,7 +144,7 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     env_hosts = SimulatedHosts(cfg.simulate.env, cfg.run.seed) if cfg.env is not None else None
     teacher = algorithm.simulated_scorer()  # None: the reward functions score
     outcomes: list[dict[str, Any]] = []
-    collector = build_collector(cfg, prompts, generator, scorer=teacher or scorer, observer=report.timeline if report else None,
+    collector = build_collector(cfg, prompts, generator, scorer=teacher or scorer, observer=report.timeline if report else observer,
                                 host_factory=env_hosts, ledger=PromptLedger(sink=outcomes.append))
     scorer.trainer_state = functools.partial(run_trainer_state, cfg, len(prompts), lambda: collector.steps_trained)
     records: list[StepRecord] = []

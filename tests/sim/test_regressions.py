@@ -124,7 +124,7 @@ def test_the_diagnostic_stays_the_first_and_each_check_raises_a_fresh_exception(
     cfg = recipe(rollout={"max_generation_failures": 0, "max_staleness": 1, "groups_per_step": 1})  # prompts 0 and 1 in flight
     sim = simulate(cfg, FailingTogether({0: first, 1: later}))
     # Both groups failed and were recorded: the second broke the budget again, after the first had.
-    assert sim.collector.accounting.dropped["failed"] == 2 and sim.collector.policy.streak == 2
+    assert sim.collector.accounting.dropped["failed"] == 2 and sim.collector.books.policy.streak == 2
     errors = []
     for _ in range(2):
         with pytest.raises(PipelineError) as info:
@@ -195,7 +195,7 @@ def test_a_hung_request_ends_at_its_deadline():
     assert sim.collector.counters["rollout/failed_total"] == 1
     assert gen.attempts["0-0-0-0"] >= 2  # each attempt ended at the request timeout and was retried
     assert gen.finished_at["0-0-0-0"] <= 10.0  # ... until the rollout deadline
-    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.buffer.groups()}
+    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.batches.buffer.groups()}
     assert len(finished[0].rollouts) == 2 and finished[0].failed_rollouts == 1
 
 
@@ -273,7 +273,7 @@ def test_a_backend_that_raises_cancelled_error_by_itself_fails_that_rollout_only
     sim = simulate(cfg, ProgrammedGenerator(fate))
     assert sim.result.outcome == "completed"
     assert sim.collector.counters["rollout/failed_total"] == 1
-    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.buffer.groups()}
+    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.batches.buffer.groups()}
     assert finished[0].failed_rollouts == 1 and len(finished[0].rollouts) == 2
 
 

@@ -51,7 +51,7 @@ def test_rollout_and_step_spans_are_ordered_and_counted(tmp_path):
     assert all(abs((s["train"][1] - s["train"][0]) - sim.cfg.simulate.step_time_s) < 1e-6 for s in steps)
     busy = sum(line["end"] - line["start"] for line in rollouts)
     end = steps[-1]["sync"][1]
-    timeline = sim.collector.observer
+    timeline = sim.collector.books.observer
     assert abs(timeline.utilisation(timeline._t0 + end) - busy / (sim.cfg.generation.max_inflight * end)) < 1e-6
 
 
