@@ -32,13 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.api_config import Prepared
+from asyncgrpo.commands.train import Stop, train
+from asyncgrpo.commands.train_summary import RunSummary
 from asyncgrpo.config import Config
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.objects import registered
 from asyncgrpo.run_files import describe_last_checkpoint
 from asyncgrpo.rundir import ERROR_FILE, is_foreign
 from asyncgrpo.signals import StopSignals
-from asyncgrpo.train import RunSummary, Stop, train
 
 log = logging.getLogger("asyncgrpo")
 

@@ -12,12 +12,12 @@ import matplotlib
 import pytest
 
 from asyncgrpo.cli import main
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
 from asyncgrpo.plot import COUNTERS, _counters, _distill, _env, _loss_kl
 from asyncgrpo.plot_timeline import BARS_MAX, Pipeline
 from asyncgrpo.rundir import PLOT_FILES
 from asyncgrpo.telemetry.metrics import read_jsonl
-from asyncgrpo.train import train
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

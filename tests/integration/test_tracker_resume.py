@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 
 
 def _train(run_dir: Path, *overrides: str):

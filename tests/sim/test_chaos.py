@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 
+from asyncgrpo.commands.simulate import Simulation, simulate
 from asyncgrpo.config import Config, validate_config
 from asyncgrpo.generation.scripted import ScriptedGenerator
-from asyncgrpo.simulate import Simulation, simulate
 from asyncgrpo.telemetry.keys import WASTE_REASONS
 from asyncgrpo.training.stub import StubTrainer
 from asyncgrpo.types import Completion, GenerationRequest, Group

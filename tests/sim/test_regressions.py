@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
+from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.errors import GenerationError, PipelineError, TransientGenerationError
 from asyncgrpo.pipeline import run_pipeline
-from asyncgrpo.simulate import simulate
 from asyncgrpo.vtime import run_virtual
 from tests.sim.fakes import OK, Fate, ProgrammedGenerator, make_collector, member, recipe
 

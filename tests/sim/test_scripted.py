@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.config import ScriptedConfig
 from asyncgrpo.generation.scripted import ScriptedGenerator
 from asyncgrpo.generation.weight_sync import WeightSyncError
-from asyncgrpo.simulate import simulate
 from asyncgrpo.vtime import run_virtual
 from tests.sim.fakes import recipe
 

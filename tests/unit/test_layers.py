@@ -2,7 +2,7 @@
 
 The layers follow the data: prompts are loaded (data), completed (generation), scored
 (rewards), collected into groups (rollout), trained on (training), in one loop (pipeline,
-wired by assemble, with evaluation beside it), reported (telemetry), behind the commands
+with evaluation beside it), reported (telemetry), wired into a run (wiring), behind the commands
 (entry points, with the run directory's files). The ground floor holds what every
 layer shares. A module may import its own layer and the layers below; the test reads every
 import statement (those inside functions and `if TYPE_CHECKING:` blocks too).
@@ -27,9 +27,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("environments",),
     ("rollout", "distill"),  # distill: the pure judge and the simulated teacher
     ("training", "distill.teacher", "distill.loss"),
-    ("pipeline", "assemble", "evaluation"),
+    ("pipeline", "evaluation"),
     ("telemetry",),
-    ("train", "run_files", "simulate", "sim_metrics", "plot", "plot_timeline", "check", "trl_convert", "cli", "api", "api_config", "api_run"),
+    ("wiring",),  # one place that wires a run, for the commands, the benchmarks and the tests
+    ("commands", "run_files", "plot", "plot_timeline", "check", "trl_convert", "cli", "api", "api_config", "api_run"),
 )
 
 
@@ -100,4 +101,4 @@ def test_the_check_sees_an_upward_import_inside_a_function(tmp_path):
     path.write_text("def f():\n    from asyncgrpo.rollout.collector import Collector\n", encoding="utf-8")
     assert imported_modules(path) == [(2, "rollout.collector")]
     assert layer_of("rollout.collector") > layer_of("generation.http")
-    assert layer_of("telemetry.keys") == 0 and layer_of("telemetry.metrics") == len(LAYERS) - 2
+    assert layer_of("telemetry.keys") == 0 and layer_of("telemetry.metrics") == len(LAYERS) - 3

@@ -98,9 +98,11 @@ class Collector:
         observer: RolloutObserver | None = None,
         codec: Codec | None = None,
         host_factory: Callable[[EnvConfig], EnvironmentHost] = open_host,
+        accounting: Accounting | None = None,
     ) -> None:
         """`codec` renders and tokenizes an episode's messages, `host_factory` makes each episode's host (the
-        simulator's own): both for an `env:` section (rollout/episode.py)."""
+        simulator's own): both for an `env:` section (rollout/episode.py). `accounting`: a resumed run's books
+        (`Accounting.resumed`); a fresh one when None."""
         self.cfg = cfg
         self.observer: RolloutObserver = observer if observer is not None else NoObserver()  # rollout/events.py
         self.source = source
@@ -112,7 +114,7 @@ class Collector:
         self.groups_per_step = r.groups_per_step
         self.max_staleness = r.max_staleness
         self.buffer = ReplayBuffer(r.max_staleness)
-        self.accounting = Accounting()
+        self.accounting = accounting if accounting is not None else Accounting()
         self.policy = FailurePolicy(
             max_generation_failures=r.max_generation_failures,
             drop_window=r.drop_window,

@@ -1,10 +1,10 @@
-"""One way to wire a pipeline's parts from a recipe: the prompt source, the reward scorer, the sampling
-parameters and the collector. Used by `train`, `simulate`, the benchmarks and the tests, so a part is
-configured the same way everywhere.
+"""The collector of a recipe: its prompt source, reward scorer and sampling parameters (wiring/run.py calls it
+for `train` and `simulate`; tests and benchmarks that drive a collector alone call it directly).
 
 What differs between callers is passed in: the prompts (tokenized or not), the generator, the stop
 tokens of the tokenizer, a resumed run's ledger and books, and (for tests and benchmarks) a scorer
-of their own.
+of their own. Every part is given to the collector's constructor; nothing is set on it afterwards
+but the checkpoint's counters (below).
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ def build_collector(
         cfg, source=source, generator=generator, scorer=scorer, sampling=sampling_params(cfg, stop_token_ids),
         start_step=start_step, ledger=ledger, observer=observer,
         codec=episode_codec(cfg, tokenizer),
+        accounting=Accounting.resumed(resumed["accounting"]) if resumed else None,
         **({"host_factory": host_factory} if host_factory is not None else {}),
     )
-    if resumed:
-        collector.accounting = Accounting.resumed(resumed["accounting"])
+    if resumed:  # the counters continue the checkpoint's (rollout/collector.py takes no counters of its own yet)
         collector.counters.update(resumed["counters"])
     return collector
