@@ -206,19 +206,17 @@ class TrainingRun:
                 cfg, prompts, Backends(self.engine, teacher=teacher, tokenizer=tokenizer, stop_token_ids=self.stop_ids),
                 outcomes=self.outcomes.append, timeline_file=self.timeline_file, start_step=plan.step, saved=saved,
             )
-            self.collector, self.scorer, self.ledger = self.parts.collector, self.parts.scorer, self.parts.ledger
-            self.reward_terms = self.parts.reward_terms
             assert self.parts.timeline is not None  # given its file, wire_run always builds it
             self.timeline = self.parts.timeline
             self.eval_codec = episode_codec(cfg, tokenizer)  # evaluation plays episodes tokenized as the collector's
-            keys = metric_keys(self.reward_terms, max_staleness=cfg.rollout.max_staleness, distill=teacher is not None)
+            keys = metric_keys(self.parts.reward_terms, max_staleness=cfg.rollout.max_staleness, distill=teacher is not None)
             self.metrics = MetricsWriter(self.metrics_file, keys)
             self.progress = Progress(cfg, plan.step)
-            self.eval_state: dict[str, float | None] = dict.fromkeys([*EVAL_KEYS, *(f"eval/reward/{name}" for name in self.reward_terms)])
+            self.eval_state: dict[str, float | None] = dict.fromkeys([*EVAL_KEYS, *(f"eval/reward/{name}" for name in self.parts.reward_terms)])
             self.rewards_by_step: list[float] = []
             self.trainer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncgrpo-trainer")
             self.started = time.perf_counter()
-            self.token_rate = MovingRate(self.started, self.collector.counters["rollout/generated_tokens_total"])
+            self.token_rate = MovingRate(self.started, self.parts.collector.counters["rollout/generated_tokens_total"])
             self.final_checkpoint: Path | None = None
             self.ended_at = 0.0  # loop time when the pipeline ended
             self.tracker_failures: list[TrackerError] = []  # trackers that failed to close
@@ -308,7 +306,7 @@ class TrainingRun:
                 return PipelineResult("failed", "error", self.plan.step, failure.diagnostic, failure)
         self.progress.stage("generating the first batch")
         return await run_pipeline(
-            cfg, collector=self.collector, trainer=self, generator=self.engine, start_step=self.plan.step, on_step=self._on_step
+            cfg, collector=self.parts.collector, trainer=self, generator=self.engine, start_step=self.plan.step, on_step=self._on_step
         )
 
     async def _on_step(self, record: StepRecord) -> None:
@@ -322,12 +320,12 @@ class TrainingRun:
         now = time.perf_counter()
         values = step_metrics(
             record,
-            self.collector.metric_values(),
-            reward_names=self.reward_terms,
+            self.parts.collector.metric_values(),
+            reward_names=self.parts.reward_terms,
             elapsed_s=now - self.started,
-            gen_tokens_per_s=self.token_rate.add(now, self.collector.counters["rollout/generated_tokens_total"]),
+            gen_tokens_per_s=self.token_rate.add(now, self.parts.collector.counters["rollout/generated_tokens_total"]),
             eval_metrics=self.eval_state,
-        ) | self.scorer.log.drain()  # the reward functions' log_metric values since the last step: user/<name>
+        ) | self.parts.scorer.log.drain()  # the reward functions' log_metric values since the last step: user/<name>
         try:
             line = self.metrics.write(values)
             write_samples(self.samples_file, record, cfg.logging.samples_per_step)
@@ -338,7 +336,7 @@ class TrainingRun:
         except TrackerError as exc:
             raise PipelineError(_tracker_diagnostic(exc, step)) from exc
         self.rewards_by_step.append(values["reward/mean"])
-        self.progress.update(values, record, self.collector.in_flight_groups)
+        self.progress.update(values, record, self.parts.collector.in_flight_groups)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.max_steps:
             await self._checkpoint(step)
         if eval_failure is not None:
@@ -353,7 +351,7 @@ class TrainingRun:
         started = loop.time()
         try:
             self.eval_state.update(await evaluate(
-                self.cfg, self.engine, self.scorer, self.eval_prompts, self.stop_ids, step=step, codec=self.eval_codec,
+                self.cfg, self.engine, self.parts.scorer, self.eval_prompts, self.stop_ids, step=step, codec=self.eval_codec,
             ))
         except FatalBackendError as exc:
             return PipelineError.caused_by(eval_diagnostic(exc, step), exc)
@@ -365,9 +363,9 @@ class TrainingRun:
         """Taken in one synchronous moment, so the ledger, counters and record files agree."""
         sizes = {f.path.name: f.offset() for f in self._records()}
         extra = {
-            "done": self.ledger.done_by_epoch(),
-            "accounting": self.collector.accounting.to_json(),
-            "counters": dict(self.collector.counters),
+            "done": self.parts.ledger.done_by_epoch(),
+            "accounting": self.parts.collector.accounting.to_json(),
+            "counters": dict(self.parts.collector.counters),
             "offsets": sizes,
             "timeline": self.timeline.state(asyncio.get_running_loop().time()),
         }
@@ -394,7 +392,7 @@ class TrainingRun:
         self.progress.close()
         self.timeline.close()
         self.tracker_failures = self.trackers.close()
-        await self.scorer.aclose()
+        await self.parts.scorer.aclose()
         if self.teacher is not None:
             await self.teacher.aclose()
         await self.engine.aclose()
@@ -425,7 +423,7 @@ class TrainingRun:
         return RunSummary(
             run_dir=self.run_dir,
             result=result,
-            accounting=self.collector.accounting.to_json(),
+            accounting=self.parts.collector.accounting.to_json(),
             first_rewards=self.rewards_by_step[:tenth],
             last_rewards=self.rewards_by_step[-tenth:],
             final_checkpoint=self.final_checkpoint,
