@@ -207,7 +207,8 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
         "data": {"shuffle": False},
         "generation": generation,
         "rollout": {"group_size": group_size, "groups_per_step": groups_per_step, "max_staleness": max_staleness},
-        "train": {"backend": "stub", "max_steps": steps, "step_time_s": 0.001},
+        "train": {"backend": "stub", "max_steps": steps},
+        "simulate": {"step_time_s": 0.001},
     })
     prompts = [Prompt(id=i, text=f"p{i}", token_ids=(5, 6, 7, 8)) for i in range((steps + 4) * groups_per_step)]
 

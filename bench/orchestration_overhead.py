@@ -40,12 +40,12 @@ def workload(group_size: int, rollouts: int, groups_per_step: int = GROUPS_PER_S
     prompts = max(512, 4 * groups_per_step)  # 512 at the default width, as issue 15 measured
     return load_config("recipes/simulate.yaml", [
         "data.source=builtin:repeat_letter", f"data.builtin_size={prompts}", f"data.num_epochs={steps * groups_per_step // prompts + 8}",
-        "reward.functions=[builtin:coin]", "generation.scripted.faults=[]",
-        f"generation.scripted.latency_s={{dist: lognormal, median: {MEDIAN_S}, sigma: {SIGMA}}}",
-        "generation.scripted.tokens={dist: const, value: 24}", "generation.max_new_tokens=24",
+        "reward.functions=[builtin:coin]", "simulate.faults=[]",
+        f"simulate.latency_s={{dist: lognormal, median: {MEDIAN_S}, sigma: {SIGMA}}}",
+        "simulate.tokens={dist: const, value: 24}", "generation.max_new_tokens=24",
         f"generation.max_inflight={slots}", "generation.request_timeout_s=30", "generation.rollout_deadline_s=90",
         f"rollout.group_size={group_size}", f"rollout.groups_per_step={groups_per_step}", "rollout.max_staleness=1",
-        "rollout.max_drop_fraction=1.0", f"train.step_time_s={step_time:.6f}", f"train.max_steps={steps}",
+        "rollout.max_drop_fraction=1.0", f"simulate.step_time_s={step_time:.6f}", f"train.max_steps={steps}",
     ])
 
 

@@ -16,7 +16,8 @@ import statistics
 import sys
 import time
 
-from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rewards.resolve import resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer
 from asyncgrpo.types import Prompt
 
 SPECS = ["builtin:repeat_letter"]

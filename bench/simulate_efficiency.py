@@ -26,10 +26,10 @@ def main() -> None:
     for faults in (False, True):
         for sigma in GRID_SIGMA:
             for k in GRID_K:
-                overrides = [f"rollout.max_staleness={k}", f"generation.scripted.latency_s.sigma={sigma}",
+                overrides = [f"rollout.max_staleness={k}", f"simulate.latency_s.sigma={sigma}",
                              "generation.weight_sync_every=1", "rollout.on_stale=requeue"]  # the table's policy (before patience)
                 if not faults:
-                    overrides.append("generation.scripted.faults=[]")
+                    overrides.append("simulate.faults=[]")
                 started = time.perf_counter()
                 report = simulate(load_config("recipes/simulate.yaml", overrides)).report()
                 c = report["counters"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.config import Config, episode_limit_s
 from asyncgrpo.data.loading import build_prompts, read_rows
 from asyncgrpo.models.hub import is_hub_id
@@ -70,14 +71,9 @@ def _eval_line(cfg: Config, n: int) -> str:
 
 
 def _settings(cfg: Config) -> list[str]:
-    r, g, t, d = cfg.rollout, cfg.generation, cfg.train, cfg.distill
-    terms = [*cfg.reward.functions, *([f"the environment's x {cfg.env.reward_weight:g}"] if cfg.env is not None else [])]
-    scoring = f"reward: {', '.join(terms)} (on error: {cfg.reward.on_error})"
-    if cfg.algorithm == "distill":
-        seed = f" (seed {d.teacher_seed if d.teacher_seed is not None else cfg.run.seed + 1})" if d.teacher.startswith("builtin:") else ""
-        scoring = f"distill from teacher {d.teacher}{seed}, batches of {d.batch_size}, timeout {d.timeout_s:g} s (on error: {d.on_error})"
+    r, g, t = cfg.rollout, cfg.generation, cfg.train
     return [
-        f"model: {cfg.model.path} ({cfg.model.dtype}); {scoring}",
+        f"model: {cfg.model.path} ({cfg.model.dtype}); {algorithm_for(cfg).describe_scoring()}",
         f"generation: {g.backend}, {g.max_new_tokens} new tokens, temperature {g.temperature:g}, at most {g.max_inflight} requests at once",
         f"rollout: {r.groups_per_step} groups of {r.group_size} per step, max_staleness {r.max_staleness}, stale groups {r.on_stale}",
         *([f"env: {cfg.env.factory}, up to {cfg.env.max_turns} turns and {cfg.env.max_tokens} tokens, {cfg.env.isolation} isolation, "

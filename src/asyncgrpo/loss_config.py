@@ -45,6 +45,9 @@ Mismatch = Literal["none", "token_truncate", "token_mask", "sequence_truncate", 
 
 
 class LossConfig(BaseModel):
+    """The loss: TRL's loss family under TRL's names, the staleness correction and the engine/trainer mismatch
+    correction (docs/losses.md says what each setting computes)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
     type: LossType = Field(

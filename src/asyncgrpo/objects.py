@@ -4,7 +4,7 @@ The Python API (api.py) takes reward functions, environment factories and data a
 config stays plain, serialisable data (config.yaml in the run directory, checkpoints, resume
 checks), so an object that cannot be named by import path (``module:function``) is named
 ``python:<name>`` in the config and registered here for the duration of the run; the loaders
-(rewards/scoring.py `resolve_reward`, environments/factories.py, data/loading.py) look the name
+(rewards/resolve.py `resolve_reward`, environments/factories.py, data/loading.py) look the name
 up with `lookup`.
 
 Invariants:

@@ -42,19 +42,26 @@ CHECKPOINTS_DIR = "checkpoints"
 WEIGHTS_DIR = "weights"
 TIMELINE_FILE = "timeline.jsonl"
 TRACKER_RUNS_FILE = "trackers.json"  # telemetry/sinks.py: the tracker runs a resume continues
+MLFLOW_STORE = "mlflow.db"  # telemetry/sinks.py: MLflow's tracking store (sqlite), unless MLFLOW_TRACKING_URI is set
+MLFLOW_ARTIFACTS_DIR = "mlartifacts"  # ... and its artifact root, a folder per experiment id
+TRACKIO_STORE_DIR = "trackio"  # telemetry/sinks.py: trackio's store (TRACKIO_DIR), unless TRACKIO_DIR is set
 PLOTS_DIR = "plots"
 PLOT_FILES = ("rewards.png", "loss_kl.png", "staleness.png", "counters.png", "offpolicy.png", "env.png", "distill.png",  # plot.py
               "timeline.png", "timeline_start.png")
-OWNED_FILES = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, OUTCOMES_FILE, ERROR_FILE, TIMELINE_FILE, TRACKER_RUNS_FILE)
+OWNED_FILES = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, OUTCOMES_FILE, ERROR_FILE, TIMELINE_FILE, TRACKER_RUNS_FILE,
+               MLFLOW_STORE, f"{MLFLOW_STORE}-journal")  # sqlite's rollback journal, left by a run killed mid-write
 OWNED_DIRS: dict[str, re.Pattern[str]] = {
     # directory: the names of what asyncgrpo writes in it (whole-name matches), besides atomic.py's temporaries
     CHECKPOINTS_DIR: re.compile(r"step_\d{6,}"),  # training/checkpoint.py
     WEIGHTS_DIR: re.compile(r"v\d{6,}"),  # generation/weight_sync.py
     PLOTS_DIR: re.compile("|".join(map(re.escape, PLOT_FILES))),
-    # telemetry/sinks.py's trackers: torch's SummaryWriter, wandb.init(dir=run_dir), MLflow's file store
+    # telemetry/sinks.py's trackers: torch's SummaryWriter, wandb.init(dir=run_dir), MLflow's artifact root,
+    # trackio's store (a project's database, its sqlite side files and lock; media, artifacts, traces, inbox)
     "tensorboard": re.compile(r"events\.out\.tfevents\..+"),
     "wandb": re.compile(r"(offline-)?run-\d{8}_\d{6}-\w+|latest-run|debug(-internal)?\.log"),
-    "mlruns": re.compile(r"\d+|\.trash|models"),
+    MLFLOW_ARTIFACTS_DIR: re.compile(r"\d+"),
+    TRACKIO_STORE_DIR: re.compile(r"[\w-]+\.(db|db-wal|db-shm|db-journal|lock)|media|artifacts|traces|inbox"),
+    "mlruns": re.compile(r"\d+|\.trash|models"),  # MLflow's file store, where runs before the sqlite store logged
 }
 OWNED_ENTRIES = (*OWNED_FILES, *OWNED_DIRS)
 """What a run writes besides the marker and the lock, and so where starting over removes what it wrote."""

@@ -8,7 +8,7 @@ and `asyncgrpo convert-trl` translates a whole GRPOConfig-shaped file. One spell
 config.yaml, resume's "changed since" check, override precedence and docs/config.md unambiguous.
 
 Invariants:
-- Imports nothing heavy (config.py uses it while reporting errors); it does not import config.py.
+- Imports nothing heavy (config/loading.py uses it while reporting errors); it does not import the config package.
 - Every `TrlField.trl` is a field of trl's `GRPOConfig` (its `TrainingArguments` included) or of trl's
   `ModelConfig`, except those marked `older`; every `ours` is a key of `Config`
   (tests/unit/test_trl_names.py checks both against the installed trl).

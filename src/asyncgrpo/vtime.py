@@ -14,7 +14,7 @@ Invariants:
 - A timer that is due always fires, however large the clock: asyncio runs the timers due
   before `time() + _clock_resolution`, and beyond 2**24 s (194 days) adding the monotonic
   clock's 1 ns to a float clock changes nothing, so a timer due exactly now would never fire
-  and the loop would spin without advancing (`simulate` with `train.step_time_s=1e6`). The
+  and the loop would spin without advancing (`simulate` with `simulate.step_time_s=1e6`). The
   virtual clock's resolution is therefore at least one unit in the last place of its value.
 """
 

@@ -1,11 +1,13 @@
-"""Start a Python worker process linked to this one by a socket pair, and always be able to end it.
+"""A Python worker process linked to this one by a socket pair: start it, always be able to end it, frame what is said.
 
 Job: `start_worker(module)` runs `python -c "<import module>; main()" <fd>` in a session of its
 own (so a kill of its process group stops whatever it started), with stdin closed and the child's
 end of a socket pair as its one extra file descriptor, and returns a `WorkerProcess`: the
-parent's stream pair, the pid, the exit status and a bounded `stop`. Used by the reward worker
-pool (rewards/pool.py) and the environment's worker process (environments/process_host.py); what
-is said over the link is theirs.
+parent's stream pair, the pid, the exit status and a bounded `stop`. Both sides share the link's
+framing (an 8-byte big-endian length and a pickle: `encode`, `receive`) and the child ties its life
+to its parent's (`die_with_parent`). Used by the reward worker pool (rewards/pool.py, rewards/worker.py)
+and the environment's worker process (environments/process_host.py, environments/worker.py); what
+the frames mean is theirs.
 
 Invariants:
 - The child's end is closed in this process whatever happens; if the link cannot be opened the
@@ -16,23 +18,51 @@ Invariants:
   bounded wait for its exit and the close of the loop's subprocess transport run in `finally`
   blocks (so `asyncio.run` ending mid-stop leaves no process and no transport the loop never saw end).
 - A `WorkerProcess` dropped without `stop` (its owner never closed, or the interpreter exits) is
-  ended the same way by a finalizer; and by the kernel when this process dies (the workers set
-  PR_SET_PDEATHSIG themselves).
+  ended the same way by a finalizer; and by the kernel when this process dies (each worker calls
+  `die_with_parent` first thing: PR_SET_PDEATHSIG on Linux, and an exit if the parent is already gone).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
+import pickle
 import signal
 import socket
+import struct
 import sys
 import weakref
 from pathlib import Path
+from typing import Any
 
 _SRC = str(Path(__file__).resolve().parents[1])  # the directory holding the asyncgrpo package
 REAP_TIMEOUT_S = 5.0
+HEADER = struct.Struct("!Q")  # a frame: this length, then that many bytes of pickle
+PR_SET_PDEATHSIG = 1
+
+
+def encode(obj: Any) -> bytes:
+    """`obj` as one frame of the link."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return HEADER.pack(len(data)) + data
+
+
+async def receive(reader: asyncio.StreamReader) -> Any:
+    """The next frame's object; `asyncio.IncompleteReadError` at end of file."""
+    (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+    return pickle.loads(await reader.readexactly(size))
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a worker: have the kernel SIGKILL this process when its parent dies (Linux), even while it is stuck in C code
+    holding the GIL; exit at once if the parent (`parent_pid`) went before that took effect."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(0)
 
 
 class RemoteTraceback(Exception):

@@ -64,7 +64,7 @@ def test_simulate_json_prints_exactly_one_object_with_the_documented_keys():
 
 
 def test_simulate_exit_codes_follow_the_outcome():
-    failed = cli("simulate", "recipes/simulate.yaml", "generation.scripted.faults=[{error: http_400, rate: 1.0}]", "--json")
+    failed = cli("simulate", "recipes/simulate.yaml", "simulate.faults=[{error: http_400, rate: 1.0}]", "--json")
     assert failed.returncode == 1
     assert json.loads(failed.stdout)["error"]["kind"] == "generation_failures"
     assert cli("simulate", "recipes/simulate.yaml", "bogus.key=1", "--json").returncode == 3

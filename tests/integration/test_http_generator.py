@@ -64,7 +64,8 @@ def recipe(urls: list[str], **sections):
                        "retry_backoff_max_s": 0.5, "backend_dead_after_s": 30.0,
                        "http": {"base_urls": urls, "startup_timeout_s": 60.0}},
         "rollout": {"group_size": 2, "groups_per_step": 2, "max_staleness": 1, "stall_timeout_s": 120.0},
-        "train": {"backend": "stub", "max_steps": 4, "step_time_s": 0.01},
+        "train": {"backend": "stub", "max_steps": 4},
+        "simulate": {"step_time_s": 0.01},
     }
     for name, values in sections.items():
         base[name] = {**base.get(name, {}), **values}

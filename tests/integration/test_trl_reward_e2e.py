@@ -54,6 +54,6 @@ def test_the_simulator_passes_the_step_and_writes_the_logged_metrics(tmp_path):
     '''))
     out = tmp_path / "sim"
     code = main(["simulate", "recipes/simulate.yaml", f"reward.functions=[{rewards}:by_step]", "train.max_steps=4",
-                 "rollout.max_staleness=0", "generation.scripted.faults=[]", "--output-dir", str(out)])
+                 "rollout.max_staleness=0", "simulate.faults=[]", "--output-dir", str(out)])
     assert code == 0
     assert [line["user/global_step"] for line in read_jsonl(out / "metrics.jsonl")] == [0, 1, 2, 3]

@@ -104,7 +104,8 @@ def recipe(**sections: dict[str, Any]):
         "generation": {"backend": "scripted", "max_inflight": 64, "request_timeout_s": 10.0, "rollout_deadline_s": 30.0,
                        "retry_backoff_s": 0.5, "retry_backoff_max_s": 2.0},
         "rollout": {"group_size": 2, "groups_per_step": 1, "max_staleness": 1, "stall_timeout_s": 600.0},
-        "train": {"backend": "stub", "step_time_s": 1.0, "max_steps": 5},
+        "train": {"backend": "stub", "max_steps": 5},
+        "simulate": {"step_time_s": 1.0},
     }
     for name, values in sections.items():
         base[name] = {**base.get(name, {}), **values}

@@ -72,11 +72,6 @@ def scenario(seed: int) -> dict[str, Any]:
             "retry_backoff_s": 0.2,
             "retry_backoff_max_s": 2.0,
             "weight_sync_every": rng.randint(1, max_staleness + 1),
-            "scripted": {
-                "latency_s": latency,
-                "tokens": {"dist": "uniform", "low": 1, "high": 64},
-                "faults": faults,
-            },
         },
         "rollout": {
             "group_size": group_size,
@@ -92,10 +87,16 @@ def scenario(seed: int) -> dict[str, Any]:
             "filter_zero_variance": rng.random() < 0.3,
             "stall_timeout_s": 120.0,
         },
-        "train": {"backend": "stub", "step_time_s": round(rng.uniform(0.1, 4), 3), "max_steps": rng.randint(1, 6)},
+        "simulate": {
+            "latency_s": latency,
+            "tokens": {"dist": "uniform", "low": 1, "high": 64},
+            "faults": faults,
+            "step_time_s": round(rng.uniform(0.1, 4), 3),
+        },
+        "train": {"backend": "stub", "max_steps": rng.randint(1, 6)},
     }
     # Drawn after the rest, so that adding them left every earlier draw of a seed as it was.
-    generation, scripted = recipe["generation"], recipe["generation"]["scripted"]
+    generation, scripted = recipe["generation"], recipe["simulate"]
     scripted["weight_sync_s"] = rng.choice(
         (
             {"dist": "const", "value": 0.0},
@@ -125,7 +126,7 @@ def scenario(seed: int) -> dict[str, Any]:
                                    "decode_s_per_token": rng.choice((0.002, 0.01)), "batch_knee": rng.randint(4, 16)}
         scripted["tokens"] = {"dist": "lognormal", "median": rng.randint(4, 32), "sigma": rng.choice((0.3, 1.0)), "max": 64}
         if rng.random() < 0.5:
-            recipe["train"]["token_time_s"] = rng.choice((0.001, 0.01))
+            scripted["token_time_s"] = rng.choice((0.001, 0.01))
     if rng.random() < 0.3:
         # Multi-turn episodes on the simulator's environments: latency, errors, episodes that ignore cancellation.
         recipe["env"] = {
@@ -145,16 +146,13 @@ def scenario(seed: int) -> dict[str, Any]:
             "stop_s": {"dist": "uniform", "low": 0.0, "high": round(rng.uniform(0.01, 3.0), 3)},
         }
     if rng.random() < 0.25 and "env" not in recipe and not recipe["rollout"].get("partial_groups"):
-        # (distillation plays no episodes, config.py refuses both; its units of 1 cannot end early)
+        # (distillation plays no episodes, the config refuses both; its units of 1 cannot end early)
         # algorithm: distill: each sample its own unit, a simulated teacher with latency, faults and timeouts.
         recipe["algorithm"] = "distill"
         recipe["rollout"].update(group_size=1, min_group_survivors=1, filter_zero_variance=False)
-        recipe["distill"] = {
-            "simulated_latency_s": {"dist": "uniform", "low": 0.01, "high": round(rng.uniform(0.02, 3), 3)},
-            "simulated_error_rate": rng.choice((0.0, 0.0, 0.0, 0.05, 0.3)),
-            "timeout_s": rng.choice((2.0, 30.0, 30.0)),
-            "on_error": rng.choice(("fail", "drop")),
-        }
+        scripted["teacher_latency_s"] = {"dist": "uniform", "low": 0.01, "high": round(rng.uniform(0.02, 3), 3)}
+        scripted["teacher_error_rate"] = rng.choice((0.0, 0.0, 0.0, 0.05, 0.3))
+        recipe["distill"] = {"timeout_s": rng.choice((2.0, 30.0, 30.0)), "on_error": rng.choice(("fail", "drop"))}
     if recipe.get("algorithm") == "distill" and recipe["rollout"]["on_stale"] != "wait" and rng.random() < 0.5:
         # Over-admitted samples race for the steps within the bound and the slowest go stale in flight: the cancellation
         # that bounds wasted generation (test_chaos.check_waste) must reach distilled samples too.
@@ -172,15 +170,15 @@ def scenario(seed: int) -> dict[str, Any]:
 
 def env_errors(recipe: dict[str, Any]) -> bool:
     """Whether the scenario's simulated environments raise."""
-    env = recipe["generation"]["scripted"].get("env", {})
+    env = recipe["simulate"].get("env", {})
     return "env" in recipe and (env.get("error_prob", 0.0) > 0 or env.get("transient_prob", 0.0) > 0)
 
 
 def is_fault_free(cfg: Config) -> bool:
-    scripted, teacher = cfg.generation.scripted, cfg.distill
+    scripted, teacher = cfg.simulate, cfg.distill
     env_raises = cfg.env is not None and (scripted.env.error_prob > 0 or scripted.env.transient_prob > 0)
     faultless_teacher = cfg.algorithm != "distill" or (
-        teacher.simulated_error_rate == 0 and (teacher.simulated_latency_s.high or 0) < teacher.timeout_s
+        scripted.teacher_error_rate == 0 and (scripted.teacher_latency_s.high or 0) < teacher.timeout_s
     )
     return (not scripted.faults and not scripted.weight_sync_faults and cfg.reward.functions == ["builtin:coin"]
             and not env_raises and faultless_teacher)

@@ -16,6 +16,7 @@ from asyncgrpo.commands.simulate import Simulation, simulate
 from asyncgrpo.config import Config, validate_config
 from asyncgrpo.generation.scripted import ScriptedGenerator
 from asyncgrpo.telemetry.keys import WASTE_REASONS
+from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.training.stub import StubTrainer
 from asyncgrpo.types import Completion, GenerationRequest, Group
 from tests.sim.scenarios import is_fault_free, scenario
@@ -31,7 +32,7 @@ class WatchedGenerator(ScriptedGenerator):
     """The scenario's scripted generator, noting the virtual time and the version of each request it completes."""
 
     def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
+        super().__init__(cfg.simulate, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
         self.finished: list[tuple[float, int]] = []
 
     async def generate(self, request: GenerationRequest) -> Completion:
@@ -44,7 +45,7 @@ class WatchedTrainer(StubTrainer):
     """The stub trainer, noting the virtual time each step starts: the instant its batch was taken."""
 
     def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg.train.step_time_s, cfg.train.token_time_s)
+        super().__init__(cfg.simulate.step_time_s, cfg.simulate.token_time_s)
         self.started: list[float] = []
 
     async def train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -56,8 +57,12 @@ def check_scenario(seed: int) -> Simulation:
     cfg = validate_config(scenario(seed), source=f"chaos scenario {seed}")
     try:
         generator, trainer = WatchedGenerator(cfg), WatchedTrainer(cfg)
-        sim = simulate(cfg, generator, trainer)
+        # The run's timeline, in memory, its rollouts counted (not drawn as spans): what check_books holds the books to.
+        timeline = Timeline(None, server=generator.name, max_inflight=cfg.generation.max_inflight, group_size=cfg.rollout.group_size,
+                            max_rollout_spans=0)
+        sim = simulate(cfg, generator, trainer, observer=timeline)
         check_outcome(sim)
+        check_books(sim, timeline)
         check_waste(sim.cfg, generator, trainer)
     except BaseException as exc:
         raise AssertionError(f"chaos scenario {seed} broke an invariant: {exc!r}\n  replay: {replay_command(seed)}") from exc
@@ -72,25 +77,20 @@ def check_outcome(sim: Simulation) -> None:
     assert result.outcome in ("completed", "failed"), f"outcome {result.outcome}: {result.diagnostic}"
     # Exactly-once: the buckets match the collector's live state.
     assert acc.in_flight == collector.in_flight_groups
-    assert acc.buffered == len(collector.buffer) + len(collector.in_training)
+    assert acc.buffered == len(collector.batches.buffer) + len(collector.batches.in_training)
     assert collector.open_requests == 0, "requests still counted open after the pipeline ended"
     assert sim.generator.in_progress == 0, "a request kept running after its rollout ended"
     # No prompt is trained twice in the same epoch.
     taken = Counter((g.prompt.id, g.prompt.epoch) for g in sim.trainer.trained_groups)
     assert not [k for k, n in taken.items() if n > 1], "a prompt was trained twice in one epoch"
-    # Counters agree with the accounting.
     counters = collector.counters
-    assert counters["rollout/dropped_groups_total"] == sum(acc.dropped.values())
-    for reason, n in acc.dropped.items():
-        assert counters[f"rollout/dropped/{reason}"] == n
-    assert counters["rollout/requeued_total"] == acc.requeued
     # Episodes: every environment error is a failed rollout or a retry (a cancelled episode is neither), and an
     # episode that outlived its grace is counted (simulate() holds env/abandoned_total to the hosts' own count).
     if cfg.env is None:
         assert counters["env/errors_total"] == counters["env/abandoned_total"] == 0
     else:
         assert counters["env/errors_total"] <= counters["rollout/failed_total"] + counters["rollout/retries_total"]
-        if cfg.generation.scripted.env.ignore_cancel_prob == 0 and cfg.generation.scripted.env.stop_s.high <= cfg.env.cancel_grace_s:
+        if cfg.simulate.env.ignore_cancel_prob == 0 and cfg.simulate.env.stop_s.high <= cfg.env.cancel_grace_s:
             assert counters["env/abandoned_total"] == 0
     check_tokens(sim)
     if cfg.rollout.on_stale == "wait":  # each group trains at the step it targets (or earlier, at the end of data): never stale
@@ -117,6 +117,42 @@ def check_outcome(sim: Simulation) -> None:
         check_per_sample(sim)
     if is_fault_free(cfg):
         check_fault_free(sim)
+
+
+def check_books(sim: Simulation, timeline: Timeline) -> None:
+    """The books agree with each other (rollout/books.py): every ending reached the accounting, the counters, the ledger,
+    the timeline (the observer), the failure policy and the token books, once."""
+    books = sim.collector.books
+    acc, counters = books.accounting, books.counters
+    assert acc.balanced(), acc.to_json()
+    takes = Counter(line["ending"] for line in timeline.lines if line["e"] == "take")
+    buffered = Counter(line["outcome"] for line in timeline.lines if line["e"] == "buffered")
+    timeline.close()  # its last line counts the rollouts by outcome (none when no rollout ended)
+    rollouts = Counter(next((line["unrecorded"] for line in timeline.lines if line["e"] == "end"), {}))
+    # The timeline saw every ended take end once, as the accounting says; a buffered group ends once more.
+    assert sum(takes.values()) == acc.taken - acc.in_flight, (takes, acc.to_json())
+    assert takes["requeued"] == acc.requeued and takes["buffered"] == acc.trained + acc.buffered + buffered["stale"], (takes, buffered, acc.to_json())
+    assert buffered["trained"] == acc.trained, (buffered, acc.to_json())
+    for reason, n in acc.dropped.items():
+        assert takes[reason] + (buffered["stale"] if reason == "stale" else 0) == n, (reason, takes, buffered, acc.to_json())
+    # The counters' drops, requeues and stale groups; the failed rollouts the timeline saw.
+    assert counters["rollout/dropped_groups_total"] == sum(acc.dropped.values())
+    for reason, n in acc.dropped.items():
+        assert counters[f"rollout/dropped/{reason}"] == n, (reason, counters, acc.to_json())
+    assert counters["rollout/requeued_total"] == acc.requeued
+    assert counters["rollout/stale_groups_total"] == acc.requeued + acc.dropped["stale"], (counters, acc.to_json())
+    assert rollouts["failed"] == counters["rollout/failed_total"], (rollouts, counters)
+    if sim.cfg.env is None:  # an episode's completion holds the environment's tokens too
+        assert rollouts["tokens"] == counters["rollout/generated_tokens_total"], (rollouts, counters)
+    # The ledger (and its sink, outcomes.jsonl in a run) holds exactly the takes trained or dropped.
+    assert sum(map(len, books.ledger.done_by_epoch().values())) == len(sim.outcomes) == acc.trained + sum(acc.dropped.values())
+    ledgered = Counter(o.get("reason", o["outcome"]) for o in sim.outcomes)
+    assert ledgered == Counter({"trained": acc.trained, **acc.dropped}) - Counter(), (ledgered, acc.to_json())
+    # The failure policy judged every group that was buffered or dropped by its judge (stale is a cancellation).
+    assert books.policy.judged == takes["buffered"] + sum(n for reason, n in takes.items() if reason in acc.dropped and reason != "stale")
+    # The token books trained what the trainer trained.
+    assert counters["rollout/trained_completions_total"] == sum(len(g.rollouts) for g in sim.trainer.trained_groups)
+    assert counters["rollout/trained_tokens_total"] == sum(r.completion.model_tokens for g in sim.trainer.trained_groups for r in g.rollouts)
 
 
 def check_waste(cfg: Config, generator: WatchedGenerator, trainer: WatchedTrainer) -> None:
@@ -146,7 +182,7 @@ def check_tokens(sim: Simulation) -> None:
     """Every generated token is trained, wasted for a reason, or still held (in flight, buffered, in training)."""
     collector, counters = sim.collector, sim.collector.counters
     held = sum(g.finished_tokens() for g in collector._in_flight.values())
-    held += sum(r.completion.model_tokens for g in collector.buffer.groups() + collector.in_training for r in g.rollouts)
+    held += sum(r.completion.model_tokens for g in collector.batches.buffer.groups() + collector.batches.in_training for r in g.rollouts)
     wasted = sum(counters[f"rollout/wasted_tokens/{reason}"] for reason in WASTE_REASONS)
     assert counters["rollout/generated_tokens_total"] == counters["rollout/trained_tokens_total"] + wasted + held, counters
     assert counters["rollout/wasted_tokens/stale"] == counters["rollout/wasted_tokens_total"]
@@ -183,7 +219,7 @@ def test_chaos_scenarios_keep_every_invariant(chaos_seeds: list[int]) -> None:
         kind = sim.result.diagnostic.kind if sim.result.diagnostic else sim.result.stop_reason
         outcomes[f"{sim.result.outcome}:{kind}"] += 1
         fault_free += is_fault_free(sim.cfg)
-        slow_publications += sim.cfg.generation.scripted.weight_sync_s.dist != "const" or sim.cfg.generation.scripted.weight_sync_s.value > 0
+        slow_publications += sim.cfg.simulate.weight_sync_s.dist != "const" or sim.cfg.simulate.weight_sync_s.value > 0
     if len(chaos_seeds) >= 500:
         # Enough fault-free runs to hold them to zero failures (about a fifth: environment and teacher
         # faults are drawn on top of request and publication faults), and publications that take time (the

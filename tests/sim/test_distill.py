@@ -12,7 +12,8 @@ from tests.sim.fakes import OK, Fate, ProgrammedGenerator, recipe
 def distill_recipe(**sections):
     defaults = {
         "rollout": {"group_size": 1, "min_group_survivors": 1, "groups_per_step": 2, "max_staleness": 0, "stall_timeout_s": 600.0},
-        "distill": {"simulated_latency_s": {"dist": "const", "value": 0.1}},
+        "distill": {},
+        "simulate": {"teacher_latency_s": {"dist": "const", "value": 0.1}},
     }
     merged = {name: {**defaults.get(name, {}), **sections.get(name, {})} for name in {*defaults, *sections}}
     return recipe(**merged)
@@ -37,7 +38,7 @@ def test_in_flight_samples_past_the_bound_are_cancelled_one_by_one_and_counted()
 
 
 def test_a_teacher_error_fails_the_run_with_its_diagnostic():
-    cfg = distill_recipe(distill={"simulated_error_rate": 1.0})
+    cfg = distill_recipe(simulate={"teacher_error_rate": 1.0})
     sim = simulate(cfg, ProgrammedGenerator())
     d = sim.result.diagnostic
     assert sim.result.outcome == "failed" and sim.result.steps == 0 and d is not None
@@ -46,7 +47,7 @@ def test_a_teacher_error_fails_the_run_with_its_diagnostic():
 
 
 def test_teacher_errors_under_on_error_drop_are_counted_drops_under_the_failure_policy():
-    cfg = distill_recipe(distill={"simulated_error_rate": 0.3, "on_error": "drop"}, rollout={"max_drop_fraction": 1.0},
+    cfg = distill_recipe(distill={"on_error": "drop"}, simulate={"teacher_error_rate": 0.3}, rollout={"max_drop_fraction": 1.0},
                          train={"max_steps": 10})
     sim = simulate(cfg, ProgrammedGenerator())
     acc = sim.collector.accounting
@@ -55,7 +56,7 @@ def test_teacher_errors_under_on_error_drop_are_counted_drops_under_the_failure_
     # What trained was scored by the teacher: nothing stands in for a missing score.
     assert all(r.teacher_logprobs is not None and len(r.teacher_logprobs) == 4 for g in sim.trainer.trained_groups for r in g.rollouts)
     # The same drops break the drop-fraction rule when it is on: the window of 4 has more than half dropped.
-    cfg = distill_recipe(distill={"simulated_error_rate": 0.7, "on_error": "drop"},
+    cfg = distill_recipe(distill={"on_error": "drop"}, simulate={"teacher_error_rate": 0.7},
                          rollout={"max_drop_fraction": 0.5, "drop_window": 4}, train={"max_steps": 10})
     sim = simulate(cfg, ProgrammedGenerator())
     assert sim.result.outcome == "failed" and sim.result.diagnostic.kind == "drop_fraction"
@@ -63,14 +64,14 @@ def test_teacher_errors_under_on_error_drop_are_counted_drops_under_the_failure_
 
 
 def test_a_teacher_that_never_answers_is_a_stall_that_names_the_teacher():
-    cfg = distill_recipe(distill={"simulated_latency_s": {"dist": "const", "value": 10_000.0}, "timeout_s": 5_000.0},
+    cfg = distill_recipe(distill={"timeout_s": 5_000.0}, simulate={"teacher_latency_s": {"dist": "const", "value": 10_000.0}},
                          rollout={"stall_timeout_s": 50.0})
     sim = simulate(cfg, ProgrammedGenerator())
     d = sim.result.diagnostic
     assert sim.result.outcome == "stalled" and d.kind == "stall"
     assert "2 being scored by the teacher (teacher simulated-teacher: 2 calls being scored" in d.message, d.message
     # A teacher slower than distill.timeout_s is a timeout of that sample instead, through the failure policy.
-    cfg = distill_recipe(distill={"simulated_latency_s": {"dist": "const", "value": 10_000.0}, "timeout_s": 5.0})
+    cfg = distill_recipe(distill={"timeout_s": 5.0}, simulate={"teacher_latency_s": {"dist": "const", "value": 10_000.0}})
     sim = simulate(cfg, ProgrammedGenerator())
     assert sim.result.diagnostic.kind == "teacher_error" and "within distill.timeout_s = 5 s" in sim.result.diagnostic.message
 

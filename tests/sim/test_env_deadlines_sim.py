@@ -12,11 +12,11 @@ from tests.sim.fakes import recipe
 def env_recipe(step_s: float, stall_timeout_s: float, **env: object):
     base = recipe(
         env={"factory": "simulated:env", "max_turns": 10, "max_tokens": 4096, "cancel_grace_s": 0.5, **env},
-        generation={"max_inflight": 16, "request_timeout_s": 1000.0, "rollout_deadline_s": 1000.0,
-                    "scripted": {"env": {"call_s": {"dist": "const", "value": step_s}, "done_prob": 0.0}}},
+        generation={"max_inflight": 16, "request_timeout_s": 1000.0, "rollout_deadline_s": 1000.0},
         rollout={"group_size": 2, "groups_per_step": 1, "max_staleness": 1, "stall_timeout_s": stall_timeout_s},
         reward={"functions": []},
-        train={"backend": "stub", "step_time_s": 1.0, "max_steps": 3},
+        train={"backend": "stub", "max_steps": 3},
+        simulate={"step_time_s": 1.0, "env": {"call_s": {"dist": "const", "value": step_s}, "done_prob": 0.0}},
     )
     return validate_config(base.model_dump(mode="json"))
 

@@ -11,10 +11,10 @@ from tests.sim.fakes import OK, Fate, ProgrammedGenerator, recipe
 def env_recipe(max_steps: int = 6, **scripted_env: object):
     base = recipe(
         env={"factory": "simulated:env", "max_turns": 4, "max_tokens": 512, "cancel_grace_s": 0.5},
-        generation={"max_inflight": 16, "request_timeout_s": 1000.0, "rollout_deadline_s": 1000.0,
-                    "scripted": {"env": {"call_s": {"dist": "uniform", "low": 0.0, "high": 2.0}, "done_prob": 0.0, **scripted_env}}},
+        generation={"max_inflight": 16, "request_timeout_s": 1000.0, "rollout_deadline_s": 1000.0},
         rollout={"group_size": 2, "groups_per_step": 1, "max_staleness": 1, "max_requeues": 1},
-        train={"backend": "stub", "step_time_s": 1.0, "max_steps": max_steps},
+        train={"backend": "stub", "max_steps": max_steps},
+        simulate={"step_time_s": 1.0, "env": {"call_s": {"dist": "uniform", "low": 0.0, "high": 2.0}, "done_prob": 0.0, **scripted_env}},
     )
     return validate_config(base.model_dump(mode="json"))
 

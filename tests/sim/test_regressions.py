@@ -124,7 +124,7 @@ def test_the_diagnostic_stays_the_first_and_each_check_raises_a_fresh_exception(
     cfg = recipe(rollout={"max_generation_failures": 0, "max_staleness": 1, "groups_per_step": 1})  # prompts 0 and 1 in flight
     sim = simulate(cfg, FailingTogether({0: first, 1: later}))
     # Both groups failed and were recorded: the second broke the budget again, after the first had.
-    assert sim.collector.accounting.dropped["failed"] == 2 and sim.collector.policy.streak == 2
+    assert sim.collector.accounting.dropped["failed"] == 2 and sim.collector.books.policy.streak == 2
     errors = []
     for _ in range(2):
         with pytest.raises(PipelineError) as info:
@@ -187,7 +187,7 @@ def test_a_hung_request_ends_at_its_deadline():
     cfg = recipe(
         generation={"request_timeout_s": 4.0, "rollout_deadline_s": 10.0},
         rollout={"group_size": 3, "max_staleness": 4},
-        train={"max_steps": 3, "step_time_s": 5.0},
+        train={"max_steps": 3}, simulate={"step_time_s": 5.0},
     )
     gen = ProgrammedGenerator(lambda r, a: Fate(hang=True) if r.request_id == "0-0-0-0" else OK)
     sim = simulate(cfg, gen)
@@ -195,7 +195,7 @@ def test_a_hung_request_ends_at_its_deadline():
     assert sim.collector.counters["rollout/failed_total"] == 1
     assert gen.attempts["0-0-0-0"] >= 2  # each attempt ended at the request timeout and was retried
     assert gen.finished_at["0-0-0-0"] <= 10.0  # ... until the rollout deadline
-    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.buffer.groups()}
+    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.batches.buffer.groups()}
     assert len(finished[0].rollouts) == 2 and finished[0].failed_rollouts == 1
 
 
@@ -245,7 +245,7 @@ def test_a_failing_training_step_becomes_the_runs_diagnostic_not_a_raw_traceback
             return await super().train_step(groups)
 
     cfg = recipe()
-    sim = simulate(cfg, ProgrammedGenerator(), trainer=Exploding(cfg.train.step_time_s))
+    sim = simulate(cfg, ProgrammedGenerator(), trainer=Exploding(cfg.simulate.step_time_s))
     d = sim.result.diagnostic
     assert sim.result.outcome == "failed" and d.kind == "step_error" and d.trainer_step == 2
     assert isinstance(d.original, FloatingPointError) and "loss is nan" in d.traceback
@@ -273,7 +273,7 @@ def test_a_backend_that_raises_cancelled_error_by_itself_fails_that_rollout_only
     sim = simulate(cfg, ProgrammedGenerator(fate))
     assert sim.result.outcome == "completed"
     assert sim.collector.counters["rollout/failed_total"] == 1
-    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.buffer.groups()}
+    finished = {g.prompt.id: g for g in sim.trainer.trained_groups + sim.collector.batches.buffer.groups()}
     assert finished[0].failed_rollouts == 1 and len(finished[0].rollouts) == 2
 
 
@@ -336,6 +336,6 @@ def test_tolerated_failures_are_logged_first_in_full_then_summarised_on_virtual_
 
 @pytest.mark.timeout(60)  # a hang guard: without the fix the loop spins forever once virtual time passes 2**24 s
 def test_a_simulation_of_million_second_steps_finishes():
-    sim = simulate(recipe(train={"step_time_s": 1e6, "max_steps": 20}))
+    sim = simulate(recipe(train={"max_steps": 20}, simulate={"step_time_s": 1e6}))
     assert sim.result.outcome == "completed" and sim.result.steps == 20
     assert sim.virtual_time_s >= 2e7

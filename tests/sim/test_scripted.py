@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from asyncgrpo.commands.simulate import simulate
-from asyncgrpo.config import ScriptedConfig
+from asyncgrpo.config import SimulateConfig
 from asyncgrpo.generation.scripted import ScriptedGenerator
 from asyncgrpo.generation.weight_sync import WeightSyncError
 from asyncgrpo.vtime import run_virtual
@@ -13,7 +13,7 @@ from tests.sim.fakes import recipe
 
 
 def scripted(**fields) -> ScriptedGenerator:
-    return ScriptedGenerator(ScriptedConfig.model_validate(fields), seed=0, max_new_tokens=8)
+    return ScriptedGenerator(SimulateConfig.model_validate(fields), seed=0, max_new_tokens=8)
 
 
 def test_a_publication_serves_the_old_version_until_it_has_taken_its_time():
@@ -31,7 +31,7 @@ def test_a_publication_serves_the_old_version_until_it_has_taken_its_time():
 
 
 def test_a_failing_publication_fails_the_run_as_weight_sync():
-    cfg = recipe(generation={"scripted": {"weight_sync_faults": [{"error": "fail", "from_s": 3.0}]}}, train={"max_steps": 10})
+    cfg = recipe(simulate={"weight_sync_faults": [{"error": "fail", "from_s": 3.0}]}, train={"max_steps": 10})
     sim = simulate(cfg)
     d = sim.result.diagnostic
     assert sim.result.outcome == "failed" and d.kind == "weight_sync" and isinstance(d.original, WeightSyncError)
@@ -40,7 +40,7 @@ def test_a_failing_publication_fails_the_run_as_weight_sync():
 
 def test_a_hanging_publication_ends_at_the_weight_sync_deadline():
     cfg = recipe(
-        generation={"weight_sync_timeout_s": 20.0, "scripted": {"weight_sync_faults": [{"error": "hang", "rate": 1.0}]}},
+        generation={"weight_sync_timeout_s": 20.0}, simulate={"weight_sync_faults": [{"error": "hang", "rate": 1.0}]},
         train={"max_steps": 10},
     )
     sim = simulate(cfg)
@@ -51,7 +51,7 @@ def test_a_hanging_publication_ends_at_the_weight_sync_deadline():
 def test_publication_faults_are_seeded_per_version():
     def failing_versions(seed):
         gen = ScriptedGenerator(
-            ScriptedConfig.model_validate({"weight_sync_faults": [{"error": "fail", "rate": 0.5}]}), seed=seed, max_new_tokens=8
+            SimulateConfig.model_validate({"weight_sync_faults": [{"error": "fail", "rate": 0.5}]}), seed=seed, max_new_tokens=8
         )
 
         async def main():
@@ -72,11 +72,11 @@ def test_publication_faults_are_seeded_per_version():
 def test_a_zero_latency_runs_with_the_trainer_as_the_bound():
     # const 0 is a valid latency (generation costs nothing); it used to divide by zero in the report's
     # generation capacity, then was refused. The bound is then the training capacity alone.
-    cfg = recipe(generation={"scripted": {"latency_s": {"dist": "const", "value": 0.0}}}, train={"max_steps": 5})
+    cfg = recipe(simulate={"latency_s": {"dist": "const", "value": 0.0}}, train={"max_steps": 5})
     sim = simulate(cfg)
     report = sim.report()
     assert sim.result.outcome == "completed" and sim.result.steps == 5
-    assert report["capacity_bound_completions_per_s"] == 2.0  # groups_per_step 1 x group_size 2 / step_time_s 1
+    assert report["capacity_bound_completions_per_s"] == 2.0  # groups_per_step 1 x group_size 2 / simulate.step_time_s 1
     assert 0.9 <= report["efficiency"] <= 1.0
 
 
@@ -94,7 +94,7 @@ TOKEN_MODEL = {"tokens": {"dist": "lognormal", "median": 200, "sigma": 1.0},
 
 
 def test_token_model_lengths_belong_to_the_prompt_across_members_and_requeues():
-    gen = ScriptedGenerator(ScriptedConfig.model_validate(TOKEN_MODEL), seed=3, max_new_tokens=4096)
+    gen = ScriptedGenerator(SimulateConfig.model_validate(TOKEN_MODEL), seed=3, max_new_tokens=4096)
 
     async def lengths(prompt_id):
         return [len((await gen.generate(_request(prompt_id, take, member))).token_ids) for take in range(3) for member in range(2)]
@@ -103,12 +103,12 @@ def test_token_model_lengths_belong_to_the_prompt_across_members_and_requeues():
     assert all(len(set(ls)) == 1 for ls in per_prompt)  # no rollout spread: every take and member of a prompt alike
     assert len({ls[0] for ls in per_prompt}) == 6  # prompts differ
     assert gen.drawn_lengths == {p: ls for p, ls in enumerate(per_prompt)}
-    again = ScriptedGenerator(ScriptedConfig.model_validate(TOKEN_MODEL), seed=3, max_new_tokens=4096)
+    again = ScriptedGenerator(SimulateConfig.model_validate(TOKEN_MODEL), seed=3, max_new_tokens=4096)
     assert [run_virtual(again.generate(_request(p, 5, 9))).token_ids.__len__() for p in range(6)] == [ls[0] for ls in per_prompt]
 
 
 def test_token_model_latency_is_prefill_plus_decode_slowed_past_the_knee():
-    gen = ScriptedGenerator(ScriptedConfig.model_validate(TOKEN_MODEL), seed=0, max_new_tokens=4096)
+    gen = ScriptedGenerator(SimulateConfig.model_validate(TOKEN_MODEL), seed=0, max_new_tokens=4096)
 
     async def finish_times(n):
         loop = asyncio.get_running_loop()
@@ -131,7 +131,7 @@ def test_token_model_latency_is_prefill_plus_decode_slowed_past_the_knee():
 
 
 def test_the_stub_trainer_takes_time_per_trained_token():
-    cfg = recipe(generation={"scripted": {"tokens": {"dist": "const", "value": 25}}}, train={"token_time_s": 0.02, "max_steps": 3})
+    cfg = recipe(simulate={"tokens": {"dist": "const", "value": 25}, "token_time_s": 0.02}, train={"max_steps": 3})
     sim = simulate(cfg)
     assert [r.step_s for r in sim.records] == [1.0, 1.0, 1.0]  # 1 group x 2 completions x 25 tokens x 20 ms
     report = sim.report()

@@ -43,7 +43,7 @@ def pipeline(cfg, generator, reported, on_step=None):
             await on_step(step_record)
 
     collector = make_collector(cfg, generator)
-    return run_pipeline(cfg, collector=collector, trainer=StubTrainer(cfg.train.step_time_s), generator=generator, on_step=record)
+    return run_pipeline(cfg, collector=collector, trainer=StubTrainer(cfg.simulate.step_time_s), generator=generator, on_step=record)
 
 
 def test_a_failed_weight_sync_still_reports_the_step_that_trained_and_counts_it():

@@ -11,7 +11,7 @@ from asyncgrpo.telemetry.metrics import read_jsonl
 
 FAULTY = [
     "train.max_steps=40",
-    "generation.scripted.faults=[{error: http_500, rate: 0.1}, {error: http_400, rate: 0.02}, {error: hang, rate: 0.01}]",
+    "simulate.faults=[{error: http_500, rate: 0.1}, {error: http_400, rate: 0.02}, {error: hang, rate: 0.01}]",
 ]
 
 
@@ -48,10 +48,10 @@ def test_rollout_and_step_spans_are_ordered_and_counted(tmp_path):
     assert [s["step"] for s in steps] == list(range(sim.result.steps))
     for before, after in zip(steps, steps[1:]):
         assert before["wait"][0] <= before["train"][0] <= before["sync"][0] <= before["sync"][1] <= after["wait"][0] + 1e-6
-    assert all(abs((s["train"][1] - s["train"][0]) - sim.cfg.train.step_time_s) < 1e-6 for s in steps)
+    assert all(abs((s["train"][1] - s["train"][0]) - sim.cfg.simulate.step_time_s) < 1e-6 for s in steps)
     busy = sum(line["end"] - line["start"] for line in rollouts)
     end = steps[-1]["sync"][1]
-    timeline = sim.collector.observer
+    timeline = sim.collector.books.observer
     assert abs(timeline.utilisation(timeline._t0 + end) - busy / (sim.cfg.generation.max_inflight * end)) < 1e-6
 
 

@@ -17,7 +17,7 @@ from asyncgrpo.config import load_config
 from asyncgrpo.data.loading import read_rows
 from asyncgrpo.environments.factories import load_factory
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.rewards.scoring import resolve_reward
+from asyncgrpo.rewards.resolve import resolve_reward
 from asyncgrpo.tasks import repeat_letter_reward
 from asyncgrpo.training.resume import plan_resume
 from tests.unit.test_resume_plan import make_checkpoint
@@ -50,6 +50,13 @@ def test_trainer_takes_trls_argument_names_and_trl_config_fields():
 def test_a_bad_key_is_the_clis_config_error():
     with pytest.raises(ConfigError, match="rollout.grup_size"):
         Trainer(**{"rollout.grup_size": 4})
+
+
+def test_a_simulator_key_at_its_old_place_names_its_new_one_in_every_form_a_caller_passes():
+    for config, overrides in (({"train": {"step_time_s": 2.0}}, None), (None, {"train.step_time_s": 2.0})):
+        with pytest.raises(ConfigError, match=r"train\.step_time_s moved to simulate\.step_time_s\. Fix: rename it"):
+            build_config(config, overrides=overrides)
+    assert build_config(overrides={"simulate.step_time_s": 2.0}).config.simulate.step_time_s == 2.0
 
 
 def test_a_key_given_by_a_named_argument_and_an_override_is_refused():

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+import typing
+from pathlib import Path
 
-from asyncgrpo.config import load_config, parse_overrides, tolerance_warnings
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from asyncgrpo.config import MOVED, Config, at_new_places, load_config, parse_overrides, tolerance_warnings
 from asyncgrpo.errors import ConfigError
+
+RECIPES = sorted(Path(__file__).resolve().parents[2].joinpath("recipes").glob("*.yaml"))
 
 
 def error_of(*overrides: str, path=None) -> str:
@@ -148,3 +155,74 @@ def test_a_builtin_size_that_cannot_fit_in_memory_is_a_config_error_naming_the_b
     with pytest.raises(ConfigError, match=r"data\.builtin_size = 300000000: Input should be less than or equal to 1000000"):
         load_config(None, ["data.builtin_size=300000000"])
     assert load_config(None, ["data.builtin_size=1000000"]).data.builtin_size == 1_000_000
+
+
+def _models(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[BaseModel]]]:
+    """Every section model under `model` with its dotted key, list items (simulate.faults) included."""
+    found = [(prefix, model)]
+    for name, field in model.model_fields.items():
+        args = typing.get_args(field.annotation)
+        for sub in {a for a in (field.annotation, *args, *(x for a in args for x in typing.get_args(a))) if isinstance(a, type)}:
+            if issubclass(sub, BaseModel):
+                found += _models(sub, f"{prefix}{name}.")
+    return found
+
+
+def test_every_key_has_a_description_and_every_section_says_what_it_is_for():
+    models = _models(Config)
+    undescribed = [f"{prefix}{name}" for prefix, model in models for name, field in model.model_fields.items()
+                   if not field.description and not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))]
+    assert undescribed == []
+    assert [prefix for prefix, model in models if prefix and not (model.__doc__ or "").strip()] == []
+
+
+def test_no_production_section_holds_a_simulator_key():
+    """The scripted backend, the stub trainer and the simulated teacher read the simulate: section alone."""
+    for prefix, model in _models(Config):
+        if not prefix.startswith("simulate."):
+            for name, field in model.model_fields.items():
+                if f"{prefix}{name}" == "simulate":
+                    continue
+                assert "simulat" not in name and "scripted" not in name, f"{prefix}{name}"
+                assert "simulate only" not in (field.description or "").lower(), f"{prefix}{name}"
+    for recipe in RECIPES:
+        sections = yaml.safe_load(recipe.read_text(encoding="utf-8"))
+        assert ("simulate" in sections) == (sections.get("generation", {}).get("backend") == "scripted"), recipe
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("generation.scripted.latency_s={dist: const, value: 2}", "generation.scripted.latency_s moved to simulate.latency_s"),
+    ("generation.scripted.env.done_prob=0.5", "generation.scripted.env moved to simulate.env"),
+    ("train.step_time_s=2", "train.step_time_s moved to simulate.step_time_s"),
+    ("train.token_time_s=0.01", "train.token_time_s moved to simulate.token_time_s"),
+    ("distill.simulated_latency_s={dist: const, value: 2}", "distill.simulated_latency_s moved to simulate.teacher_latency_s"),
+    ("distill.simulated_error_rate=0.5", "distill.simulated_error_rate moved to simulate.teacher_error_rate"),
+])
+def test_a_key_that_moved_is_an_error_naming_its_new_place(old, new):
+    message = error_of(old)
+    assert new in message and "Fix: rename" in message and "unknown key" not in message
+
+
+def test_an_old_simulate_recipe_names_each_moved_key_and_its_recipe(tmp_path):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("generation: {backend: scripted, scripted: {faults: [], tokens: {dist: const, value: 4}}}\n"
+                      "train: {backend: stub, step_time_s: 4.0}\n")
+    message = error_of(path=recipe)
+    assert message.startswith(f"{recipe}: 2 config problems")
+    assert "generation.scripted.faults moved to simulate.faults, generation.scripted.tokens moved to simulate.tokens" in message
+    assert "train.step_time_s moved to simulate.step_time_s" in message
+
+
+def test_every_moved_key_has_a_new_place_and_an_old_config_reads_at_the_new_places():
+    for old, new in MOVED.items():
+        section, _, key = old.partition(".")
+        assert key not in Config.model_fields[section].annotation.model_fields, old  # the old place is gone
+        target, _, new_key = new.partition(".")
+        assert new_key in Config.model_fields[target].annotation.model_fields or not new_key, new
+    saved = load_config(None, ["simulate.step_time_s=3", "simulate.faults=[{error: hang}]", "simulate.teacher_error_rate=0.5"])
+    old = saved.model_dump(mode="json")  # as a checkpoint saved it before the move
+    scripted = old.pop("simulate")
+    old["train"].update(step_time_s=scripted.pop("step_time_s"), token_time_s=scripted.pop("token_time_s"))
+    old["distill"].update(simulated_latency_s=scripted.pop("teacher_latency_s"), simulated_error_rate=scripted.pop("teacher_error_rate"))
+    old["generation"]["scripted"] = scripted
+    assert at_new_places(old) == saved.model_dump(mode="json")

@@ -20,7 +20,7 @@ def load_script():
 def test_the_config_reference_matches_the_models():
     script = load_script()
     assert script.DOC.read_text(encoding="utf-8") == script.render(), (
-        "docs/config.md is out of date with src/asyncgrpo/config.py: run `python scripts/config_reference.py` and commit it"
+        "docs/config.md is out of date with src/asyncgrpo/config/: run `python scripts/config_reference.py` and commit it"
     )
 
 

@@ -55,7 +55,7 @@ def test_a_simulated_run_freezes_its_setup_while_it_runs():
 
     SEEN_FROZEN.clear()
     cfg = load_config("recipes/simulate.yaml", [
-        "reward.functions=[tests.unit.test_gc_pauses:freeze_probe]", "generation.scripted.faults=[]", "train.max_steps=2",
+        "reward.functions=[tests.unit.test_gc_pauses:freeze_probe]", "simulate.faults=[]", "train.max_steps=2",
     ])
     assert simulate(cfg).result.outcome == "completed"
     assert SEEN_FROZEN and min(SEEN_FROZEN) > 0 and gc.get_freeze_count() == 0

@@ -20,13 +20,14 @@ PACKAGE = Path(asyncgrpo.__file__).parent
 # Bottom first. A name is a module or a package (its modules); the longest match wins.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "types", "sync", "threads", "gc_pauses", "atomic", "vtime", "tasks", "loss_config", "config", "trl_names", "rundir",
-     "signals", "watchdog", "objects", "worker_process", "telemetry.keys", "sampling"),
+     "signals", "watchdog", "objects", "user_modules", "worker_process", "telemetry.keys", "sampling"),
     ("data", "models"),
     ("generation",),
     ("rewards",),
     ("environments",),
-    ("rollout", "distill"),  # distill: the pure judge and the simulated teacher
-    ("training", "distill.teacher", "distill.loss"),
+    ("rollout", "distill", "algorithms.base"),  # distill: the pure judge and the simulated teacher; the algorithm protocol
+    # algorithms: each implementation uses rollout's judge, distill's teacher and loss; the trainer imports the registry.
+    ("training", "distill.teacher", "distill.loss", "algorithms"),
     ("pipeline", "evaluation"),
     ("telemetry",),
     ("wiring",),  # one place that wires a run, for the commands, the benchmarks and the tests

@@ -7,6 +7,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from asyncgrpo.config import load_config
 from asyncgrpo.errors import ConfigError
@@ -150,3 +151,15 @@ def test_an_explicit_checkpoint_of_another_run_with_overwrite_continues_it_in_a_
     plan = plan_resume(config(tmp_path / "run", "run.overwrite=true", f"checkpoint.resume={path}"))
     assert plan.checkpoint == path and plan.start_over
     assert "removed" in plan.notes[0] and "run.overwrite=true" in plan.notes[0]
+
+
+def test_a_checkpoint_saved_before_the_simulator_keys_moved_reports_no_change(tmp_path):
+    path = make_checkpoint(tmp_path, 3, ["simulate.step_time_s=2"])
+    old = yaml.safe_load((path / "run_config.yaml").read_text())
+    simulate = old.pop("simulate")
+    old["train"].update(step_time_s=simulate.pop("step_time_s"), token_time_s=simulate.pop("token_time_s"))
+    old["distill"].update(simulated_latency_s=simulate.pop("teacher_latency_s"), simulated_error_rate=simulate.pop("teacher_error_rate"))
+    old["generation"]["scripted"] = simulate
+    (path / "run_config.yaml").write_text(yaml.safe_dump(old))
+    assert plan_resume(config(tmp_path, "simulate.step_time_s=2")).changed == []
+    assert plan_resume(config(tmp_path, "simulate.step_time_s=5")).changed == ["simulate.step_time_s: 2.0 -> 5.0"]

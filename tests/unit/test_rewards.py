@@ -14,7 +14,8 @@ import time
 import pytest
 
 from asyncgrpo.errors import ConfigError, RewardError
-from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion, resolve_reward, resolve_rewards, unscored_group_error
+from asyncgrpo.rewards.resolve import resolve_reward, resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer, ScoredCompletion, unscored_group_error
 from asyncgrpo.rollout.diagnostics import reward_failed
 from asyncgrpo.tasks import REWARDS
 from asyncgrpo.threads import run_in_daemon_thread
@@ -44,7 +45,7 @@ def test_resolve_builtins():
 def test_resolve_builtin_does_not_import_heavy_libraries():
     code = (
         "import sys\n"
-        "from asyncgrpo.rewards.scoring import resolve_reward\n"
+        "from asyncgrpo.rewards.resolve import resolve_reward\n"
         "resolve_reward('builtin:repeat_letter', 0)\n"
         "heavy = [m for m in ('torch', 'transformers', 'datasets', 'pyarrow') if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -1,4 +1,5 @@
-"""The collector's books, each on its own: replay buffer expiry, accounting, the prompt ledger, tracebacks, token books, the no-signal watch.
+"""The collector's books, each on its own: replay buffer expiry, accounting, the prompt ledger, tracebacks, token books, the no-signal
+watch; and `Books`, which records every ending in all of them at once.
 
 The pipeline tests reach these only along their happy paths (a buffered group rarely goes
 stale, a ledger sink is a real run's file); these pin the rest (mutation testing found them
@@ -13,8 +14,12 @@ import pytest
 
 from asyncgrpo.rollout import token_books
 from asyncgrpo.rollout.accounting import Accounting
+from asyncgrpo.rollout.books import Books
 from asyncgrpo.rollout.buffer import ReplayBuffer
+from asyncgrpo.rollout.failures import FailurePolicy
 from asyncgrpo.rollout.first_failure import format_traceback
+from asyncgrpo.rollout.in_flight import InFlightGroup
+from asyncgrpo.rollout.judge import Drop
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.no_signal import NoSignalWatch
 from asyncgrpo.types import Completion, Group, Prompt, Rollout
@@ -111,3 +116,76 @@ def test_no_exception_formats_as_no_traceback():
     except ValueError as exc:
         lines = format_traceback(exc).splitlines()
     assert lines[0] == "Traceback (most recent call last):" and lines[1].startswith('  File "') and lines[-1] == "ValueError: boom"
+
+
+class Recorder:
+    """An observer that keeps every call (rollout/events.py)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def rollout_started(self, take, prompt_id, member, t):
+        self.calls.append(("started", take, member))
+
+    def rollout_ended(self, take, member, outcome, version, tokens, t):
+        self.calls.append(("rollout", take, member, outcome, tokens))
+
+    def take_ended(self, take, prompt_id, ending, seq, t):
+        self.calls.append(("take", take, ending, seq))
+
+    def buffered_ended(self, seqs, outcome, step, t):
+        self.calls.append(("buffered", tuple(seqs), outcome, step))
+
+
+def in_flight(books: Books, prompt_id: int, size: int = 2) -> InFlightGroup:
+    group = InFlightGroup(key=books.take(), prompt=Prompt(id=prompt_id, text="p", token_ids=(1,)), size=size)
+    group.dispatch_versions = [0] * size
+    return group
+
+
+def test_the_books_record_every_ending_in_every_record_once():
+    observer, records = Recorder(), []
+    books = Books(FailurePolicy(max_generation_failures=5, drop_window=10, max_drop_fraction=1.0, max_filtered_fraction=1.0),
+                  ledger=PromptLedger(sink=records.append), observer=observer)
+    kept, lost, requeued, stale = (in_flight(books, i) for i in range(4))
+    books.rollout_started(kept, 0, 0.0)
+    books.rollout_ended(kept, 0, group(0, 0, 1).rollouts[0].completion, 0.25, 1.0)
+    books.rollout_started(lost, 1, 0.0)
+    books.rollout_ended(lost, 1, RuntimeError("500"), 0.5, 1.0)
+    books.rollout_cancelled(stale, 0, 0.125, 1.0)
+    books.retried()
+    assert kept.completions[0] is not None and kept.ms[0] == 250 and isinstance(lost.errors[1], RuntimeError) and lost.ms[1] == 500
+    buffered = group(0, 0, seq=1)
+    assert books.buffered(kept, buffered, 2.0) is None
+    assert books.dropped(lost, Drop("failed", lost.errors[1]), step=3, t=2.0) is None
+    books.left_behind(requeued, samples=1, fate="requeue", step=3, t=2.0)
+    books.left_behind(stale, samples=2, fate="drop", step=3, t=2.0)
+    books.trained([buffered], step=3, t=3.0)
+    late = in_flight(books, 4)
+    books.buffered(late, group(4, 0, seq=2), 3.0)
+    books.stale_buffered(group(4, 0, seq=2), step=4, t=4.0)
+    acc, counters = books.accounting, books.counters
+    assert acc.to_json() == {"taken": 5, "trained": 1, "requeued": 1, "in_flight": 0, "buffered": 0,
+                             "dropped": {**dict.fromkeys(acc.dropped, 0), "failed": 1, "stale": 2}}
+    assert {k: v for k, v in counters.items() if v} == {
+        "rollout/generated_tokens_total": 1, "rollout/failed_total": 1, "rollout/retries_total": 1, "rollout/generation_ms_total": 875,
+        "rollout/dropped_groups_total": 3, "rollout/dropped/failed": 1, "rollout/dropped/stale": 2, "rollout/requeued_total": 1,
+        "rollout/stale_groups_total": 3, "rollout/stale_samples_total": 1 + 2 + 2, "rollout/stale_completions_total": 2,
+        "rollout/wasted_tokens_total": 2, "rollout/wasted_tokens/stale": 2,
+        "rollout/trained_completions_total": 2, "rollout/trained_tokens_total": 2,
+    }
+    assert [(r["prompt_id"], r["outcome"], r.get("reason")) for r in records] == [(1, "dropped", "failed"), (3, "dropped", "stale"),
+                                                                                  (0, "trained", None), (4, "dropped", "stale")]
+    assert [c for c in observer.calls if c[0] in ("take", "buffered")] == [
+        ("take", 1, "buffered", 1), ("take", 2, "failed", None), ("take", 3, "requeued", None), ("take", 4, "stale", None),
+        ("buffered", (1,), "trained", 3), ("take", 5, "buffered", 2), ("buffered", (2,), "stale", 4),
+    ]
+    assert [c[3] for c in observer.calls if c[0] == "rollout"] == ["finished", "failed", "cancelled"]
+    assert books.policy.judged == 3 and books.policy.streak == 0  # two buffered, one failed; a cancellation is never judged
+
+
+def test_a_judged_ending_returns_the_failure_policys_verdict():
+    books = Books(FailurePolicy(max_generation_failures=0, drop_window=10, max_drop_fraction=1.0, max_filtered_fraction=1.0))
+    error = RuntimeError("down")
+    verdict = books.dropped(in_flight(books, 0), Drop("failed", error), step=0, t=0.0)
+    assert verdict is not None and verdict.kind == "generation_failures" and verdict.original is error

@@ -12,12 +12,15 @@ WRITTEN = [  # what a run (and the trackers it drives) writes
     "weights/v000003/model.safetensors", "plots/rewards.png", "plots/timeline_start.png",
     "tensorboard/events.out.tfevents.1796143379.vm.24424.0",
     "wandb/offline-run-20261201_164254-fkf8qo90/run.wandb", "wandb/run-20261201_164254-abc/files/x", "wandb/debug.log",
-    "mlruns/0/meta.yaml", "mlruns/315934998097157724/meta.yaml", "mlruns/.trash/x",
+    "mlruns/0/meta.yaml", "mlruns/315934998097157724/meta.yaml", "mlruns/.trash/x",  # MLflow's file store, before sqlite
+    "mlflow.db", "mlflow.db-journal", "mlartifacts/0/x", "mlartifacts/1/0123456789abcdef0123456789abcdef/artifacts/model.pt",
+    "trackio/asyncgrpo.db", "trackio/asyncgrpo.db-wal", "trackio/asyncgrpo.db-shm", "trackio/asyncgrpo.lock",
+    "trackio/my-project_2.db", "trackio/media/asyncgrpo/x.png", "trackio/artifacts/asyncgrpo/x", "trackio/traces/x",
 ]
 USERS = [  # what a user put beside them
     "notes.md", "checkpoints/best_by_hand/model.safetensors", "checkpoints/README", "plots/my_figure.png",
     "weights/frozen.safetensors", "tensorboard/my_events/x", "wandb/settings", "wandb/run_notes.txt", "mlruns/compare.ipynb",
-    "mlruns/2024_notes.md",
+    "mlruns/2024_notes.md", "mlartifacts/README.md", "trackio/notes.md", "trackio/old_store/asyncgrpo.db",
 ]
 
 
@@ -38,7 +41,8 @@ def test_starting_over_removes_only_what_asyncgrpo_wrote_and_names_what_it_kept(
     assert files(tmp_path) == {MARKER, *USERS}
     assert sorted(cleared.kept) == sorted(
         ["checkpoints/README", "checkpoints/best_by_hand", "plots/my_figure.png", "weights/frozen.safetensors",
-         "tensorboard/my_events", "wandb/run_notes.txt", "wandb/settings", "mlruns/2024_notes.md", "mlruns/compare.ipynb"]
+         "tensorboard/my_events", "wandb/run_notes.txt", "wandb/settings", "mlruns/2024_notes.md", "mlruns/compare.ipynb",
+         "mlartifacts/README.md", "trackio/notes.md", "trackio/old_store"]
     )
     assert "checkpoints/step_000002" in cleared.removed and "wandb/latest-run" in cleared.removed
 

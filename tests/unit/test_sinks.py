@@ -11,8 +11,12 @@ import pytest
 
 from asyncgrpo.config import Config, load_config
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.rundir import clear_run
 from asyncgrpo.telemetry import keys, sinks
 from asyncgrpo.telemetry.sinks import Trackers, sink_problems
+
+# MLflow's store models ask SQLAlchemy for `lazy="noload"`, which SQLAlchemy 2.1 deprecates: MLflow's warning, not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated:DeprecationWarning")
 
 LINES = [
     {"step": 0, "version": 1, "loss": 0.5, "reward/mean": 0.25, "eval/reward_mean": None, "rollout/failed_total": 0},
@@ -56,41 +60,76 @@ def test_tensorboard_event_files_read_back(tmp_path):
     assert got == EXPECTED
 
 
-def mlflow_run(tmp_path):
-    """The one MLflow run in the run directory's file store, and its metrics by step."""
+def mlflow_runs(store):
+    """The MLflow runs in the sqlite store `store` (the run directory's mlflow.db), read as a user would (no
+    environment variable), and each one's metrics by step."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
-    [run] = client.search_runs([client.get_experiment_by_name("asyncgrpo-test").experiment_id])
-    got: dict[int, dict[str, float]] = {}
-    for key in run.data.metrics:
-        for metric in client.get_metric_history(run.info.run_id, key):
-            got.setdefault(metric.step, {})[key] = metric.value
-    return run, got
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    runs = []
+    for run in client.search_runs([client.get_experiment_by_name("asyncgrpo-test").experiment_id]):
+        got: dict[int, dict[str, float]] = {}
+        for key in run.data.metrics:
+            for metric in client.get_metric_history(run.info.run_id, key):
+                got.setdefault(metric.step, {})[key] = metric.value
+        runs.append((run, got))
+    return runs
+
+
+@pytest.fixture
+def mlflow_env(tmp_path, monkeypatch):
+    """No MLflow variable set, and a working directory of its own (MLflow's client defaults put files there)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    yield run_dir
+    assert list(cwd.iterdir()) == []
 
 
 @needs("mlflow")
-def test_mlflow_writes_to_a_local_file_store_in_the_run_directory(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    cfg = write(tmp_path, "mlflow")
-    run, got = mlflow_run(tmp_path)
+def test_mlflow_writes_a_sqlite_store_in_the_run_directory_that_mlflow_reads_with_no_variable(mlflow_env):
+    cfg = write(mlflow_env, "mlflow")
+    [(run, got)] = mlflow_runs(mlflow_env / "mlflow.db")
     assert run.info.run_name == "sinktest" and run.info.status == "FINISHED"
     assert got == EXPECTED
     # The config as params, one per leaf, under dotted keys.
     assert run.data.params["rollout.group_size"] == str(cfg.rollout.group_size)
     assert run.data.params["run.name"] == "sinktest" and run.data.params["logging.sinks"] == '["jsonl", "mlflow"]'
     assert len(run.data.params) > 50
+    assert run.info.artifact_uri.startswith((mlflow_env / "mlartifacts").as_uri() + "/")
+    assert sorted(p.name for p in mlflow_env.iterdir()) == ["mlflow.db", "trackers.json"]
 
 
 @needs("mlflow")
-def test_a_resumed_run_continues_its_mlflow_run(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    write(tmp_path, "mlflow")
-    write(tmp_path, "mlflow", RESUMED)
-    run, got = mlflow_run(tmp_path)
+def test_a_resumed_run_continues_its_mlflow_run(mlflow_env):
+    write(mlflow_env, "mlflow")
+    write(mlflow_env, "mlflow", RESUMED)
+    [(run, got)] = mlflow_runs(mlflow_env / "mlflow.db")
     assert run.info.status == "FINISHED" and got == EXPECTED_RESUMED
+
+
+@needs("mlflow")
+def test_after_a_fresh_start_in_the_same_process_mlflow_writes_the_new_store(mlflow_env):
+    """MLflow pools connections per URI for the process: a run after clear_run must not write the deleted file."""
+    write(mlflow_env, "mlflow")
+    [(first, _)] = mlflow_runs(mlflow_env / "mlflow.db")  # a reader in this process opens (and pools) a connection too
+    clear_run(mlflow_env)
+    assert not (mlflow_env / "mlflow.db").exists()
+    write(mlflow_env, "mlflow", RESUMED)
+    [(run, got)] = mlflow_runs(mlflow_env / "mlflow.db")
+    assert run.info.run_id != first.info.run_id and got == {step + 2: values for step, values in EXPECTED.items()}
+
+
+@needs("mlflow")
+def test_mlflow_tracking_uri_wins_over_the_run_directorys_store(mlflow_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/elsewhere.db")
+    write(mlflow_env, "mlflow")
+    [(run, got)] = mlflow_runs(tmp_path / "elsewhere.db")
+    assert got == EXPECTED and not (mlflow_env / "mlflow.db").exists()
 
 
 def test_the_config_flattens_into_dotted_params():
@@ -161,50 +200,132 @@ def test_a_tracker_whose_package_is_missing_fails_check_with_the_pip_command(mon
         preflight(load_config(None, ["logging.sinks=[jsonl, wandb]", "run.name=sinks-missing"]))
 
 
+@needs("mlflow")
+def test_mlflows_store_in_the_run_directory_needs_sqlalchemy_and_alembic_a_tracking_uri_does_not(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda name, *a: None if name in ("sqlalchemy", "alembic") else real(name, *a))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    [problem] = sink_problems(["mlflow"])
+    assert "logging.sinks names mlflow, but sqlalchemy and alembic are not installed" in problem
+    assert "`pip install sqlalchemy alembic`" in problem
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert sink_problems(["mlflow"]) == []
+
+
 def test_an_unknown_sink_is_a_config_error_naming_the_choices():
     with pytest.raises(ConfigError, match="logging.sinks"):
         load_config(None, ["logging.sinks=[jsonl, neptune]"])
 
 
-TRACKIO_SCRIPT = """
-import json, pathlib, sys
-from asyncgrpo.config import Config
-from asyncgrpo.telemetry.sinks import Trackers
-from tests.unit.test_sinks import LINES, RESUMED
-cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["trackio"], "project": "asyncgrpo-test"}})
-for lines in [LINES, RESUMED][:int(sys.argv[2])]:  # one invocation, or one and its resume
-    trackers = Trackers(cfg, pathlib.Path(sys.argv[1]))
-    for line in lines:
-        trackers.log(line)
-    assert trackers.close() == []
+TRACKIO_READER = """
+import json, sys
 from trackio.sqlite_storage import SQLiteStorage
 print(json.dumps([SQLiteStorage.get_runs("asyncgrpo-test"), SQLiteStorage.get_logs("asyncgrpo-test", "sinktest")]))
 """
 
 
-def trackio_runs(tmp_path, invocations: int):
+def trackio_runs(store):
+    """The runs of project asyncgrpo-test in the trackio store `store`, and run sinktest's values by step, read as a
+    user would: trackio imported with TRACKIO_DIR=store (in a process of its own, since trackio reads it at import)."""
     import json
     import os
     import subprocess
     import sys
 
-    # trackio reads TRACKIO_DIR when it is imported: a process of its own keeps the store in tmp_path.
-    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
-    proc = subprocess.run([sys.executable, "-c", TRACKIO_SCRIPT, str(tmp_path), str(invocations)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", TRACKIO_READER], env={**os.environ, "TRACKIO_DIR": str(store)},
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     runs, logs = json.loads(proc.stdout.strip().splitlines()[-1])
     return runs, {row.pop("step"): {k: v for k, v in row.items() if k != "timestamp"} for row in logs}
 
 
-@needs("trackio")
-def test_trackio_writes_to_its_local_store(tmp_path):
-    assert trackio_runs(tmp_path, 1) == (["sinktest"], EXPECTED)
+@pytest.fixture
+def trackio_env(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRACKIO_DIR", raising=False)
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+    return tmp_path
 
 
 @needs("trackio")
-def test_a_resumed_run_continues_its_trackio_run(tmp_path):
-    assert trackio_runs(tmp_path, 2) == (["sinktest"], EXPECTED_RESUMED)
+def test_trackio_writes_its_store_in_the_run_directory_each_run_its_own(trackio_env):
+    """trackio reads TRACKIO_DIR once per process: two runs in one process still get a store each, in their run directory."""
+    write(trackio_env / "a", "trackio")
+    write(trackio_env / "b", "trackio", RESUMED)
+    assert trackio_runs(trackio_env / "a" / "trackio") == (["sinktest"], EXPECTED)
+    assert trackio_runs(trackio_env / "b" / "trackio") == (["sinktest"], {step + 2: values for step, values in EXPECTED.items()})
+
+
+@needs("trackio")
+def test_a_resumed_run_continues_its_trackio_run(trackio_env):
+    write(trackio_env / "a", "trackio")
+    write(trackio_env / "a", "trackio", RESUMED)
+    assert trackio_runs(trackio_env / "a" / "trackio") == (["sinktest"], EXPECTED_RESUMED)
+
+
+@needs("trackio")
+def test_trackio_dir_wins_over_the_run_directorys_store(trackio_env, monkeypatch):
+    monkeypatch.setenv("TRACKIO_DIR", str(trackio_env / "elsewhere"))
+    write(trackio_env / "a", "trackio")
+    assert trackio_runs(trackio_env / "elsewhere") == (["sinktest"], EXPECTED)
+    assert not (trackio_env / "a" / "trackio").exists()
+
+
+@needs("trackio")
+def test_a_failed_trackio_call_is_named_and_its_process_ends(trackio_env, monkeypatch):
+    """trackio refuses to resume a run its store does not hold: the run's error says so; no process is left behind."""
+    import json
+
+    (trackio_env / "a" / "trackers.json").write_text(json.dumps(
+        {"trackio": {"project": "asyncgrpo-test", "name": "sinktest", "dir": str(trackio_env / "a" / "trackio")}}))
+    cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["trackio"], "project": "asyncgrpo-test"}})
+    started = []
+    real = sinks.subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(sinks.subprocess, "Popen", popen)
+    with pytest.raises(sinks.TrackerError, match=r"the trackio tracker of logging.sinks failed while starting \(TrackioError: "
+                                                 r"trackio raised ValueError: Run 'sinktest' does not exist"):
+        Trackers(cfg, trackio_env / "a")
+    [process] = started
+    assert process.returncode is not None
+
+
+KILLED_RUN_SCRIPT = """
+import pathlib, sys
+from asyncgrpo.config import Config
+from asyncgrpo.telemetry.sinks import Trackers
+from tests.unit.test_sinks import LINES
+cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["trackio"], "project": "asyncgrpo-test"}})
+trackers = Trackers(cfg, pathlib.Path(sys.argv[1]))
+for line in LINES:
+    trackers.log(line)
+print(trackers.trackers["trackio"].process.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+@needs("trackio")
+def test_trackios_process_ends_with_its_run_and_keeps_what_was_logged_when_the_run_is_killed(trackio_env):
+    import os
+    import select
+    import subprocess
+    import sys
+
+    with subprocess.Popen([sys.executable, "-c", KILLED_RUN_SCRIPT, str(trackio_env / "a")], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as run:
+        try:
+            pidfd = os.pidfd_open(int(run.stdout.readline()))
+        finally:
+            run.kill()  # SIGKILL: the run closes nothing; the trackio process sees its stdin end
+    try:
+        assert select.select([pidfd], [], [], 60)[0], "trackio's process outlived the killed run by 60 s"
+    finally:
+        os.close(pidfd)
+    assert trackio_runs(trackio_env / "a" / "trackio") == (["sinktest"], EXPECTED)
 
 
 class Failing:
@@ -332,12 +453,10 @@ def test_the_trl_names_are_the_ones_trls_grpo_trainer_logs():
 
 
 @needs("mlflow")
-def test_a_config_value_past_mlflows_param_limit_is_cut_not_refused(tmp_path, monkeypatch):
+def test_a_config_value_past_mlflows_param_limit_is_cut_not_refused(mlflow_env, monkeypatch):
     import mlflow.utils.validation
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.setattr(mlflow.utils.validation, "MAX_PARAM_VAL_LENGTH", 10)  # MLflow's own check reads it too
-    write(tmp_path, "mlflow")
-    run, _ = mlflow_run(tmp_path)
+    write(mlflow_env, "mlflow")
+    [(run, _)] = mlflow_runs(mlflow_env / "mlflow.db")
     assert run.data.params["logging.sinks"] == '["jsonl...' and run.data.params["run.name"] == "sinktest"

@@ -1,16 +1,20 @@
-"""The staleness policies' pure parts: step targets (wait), stragglers and the patience deadline, the buffer's
-preference for a step's own groups, and where the token books put tokens."""
+"""The staleness policies' pure parts: the policy objects and their registry, step targets (wait), stragglers and the
+patience deadline, the buffer's preference for a step's own groups, and where the token books put tokens."""
 
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
+from typing import get_args
 
 import pytest
 
+from asyncgrpo.config import RolloutConfig
 from asyncgrpo.rollout import token_books
 from asyncgrpo.rollout.admission import group_capacity
 from asyncgrpo.rollout.buffer import ReplayBuffer
-from asyncgrpo.rollout.stale_policy import StepTargets, is_straggler, may_finish_early, patience_deadline
+from asyncgrpo.rollout.in_flight import InFlightGroup
+from asyncgrpo.rollout.stale_policy import STALE_POLICIES, StalePolicy, StepTargets, is_straggler, may_finish_early, patience_deadline, stale_policy
 from asyncgrpo.telemetry.keys import COUNTER_NAMES
 from asyncgrpo.types import Completion, Group, Prompt, Rollout
 
@@ -85,3 +89,48 @@ def test_the_token_books_put_each_token_in_one_place():
         "wasted_tokens/failed": 8, "wasted_tokens/filtered": 2, "wasted_tokens/stale": 5, "generation_ms_total": 13,
         "trained_completions_total": 4, "trained_tokens_total": 14, "trained_generation_ms_total": 33,
     }
+
+
+LEFT, DONE = SimpleNamespace(exhausted=False), SimpleNamespace(exhausted=True)  # a prompt source with prompts left, and without
+
+
+def _policy(on_stale: str, **rollout) -> StalePolicy:
+    return stale_policy(RolloutConfig(on_stale=on_stale, groups_per_step=2, max_requeues=1, patience_share=0.5, **rollout))
+
+
+def test_every_on_stale_value_has_its_policy_in_the_registry():
+    assert set(STALE_POLICIES) == set(get_args(RolloutConfig.model_fields["on_stale"].annotation))
+    assert {name: type(_policy(name)).__name__ for name in STALE_POLICIES} == {
+        "patience": "PatiencePolicy", "requeue": "RequeuePolicy", "drop": "DropPolicy", "wait": "WaitPolicy"}
+
+
+def test_what_each_policy_does_with_a_group_left_behind_and_how_long_a_ready_batch_waits():
+    fresh, spent = Prompt(id=0, text="p", token_ids=(1,)), Prompt(id=0, text="p", token_ids=(1,), requeues=1)
+    answers = {name: ([_policy(name).left_behind(p) for p in (fresh, spent)], _policy(name).wait_until(10.0, 4.0),
+                      _policy(name).wait_until(10.0, None)) for name in STALE_POLICIES}
+    assert answers == {
+        "patience": (["requeue", "drop"], 12.0, 10.0),  # up to max_requeues; half of the last step's 4 s
+        "requeue": (["requeue", "drop"], None, None),
+        "drop": (["drop", "drop"], None, None),
+        "wait": (["drop", "drop"], None, None),  # wait never leaves a group behind; should the bound cut one, it is dropped
+    }
+    assert _policy("requeue", partial_groups=True).finish_early and not _policy("requeue").finish_early
+
+
+def test_only_wait_targets_steps_and_a_step_waits_for_its_own_groups():
+    for name in ("patience", "requeue", "drop"):
+        policy = _policy(name)
+        assert policy.target(3, 5) is None and policy.prefer_target(3) is None
+        assert policy.ready(3, ReplayBuffer(max_staleness=2), [], LEFT) is False
+    wait = _policy("wait")
+    assert [wait.target(3, 5) for _ in range(3)] == [3, 3, 4] and wait.prefer_target(3) == 3
+    buffer = ReplayBuffer(max_staleness=2)
+    for seq, target in ((1, 4), (2, 4)):
+        buffer.put(_group(seq, 2, target))
+    coming = [InFlightGroup(key=1, prompt=Prompt(id=9, text="p", token_ids=(1,)), size=2, target_step=3)]
+    assert not wait.ready(3, buffer, coming, DONE)  # two buffered, but step 3's own group is still coming
+    assert not wait.ready(3, buffer, [], LEFT)  # more of its own may be admitted
+    assert wait.ready(3, buffer, [], DONE) and wait.ready(4, buffer, coming, LEFT)
+    wait.release(3)
+    wait.release(None)  # a group without a target holds no room
+    assert wait.target(3, 5) == 3

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 
 from asyncgrpo.errors import RewardError
-from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rewards.resolve import resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer
 from asyncgrpo.rewards.trl_args import TrainerState
 from asyncgrpo.types import Prompt
 

@@ -10,7 +10,8 @@ import pytest
 
 from asyncgrpo.data.loading import build_prompts
 from asyncgrpo.models.tiny import build_tiny_tokenizer
-from asyncgrpo.rewards.scoring import RewardScorer, resolve_rewards
+from asyncgrpo.rewards.resolve import resolve_rewards
+from asyncgrpo.rewards.scoring import RewardScorer
 from asyncgrpo.rollout.no_signal import NoSignalWatch
 from asyncgrpo.tasks import arithmetic_correct_reward, arithmetic_format_reward, digit_arithmetic_eval_rows, digit_arithmetic_rows
 from asyncgrpo.types import Completion
@@ -48,7 +49,7 @@ def test_conversational_prompts_pass_message_lists_and_text_prompts_pass_strings
 
     async def score():
         specs = [f"{module}:trl_style"]
-        from asyncgrpo.rewards.scoring import resolve_rewards
+        from asyncgrpo.rewards.resolve import resolve_rewards
 
         async with RewardScorer(resolve_rewards(specs), isolation=isolation, specs=specs, workers=1) as scorer:
             chat_scores = await scorer.score(chat, ["12", " 13"])
@@ -67,7 +68,7 @@ def test_trl_reward_functions_work_unchanged():
     chat = prompts_of([{"prompt": MESSAGES}])[0]
 
     async def score():
-        from asyncgrpo.rewards.scoring import resolve_rewards
+        from asyncgrpo.rewards.resolve import resolve_rewards
 
         specs = ["trl.rewards:think_format_reward"]
         async with RewardScorer(resolve_rewards(specs), isolation="thread", specs=specs) as scorer:

@@ -10,7 +10,7 @@ count twice.
 - `token_efficiency` = trained tokens/s / min(generation capacity, training capacity), both in
   tokens/s with the population's mean length L: generation = max_inflight * L / E[latency]
   (token model: E[latency] = prefill_s + L * decode_s_per_token * max(1, max_inflight / batch_knee),
-  exact for a server kept full), training = 1 / train.token_time_s, or groups_per_step *
+  exact for a server kept full), training = 1 / simulate.token_time_s, or groups_per_step *
   group_size * L / step_time_s with fixed-time steps.
 - `goodput`: share of generator time (rollouts' start to end) that ended in trained tokens.
 - `wasted_tokens`: finished completions' tokens thrown away, by reason (stale, failed, filtered).
@@ -39,17 +39,17 @@ def population_length(drawn_lengths: Mapping[int, Sequence[int]]) -> float | Non
 
 def token_capacities(cfg: Config, length: float) -> tuple[float, float]:
     """(generation, training) capacity in tokens/s for completions of mean length `length` (math.inf: free)."""
-    g, scripted, r = cfg.generation, cfg.generation.scripted, cfg.rollout
+    g, scripted, r = cfg.generation, cfg.simulate, cfg.rollout
     model = scripted.token_model
     if model is None:
         latency = mean_of(scripted.latency_s)
     else:
         latency = model.prefill_s + length * model.decode_s_per_token * max(1.0, g.max_inflight / model.batch_knee)
     generation = g.max_inflight * length / latency if latency > 0 else math.inf
-    if cfg.train.token_time_s is not None:
-        training = 1 / cfg.train.token_time_s
+    if cfg.simulate.token_time_s is not None:
+        training = 1 / cfg.simulate.token_time_s
     else:
-        training = r.groups_per_step * r.group_size * length / cfg.train.step_time_s
+        training = r.groups_per_step * r.group_size * length / cfg.simulate.step_time_s
     return generation, training
 
 

@@ -23,18 +23,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.commands.sim_metrics import population_length, token_capacities, token_metrics
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import check_data_source
-from asyncgrpo.distill.simulated import SimulatedTeacher
 from asyncgrpo.environments.simulated import SimulatedHosts
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.gc_pauses import quiet_gc
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator, mean_of
 from asyncgrpo.pipeline import PipelineResult, run_pipeline
-from asyncgrpo.rewards.scoring import resolve_rewards
+from asyncgrpo.rewards.resolve import resolve_rewards
 from asyncgrpo.rollout.collector import Collector
+from asyncgrpo.rollout.events import RolloutObserver
 from asyncgrpo.rundir import METRICS_FILE, TIMELINE_FILE
 from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, metric_keys, step_metrics
 from asyncgrpo.training.stub import StubTrainer
@@ -72,7 +73,7 @@ class Simulation:
         cfg, r = self.cfg, self.result
         trained_completions = sum(len(g.rollouts) for g in self.trainer.trained_groups)
         drawn = getattr(self.generator, "drawn_lengths", {})
-        length = population_length(drawn) or max(1.0, mean_of(cfg.generation.scripted.tokens))  # lengths are at least 1
+        length = population_length(drawn) or max(1.0, mean_of(cfg.simulate.tokens))  # lengths are at least 1
         bound = min(token_capacities(cfg, length)) / length  # completions/s; a latency of 0 leaves the training capacity
         rate = trained_completions / self.virtual_time_s if self.virtual_time_s > 0 else 0.0
         return {
@@ -114,32 +115,33 @@ def check_simulatable(cfg: Config) -> None:
 
 
 def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrainer | None = None,
-             output_dir: Path | None = None) -> Simulation:
+             output_dir: Path | None = None, observer: RolloutObserver | None = None) -> Simulation:
     """Run one simulation to its end; config errors raise ConfigError, invariant breaks InvariantViolation.
 
     `generator` and `trainer` replace the scripted backend and the stub trainer (tests drive
     exact fates with them); they must read time only through the event loop. With `output_dir`
     (`simulate --output-dir DIR`), the run's `metrics.jsonl` and `timeline.jsonl` are written
     there, on virtual time, as a training run writes them (`asyncgrpo plot DIR` draws them);
-    the train-only metrics (loss, kl, ...) are null.
+    the train-only metrics (loss, kl, ...) are null. `observer` watches the rollouts when no `output_dir`'s timeline does.
     """
     check_simulatable(cfg)
     prompts, warnings = simulation_prompts(cfg)
     for warning in warnings:
         log.warning("warning: %s", warning)
     if generator is None:
-        generator = ScriptedGenerator(cfg.generation.scripted, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
-    trainer = trainer if trainer is not None else StubTrainer(cfg.train.step_time_s, cfg.train.token_time_s)
-    # Episodes run on the simulator's model of an environment (generation.scripted.env), not env.factory.
-    env_hosts = SimulatedHosts(cfg.generation.scripted.env, cfg.run.seed) if cfg.env is not None else None
-    teacher = SimulatedTeacher(cfg.distill, seed=cfg.run.seed) if cfg.algorithm == "distill" else None
+        generator = ScriptedGenerator(cfg.simulate, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
+    algorithm = algorithm_for(cfg)
+    trainer = trainer if trainer is not None else StubTrainer(cfg.simulate.step_time_s, cfg.simulate.token_time_s, algorithm=algorithm)
+    # Episodes run on the simulator's model of an environment (simulate.env), not env.factory.
+    env_hosts = SimulatedHosts(cfg.simulate.env, cfg.run.seed) if cfg.env is not None else None
+    teacher = algorithm.simulated_scorer()  # None: the reward functions score
     outcomes: list[dict[str, Any]] = []
     with contextlib.ExitStack() as closing:  # a part that fails to start closes the report's files opened before it
         report = _Report(cfg, output_dir) if output_dir is not None else None
         if report is not None:
             closing.callback(report.close)
         parts = wire_run(cfg, prompts, Backends(generator, teacher=teacher, isolation="inline", host_factory=env_hosts),
-                         outcomes=outcomes.append, timeline_file=report.timeline_file if report else None)
+                         outcomes=outcomes.append, timeline_file=report.timeline_file if report else None, observer=observer)
         if parts.timeline is not None:
             closing.callback(parts.timeline.close)  # before its file: the callbacks run last in, first out
         collector, scorer = parts.collector, parts.scorer
@@ -186,7 +188,7 @@ class _Report:
         collector, reward_names = parts.collector, parts.reward_terms
         if self.writer is None:
             self.writer = MetricsWriter(self.file, metric_keys(reward_names, max_staleness=self.cfg.rollout.max_staleness,
-                                                                  distill=self.cfg.algorithm == "distill"))
+                                                                  algorithm_keys=algorithm_for(self.cfg).metric_keys))
         values = step_metrics(
             record, collector.metric_values(), reward_names=reward_names, elapsed_s=now,
             gen_tokens_per_s=self.rate.add(now, collector.counters["rollout/generated_tokens_total"]), eval_metrics={},

@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.commands.train_summary import RunSummary
 from asyncgrpo.config import Config
 from asyncgrpo.data.loading import check_data_source
-from asyncgrpo.distill.teacher_path import check_teacher_path
 from asyncgrpo.environments.hosts import check_env
 from asyncgrpo.errors import ConfigError, Diagnostic, DiskError, FatalBackendError, PipelineError
 from asyncgrpo.evaluation import eval_diagnostic, evaluate
@@ -49,7 +49,7 @@ from asyncgrpo.gc_pauses import quiet_gc
 from asyncgrpo.generation.ray_cluster import import_ray
 from asyncgrpo.models.loading import check_model_path
 from asyncgrpo.pipeline import PipelineResult, run_pipeline
-from asyncgrpo.rewards.scoring import resolve_rewards
+from asyncgrpo.rewards.resolve import resolve_rewards
 from asyncgrpo.run_files import disk_diagnostic, disk_problem, open_record, write_or_disk_error
 from asyncgrpo.rundir import (
     ERROR_FILE,
@@ -92,8 +92,7 @@ def preflight(cfg: Config) -> ResumePlan:
     check_devices(cfg)
     if cfg.train.lora is not None:
         check_peft()
-    if cfg.algorithm == "distill":
-        check_teacher_path(cfg)
+    algorithm_for(cfg).preflight()  # e.g. distillation's teacher path
     check_data_source(cfg.data.source, key="data.source")
     if cfg.eval.source is not None:
         check_data_source(cfg.eval.source, key="eval.source")
@@ -114,8 +113,7 @@ def check_devices(cfg: Config) -> None:
     wanted = [("train.device", cfg.train.device)] if cfg.train.world_size == 1 else []
     if cfg.runtime == "local" and cfg.generation.backend == "local":
         wanted.append(("generation.local.device", cfg.generation.local.device))
-    if cfg.algorithm == "distill":
-        wanted.append(("distill.device", cfg.distill.device if cfg.distill.device != "auto" else cfg.train.device))
+    wanted += algorithm_for(cfg).devices()  # e.g. distillation's teacher
     for key, spec in wanted:
         if spec not in ("auto", "cpu"):
             from asyncgrpo.training.device import resolve_device
@@ -201,7 +199,7 @@ class TrainingRun:
             self.ranks = trainer_ranks(cfg, plan, tokenizer, trainer.version)
             if self.ranks is not None:
                 self.trainer = self.ranks
-            self.teacher = teacher  # algorithm: distill: it scores the samples instead of the reward functions
+            self.teacher = teacher  # the algorithm's own scorer (distillation's teacher), in place of the reward functions
             self.parts = wire_run(
                 cfg, prompts, Backends(self.engine, teacher=teacher, tokenizer=tokenizer, stop_token_ids=self.stop_ids),
                 outcomes=self.outcomes.append, timeline_file=self.timeline_file, start_step=plan.step, saved=saved,
@@ -209,7 +207,7 @@ class TrainingRun:
             assert self.parts.timeline is not None  # given its file, wire_run always builds it
             self.timeline = self.parts.timeline
             self.eval_codec = episode_codec(cfg, tokenizer)  # evaluation plays episodes tokenized as the collector's
-            keys = metric_keys(self.parts.reward_terms, max_staleness=cfg.rollout.max_staleness, distill=teacher is not None)
+            keys = metric_keys(self.parts.reward_terms, max_staleness=cfg.rollout.max_staleness, algorithm_keys=algorithm_for(cfg).metric_keys)
             self.metrics = MetricsWriter(self.metrics_file, keys)
             self.progress = Progress(cfg, plan.step)
             self.eval_state: dict[str, float | None] = dict.fromkeys([*EVAL_KEYS, *(f"eval/reward/{name}" for name in self.parts.reward_terms)])
@@ -241,12 +239,7 @@ class TrainingRun:
         log.info("reading the data %s ...", cfg.data.source)
         prompts, eval_prompts, prompt_warnings = training_prompts(cfg, tokenizer)
         warnings = [*plan.notes, *prompt_warnings]
-        teacher = None
-        if cfg.algorithm == "distill":
-            from asyncgrpo.distill.teacher import build_teacher
-
-            log.info("loading the teacher %s ...", cfg.distill.teacher)
-            teacher = build_teacher(cfg, tokenizer)
+        teacher = algorithm_for(cfg).build_scorer(tokenizer)  # None: the reward functions score
         run = cls(cfg, plan, run_dir, stop, TorchTrainer(model, tokenizer, cfg), tokenizer, prompts, eval_prompts, warnings, teacher)
         if plan.checkpoint is not None:
             log.warning("resuming from %s (step %d)", plan.checkpoint, plan.step)

@@ -7,4 +7,6 @@ the loss lowers the per-token reverse KL from the student to the teacher.
 - `teacher.py`: the real teacher, a model on a thread it owns, fed by a bounded queue, batching samples.
 
 Each sample is its own unit of admission, staleness, cancellation and accounting (`rollout.group_size: 1`).
+algorithms/distill.py is the algorithm's implementation: it hands these pieces to the collector, the trainer
+and the run through the algorithm hooks (algorithms/base.py).
 """

@@ -1,8 +1,8 @@
 """The teacher of `asyncgrpo simulate`: a scoring stage with seeded latency and faults, on virtual time.
 
 It stands where the real teacher (distill/teacher.py) stands, behind the same `score(prompt, completions)`,
-and fails the same ways: each call waits `distill.simulated_latency_s` of loop time under `distill.timeout_s`
-(past it: `TeacherTimeoutError`), and fails with probability `distill.simulated_error_rate` (`TeacherError`).
+and fails the same ways: each call waits `simulate.teacher_latency_s` of loop time under `distill.timeout_s`
+(past it: `TeacherTimeoutError`), and fails with probability `simulate.teacher_error_rate` (`TeacherError`).
 Its log-probs are the sampled ones minus a seeded positive gap per token, so the KL estimate is positive.
 
 Invariants: reads time only through the event loop, starts no thread or task, and is deterministic for a
@@ -17,7 +17,7 @@ import hashlib
 import random
 from collections.abc import Sequence
 
-from asyncgrpo.config import DistillConfig
+from asyncgrpo.config import DistillConfig, SimulateConfig
 from asyncgrpo.errors import TeacherError, TeacherTimeoutError
 from asyncgrpo.generation.scripted import sample
 from asyncgrpo.types import Completion, Prompt
@@ -26,8 +26,9 @@ from asyncgrpo.types import Completion, Prompt
 class SimulatedTeacher:
     name = "simulated-teacher"
 
-    def __init__(self, cfg: DistillConfig, *, seed: int) -> None:
+    def __init__(self, cfg: DistillConfig, model: SimulateConfig, *, seed: int) -> None:
         self.cfg = cfg
+        self.model = model
         self.seed = seed
         self.scoring = 0  # calls in progress
         self.calls = 0
@@ -42,7 +43,7 @@ class SimulatedTeacher:
         self.scoring += 1
         try:
             async with asyncio.timeout(self.cfg.timeout_s) as deadline:
-                await asyncio.sleep(sample(self.cfg.simulated_latency_s, rng))
+                await asyncio.sleep(sample(self.model.teacher_latency_s, rng))
         except TimeoutError:
             if not deadline.expired():
                 raise
@@ -51,6 +52,6 @@ class SimulatedTeacher:
             ) from None
         finally:
             self.scoring -= 1
-        if rng.random() < self.cfg.simulated_error_rate:
-            raise TeacherError(f"teacher {self.name!r}: injected fault for prompt {prompt.id} (distill.simulated_error_rate)")
+        if rng.random() < self.model.teacher_error_rate:
+            raise TeacherError(f"teacher {self.name!r}: injected fault for prompt {prompt.id} (simulate.teacher_error_rate)")
         return [[lp - rng.expovariate(2.0) for lp in c.logprobs] for c in completions]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from asyncgrpo.environments.protocol import Environment
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.objects import lookup
-from asyncgrpo.rewards.scoring import import_user_module, lookup_attribute
+from asyncgrpo.user_modules import import_user_module, lookup_attribute
 
 KEY = "env.factory"
 FORM = "module:callable, e.g. my_env:MyEnv for class MyEnv with reset(row), step(action_text) and close() in my_env.py"

@@ -44,7 +44,7 @@ from typing import Any
 
 from asyncgrpo.environments.protocol import EpisodeCancelled, Message, StepResult, as_messages
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.rewards.scoring import import_user_module
+from asyncgrpo.user_modules import import_user_module
 
 SERVER_SCHEMES = ("openenv+ws://", "openenv+wss://", "openenv+http://", "openenv+https://")
 _CALL_RE = re.compile(r"\s*([A-Za-z_][\w.-]*)\s*:[ \t]*(.*)", re.S)

@@ -46,9 +46,7 @@ from asyncgrpo.environments.protocol import (
     as_messages,
     as_step_result,
 )
-from asyncgrpo.environments.worker import receive
-from asyncgrpo.rewards.worker import encode
-from asyncgrpo.worker_process import REAP_TIMEOUT_S, RemoteTraceback, WorkerProcess, describe_exit, start_worker
+from asyncgrpo.worker_process import REAP_TIMEOUT_S, RemoteTraceback, WorkerProcess, describe_exit, encode, receive, start_worker
 
 START_TIMEOUT_S = 120.0
 CLOSE_TIMEOUT_S = 30.0

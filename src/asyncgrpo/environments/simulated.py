@@ -1,7 +1,7 @@
 """The simulator's environments: `SimulatedHosts` makes one `SimulatedHost` per episode, on virtual time.
 
 Job: stand in for `env.factory` under `asyncgrpo simulate` and the chaos suite, as the scripted
-backend stands in for a generation server (generation.scripted.env holds the model). A host
+backend stands in for a generation server (simulate.env holds the model). A host
 implements `EnvironmentHost` directly and runs no threads: each reset or step takes sampled virtual
 time and may raise (an error, or a `TransientEnvironmentError`); a step ends the episode with
 `done_prob`. Cancelled, a cooperative episode stops after a sampled `stop_s` (abandoned if that

@@ -2,7 +2,8 @@
 
 Started by `asyncgrpo.environments.process_host.ProcessHost` as a fresh interpreter in its own
 session (so its process group holds it and everything it starts). It talks to its parent over
-one socket (file descriptor in argv[1]) in frames of an 8-byte big-endian length and a pickle:
+one socket (file descriptor in argv[1]) in frames of an 8-byte big-endian length and a pickle
+(worker_process.py):
 
     parent -> worker  {"factory": spec, "sys_path": [...], "parent_pid": int}     once
     worker -> parent  ("ok", None) | ("raised", kind, type_name, message, traceback)   once: the environment exists, or why not
@@ -23,7 +24,7 @@ Invariants:
   whatever still runs on its threads. A `close()` that does not return, or anything the
   environment started, is killed by the parent with the worker's whole process group after
   the grace.
-- It dies with its parent (PR_SET_PDEATHSIG; see rewards/worker.py) and ignores SIGINT: the
+- It dies with its parent (PR_SET_PDEATHSIG: worker_process.die_with_parent) and ignores SIGINT: the
   parent alone decides when it stops.
 """
 
@@ -44,16 +45,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asyncgrpo.environments.protocol import CancelToken, EpisodeCancelled, TransientEnvironmentError
-from asyncgrpo.rewards.worker import HEADER, encode
-from asyncgrpo.rewards.worker import _die_with_parent as die_with_parent
+from asyncgrpo.worker_process import HEADER, die_with_parent, encode, receive
 
 Reply = tuple[Any, ...]
-
-
-async def receive(reader: asyncio.StreamReader) -> Any:
-    """The next frame; `asyncio.IncompleteReadError` at end of file."""
-    (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-    return pickle.loads(await reader.readexactly(size))
 
 
 def raised(exc: BaseException) -> Reply:

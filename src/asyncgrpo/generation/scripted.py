@@ -51,7 +51,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from asyncgrpo.config import Distribution, FaultConfig, ScriptedConfig, WeightSyncFaultConfig
+from asyncgrpo.config import Distribution, FaultConfig, SimulateConfig, WeightSyncFaultConfig
 from asyncgrpo.errors import GenerationError, MisconfiguredBackendError, PromptRejectedError, TransientGenerationError
 from asyncgrpo.generation.weight_sync import WeightSyncError
 from asyncgrpo.types import Completion, GenerationRequest
@@ -79,7 +79,7 @@ def mean_of(dist: Distribution) -> float:
 
 
 class ScriptedGenerator:
-    def __init__(self, cfg: ScriptedConfig, *, seed: int, max_new_tokens: int, name: str = "scripted") -> None:
+    def __init__(self, cfg: SimulateConfig, *, seed: int, max_new_tokens: int, name: str = "scripted") -> None:
         self.name = name
         self.cfg = cfg
         self.seed = seed

@@ -2,7 +2,9 @@
 
 Job: speak the subset of vLLM's HTTP API that asyncgrpo's `HttpGenerator` uses, with vLLM's
 request and response shapes, so one client drives both a vLLM server and this one (tests,
-CPU machines, and a reference for what the client expects).
+CPU machines, and a reference for what the client expects). The shapes themselves (a completion
+body validated, the answer's and the error's bodies) are serve_protocol.py's; this module holds the
+server's state, its endpoints, and the bounds on what a request may cost.
 
 Endpoints:
 - ``POST /v1/completions``: ``model``, ``prompt`` (token ids, or a string that is tokenized),
@@ -59,10 +61,7 @@ import asyncio
 import copy
 import json
 import logging
-import math
-import random
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,10 +69,10 @@ from typing import Any
 from aiohttp import web
 
 from asyncgrpo.errors import GenerationError, PromptRejectedError
+from asyncgrpo.generation.serve_protocol import BadRequest, abort_body, completion_body, error_response, parse_completion
 from asyncgrpo.generation.serve_weights import read_weights
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.threads import DaemonThreadPool
-from asyncgrpo.types import GenerationRequest, SamplingParams
 
 log = logging.getLogger("asyncgrpo.serve")
 
@@ -84,50 +83,6 @@ PROMPT_CHARS_PER_TOKEN = 16
 BODY_BYTES_PER_PROMPT_CHAR = 12
 BODY_BYTES_OTHER_FIELDS = 1 << 20
 RELOAD_TIMEOUT_S = 300.0
-
-# Fields a client may send only at these neutral values (what vLLM would do by default).
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "stream": (False, None),
-    "echo": (False, None),
-    "best_of": (1, None),
-    "presence_penalty": (0, 0.0, None),
-    "frequency_penalty": (0, 0.0, None),
-    "logit_bias": (None,),
-    "suffix": (None,),
-    "stop": (None,),
-    "skip_special_tokens": (True, None),
-    "include_stop_str_in_output": (False, None),
-    "min_tokens": (0, None),
-    "stream_options": (None,),
-}
-_IGNORED = ("user", "request_id", "priority")
-_SUPPORTED = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-              "logprobs", "return_token_ids", "stop_token_ids", "ignore_eos", "n")
-
-
-class _BadRequest(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-
-
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestEntityTooLargeError",
-                422: "UnprocessableEntityError", 500: "InternalServerError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
-
-
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    """vLLM's error body: {"error": {"message", "type", "param", "code"}}."""
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
-    return web.json_response(body, status=status)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
 
 
 class ServerState:
@@ -265,8 +220,8 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
         try:
             body = await _read_json(state, request)
             prompt_ids = await _tokenize_prompt(state, body.get("prompt"))
-            gen_request, want_ids, want_logprobs = _parse_completion(state, body, prompt_ids)
-        except _BadRequest as exc:
+            gen_request, want_ids, want_logprobs = parse_completion(state, body, prompt_ids)
+        except BadRequest as exc:
             state.counters["requests_rejected"] += 1
             return error_response(exc.status, str(exc), exc.param)
         try:
@@ -291,7 +246,7 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 raise  # the client went away (or the server is shutting down)
-            return web.json_response(_abort_body(state, gen_request))  # /pause?mode=abort
+            return web.json_response(abort_body(state, gen_request))  # /pause?mode=abort
         except PromptRejectedError as exc:
             state.counters["requests_rejected"] += 1
             return error_response(400, str(exc), "prompt")
@@ -299,7 +254,7 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
             state.counters["requests_rejected"] += 1
             return error_response(503 if engine.failure is None else 500, str(exc))
         state.counters["requests_completed"] += 1
-        return web.json_response(_completion_body(state, gen_request, completion, want_ids, want_logprobs))
+        return web.json_response(completion_body(state, gen_request, completion, want_ids, want_logprobs))
 
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
@@ -338,21 +293,21 @@ async def _read_json(state: ServerState, request: web.Request) -> dict[str, Any]
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _BadRequest(400, f"the request body is not valid JSON: {exc}") from None
+        raise BadRequest(400, f"the request body is not valid JSON: {exc}") from None
     except web.HTTPRequestEntityTooLarge:
-        raise _BadRequest(413, _too_large(state)) from None
+        raise BadRequest(413, _too_large(state)) from None
     if not isinstance(body, dict):
-        raise _BadRequest(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        raise BadRequest(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
 async def _tokenize_prompt(state: ServerState, prompt: Any) -> list[int] | None:
     """A string prompt's token ids, tokenised off the event loop once its length is within `max_prompt_chars`
-    (raise _BadRequest naming the limit and the flag that raises it); None for any other prompt."""
+    (raise BadRequest naming the limit and the flag that raises it); None for any other prompt."""
     if not isinstance(prompt, str) or not prompt:
         return None
     if len(prompt) > state.max_prompt_chars:
-        raise _BadRequest(400, f"The prompt is {len(prompt)} characters long, over this server's limit of "
+        raise BadRequest(400, f"The prompt is {len(prompt)} characters long, over this server's limit of "
                                f"--max-prompt-chars = {state.max_prompt_chars} (a longer prompt is refused before it is "
                                f"tokenised; the default is {PROMPT_CHARS_PER_TOKEN} characters per token of the maximum "
                                f"model length). Fix: send a shorter prompt (or its token ids), or restart the server with a "
@@ -360,150 +315,3 @@ async def _tokenize_prompt(state: ServerState, prompt: Any) -> list[int] | None:
     tokenizer = state.prompt_tokenizer
     async with state.prompt_threads.worker() as thread:
         return list(await thread.call(lambda: tokenizer(prompt, add_special_tokens=True)["input_ids"]))
-
-
-def _parse_completion(state: ServerState, body: dict[str, Any],
-                      prompt_ids: list[int] | None = None) -> tuple[GenerationRequest, bool, bool]:
-    """Validate a /v1/completions body like vLLM does (the subset we serve); raise _BadRequest. `prompt_ids`:
-    the string prompt's tokens (`_tokenize_prompt`)."""
-    for key, value in body.items():
-        if key in _SUPPORTED or key in _IGNORED:
-            continue
-        if key in _NEUTRAL:
-            if value not in _NEUTRAL[key]:
-                raise _BadRequest(422, f"{key}={value!r} is not supported by asyncgrpo serve (only {_NEUTRAL[key][0]!r})", key)
-            continue
-        raise _BadRequest(422, f"unsupported field {key!r}; asyncgrpo serve supports {', '.join(_SUPPORTED)}", key)
-
-    model = body.get("model")
-    if model is not None and model != state.model_name:
-        raise _BadRequest(404, f"The model `{model}` does not exist.", "model")
-
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _BadRequest(400, "The prompt cannot be empty", "prompt")
-        prompt_ids = list(prompt_ids or ())
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        prompt_ids = list(prompt)
-    elif isinstance(prompt, list) and not prompt:
-        raise _BadRequest(400, "The prompt cannot be empty", "prompt")
-    else:
-        raise _BadRequest(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
-    if not prompt_ids:
-        raise _BadRequest(400, "The prompt cannot be empty", "prompt")
-    bad = [t for t in prompt_ids if not 0 <= t < state.vocab_size]
-    if bad:
-        raise _BadRequest(400, f"Token id {bad[0]} is out of vocabulary (vocab size {state.vocab_size})", "prompt")
-
-    n = body.get("n", 1)
-    if n != 1 or isinstance(n, bool):
-        raise _BadRequest(400, f"n={n!r} is not supported by asyncgrpo serve: send one request per completion (n=1)", "n")
-
-    max_len = state.max_model_len
-    if len(prompt_ids) > max_len:
-        raise _BadRequest(400, f"The decoder prompt (length {len(prompt_ids)}) is longer than the maximum model length of "
-                               f"{max_len}. Make sure that `max_model_len` is no smaller than the number of text tokens.", "prompt")
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = max_len - len(prompt_ids)
-        if max_tokens < 1:
-            raise _BadRequest(400, f"The decoder prompt (length {len(prompt_ids)}) is longer than the maximum model length of "
-                                   f"{max_len - 1} (one token must be left to generate).", "prompt")
-    elif not _is_int(max_tokens) or max_tokens < 1:
-        raise _BadRequest(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
-    if len(prompt_ids) + max_tokens > max_len:
-        raise _BadRequest(400, f"This model's maximum context length is {max_len} tokens. However, you requested "
-                               f"{max_tokens} output tokens and your prompt contains {len(prompt_ids)} input tokens, for a "
-                               f"total of {len(prompt_ids) + max_tokens} tokens. Please reduce the length of the input "
-                               f"prompt or the number of requested output tokens.", "prompt")
-
-    temperature = body.get("temperature")
-    temperature = 1.0 if temperature is None else temperature
-    if not _is_number(temperature) or temperature < 0:
-        raise _BadRequest(400, f"temperature must be a number >= 0, got {temperature!r}", "temperature")
-    top_p = body.get("top_p")
-    top_p = 1.0 if top_p is None else top_p
-    if not _is_number(top_p) or not 0 < top_p <= 1:
-        raise _BadRequest(400, f"top_p must be in (0, 1], got {top_p!r}", "top_p")
-    top_k = body.get("top_k")
-    top_k = 0 if top_k is None or top_k == -1 else top_k
-    if not _is_int(top_k) or top_k < 0:
-        raise _BadRequest(400, f"top_k must be -1 or 0 (off) or a positive integer, got {top_k!r}", "top_k")
-    min_p = body.get("min_p")
-    min_p = 0.0 if min_p is None else min_p
-    if not _is_number(min_p) or not 0 <= min_p <= 1:
-        raise _BadRequest(400, f"min_p must be in [0, 1], got {min_p!r}", "min_p")
-    penalty = body.get("repetition_penalty")
-    penalty = 1.0 if penalty is None else penalty
-    if not _is_number(penalty) or penalty <= 0:
-        raise _BadRequest(400, f"repetition_penalty must be a number > 0, got {penalty!r}", "repetition_penalty")
-    seed = body.get("seed")
-    if seed is None:
-        seed = random.getrandbits(63)
-    elif not _is_int(seed) or not -(2**63) <= seed < 2**63:
-        raise _BadRequest(400, f"seed must be a 64-bit integer, got {seed!r}", "seed")
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
-        raise _BadRequest(400, f"logprobs must be an integer >= 0, got {logprobs!r}", "logprobs")
-    if logprobs is not None and logprobs > 0:
-        raise _BadRequest(422, "asyncgrpo serve returns only the sampled tokens' logprobs: send logprobs=0", "logprobs")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
-        raise _BadRequest(400, f"stop_token_ids must be a list of token ids, got {stop_ids!r}", "stop_token_ids")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise _BadRequest(400, f"ignore_eos must be a boolean, got {ignore_eos!r}", "ignore_eos")
-    return_ids = body.get("return_token_ids", False)
-    if not isinstance(return_ids, bool) and return_ids is not None:
-        raise _BadRequest(400, f"return_token_ids must be a boolean, got {return_ids!r}", "return_token_ids")
-    stops = list(stop_ids)
-    if not ignore_eos and state.eos_token_id is not None:
-        stops.append(state.eos_token_id)
-    sampling = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                              stop_token_ids=tuple(dict.fromkeys(stops)), top_k=top_k, min_p=float(min_p),
-                              repetition_penalty=float(penalty))
-    request = GenerationRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_id=-1, prompt_token_ids=tuple(prompt_ids),
-                                sampling=sampling, seed=seed & 0x7FFF_FFFF_FFFF_FFFF)
-    return request, bool(return_ids), logprobs is not None
-
-
-def _completion_body(state: ServerState, request: GenerationRequest, completion: Any, want_ids: bool, want_logprobs: bool) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": completion.text,
-        "logprobs": None,
-        "finish_reason": completion.finish_reason,
-        "stop_reason": completion.token_ids[-1] if completion.finish_reason == "stop" and completion.token_ids else None,
-    }
-    if want_logprobs:
-        tokens = state.tokenizer.convert_ids_to_tokens(list(completion.token_ids)) if state.tokenizer is not None else [
-            str(t) for t in completion.token_ids]
-        choice["logprobs"] = {
-            "text_offset": [],
-            "token_logprobs": list(completion.logprobs),
-            "tokens": tokens,
-            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, completion.logprobs)],
-        }
-    if want_ids:
-        choice["prompt_token_ids"] = list(request.prompt_token_ids)
-        choice["token_ids"] = list(completion.token_ids)
-    prompt_tokens, completion_tokens = len(request.prompt_token_ids), len(completion.token_ids)
-    return {
-        "id": request.request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": state.model_name,
-        "choices": [choice],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-    }
-
-
-def _abort_body(state: ServerState, request: GenerationRequest) -> dict[str, Any]:
-    prompt_tokens = len(request.prompt_token_ids)
-    return {
-        "id": request.request_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
-        "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "abort", "stop_reason": None, "token_ids": []}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens},
-    }

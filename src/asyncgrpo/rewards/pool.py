@@ -29,15 +29,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import pickle
 import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from asyncgrpo.errors import RewardError
-from asyncgrpo.rewards.worker import HEADER, encode
 from asyncgrpo.sync import StateSignal
-from asyncgrpo.worker_process import REAP_TIMEOUT_S, RemoteTraceback, WorkerProcess, describe_exit, start_worker
+from asyncgrpo.worker_process import REAP_TIMEOUT_S, RemoteTraceback, WorkerProcess, describe_exit, encode, receive, start_worker
 
 WORKER_START_TIMEOUT_S = 120.0
 CLOSE_GRACE_S = 2.0
@@ -68,7 +66,7 @@ class _Worker:
         try:
             self.process.writer.write(encode((index, kwargs, callbacks)))
             await self.process.writer.drain()
-            reply = await _receive(self.process.reader)
+            reply = await receive(self.process.reader)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             raise WorkerCrashed(await self.exit_code()) from exc
         self.reusable = True
@@ -84,11 +82,6 @@ class _Worker:
         exited = await self.process.exit_within(REAP_TIMEOUT_S)
         await self.process.stop(0.0)
         return self.process.returncode if exited else None
-
-
-async def _receive(reader: asyncio.StreamReader) -> Any:
-    (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-    return pickle.loads(await reader.readexactly(size))
 
 
 class RewardWorkerPool:
@@ -159,7 +152,7 @@ class RewardWorkerPool:
             async with asyncio.timeout(WORKER_START_TIMEOUT_S):
                 proc.writer.write(encode({"specs": self.specs, "sys_path": list(sys.path), "parent_pid": os.getpid()}))
                 await proc.writer.drain()
-                reply = await _receive(proc.reader)
+                reply = await receive(proc.reader)
         except BaseException as exc:
             await proc.stop(0.0)
             if isinstance(exc, TimeoutError):

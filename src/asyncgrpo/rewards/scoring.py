@@ -1,4 +1,4 @@
-"""Reward functions: resolving them from the config, and scoring a group's completions.
+"""Scoring a group's completions with the reward functions (resolved by rewards/resolve.py).
 
 Convention (TRL's): a reward function is called with keyword arguments
 
@@ -18,8 +18,6 @@ and columns it names. Functions may be sync or async (``async def``, or returnin
 None means "no opinion on this completion": it is excluded from that function's term.
 
 Invariants:
-- `resolve_reward` imports nothing heavy for ``builtin:<name>``; every failure is a
-  `ConfigError` naming ``reward.functions[i]``, the value, what is wrong and the fix.
 - `RewardScorer.score` returns exactly one `ScoredCompletion` per completion, or raises
   `RewardError`. A function that raises (any BaseException but our own cancellation: SystemExit
   and KeyboardInterrupt included), outlives ``reward.timeout_s``, returns the wrong
@@ -51,26 +49,19 @@ meets ``reward.timeout_s``, and the loop is then written off. Isolation of sync 
 from __future__ import annotations
 
 import asyncio
-import difflib
 import functools
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from asyncgrpo.errors import ConfigError, RewardError
-from asyncgrpo.objects import OBJECT_PREFIX, lookup
 from asyncgrpo.rewards.async_loop import AsyncRewardLoop
 from asyncgrpo.rewards.pool import RewardWorkerPool, WorkerCrashed, WorkerStartError
+from asyncgrpo.rewards.resolve import resolve_rewards
 from asyncgrpo.rewards.trl_args import TRL_ARGUMENTS, CallLog, RewardLog, TrainerState
-from asyncgrpo.tasks import REWARDS
 from asyncgrpo.threads import DaemonThreadPool, PoolClosed
 from asyncgrpo.types import Completion, Prompt
 
@@ -79,142 +70,8 @@ Message = Mapping[str, Any]
 if TYPE_CHECKING:
     from asyncgrpo.config import RewardConfig
 
-BUILTIN_PREFIX = "builtin:"
 RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids", *TRL_ARGUMENTS)
 Isolation = Literal["inline", "thread", "process"]
-
-
-# ---------------------------------------------------------------------------------------
-# Resolving
-
-
-def resolve_reward(spec: str, index: int) -> tuple[str, Callable[..., Any]]:
-    """Turn ``builtin:<name>``, ``module:function`` or ``python:<name>`` into (name, callable).
-
-    `module` is a dotted module path importable from sys.path or the working directory, or a
-    path to a ``.py`` file; `function` may be dotted (``module:Class.method``). The name is
-    the builtin's name or the last part of `function`. ``python:<name>`` is a callable passed to
-    the Python API (objects.py), named `name`.
-    """
-    key = f"reward.functions[{index}]"
-    if isinstance(spec, str) and spec.startswith(OBJECT_PREFIX):
-        return spec[len(OBJECT_PREFIX):], lookup(spec, key)
-    form = (
-        "builtin:<name> (" + ", ".join(sorted(REWARDS)) + ") or module:function, e.g. my_rewards:score "
-        "for def score(prompts, completions, **columns) in my_rewards.py"
-    )
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ConfigError(f"{key} = {spec!r} is not of the form {form}.")
-    if spec.startswith(BUILTIN_PREFIX):
-        name = spec[len(BUILTIN_PREFIX) :]
-        if name in REWARDS:
-            return name, REWARDS[name]
-        guess = difflib.get_close_matches(name, list(REWARDS), n=1)
-        hint = f"did you mean builtin:{guess[0]}? " if guess else ""
-        raise ConfigError(
-            f"{key} = {spec!r}: there is no built-in reward {name!r}. Fix: {hint}built-in rewards are "
-            f"{', '.join('builtin:' + r for r in sorted(REWARDS))}."
-        )
-    module_name, _, attr_path = spec.rpartition(":")
-    if not module_name or not attr_path:
-        raise ConfigError(f"{key} = {spec!r}: the module or the function name is empty. Fix: use {form}.")
-    obj = lookup_attribute(import_user_module(module_name, key, spec), module_name, attr_path, key, spec, fix=_suggest)
-    if not callable(obj):
-        raise ConfigError(
-            f"{key} = {spec!r}: {attr_path} is a {type(obj).__name__}, not a function. Fix: point it at a function "
-            f"reward(prompts, completions, **columns) -> list[float | None]."
-        )
-    return attr_path.rsplit(".", 1)[-1], obj
-
-
-def resolve_rewards(specs: Sequence[str]) -> list[tuple[str, Callable[..., Any]]]:
-    """Resolve every ``reward.functions`` entry (each error names its index)."""
-    return [resolve_reward(spec, i) for i, spec in enumerate(specs)]
-
-
-def import_user_module(module_name: str, key: str, spec: str) -> Any:
-    """Import `module_name` (dotted, or a path to a .py file) for config key `key` = `spec`; every failure is a ConfigError naming them."""
-    if module_name.endswith(".py"):
-        return _import_file(Path(module_name), key, spec)
-    try:
-        try:
-            return importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            cwd = os.getcwd()
-            top = module_name.split(".")[0]
-            if exc.name not in (top, module_name) or cwd in sys.path or "" in sys.path:
-                raise
-            # The console script does not put the working directory on sys.path; a reward
-            # module next to the recipe is the common case, so look there too.
-            sys.path.append(cwd)
-            return importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"{key} = {spec!r}: module {module_name!r} cannot be imported ({type(exc).__name__}: {exc}). Fix: check "
-            f"the spelling, install the package it needs, or run from the directory holding "
-            f"{module_name.split('.')[0]}.py (the working directory is searched); a path like path/to/file.py:function "
-            f"also works."
-        ) from exc
-    except Exception as exc:
-        raise ConfigError(
-            f"{key} = {spec!r}: importing module {module_name!r} raised {type(exc).__name__}: {exc}. Fix: the module "
-            f"fails on import; run `python -c 'import {module_name}'` to see the full error."
-        ) from exc
-
-
-
-def lookup_attribute(module: Any, module_name: str, attr_path: str, key: str, spec: str, *, fix: Callable[[Any, str], str]) -> Any:
-    """The object at dotted `attr_path` in `module`; a missing part is a ConfigError naming `key`, where it was looked
-    for, and `fix(object searched, missing name)`."""
-    obj = module
-    walked: list[str] = []
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            where = f"module {module_name!r}" if not walked else f"{module_name}:{'.'.join(walked)}"
-            raise ConfigError(f"{key} = {spec!r}: {where} has no attribute {part!r}. Fix: {fix(obj, part)}")
-        obj = getattr(obj, part)
-        walked.append(part)
-    return obj
-
-def _import_file(path: Path, key: str, spec: str) -> Any:
-    if not path.is_file():
-        raise ConfigError(
-            f"{key} = {spec!r}: file {str(path)!r} does not exist (looked in {path.resolve()}). Fix: give the path of "
-            f"the .py file relative to the directory you run from."
-        )
-    unique = "asyncgrpo_user_reward_" + "".join(c if c.isalnum() else "_" for c in str(path.resolve()))
-    if unique in sys.modules:
-        return sys.modules[unique]
-    file_spec = importlib.util.spec_from_file_location(unique, path)
-    if file_spec is None or file_spec.loader is None:
-        raise ConfigError(f"{key} = {spec!r}: {str(path)!r} cannot be loaded as a Python module.")
-    module = importlib.util.module_from_spec(file_spec)
-    sys.modules[unique] = module
-    try:
-        file_spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[unique]
-        raise ConfigError(
-            f"{key} = {spec!r}: importing {str(path)!r} raised {type(exc).__name__}: {exc}. Fix: run "
-            f"`python {path}` to see the full error."
-        ) from exc
-    return module
-
-
-def _suggest(obj: Any, missing: str) -> str:
-    public = [n for n in dir(obj) if not n.startswith("_")]
-    close = difflib.get_close_matches(missing, public, n=3, cutoff=0.6)
-    if close:
-        return "did you mean " + " or ".join(repr(c) for c in close) + "?"
-    functions = [n for n in public if inspect.isfunction(getattr(obj, n, None))]
-    if functions:
-        shown = ", ".join(functions[:10]) + (", ..." if len(functions) > 10 else "")
-        return f"its functions are {shown}."
-    return "it defines no public function; check the module name."
-
-
-# ---------------------------------------------------------------------------------------
-# Scoring
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Started by `asyncgrpo.rewards.pool` as a fresh interpreter (never a fork of the trainer: a
 fork after torch's and asyncio's threads are up can inherit a lock held by a thread that does
 not exist in the child). It talks to its parent over one socket (file descriptor in argv[1]),
-in frames of an 8-byte big-endian length and a pickle:
+in frames of an 8-byte big-endian length and a pickle (worker_process.py):
 
     parent -> worker  {"specs": [...], "sys_path": [...], "parent_pid": int}   once
     worker -> parent  ("ready",) | ("config_error", message)                    once
@@ -28,20 +28,16 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import inspect
-import os
 import pickle
 import signal
 import socket
-import struct
 import sys
 import traceback
 from io import BufferedIOBase
 from typing import Any
 
-HEADER = struct.Struct("!Q")
-PR_SET_PDEATHSIG = 1
+from asyncgrpo.worker_process import HEADER, die_with_parent, encode
 
 
 class RemoteError(Exception):
@@ -54,11 +50,6 @@ class RemoteError(Exception):
 
     def __str__(self) -> str:
         return self.message
-
-
-def encode(obj: Any) -> bytes:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return HEADER.pack(len(data)) + data
 
 
 def _read_frame(stream: BufferedIOBase) -> Any | None:
@@ -74,14 +65,6 @@ def _read_frame(stream: BufferedIOBase) -> Any | None:
 def _send(stream: BufferedIOBase, obj: Any) -> None:
     stream.write(encode(obj))
     stream.flush()
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent went before the line above took effect
-        os._exit(0)
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -120,10 +103,10 @@ def main() -> None:
         init = _read_frame(stream)
         if init is None:
             return
-        _die_with_parent(init["parent_pid"])
+        die_with_parent(init["parent_pid"])
         sys.path[:] = init["sys_path"]
         from asyncgrpo.errors import ConfigError
-        from asyncgrpo.rewards.scoring import resolve_reward
+        from asyncgrpo.rewards.resolve import resolve_reward
 
         try:
             functions = [resolve_reward(spec, i)[1] for i, spec in enumerate(init["specs"])]

@@ -7,6 +7,7 @@ of the failure policy, and a stall. Versions and the trainer's step say where th
 
 from __future__ import annotations
 
+from asyncgrpo.config import Config
 from asyncgrpo.errors import Diagnostic, FatalBackendError, RewardError, TeacherError
 from asyncgrpo.rollout.failures import Verdict
 from asyncgrpo.rollout.first_failure import format_traceback
@@ -47,6 +48,14 @@ def teacher_failed(error: TeacherError, version: int | None, step: int) -> Diagn
         original=error,
         traceback=format_traceback(error),
     )
+
+
+def scoring_failed(error: RewardError | TeacherError, cfg: Config, version: int | None, step: int) -> Diagnostic | None:
+    """The run's diagnostic when scoring a group raised `error` and its `on_error` (`distill.on_error` for the teacher,
+    `reward.on_error` for the reward functions) is `fail`; None when it is `drop` (the group is dropped)."""
+    if isinstance(error, TeacherError):
+        return teacher_failed(error, version, step) if cfg.distill.on_error == "fail" else None
+    return reward_failed(error, version, step) if cfg.reward.on_error == "fail" else None
 
 
 def policy_broken(verdict: Verdict, backend: str, version: int | None, step: int) -> Diagnostic:

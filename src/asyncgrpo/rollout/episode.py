@@ -53,7 +53,7 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from asyncgrpo.config import EnvConfig, GenerationConfig
+from asyncgrpo.config import Config, EnvConfig, GenerationConfig
 from asyncgrpo.environments.conversation import Codec, Conversation, as_row, content_chars
 from asyncgrpo.environments.hosts import open_host
 from asyncgrpo.environments.protocol import EnvironmentHost, Message, TransientEnvironmentError
@@ -107,6 +107,17 @@ class EpisodeRunner:
         self._jitter = jitter
         self._open_host = host_factory
         self._logged: set[str] = set()  # the counters whose first ending was logged (`_count_and_log_first`)
+
+    @classmethod
+    def of_run(cls, cfg: Config, codec: Codec | None, counters: MutableMapping[str, int], jitter: random.Random,
+               host_factory: Callable[[EnvConfig], EnvironmentHost]) -> EpisodeRunner | None:
+        """The runner of a recipe's `env:` section (None without one); `codec` tokenizes its episodes."""
+        if cfg.env is None:
+            return None
+        if codec is None:
+            raise ValueError("a Collector with an env: section needs the codec that tokenizes its episodes")
+        return cls(cfg.env, cfg.generation, codec, counters, prompt_key=cfg.data.prompt_key, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                   jitter=jitter, host_factory=host_factory)
 
     async def run(
         self,

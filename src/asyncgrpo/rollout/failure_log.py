@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Literal
 
+from asyncgrpo.errors import RewardError, TeacherError
+
 Tolerated = Literal["retried", "failed", "reward_error"]
 
 _WHAT = {
@@ -28,6 +30,14 @@ _WHAT = {
 }
 
 Key = tuple[Tolerated, str, str]  # (what, error class, source)
+
+
+def source_of(error: BaseException, backend: str) -> str:
+    """Who raised a tolerated `error`: the teacher, the reward functions, or the generation backend (its own
+    name for itself, else `backend`)."""
+    if isinstance(error, (RewardError, TeacherError)):
+        return "the teacher" if isinstance(error, TeacherError) else "the reward functions"
+    return getattr(error, "backend", "") or backend
 
 
 class FailureLog:

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from asyncgrpo.config import RolloutConfig
 
 # How a judged group ended: buffered for training ("success") or dropped with a reason.
 GroupEnding = Literal["success", "failed", "too_few_survivors", "invalid_prompt", "filtered", "reward_error"]
@@ -59,6 +62,17 @@ class FailurePolicy:
         self._window: deque[tuple[GroupEnding, BaseException | None]] = deque(maxlen=drop_window)
         self._counts: Counter[GroupEnding] = Counter()  # endings in the window, kept as it slides (not recounted per group)
         self._finished = 0
+
+    @classmethod
+    def from_rollout(cls, r: RolloutConfig) -> FailurePolicy:
+        """The policy of a recipe's `rollout:` section."""
+        return cls(max_generation_failures=r.max_generation_failures, drop_window=r.drop_window,
+                   max_drop_fraction=r.max_drop_fraction, max_filtered_fraction=r.max_filtered_fraction)
+
+    @property
+    def judged(self) -> int:
+        """Groups recorded so far (every judged group, buffered or dropped)."""
+        return self._finished
 
     def record(self, ending: GroupEnding, error: BaseException | None = None) -> Verdict | None:
         """Account one finished group; return a Verdict if a rule is now broken."""

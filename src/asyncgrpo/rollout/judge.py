@@ -5,7 +5,8 @@ A group is judged twice, around the scoring of its survivors (which the collecto
 - `survivors(completions, errors)`: the members whose generation succeeded, or the drop when
   too few did: `invalid_prompt` when every member's prompt was rejected, `failed` when every
   member failed otherwise, `too_few_survivors` when fewer than `min_survivors` are left.
-- `scored_rollouts(...)`: the members that got a reward, with their group-relative advantages,
+- `scored_rollouts(...)`: GRPO's judge (algorithms/grpo.py; each algorithm judges through its `judge` hook):
+  the members that got a reward, with their group-relative advantages,
   or the drop: `too_few_survivors` when fewer than `min_survivors` got a reward (the error names
   the reward functions that returned None), `filtered` when every reward is equal and
   `rollout.filter_zero_variance` is on.

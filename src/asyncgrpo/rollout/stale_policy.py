@@ -1,8 +1,23 @@
-"""The staleness policies (`rollout.on_stale`): what the trainer does about groups the steps would leave behind. Pure.
+"""The staleness policies (`rollout.on_stale`) as objects behind one interface. Pure: no tasks, no I/O, no clock.
+
+A policy answers the collector's three questions about staleness; the collector asks and acts:
+
+- What to admit: `target` names the step a newly admitted group must train in (None: any step),
+  `release` frees that room when the group is dropped or taken, `ready` says whether a step's batch
+  is there, and `prefer_target` which buffered groups the step takes first.
+- What to do with a group the next step would leave behind (`left_behind`): it is cancelled, and
+  its prompt requeued or dropped; `finish_early` (`rollout.partial_groups`) says whether a
+  straggler with enough finished members ends with them instead, to be trained now.
+- How long a ready batch may wait for stragglers (`wait_until`, given the loop time `now`).
 
 Every policy keeps the hard bound (no group trained past K steps of staleness; the buffer's
 check before every take enforces it whatever the policy). They differ in what they trade:
 
+- `patience` (the default, `rollout.patience_share` 1): `requeue`, except that once a batch is ready
+  the trainer waits up to `rollout.patience_share` of the last step's training time for
+  *stragglers*: in-flight groups still within the bound at this step that the next step would
+  cancel (`is_straggler`). Finished in time, they are the oldest in the buffer, so they are
+  trained first.
 - `requeue` and `drop`: the trainer takes a batch as soon as `groups_per_step` groups are
   buffered; groups in flight that the next step would leave past the bound are cancelled, their
   prompts requeued (up to `max_requeues`) or dropped. Most throughput; the cancelled rollouts are
@@ -11,12 +26,8 @@ check before every take enforces it whatever the policy). They differ in what th
 - `wait` (NeMo-RL's semantics): each admitted group carries the step it targets (`StepTargets`), the
   lowest step with room at admission, and a step trains only its own groups. Within the admission
   bound that step is at most K steps past the group's version, so nothing is ever stale: no waste,
-  no length bias, and the trainer waits for its slowest group.
-- `patience` (the default, `rollout.patience_share` 1): `requeue`, except that once a batch is ready
-  the trainer waits up to `rollout.patience_share` of the last step's training time for
-  *stragglers*: in-flight groups still within the bound at this step that the next step would
-  cancel (`is_straggler`). Finished in time, they are the oldest in the buffer, so they are
-  trained first.
+  no length bias, and the trainer waits for its slowest group. (Should the bound still cut a group,
+  its prompt is dropped.)
 
 An opt-in for `requeue`, `drop` and `patience`, `rollout.partial_groups` (`may_finish_early`): when a
 batch is ready, a straggler with at least `min_group_survivors` finished members ends with them,
@@ -25,14 +36,136 @@ members it keeps are the group's fast (short) ones.
 
 Admission is the same for every policy (rollout/admission.py): `StepTargets.assign` finds room
 exactly when `may_admit_group` admits, since the admitted groups not yet taken are the ones
-holding targets in [next_step, serving_version + K].
+holding targets in [next_step, serving_version + K]. `STALE_POLICIES` maps `rollout.on_stale` to
+its class; `stale_policy` builds the recipe's.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Sized
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from asyncgrpo.rollout.admission import is_stale
+from asyncgrpo.types import Prompt
+
+if TYPE_CHECKING:
+    from asyncgrpo.config import RolloutConfig
+
+LeftBehind = Literal["requeue", "drop"]
+
+
+class Targeted(Protocol):
+    """An in-flight group as a policy sees it: the step it targets (None without one)."""
+
+    @property
+    def target_step(self) -> int | None: ...
+
+
+class Exhaustible(Protocol):
+    """The prompt source as a policy sees it: will a new prompt still come?"""
+
+    @property
+    def exhausted(self) -> bool: ...
+
+
+class Buffered(Sized, Protocol):
+    """The replay buffer as a policy sees it: its size, and how many of its groups target a step."""
+
+    def count_target(self, step: int) -> int: ...
+
+
+class StalePolicy:
+    """The interface, with the answers of a policy that targets no step and never waits: take a batch as soon as
+    `groups_per_step` groups are buffered, and cancel a group left behind, its prompt dropped."""
+
+    def __init__(self, r: RolloutConfig) -> None:
+        self.groups_per_step = r.groups_per_step
+        self.max_requeues = r.max_requeues
+        self.finish_early = r.partial_groups  # rollout.partial_groups: stragglers may end early with their finished members
+
+    def target(self, next_step: int, last_step: int) -> int | None:
+        """The step a group admitted now trains in, within [next_step, last_step]; None: whichever takes it."""
+        return None
+
+    def release(self, target: int | None) -> None:
+        """A group holding `target` was dropped or taken: its room is free again."""
+
+    def ready(self, step: int, buffer: Buffered, in_flight: Iterable[Targeted], source: Exhaustible) -> bool:
+        """Is step `step`'s batch buffered? `in_flight`: the groups still coming; `source`: where new ones come from."""
+        return len(buffer) >= self.groups_per_step
+
+    def prefer_target(self, step: int) -> int | None:
+        """The target whose buffered groups step `step` takes first (None: oldest first)."""
+        return None
+
+    def left_behind(self, prompt: Prompt) -> LeftBehind:
+        """A take of `prompt` was cancelled because no remaining step can train it: requeue the prompt, or drop it."""
+        return "drop"
+
+    def wait_until(self, now: float, last_step_s: float | None) -> float | None:
+        """Until when (loop time) a ready batch waits for stragglers; None: it does not wait. `last_step_s`: how long
+        the last step trained (None before one has)."""
+        return None
+
+
+class DropPolicy(StalePolicy):
+    """`drop`: a group left behind is cancelled and its prompt dropped as `stale`."""
+
+
+class RequeuePolicy(StalePolicy):
+    """`requeue`: a group left behind is cancelled and its prompt requeued, up to `rollout.max_requeues` times."""
+
+    def left_behind(self, prompt: Prompt) -> LeftBehind:
+        return "requeue" if prompt.requeues < self.max_requeues else "drop"
+
+
+class PatiencePolicy(RequeuePolicy):
+    """`patience`: `requeue`, but a ready batch waits up to `rollout.patience_share` of the last step for stragglers."""
+
+    def __init__(self, r: RolloutConfig) -> None:
+        super().__init__(r)
+        self.share = r.patience_share
+
+    def wait_until(self, now: float, last_step_s: float | None) -> float | None:
+        return patience_deadline(now=now, last_step_s=last_step_s, share=self.share)
+
+
+class WaitPolicy(StalePolicy):
+    """`wait`: each admitted group targets a step, and a step trains its own groups (any, once none of its own is coming)."""
+
+    def __init__(self, r: RolloutConfig) -> None:
+        super().__init__(r)
+        self.targets = StepTargets(r.groups_per_step)
+
+    def target(self, next_step: int, last_step: int) -> int | None:
+        return self.targets.assign(next_step, last_step)
+
+    def release(self, target: int | None) -> None:
+        if target is not None:
+            self.targets.release(target)
+
+    def ready(self, step: int, buffer: Buffered, in_flight: Iterable[Targeted], source: Exhaustible) -> bool:
+        if buffer.count_target(step) >= self.groups_per_step:
+            return len(buffer) >= self.groups_per_step
+        own_coming = any(g.target_step == step for g in in_flight)
+        return source.exhausted and not own_coming and len(buffer) >= self.groups_per_step
+
+    def prefer_target(self, step: int) -> int | None:
+        return step
+
+
+STALE_POLICIES: dict[str, type[StalePolicy]] = {
+    "patience": PatiencePolicy,
+    "requeue": RequeuePolicy,
+    "drop": DropPolicy,
+    "wait": WaitPolicy,
+}
+
+
+def stale_policy(r: RolloutConfig) -> StalePolicy:
+    """The policy `rollout.on_stale` names (config validation admits only the registry's names)."""
+    return STALE_POLICIES[r.on_stale](r)
 
 
 class StepTargets:
@@ -65,7 +198,7 @@ class StepTargets:
 
 
 def is_straggler(*, version_floor: int | None, step: int, max_staleness: int) -> bool:
-    """`patience`: an in-flight group that step `step` may still train and step `step + 1` would cancel as stale."""
+    """An in-flight group that step `step` may still train and step `step + 1` would cancel as stale."""
     if version_floor is None:
         return False
     return not is_stale(generation_version=version_floor, step=step, max_staleness=max_staleness) and is_stale(

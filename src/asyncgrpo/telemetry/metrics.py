@@ -26,7 +26,6 @@ from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.rewards.trl_args import METRIC_PREFIX
 from asyncgrpo.telemetry.keys import (
     COUNTER_NAMES,
-    DISTILL_KEYS,
     EVAL_KEYS,
     PIPELINE_KEYS,
     STEP_KEYS,
@@ -38,8 +37,8 @@ from asyncgrpo.types import StepRecord
 log = logging.getLogger("asyncgrpo")
 
 
-def metric_keys(reward_names: Iterable[str], *, max_staleness: int, distill: bool = False) -> tuple[str, ...]:
-    """Every key of a run's metrics lines; `distill` (`algorithm: distill`) adds `DISTILL_KEYS`; the off-policy
+def metric_keys(reward_names: Iterable[str], *, max_staleness: int, algorithm_keys: Iterable[str] = ()) -> tuple[str, ...]:
+    """Every key of a run's metrics lines; `algorithm_keys`: the algorithm's own (algorithms/, `metric_keys`); the off-policy
     diagnostics cover staleness 0..`max_staleness` (rollout.max_staleness)."""
     return (
         *STEP_KEYS,
@@ -47,7 +46,7 @@ def metric_keys(reward_names: Iterable[str], *, max_staleness: int, distill: boo
         *(f"reward/{name}" for name in reward_names),
         *TRAIN_KEYS,
         *offpolicy_keys(max_staleness),
-        *(DISTILL_KEYS if distill else ()),
+        *algorithm_keys,
         *COUNTER_NAMES,
         *EVAL_KEYS,
         *(f"eval/reward/{name}" for name in reward_names),

@@ -6,16 +6,16 @@
 - tensorboard: event files in `<run dir>/tensorboard` (torch's SummaryWriter; needs `tensorboard`).
 - wandb: a Weights & Biases run in `<run dir>/wandb`, project `logging.project`; `WANDB_MODE=offline`
   works with no network (`wandb sync` uploads it later).
-- mlflow: a run in experiment `logging.project` at `MLFLOW_TRACKING_URI`, default the local file
-  store `<run dir>/mlruns`, with the config as params (dotted keys: `rollout.group_size`). MLflow 3
-  reads a file store only with `MLFLOW_ALLOW_FILE_STORE=true` (set for this process when it writes
-  one); to read it: `MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri <run dir>/mlruns`.
-- trackio: a run in project `logging.project` in trackio's local store (`trackio show`). trackio reads its
-  store's folder from `TRACKIO_DIR` once, when it is imported, for the whole process, and has no per-run
-  option: `TRACKIO_DIR=<run dir>/trackio asyncgrpo train ...` keeps it in the run directory.
+- mlflow: a run in experiment `logging.project` at `MLFLOW_TRACKING_URI`, default the sqlite store
+  `<run dir>/mlflow.db` (artifact root `<run dir>/mlartifacts`), with the config as params (dotted keys:
+  `rollout.group_size`). It needs `sqlalchemy` and `alembic` beside mlflow-skinny (the `sinks` extra has
+  them) and no environment variable: `mlflow ui --backend-store-uri sqlite:///<run dir>/mlflow.db` reads it.
+- trackio: a run in project `logging.project` in the trackio store `<run dir>/trackio` (`TRACKIO_DIR`, when
+  set, wins), read with `TRACKIO_DIR=<run dir>/trackio trackio show`. trackio reads its store's folder once
+  per process, when imported, so it runs in a process of its own (telemetry/trackio_worker.py).
 
 A resumed run continues its tracker runs: `<run dir>/trackers.json` records each tracker's run
-(W&B's run id, MLflow's tracking URI and run id, trackio's project and run name) when it starts,
+(W&B's run id, MLflow's tracking URI and run id, trackio's project, run name and store) when it starts,
 and a resume (which keeps the file; a fresh start removes it) reopens them: W&B `id=..., resume="allow"`,
 MLflow the same run id (set RUNNING again; its params stay the first invocation's: MLflow refuses a
 changed param, and the resume's changes are in its log), trackio `resume="must"`. Steps logged after the
@@ -44,9 +44,10 @@ import contextlib
 import importlib.util
 import json
 import os
+import select
+import subprocess
 import sys
 import time
-import urllib.parse
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,30 +55,33 @@ from typing import Any, Protocol
 from asyncgrpo.atomic import replace_file
 from asyncgrpo.config import Config
 from asyncgrpo.errors import AsyncGRPOError
-from asyncgrpo.rundir import TRACKER_RUNS_FILE
+from asyncgrpo.rundir import MLFLOW_ARTIFACTS_DIR, MLFLOW_STORE, TRACKER_RUNS_FILE, TRACKIO_STORE_DIR
+from asyncgrpo.telemetry import trackio_worker
 from asyncgrpo.telemetry.keys import trl_name
 
-# sink -> (module to import, pip package)
-TRACKERS: dict[str, tuple[str, str]] = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "wandb": ("wandb", "wandb"),
-    "mlflow": ("mlflow", "mlflow-skinny"),
-    "trackio": ("trackio", "trackio"),
+# sink -> the (module to import, pip package) pairs it needs
+TRACKERS: dict[str, list[tuple[str, str]]] = {
+    "tensorboard": [("tensorboard", "tensorboard")],
+    "wandb": [("wandb", "wandb")],
+    "mlflow": [("mlflow", "mlflow-skinny")],
+    "trackio": [("trackio", "trackio")],
 }
+# MLflow's store in the run directory (when MLFLOW_TRACKING_URI is not set) is a sqlite database: SQLAlchemy's, laid out by alembic.
+MLFLOW_STORE_PACKAGES = [("sqlalchemy", "sqlalchemy"), ("alembic", "alembic")]
 
 
 def sink_problems(sinks: Iterable[str]) -> list[str]:
-    """One paragraph per tracker in `sinks` whose package this Python cannot import."""
+    """One paragraph per tracker in `sinks` with a package this Python cannot import."""
     problems = []
     for sink in sinks:
         if sink not in TRACKERS:
             continue
-        module, package = TRACKERS[sink]
-        if importlib.util.find_spec(module) is None:
+        needed = TRACKERS[sink] + (MLFLOW_STORE_PACKAGES if sink == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI") else [])
+        if missing := [package for module, package in needed if importlib.util.find_spec(module) is None]:
             problems.append(
-                f"logging.sinks names {sink}, but the {package} package is not installed in this Python "
-                f"({sys.executable}). Fix: `pip install {package}` (or `pip install 'asyncgrpo[sinks]'` for every "
-                f"tracker), or remove {sink} from logging.sinks; metrics.jsonl is written either way."
+                f"logging.sinks names {sink}, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed in "
+                f"this Python ({sys.executable}). Fix: `pip install {' '.join(missing)}` (or `pip install 'asyncgrpo[sinks]'` "
+                f"for every tracker), or remove {sink} from logging.sinks; metrics.jsonl is written either way."
             )
     return problems
 
@@ -86,8 +90,8 @@ def sink_problems(sinks: Iterable[str]) -> list[str]:
 TRACKER_FIXES: dict[str, str] = {
     "tensorboard": "check that the run directory's tensorboard/ folder is writable",
     "wandb": "check that W&B's service is running and reachable (its log is wandb/debug-internal.log in the run directory)",
-    "mlflow": "check that MLFLOW_TRACKING_URI's server (or the run directory's mlruns/ file store) answers",
-    "trackio": "check trackio's local store (`trackio show`)",
+    "mlflow": "check that MLFLOW_TRACKING_URI's server (or the run directory's mlflow.db) answers",
+    "trackio": "check trackio's store (the run directory's trackio/ folder, or TRACKIO_DIR) and its messages above",
 }
 
 
@@ -151,26 +155,21 @@ class WandbTracker:
 
 class MlflowTracker:
     def __init__(self, cfg: Config, run_dir: Path, resume: dict[str, str] | None) -> None:
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
-        if uri.startswith("file:"):
-            # MLflow 3 keeps the file store for existing users behind this switch; it is the one store
-            # that needs no server and no database, which is what a training run's own directory wants.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            if not Path(urllib.parse.urlparse(uri).path).exists():
-                # MLflow keeps one store object per URI for the process, and a store lays out its folder only when
-                # made: a second run in this process, after a fresh start removed the folder, has it laid out again.
-                from mlflow.store.tracking.file_store import FileStore
-
-                FileStore(uri)
         from mlflow.tracking import MlflowClient
 
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        store = None
+        if not uri:  # the run directory's own store, made here: see own_store
+            uri = f"sqlite:///{(run_dir / MLFLOW_STORE).resolve()}"
+            store = own_store(uri, run_dir / MLFLOW_ARTIFACTS_DIR)
         self.client = MlflowClient(tracking_uri=uri)
         if resume and resume.get("tracking_uri") == uri:
             self.run_id = self.client.get_run(resume["run_id"]).info.run_id  # a run deleted from the store: MLflow's error, named
             self.client.update_run(self.run_id, status="RUNNING")
         else:  # a fresh run (or a resume logging to another store): a new run, with the config as its params
             experiment = self.client.get_experiment_by_name(cfg.logging.project)
-            experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(cfg.logging.project)
+            experiment_id = (experiment.experiment_id if experiment is not None
+                             else (store or self.client).create_experiment(cfg.logging.project))
             self.run_id = self.client.create_run(experiment_id, run_name=cfg.run.name).info.run_id
             self.log_params(cfg)
         self.ref = {"tracking_uri": uri, "run_id": self.run_id}
@@ -195,6 +194,22 @@ class MlflowTracker:
         self.client.set_terminated(self.run_id)
 
 
+def own_store(uri: str, artifacts: Path) -> Any:
+    """MLflow's sqlite store at `uri`, with its tables (made when the file is new) and the artifact root `artifacts`.
+
+    MLflow keeps one database engine per URI for the whole process; the connections it pools stay open on the
+    file they opened, so after a fresh start (rundir.clear_run) deleted the file they would go on reading and
+    writing the deleted one. The store is made, its engine's pool emptied, and made again: the second one opens the
+    file now at `uri`, and lays out its tables when it is new. Made here rather than by MlflowClient, whose store
+    puts the artifact root in the working directory (./mlruns): an experiment this store creates keeps its
+    artifacts in `artifacts/<experiment id>`, in the run directory.
+    """
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    SqlAlchemyStore(uri, artifacts.resolve().as_uri()).engine.dispose()
+    return SqlAlchemyStore(uri, artifacts.resolve().as_uri())
+
+
 def flat_params(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
     """A nested config as `{dotted.key: text}`: a mapping opens into its keys, any other value is JSON text (a string as is)."""
     flat: dict[str, str] = {}
@@ -206,20 +221,82 @@ def flat_params(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
-class TrackioTracker:
-    def __init__(self, cfg: Config, run_dir: Path, resume: dict[str, str] | None) -> None:
-        import trackio
+TRACKIO_START_S = 300.0  # importing trackio and starting (or reopening) its run
+TRACKIO_LOG_S = 60.0  # trackio.log queues the values: the answer comes at once unless the process is stuck
+TRACKIO_FINISH_S = 600.0  # trackio.finish flushes what is queued, and uploads it when a Space is configured
+TRACKIO_EXIT_S = 60.0  # after finish, or once its stdin is closed, the process ends; past this it is killed
 
-        self.trackio = trackio
-        again = resume is not None and resume == {"project": cfg.logging.project, "name": cfg.run.name}
-        trackio.init(project=cfg.logging.project, name=cfg.run.name, config=cfg.model_dump(mode="json"), resume="must" if again else "never")
-        self.ref = {"project": cfg.logging.project, "name": cfg.run.name}
+
+class TrackioError(Exception):
+    """trackio's process failed: trackio raised (its error type and text), exited, or did not answer in time."""
+
+
+class TrackioTracker:
+    """trackio, in a process of its own (telemetry/trackio_worker.py, whose docstring says why), with its store in
+    `<run dir>/trackio`, or in TRACKIO_DIR when that is set."""
+
+    def __init__(self, cfg: Config, run_dir: Path, resume: dict[str, str] | None) -> None:
+        store = os.environ.get("TRACKIO_DIR") or str((run_dir / TRACKIO_STORE_DIR).resolve())
+        self.ref = {"project": cfg.logging.project, "name": cfg.run.name, "dir": store}
+        # Its own session: a Ctrl-C at the terminal reaches only the run, which then finishes the trackio run itself.
+        self.process = subprocess.Popen([sys.executable, trackio_worker.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        env={**os.environ, "TRACKIO_DIR": store}, start_new_session=True)
+        self.pending = b""
+        try:
+            self.call(TRACKIO_START_S, "init", {"project": cfg.logging.project, "name": cfg.run.name,
+                                                "config": cfg.model_dump(mode="json"), "resume": "must" if resume == self.ref else "never"})
+        except BaseException:
+            self.stop()
+            raise
 
     def log(self, values: dict[str, float], step: int) -> None:
-        self.trackio.log(values, step=step)
+        self.call(TRACKIO_LOG_S, "log", values, step)
 
     def close(self) -> None:
-        self.trackio.finish()
+        try:
+            self.call(TRACKIO_FINISH_S, "finish")
+        finally:
+            self.stop()
+
+    def call(self, seconds: float, *request: Any) -> None:
+        """Send one request; wait for its answer at most `seconds`. Raises TrackioError."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        try:
+            self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            raise self.exited() from None
+        deadline = time.monotonic() + seconds
+        while b"\n" not in self.pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.process.stdout], [], [], remaining)[0]:
+                raise TrackioError(f"trackio's process (PID {self.process.pid}) did not answer {request[0]} within {seconds:.0f} s")
+            chunk = os.read(self.process.stdout.fileno(), 65536)
+            if not chunk:
+                raise self.exited()
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        error = json.loads(line)
+        if error is not None:
+            raise TrackioError(f"trackio raised {error[0]}: {error[1]}")
+
+    def exited(self) -> TrackioError:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(TRACKIO_EXIT_S)
+        return TrackioError(f"trackio's process (PID {self.process.pid}) exited with code {self.process.returncode}; "
+                            f"its messages are above")
+
+    def stop(self) -> None:
+        """End the process: its stdin closed (which ends it), killed if still running after TRACKIO_EXIT_S."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        with contextlib.suppress(BrokenPipeError):
+            self.process.stdin.close()
+        try:
+            self.process.wait(TRACKIO_EXIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdout.close()
 
 
 def earlier_runs(path: Path) -> dict[str, dict[str, str]]:

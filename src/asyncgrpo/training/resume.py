@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from asyncgrpo.config import Config
+from asyncgrpo.config import Config, at_new_places
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.rundir import CHECKPOINTS_DIR, OWNED_ENTRIES
 from asyncgrpo.training.integrity import CONFIG_FILE, STATE_FILE, checkpoint_problem
@@ -110,7 +110,7 @@ def plan_resume(cfg: Config) -> ResumePlan:
 
 
 def _checked(cfg: Config, path: Path, notes: list[str]) -> ResumePlan:
-    saved = yaml.safe_load((path / CONFIG_FILE).read_text())
+    saved = at_new_places(yaml.safe_load((path / CONFIG_FILE).read_text()))  # saved before keys moved: at their new places
     before, now = _flatten(saved), _flatten(cfg.model_dump(mode="json"))
     differences = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k not in IGNORED_KEYS)
     incompatible = [k for k in differences if k in INCOMPATIBLE_KEYS]

@@ -1,10 +1,11 @@
 """The stub trainer of the simulator: a step takes virtual time and learns nothing.
 
-A step takes `train.step_time_s`, or, with `train.token_time_s`, that many seconds per
+A step takes `simulate.step_time_s`, or, with `simulate.token_time_s`, that many seconds per
 completion token of its batch (training time proportional to trained tokens). It reports
 only what it can measure honestly from the batch (no loss, no gradients), and publishes no
 weights (`generation_weights()` is None), so the scripted backend only records the new
-serving version.
+serving version. With an `algorithm` (algorithms/), a step adds the algorithm's own metrics
+(`step_metrics`, computed from the batch: distillation's `distill/kl_mean`).
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from asyncgrpo.distill.judge import kl_mean
+from asyncgrpo.algorithms.base import Algorithm
 from asyncgrpo.types import Group
 
 
 class StubTrainer:
-    def __init__(self, step_time_s: float, token_time_s: float | None = None) -> None:
+    def __init__(self, step_time_s: float, token_time_s: float | None = None, *, algorithm: Algorithm | None = None) -> None:
         self.step_time_s = step_time_s
+        self.algorithm = algorithm
         self.token_time_s = token_time_s
         self.trained_groups: list[Group] = []
 
@@ -32,8 +34,8 @@ class StubTrainer:
             "completion/len_mean": tokens / len(completions),
             "completion/len_max": float(max(len(c.token_ids) for c in completions)),
         }
-        if any(r.teacher_logprobs is not None for g in groups for r in g.rollouts):  # algorithm: distill
-            metrics["distill/kl_mean"] = kl_mean(groups)
+        if self.algorithm is not None:
+            metrics.update(self.algorithm.step_metrics(groups))
         return metrics
 
     def generation_weights(self) -> Mapping[str, Any] | None:

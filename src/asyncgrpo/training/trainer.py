@@ -44,11 +44,13 @@ Invariants:
 - Every trainable parameter is float32, before and after any step, at any precision.
 - A non-finite loss or gradient norm raises `NonFiniteLossError` before the optimizer
   applies it; weights are never updated with NaN/inf.
-- Every metric key in `TRAIN_KEYS` (and `DISTILL_KEYS` under `algorithm: distill`) is returned every
+- Every metric key in `TRAIN_KEYS` and in the algorithm's `metric_keys` is returned every
   step, as a finite float; so is every key of `offpolicy_keys(rollout.max_staleness)` (training/offpolicy.py),
   except NaN for a staleness value the step has no token of.
-- `algorithm: distill`: the advantages are per token, -(log pi_gen - log pi_teacher) (distill/loss.py),
-  with the same importance correction against pi_gen; `Rollout.advantage` is not used.
+- The algorithm (algorithms/, from `algorithm:`) gives the advantages: per sequence (GRPO's `Rollout.advantage`)
+  or per token (distillation's -(log pi_gen - log pi_teacher)), with the same importance correction against pi_gen.
+
+Split by job: sequences and their collation in training/batch.py, the LR schedule in training/schedule.py.
 """
 
 from __future__ import annotations
@@ -59,26 +61,26 @@ import inspect
 import math
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.config import Config
-from asyncgrpo.distill.judge import kl_mean
-from asyncgrpo.distill.loss import distill_advantages
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
 from asyncgrpo.sampling import Processing, sampled_logprobs, seen_before
-from asyncgrpo.telemetry.keys import DISTILL_KEYS, TRAIN_KEYS
+from asyncgrpo.telemetry.keys import TRAIN_KEYS
 from asyncgrpo.training import heap
 from asyncgrpo.training import lora as lora_adapters
+from asyncgrpo.training.batch import MicroBatch, TrainSequence, by_length, chunks, collate, filler, sequences, split_even
 from asyncgrpo.training.bf16_adamw import Bf16StateAdamW
 from asyncgrpo.training.device import autocast, check_precision, resolve_device
 from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
 from asyncgrpo.training.losses.aggregation import update_normalizer
 from asyncgrpo.training.losses.plugin import resolve_loss_plugin
 from asyncgrpo.training.offpolicy import OffPolicyStats
+from asyncgrpo.training.schedule import apply_hyperparameters, lr_factor
 from asyncgrpo.types import Group
 
 if TYPE_CHECKING:
@@ -87,70 +89,6 @@ if TYPE_CHECKING:
 
 class NonFiniteLossError(AsyncGRPOError):
     """The loss or the gradient norm of an update is NaN or infinite; the update was not applied."""
-
-
-@dataclass
-class _Sequence:
-    """One rollout as the trainer sees it. `logp_prox` `[C]` is filled for `decoupled`; `logp_teacher` under distill."""
-
-    prompt_ids: tuple[int, ...]
-    completion_ids: tuple[int, ...]
-    logp_gen: tuple[float, ...]
-    advantage: float
-    has_loss: bool
-    logp_prox: Tensor | None = None
-    loss_mask: tuple[bool, ...] | None = None  # an episode's: False on the environment's tokens
-    logp_teacher: tuple[float, ...] | None = None
-    versions: tuple[int, ...] = ()  # the policy version of each completion token (() for the filler)
-
-    @property
-    def loss_tokens(self) -> int:
-        if not self.has_loss:
-            return 0
-        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
-
-    def mask_row(self, width: int) -> list[bool]:
-        """Which of `width` completion columns are loss tokens (padding never is)."""
-        row = [self.has_loss and m for m in self.loss_mask] if self.loss_mask is not None else [self.has_loss] * len(self.completion_ids)
-        return row + [False] * (width - len(row))
-
-
-@dataclass
-class _MicroBatch:
-    """Collated sequences. Prompts are left-padded and completions right-padded, so every
-    completion starts at the same column and only the last C logits are needed.
-
-    input_ids/attention_mask/position_ids `[B, P + C - 1]`; targets/logp_gen/mask/staleness (and
-    logp_prox) `[B, C]`; advantages `[B]`, or `[B, C]` per token under distill (distill/loss.py).
-    """
-
-    input_ids: Tensor
-    attention_mask: Tensor
-    position_ids: Tensor
-    targets: Tensor
-    logp_gen: Tensor
-    logp_prox: Tensor | None
-    mask: Tensor
-    advantages: Tensor
-    completion_width: int
-    staleness: Tensor  # [B, C]: the step's version minus the version that generated each token
-
-
-def _split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
-    """Split into `parts` contiguous chunks whose sizes differ by at most one (larger first)."""
-    n = len(items)
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (1 if i < extra else 0)
-        out.append(list(items[start : start + size]))
-        start += size
-    return out
-
-
-def _chunks(items: Sequence[Any], size: int) -> Iterator[list[Any]]:
-    for start in range(0, len(items), size):
-        yield list(items[start : start + size])
 
 
 class TorchTrainer:
@@ -166,6 +104,7 @@ class TorchTrainer:
     def __init__(self, model: Any, tokenizer: Any, cfg: Config, *, version: int = 0) -> None:
         t = cfg.train
         self.cfg = cfg
+        self.algorithm = algorithm_for(cfg)  # the advantages and the algorithm's own metrics (algorithms/)
         self.tokenizer = tokenizer
         self.version = version
         # Held by train_step, generation_weights, state_dict and load_state_dict; hold it to
@@ -255,7 +194,7 @@ class TorchTrainer:
     def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
         """Train one step on `groups` (whole groups; at least one). Advances `version` by 1.
 
-        Returns every key of `TRAIN_KEYS` (and `DISTILL_KEYS` under distill) and of `offpolicy_keys` as a float.
+        Returns every key of `TRAIN_KEYS`, of the algorithm's `metric_keys` and of `offpolicy_keys` as a float.
         """
         with self.lock:
             metrics = self._train_step(groups)
@@ -303,7 +242,7 @@ class TorchTrainer:
         with self.lock:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-            self._apply_hyperparameters()
+            apply_hyperparameters(self.cfg.train, self.optimizer, self.scheduler)
             if self.scaler is not None and "scaler" in state:
                 self.scaler.load_state_dict(state["scaler"])
             self.version = int(state["version"])
@@ -314,31 +253,7 @@ class TorchTrainer:
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
     def _lr_factor(self, step: int) -> float:
-        """The schedule at `step` (0-based): linear warm-up over `train.warmup_steps` steps, then
-        `train.lr_schedule`: constant, or linear / cosine decay from 1 at the end of warm-up to 0 at
-        `train.max_steps` (so the last step trains at a small positive rate)."""
-        t = self.cfg.train
-        if step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        if t.lr_schedule == "constant":
-            return 1.0
-        decay_steps = max(1, t.max_steps - t.warmup_steps)
-        progress = min(1.0, (step - t.warmup_steps) / decay_steps)
-        if t.lr_schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    def _apply_hyperparameters(self) -> None:
-        """Make a loaded optimizer follow this run's train.lr, weight_decay, warm-up and schedule from the next update on.
-
-        A saved optimizer and scheduler carry the values of the run that saved them; a resumed
-        run with changed values reports the change, so it must also train with it."""
-        t = self.cfg.train
-        self.scheduler.base_lrs = [t.lr for _ in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["initial_lr"] = t.lr
-            group["weight_decay"] = t.weight_decay
-            group["lr"] = t.lr * self._lr_factor(self.scheduler.last_epoch)
+        return lr_factor(self.cfg.train, step)  # the scheduler's function (training/schedule.py)
 
     # ---------------------------------------------------------------------------------
     # The step
@@ -347,10 +262,10 @@ class TorchTrainer:
         if not groups:
             raise ValueError("train_step needs at least one group, got an empty batch")
         cfg_t, cfg_l = self.cfg.train, self.cfg.train.loss
-        per_group = [self._sequences(g) for g in groups]
+        per_group = [sequences(g, mask_truncated=self.cfg.rollout.mask_truncated) for g in groups]
         rollouts = [r for g in groups for r in g.rollouts]
 
-        minibatches = _split_even(per_group, min(cfg_t.updates_per_batch, len(per_group)))  # each: its groups' sequences
+        minibatches = split_even(per_group, min(cfg_t.updates_per_batch, len(per_group)))  # each: its groups' sequences
         # The first update starts from the step's weights, so its pi_prox is its own detached pi_theta;
         # later updates need pi_prox of the weights as they were. Under adapter dropout pi_theta is one
         # dropout draw, so every update's pi_prox is computed (without dropout).
@@ -373,10 +288,7 @@ class TorchTrainer:
         self.scheduler.step()
         self.version += 1
 
-        if self.cfg.algorithm == "distill":  # per-token advantages (distill/loss.py): -(log pi_gen - log pi_teacher)
-            advantages = [t - g for r in rollouts for g, t in zip(r.completion.logprobs, r.teacher_logprobs or ())] or [0.0]
-        else:
-            advantages = [float(r.advantage) for r in rollouts]
+        advantages = self.algorithm.advantage_values(rollouts)
         lengths = [len(r.completion.token_ids) for r in rollouts]
         adv_mean = sum(advantages) / len(advantages)
         adv_std = math.sqrt(sum((a - adv_mean) ** 2 for a in advantages) / len(advantages))
@@ -395,13 +307,10 @@ class TorchTrainer:
             "completion/len_max": float(max(lengths)),
             "completion/truncated_frac": sum(r.completion.truncated for r in rollouts) / len(rollouts),
         }
-        offpolicy = self._offpolicy.metrics()
-        if self.cfg.algorithm == "distill":
-            metrics["distill/kl_mean"] = kl_mean(groups)
-            return {**{key: float(metrics[key]) for key in (*TRAIN_KEYS, *DISTILL_KEYS)}, **offpolicy}
-        return {**{key: float(metrics[key]) for key in TRAIN_KEYS}, **offpolicy}
+        metrics.update(self.algorithm.step_metrics(groups))
+        return {**{key: float(metrics[key]) for key in (*TRAIN_KEYS, *self.algorithm.metric_keys)}, **self._offpolicy.metrics()}
 
-    def _update(self, groups: list[list[_Sequence]], *, first: bool) -> tuple[float | None, float, LossStats]:
+    def _update(self, groups: list[list[TrainSequence]], *, first: bool) -> tuple[float | None, float, LossStats]:
         """One optimizer update over the sequences of `groups`; (None, 0, zeros) when they hold no loss token.
 
         Data-parallel, this rank trains its share of `groups`, and the normaliser, the loss and the
@@ -410,14 +319,13 @@ class TorchTrainer:
         stats = LossStats.zeros(self.device)
         active = [s for seqs in groups for s in seqs if s.loss_tokens]
         mine = [s for seqs in self._share(groups) for s in seqs if s.loss_tokens]
-        # Similar lengths together: less padding, same sum.
-        mine.sort(key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)))
+        mine = by_length(mine)
         # A rank without a sequence of this update still makes its one backward pass (zero loss) that sums the gradients.
-        chunks = list(_chunks(mine, cfg_t.micro_batch_size)) or [[]]
+        micro = list(chunks(mine, cfg_t.micro_batch_size)) or [[]]
         world = 1 if self._parallel is None else self._parallel.world_size
         normalizer = update_normalizer(
             cfg_l.aggregation, [s.loss_tokens for s in active], max_new_tokens=self.cfg.generation.max_new_tokens,
-            micro_batches=len(chunks) * world,  # bnpo: TRL's accumulation steps; ranks are assumed to cut alike
+            micro_batches=len(micro) * world,  # bnpo: TRL's accumulation steps; ranks are assumed to cut alike
         )
         self.optimizer.zero_grad(set_to_none=True)
         if normalizer == 0:
@@ -429,8 +337,8 @@ class TorchTrainer:
         total = torch.zeros((), device=self.device)
         # Forward and backward alike under the dropout: gradient checkpointing replays the forward in the backward.
         with lora_adapters.adapter_dropout(self.model) if self._adapter_dropout else contextlib.nullcontext():
-            for index, chunk in enumerate(chunks):
-                with self._gradient_sync(last=index == len(chunks) - 1):
+            for index, chunk in enumerate(micro):
+                with self._gradient_sync(last=index == len(micro) - 1):
                     if not chunk:
                         self._backward_without_sequences()
                         continue
@@ -465,7 +373,7 @@ class TorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss_value, norm_value, stats
 
-    def _micro_batch_loss(self, chunk: list[_Sequence], normalizer: int, *, first: bool) -> tuple[Tensor, LossStats]:
+    def _micro_batch_loss(self, chunk: list[TrainSequence], normalizer: int, *, first: bool) -> tuple[Tensor, LossStats]:
         """The loss (with grad, scaled by the update's `normalizer`) and statistics of one micro-batch."""
         cfg_l = self.cfg.train.loss
         batch = self._collate(chunk)
@@ -506,7 +414,7 @@ class TorchTrainer:
         """What the loss's forward runs through: the DDP wrapper when data-parallel (its backward sums the gradients)."""
         return self.model if self._parallel is None else self._parallel.module
 
-    def _share(self, groups: list[list[_Sequence]]) -> list[list[_Sequence]]:
+    def _share(self, groups: list[list[TrainSequence]]) -> list[list[TrainSequence]]:
         return groups if self._parallel is None else self._parallel.share(groups)
 
     def _gradient_sync(self, *, last: bool) -> contextlib.AbstractContextManager[Any]:
@@ -515,87 +423,13 @@ class TorchTrainer:
     def _backward_without_sequences(self) -> None:
         """A zero-loss forward and backward over one pad token: this rank's part of the gradient sum when it has no
         sequence in an update (every rank must make the same collectives). Adds exactly 0 to every gradient."""
-        filler = _Sequence(prompt_ids=(self.pad_id,), completion_ids=(self.pad_id,), logp_gen=(0.0,), advantage=0.0, has_loss=False)
-        (self._logits(self._training_model, self._collate([filler])).sum() * 0.0).backward()
+        (self._logits(self._training_model, self._collate([filler(self.pad_id)])).sum() * 0.0).backward()
 
     # ---------------------------------------------------------------------------------
     # Helpers
 
-    def _sequences(self, group: Group) -> list[_Sequence]:
-        if not group.rollouts:
-            raise ValueError(f"group of prompt {group.prompt.id} has no rollouts; only groups with survivors can be trained")
-        prompt_ids = tuple(group.prompt.token_ids)
-        out = []
-        for rollout in group.rollouts:
-            c = rollout.completion
-            if c.token_ids and not prompt_ids:
-                raise ValueError(
-                    f"prompt {group.prompt.id} has no tokens: the first completion token has nothing to be predicted from"
-                )
-            if not math.isfinite(rollout.advantage):
-                raise ValueError(f"prompt {group.prompt.id}: advantage {rollout.advantage} is not finite")
-            has_loss = not (c.truncated and self.cfg.rollout.mask_truncated)
-            out.append(
-                _Sequence(
-                    prompt_ids=prompt_ids if c.prompt_token_ids is None else tuple(c.prompt_token_ids),
-                    completion_ids=tuple(c.token_ids),
-                    logp_gen=tuple(c.logprobs),
-                    advantage=float(rollout.advantage),
-                    has_loss=has_loss,
-                    loss_mask=c.loss_mask,
-                    logp_teacher=rollout.teacher_logprobs,
-                    versions=tuple(c.versions),
-                )
-            )
-        return out
-
-    def _collate(self, seqs: list[_Sequence]) -> _MicroBatch:
-        width_p = max(len(s.prompt_ids) for s in seqs)
-        width_c = max(len(s.completion_ids) for s in seqs)
-        assert width_c > 0, "micro-batches hold only sequences with completion tokens"
-        length = width_p + width_c - 1
-        pad = self.pad_id
-        input_rows, attn_rows, target_rows, gen_rows, mask_rows, prox_rows, stale_rows = [], [], [], [], [], [], []
-        for s in seqs:
-            p, c = len(s.prompt_ids), len(s.completion_ids)
-            body = list(s.prompt_ids) + list(s.completion_ids[:-1])
-            left, right = width_p - p, length - (width_p - p) - len(body)
-            input_rows.append([pad] * left + body + [pad] * right)
-            attn_rows.append([0] * left + [1] * len(body) + [0] * right)
-            target_rows.append(list(s.completion_ids) + [pad] * (width_c - c))
-            gen_rows.append(list(s.logp_gen) + [0.0] * (width_c - c))
-            stale_rows.append([self.version - v for v in s.versions] + [0] * (width_c - len(s.versions)))
-            mask_rows.append(s.mask_row(width_c))
-            if s.logp_prox is not None:
-                prox_rows.append(torch.nn.functional.pad(s.logp_prox, (0, width_c - c)))
-        device = self.device
-        advantages = torch.tensor([s.advantage for s in seqs], dtype=torch.float32, device=device)
-        logp_gen = torch.tensor(gen_rows, dtype=torch.float32, device=device)
-        mask = torch.tensor(mask_rows, dtype=torch.bool, device=device)
-        if self.cfg.algorithm == "distill":
-            if any(s.logp_teacher is None for s in seqs):
-                raise AssertionError("algorithm: distill, but a rollout carries no teacher log-probs")
-            teacher = [list(s.logp_teacher or ()) + [0.0] * (width_c - len(s.completion_ids)) for s in seqs]
-            advantages = distill_advantages(logp_gen, torch.tensor(teacher, dtype=torch.float32, device=device), mask)
-        attention_mask = torch.tensor(attn_rows, dtype=torch.long, device=device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        logp_prox = None
-        if prox_rows:
-            if len(prox_rows) != len(seqs):
-                raise AssertionError("proximal log-probs missing for part of a micro-batch")
-            logp_prox = torch.stack(prox_rows).to(device)
-        return _MicroBatch(
-            input_ids=torch.tensor(input_rows, dtype=torch.long, device=device),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            targets=torch.tensor(target_rows, dtype=torch.long, device=device),
-            logp_gen=logp_gen,
-            logp_prox=logp_prox,
-            mask=mask,
-            advantages=advantages,
-            completion_width=width_c,
-            staleness=torch.tensor(stale_rows, dtype=torch.long, device=device),
-        )
+    def _collate(self, seqs: list[TrainSequence]) -> MicroBatch:
+        return collate(seqs, pad_id=self.pad_id, version=self.version, device=self.device, algorithm=self.algorithm)
 
     @contextlib.contextmanager
     def _reference_model(self) -> Iterator[torch.nn.Module]:
@@ -606,7 +440,7 @@ class TorchTrainer:
             with lora_adapters.adapters_off(self.model):
                 yield self.model
 
-    def _logits(self, model: torch.nn.Module, batch: _MicroBatch) -> Tensor:
+    def _logits(self, model: torch.nn.Module, batch: MicroBatch) -> Tensor:
         """Logits `[B, C, V]` at the C positions that predict the completion tokens."""
         kwargs: dict[str, Any] = {
             "input_ids": batch.input_ids,
@@ -620,7 +454,7 @@ class TorchTrainer:
             logits = model(**kwargs).logits
         return logits[:, -batch.completion_width :, :]
 
-    def _policy_logprobs(self, logits: Tensor, batch: _MicroBatch, *, with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+    def _policy_logprobs(self, logits: Tensor, batch: MicroBatch, *, with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
         """log pi_theta of the completion tokens under the sampling distribution (`self.processing`: repetition penalty,
         temperature, and renormalised over the support top-k / top-p / min-p keep of these logits; sampling.py)."""
         seen = None
@@ -630,12 +464,11 @@ class TorchTrainer:
             seen = seen_before(batch.input_ids, batch.attention_mask, logits.shape[-1], positions)
         return sampled_logprobs(logits, batch.targets, self.processing, seen=seen, with_entropy=with_entropy)
 
-    def _fill_proximal(self, seqs: list[_Sequence]) -> None:
+    def _fill_proximal(self, seqs: list[TrainSequence]) -> None:
         """pi_prox of the current weights for each sequence (no grad), stored per sequence."""
-        ordered = sorted(seqs, key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)))
-        ordered = [s for s in ordered if s.completion_ids]
+        ordered = [s for s in by_length(seqs) if s.completion_ids]
         with torch.no_grad():
-            for chunk in _chunks(ordered, self.cfg.train.micro_batch_size):
+            for chunk in chunks(ordered, self.cfg.train.micro_batch_size):
                 batch = self._collate(chunk)
                 logp, _ = self._policy_logprobs(self._logits(self.model, batch), batch, with_entropy=False)
                 for row, s in enumerate(chunk):

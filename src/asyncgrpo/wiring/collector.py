@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.config import Config, EnvConfig
 from asyncgrpo.data.source import PromptSource
 from asyncgrpo.environments.conversation import CharCodec, Codec, TokenizerCodec
@@ -63,7 +64,7 @@ def build_collector(
 ) -> Collector:
     """The collector over `prompts` on `generator`, with the recipe's source order and reward functions.
 
-    `scorer`: the recipe's reward functions when None; under `algorithm: distill`, the teacher (distill/).
+    `scorer`: the recipe's reward functions when None; or the algorithm's own (algorithms/: distillation's teacher).
     `isolation` overrides `reward.isolation` (simulations score inline, on virtual time); `ledger`
     and `resumed` (a checkpoint's accounting and counters) continue a run from a checkpoint;
     `observer` is told each rollout's and take's life (rollout/events.py; the run's timeline). With an
@@ -80,10 +81,9 @@ def build_collector(
     if scorer is None:
         scorer = RewardScorer.from_config(cfg.reward, isolation=isolation)
     collector = Collector(
-        cfg, source=source, generator=generator, scorer=scorer, sampling=sampling_params(cfg, stop_token_ids),
-        start_step=start_step, ledger=ledger, observer=observer,
+        cfg, source=source, generator=generator, scorer=scorer, algorithm=algorithm_for(cfg), sampling=sampling_params(cfg, stop_token_ids),
+        start_step=start_step, accounting=Accounting.resumed(resumed["accounting"]) if resumed else None, ledger=ledger, observer=observer,
         codec=episode_codec(cfg, tokenizer),
-        accounting=Accounting.resumed(resumed["accounting"]) if resumed else None,
         **({"host_factory": host_factory} if host_factory is not None else {}),
     )
     if resumed:  # the counters continue the checkpoint's (rollout/collector.py takes no counters of its own yet)

