@@ -26,7 +26,9 @@ demo: $(STAMP)
 test: $(STAMP) vllm-venv-if-possible
 	$(BIN)/python -m pytest -q $(ARGS)
 
-# The inner loop: unit and simulation tests only (about 2.5 minutes on 2 cores; README "Tests").
+# The inner loop: the fast tier, tests/unit and tests/sim: no child process, network socket, Ray or optimizer step
+# (tests/tier_guard.py fails a test there that has one). About 1.3 minutes on 2 cores, 64 s of CPU (README "Tests").
+# `make test` runs every tier: these, tests/component and tests/integration.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit tests/sim $(ARGS)
 

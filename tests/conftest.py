@@ -1,6 +1,14 @@
-"""Shared pytest options: the size of the chaos sweep, and replaying one chaos seed."""
+"""Shared pytest options (the size of the chaos sweep, replaying one chaos seed) and the fast tier's guard
+(tests/tier_guard.py: a test in tests/unit or tests/sim that starts a process, opens a network socket, imports Ray or
+takes an optimizer step fails, naming what it did)."""
+
+from tests.tier_guard import FastTierGuard
 
 
 def pytest_addoption(parser):
     parser.addoption("--chaos-scenarios", type=int, default=2000, help="number of random chaos scenarios (make chaos runs more)")
     parser.addoption("--chaos-seed", type=int, default=None, help="replay exactly this chaos scenario")
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(FastTierGuard(), "fast-tier-guard")

@@ -36,8 +36,8 @@ from asyncgrpo.training.checkpoint import save_checkpoint
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.trainer import TorchTrainer
 from asyncgrpo.types import GenerationRequest, SamplingParams
+from tests.component.test_trainer import TEMPERATURE, make_groups
 from tests.integration.ray_cluster import local_cluster, processes_of, ray, still_running
-from tests.unit.test_trainer import TEMPERATURE, make_groups
 
 pytestmark = pytest.mark.timeout(240)
 

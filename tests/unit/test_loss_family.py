@@ -1,10 +1,9 @@
 """train.loss beyond TRL's maths (test_loss_trl_peer.py has that): the staleness and mismatch corrections kept
-apart by each token's staleness, the config rules that refuse what cannot be right, the loss plug-in, and the
-trainer feeding each token's staleness to the loss."""
+apart by each token's staleness, the config rules that refuse what cannot be right, and the loss plug-in (in the trainer, on a tiny model:
+tests/component/test_loss_family_trainer.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
@@ -18,8 +17,6 @@ from asyncgrpo.loss_config import LossConfig
 from asyncgrpo.training.loss import grpo_loss
 from asyncgrpo.training.losses.corrections import off_policy_weight
 from asyncgrpo.training.losses.plugin import resolve_loss_plugin
-from asyncgrpo.training.trainer import TorchTrainer
-from tests.unit.test_trainer import make_cfg, make_groups, tiny_model
 
 LN = math.log
 
@@ -161,41 +158,6 @@ def test_a_plugin_that_cannot_load_is_a_config_error_before_any_model_loads(plug
         check_recipe(cfg)
 
 
-def test_the_trainer_feeds_each_tokens_staleness_to_the_corrections():
-    """Generator log-probs far from the trainer's: a token_mask correction with a narrow range zeroes every
-    weight of staleness-0 tokens, while stale tokens keep the is_cap-truncated weight and train."""
-    model = tiny_model()
-    cfg = make_cfg({"loss": {"objective": "decoupled", "mismatch_correction": "token_mask",
-                             "mismatch_clip_min": 0.99, "mismatch_clip_max": 1.01}})
-    groups = make_groups(model, 2)
-    def shifted(group, version):
-        rollouts = tuple(
-            dataclasses.replace(r, completion=dataclasses.replace(
-                r.completion, logprobs=tuple(lp - 0.5 for lp in r.completion.logprobs),
-                versions=(version,) * len(r.completion.token_ids), dispatch_version=version))
-            for r in group.rollouts
-        )
-        return dataclasses.replace(group, rollouts=rollouts)
-
-    fresh = TorchTrainer(tiny_model(), None, cfg, version=3)
-    metrics = fresh.train_step([shifted(g, 3) for g in groups])
-    assert metrics["grad_norm"] == 0.0 and metrics["is_ratio/mean"] > 1.5  # every weight masked: nothing trains
-    stale = TorchTrainer(tiny_model(), None, cfg, version=3)
-    metrics = stale.train_step([shifted(g, 2) for g in groups])
-    assert metrics["grad_norm"] > 0.0  # staleness 1: min(rho, is_cap), trained
-
-
-def test_the_trainer_trains_a_plugin_like_its_builtin_twin(plugins):
-    model = tiny_model()
-    groups = make_groups(model, 2)
-    after = []
-    for loss in ({"type": f"{plugins}:ppo_clip"}, {"type": "dapo"}):
-        trainer = TorchTrainer(tiny_model(), None, make_cfg({"loss": loss}))
-        trainer.train_step(groups)
-        after.append({k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
-    assert all(torch.allclose(after[0][k], after[1][k], atol=1e-6) for k in after[0])
-
-
 def test_the_worked_example_in_docs_losses_md_is_dual_clip_ppo(tmp_path):
     doc = (Path(__file__).resolve().parents[2] / "docs" / "losses.md").read_text(encoding="utf-8")
     code = doc.split("<!-- plugin-example -->\n```python\n", 1)[1].split("```", 1)[0]
@@ -212,21 +174,3 @@ def test_the_worked_example_in_docs_losses_md_is_dual_clip_ppo(tmp_path):
     # A = -1: ratio 10 would give PPO 10, dual clip caps it at 3; ratio 1.1 gives 1.1. A = +2: clipped at 1.28.
     assert per_token[0] == pytest.approx(3.0 + 1.1 + 3.0)
     assert per_token[1] == pytest.approx(-2 * (1.28 + 1.1 + 1.28))
-
-
-def test_the_trainer_normalises_each_type_over_its_whole_update():
-    """One step's reported loss is the update's sum over its normaliser: dapo divides by the loss tokens, dr_grpo by
-    sequences x generation.max_new_tokens, luspo by sequences; micro-batches of 3 leave each unchanged."""
-    model = tiny_model()
-    groups = make_groups(model, 2)
-    tokens = sum(len(r.completion.token_ids) for g in groups for r in g.rollouts)
-    sequences = sum(len(g.rollouts) for g in groups)
-    sums = {}
-    for loss_type, normaliser in (("dapo", tokens), ("dr_grpo", sequences * 32), ("luspo", sequences)):
-        for micro in (64, 3):
-            trainer = TorchTrainer(tiny_model(), None, make_cfg({"loss": {"type": loss_type}, "micro_batch_size": micro}))
-            sums[loss_type, micro] = trainer.train_step(groups)["loss"] * normaliser
-    assert trainer.cfg.generation.max_new_tokens == 32
-    reference = sums["dapo", 64]
-    assert reference != 0
-    assert all(value == pytest.approx(reference, rel=1e-5) for value in sums.values()), sums

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import subprocess
 import sys
 import textwrap
 import threading
@@ -40,17 +39,6 @@ def write_module(tmp_path, name, body):
 def test_resolve_builtins():
     for name in ("repeat_letter", "addition", "coin"):
         assert resolve_reward(f"builtin:{name}", 0) == (name, REWARDS[name])
-
-
-def test_resolve_builtin_does_not_import_heavy_libraries():
-    code = (
-        "import sys\n"
-        "from asyncgrpo.rewards.resolve import resolve_reward\n"
-        "resolve_reward('builtin:repeat_letter', 0)\n"
-        "heavy = [m for m in ('torch', 'transformers', 'datasets', 'pyarrow') if m in sys.modules]\n"
-        "assert not heavy, heavy\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 
 
 def test_unknown_builtin_lists_the_builtins():

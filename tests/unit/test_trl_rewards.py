@@ -1,5 +1,5 @@
 """TRL-shaped reward arguments: conversational prompts give reward functions message lists, as TRL's
-GRPOTrainer does, in every isolation mode (worker processes included); text prompts keep strings."""
+GRPOTrainer does; text prompts keep strings (the same in worker processes: tests/component/test_trl_reward_isolation.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 
 from asyncgrpo.data.loading import build_prompts
 from asyncgrpo.models.tiny import build_tiny_tokenizer
-from asyncgrpo.rewards.resolve import resolve_rewards
 from asyncgrpo.rewards.scoring import RewardScorer
 from asyncgrpo.rollout.no_signal import NoSignalWatch
 from asyncgrpo.tasks import arithmetic_correct_reward, arithmetic_format_reward, digit_arithmetic_eval_rows, digit_arithmetic_rows
@@ -40,29 +39,6 @@ def echo_module(tmp_path):
     return str(tmp_path / "shape_rewards.py")
 
 
-@pytest.mark.parametrize("isolation", ["thread", "process"])
-def test_conversational_prompts_pass_message_lists_and_text_prompts_pass_strings(tmp_path, isolation):
-    module = echo_module(tmp_path)
-    chat = prompts_of([{"prompt": MESSAGES, "answer": "12"}])[0]
-    text = prompts_of([{"prompt": "say a: "}])[0]
-    assert chat.messages == tuple(MESSAGES)
-
-    async def score():
-        specs = [f"{module}:trl_style"]
-        from asyncgrpo.rewards.resolve import resolve_rewards
-
-        async with RewardScorer(resolve_rewards(specs), isolation=isolation, specs=specs, workers=1) as scorer:
-            chat_scores = await scorer.score(chat, ["12", " 13"])
-        specs = [f"{module}:text_style"]
-        async with RewardScorer(resolve_rewards(specs), isolation=isolation, specs=specs, workers=1) as scorer:
-            text_scores = await scorer.score(text, ["aa", "aaaa"])
-        return chat_scores, text_scores
-
-    chat_scores, text_scores = asyncio.run(score())
-    assert [s.reward for s in chat_scores] == [1.0, 0.0]
-    assert [s.reward for s in text_scores] == [2.0, 4.0]
-
-
 def test_trl_reward_functions_work_unchanged():
     pytest.importorskip("trl.rewards", reason="trl is not installed in this environment")
     chat = prompts_of([{"prompt": MESSAGES}])[0]
@@ -79,25 +55,6 @@ def test_trl_reward_functions_work_unchanged():
 
 def completion(text: str, length: int) -> Completion:
     return Completion(tuple(range(length)), (0.0,) * length, (0,) * length, "stop", 0, text=text)
-
-
-@pytest.mark.parametrize("isolation", ["thread", "process"])
-def test_completion_ids_reach_the_functions_that_ask_for_them_as_trl_passes_them(tmp_path, isolation):
-    (tmp_path / "id_rewards.py").write_text(textwrap.dedent('''
-        def token_count(prompts, completions, completion_ids):
-            return [float(len(ids)) for ids in completion_ids]
-
-        def no_ids(prompts, completions):
-            return [1.0 for _ in completions]
-    '''))
-    specs = [f"{tmp_path / 'id_rewards.py'}:token_count", f"{tmp_path / 'id_rewards.py'}:no_ids"]
-    chat = prompts_of([{"prompt": MESSAGES}])[0]
-
-    async def score():
-        async with RewardScorer(resolve_rewards(specs), isolation=isolation, specs=specs, workers=1) as scorer:
-            return await scorer.score(chat, [completion("12", 2), completion("twelve", 5)])
-
-    assert [s.terms for s in asyncio.run(score())] == [{"token_count": 2.0, "no_ids": 1.0}, {"token_count": 5.0, "no_ids": 1.0}]
 
 
 def test_trls_length_rewards_score_the_generated_tokens():

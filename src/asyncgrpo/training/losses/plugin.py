@@ -3,7 +3,7 @@
 The function is called once per micro-batch with one `LossBatch` and returns the per-token loss, a float tensor
 of shape `[B, T]` with gradient through `batch.logp`. asyncgrpo then applies what every type gets: the off-policy
 weight (`objective: decoupled`), the KL penalty (`kl_coef`), the mask, and the normalisation
-(`train.loss.normalization`: token, the default, or sequence), so micro-batching never changes the gradient.
+(`train.loss.normalization`: token, also when unset, or sequence), so micro-batching never changes the gradient.
 
 Invariants: the function is imported with the loader of every config key that names user code (user_modules.py), so
 a module or name that does not load is a `ConfigError` naming `train.loss.type` before any model loads (train.py's preflight);

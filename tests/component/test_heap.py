@@ -10,8 +10,8 @@ import torch
 
 from asyncgrpo.training import heap
 from asyncgrpo.training.trainer import TorchTrainer
+from tests.component.test_trainer import make_cfg, make_groups
 from tests.tiny_models import tiny_llama
-from tests.unit.test_trainer import make_cfg, make_groups
 
 
 def resident_mb() -> float:

@@ -298,7 +298,7 @@ KILLED_RUN_SCRIPT = """
 import pathlib, sys
 from asyncgrpo.config import Config
 from asyncgrpo.telemetry.sinks import Trackers
-from tests.unit.test_sinks import LINES
+from tests.component.test_sinks import LINES
 cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["trackio"], "project": "asyncgrpo-test"}})
 trackers = Trackers(cfg, pathlib.Path(sys.argv[1]))
 for line in LINES:
@@ -379,7 +379,7 @@ KILLED_WANDB_SCRIPT = """
 import os, pathlib, signal, sys
 from asyncgrpo.config import Config
 from asyncgrpo.telemetry.sinks import TrackerError, Trackers
-from tests.unit.test_sinks import LINES
+from tests.component.test_sinks import LINES
 cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"sinks": ["wandb"], "project": "asyncgrpo-test"}})
 trackers = Trackers(cfg, pathlib.Path(sys.argv[1]))
 trackers.log(LINES[0])

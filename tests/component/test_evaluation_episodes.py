@@ -17,9 +17,9 @@ from asyncgrpo.environments.conversation import CharCodec
 from asyncgrpo.evaluation import evaluate
 from asyncgrpo.rewards.scoring import RewardScorer
 from asyncgrpo.types import Completion, GenerationRequest, Prompt
+from tests.component.test_process_episodes import ticks
+from tests.component.test_process_host import alive, group_members
 from tests.sim.fakes import Fate, ProgrammedGenerator, recipe
-from tests.unit.test_process_episodes import ticks
-from tests.unit.test_process_host import alive, group_members
 
 pytestmark = pytest.mark.timeout(120)
 CODEC = CharCodec()
@@ -102,7 +102,7 @@ class BreaksOnOddAnswers:
 
 def test_an_environment_that_raises_during_evaluation_leaves_its_sample_out_with_one_warning(caplog):
     caplog.set_level(logging.WARNING, logger="asyncgrpo")
-    cfg = calculator_recipe(factory="tests.unit.test_evaluation_episodes:BreaksOnOddAnswers")
+    cfg = calculator_recipe(factory="tests.component.test_evaluation_episodes:BreaksOnOddAnswers")
     prompts = held_out(cfg)
     odd = sum(int(p.columns["answer"]) % 2 for p in prompts)
     assert 0 < odd < len(prompts)
@@ -116,7 +116,7 @@ def test_an_environment_that_raises_during_evaluation_leaves_its_sample_out_with
 def ticking_recipe(tmp_path, monkeypatch, step_timeout_s: float = 60.0, **generation: object):
     monkeypatch.setenv("TICKS_DIR", str(tmp_path))
     cfg = recipe(
-        env={"factory": "tests.unit.test_process_episodes:Ticking", "isolation": "process", "cancel_grace_s": 0.2, "max_turns": 1,
+        env={"factory": "tests.component.test_process_episodes:Ticking", "isolation": "process", "cancel_grace_s": 0.2, "max_turns": 1,
              "step_timeout_s": step_timeout_s},
         reward={"functions": []},
         eval={"every_steps": 1, "num_prompts": 2},

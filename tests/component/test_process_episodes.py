@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.component.test_process_host import Stubborn, alive, group_members
 from tests.sim.fakes import Fate, ProgrammedGenerator, make_collector, recipe
-from tests.unit.test_process_host import Stubborn, alive, group_members
 
 pytestmark = pytest.mark.timeout(120)
 FAST = Fate(after_s=0.001, tokens=3)
@@ -53,7 +53,7 @@ class FailsInOneWorker:
 
 def process_recipe(factory: str, *, grace_s: float = 0.2, group_size: int = 2):
     return recipe(
-        env={"factory": f"tests.unit.test_process_episodes:{factory}", "cancel_grace_s": grace_s, "max_turns": 2, "isolation": "process"},
+        env={"factory": f"tests.component.test_process_episodes:{factory}", "cancel_grace_s": grace_s, "max_turns": 2, "isolation": "process"},
         reward={"functions": []},
         generation={"max_inflight": group_size},
         rollout={"group_size": group_size, "groups_per_step": 1, "min_group_survivors": 2},

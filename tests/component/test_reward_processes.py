@@ -1,7 +1,7 @@
 """reward.isolation: process: worker processes that time out, crash, raise and close like the contract says.
 
 Every reward here is a module-level function, so the workers resolve it by name
-(``tests.unit.test_reward_processes:<name>``) as they resolve ``reward.functions``.
+(``tests.component.test_reward_processes:<name>``) as they resolve ``reward.functions``.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def test_a_busy_worker_dies_with_its_parent(tmp_path):
     script.write_text(textwrap.dedent(
         """
         import asyncio
-        from tests.unit.test_reward_processes import PROMPT, catastrophic, length, scorer
+        from tests.component.test_reward_processes import PROMPT, catastrophic, length, scorer
 
         async def main():
             s = scorer(length, catastrophic, timeout_s=3600, workers=1)

@@ -2,7 +2,7 @@
 process is left), and what an environment raises or how its worker dies comes back classified.
 
 Every environment here is a module-level class, so the worker creates it by name
-(``tests.unit.test_process_host:<Class>``) as it creates ``env.factory``.
+(``tests.component.test_process_host:<Class>``) as it creates ``env.factory``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from asyncgrpo.environments.protocol import EpisodeCancelled, TransientEnvironme
 from asyncgrpo.worker_process import RemoteTraceback
 
 pytestmark = pytest.mark.timeout(60)
-HERE = "tests.unit.test_process_host"
+HERE = "tests.component.test_process_host"
 
 
 class Stubborn:

@@ -11,7 +11,7 @@ from asyncgrpo.config import load_config
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.training import bf16_adamw
 from asyncgrpo.training.bf16_adamw import Bf16StateAdamW, stochastic_round
-from tests.unit.test_trainer_hardware import train_and_measure
+from tests.component.test_trainer_hardware import train_and_measure
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,8 +16,8 @@ from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
 from asyncgrpo.training.device import autocast, check_precision, resolve_device
 from asyncgrpo.training.integrity import checkpoint_problem
 from asyncgrpo.training.trainer import TorchTrainer
+from tests.component.test_trainer import TEMPERATURE, make_cfg, make_groups, weights
 from tests.tiny_models import tiny_llama
-from tests.unit.test_trainer import TEMPERATURE, make_cfg, make_groups, weights
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,7 +13,7 @@ from asyncgrpo.telemetry.keys import TRAIN_KEYS, offpolicy_keys
 from asyncgrpo.training.offpolicy import OffPolicyStats
 from asyncgrpo.training.trainer import TorchTrainer
 from asyncgrpo.types import Group
-from tests.unit.test_trainer import make_cfg, make_groups, tiny_model
+from tests.component.test_trainer import make_cfg, make_groups, tiny_model
 
 
 def test_buckets_by_staleness_with_exact_values():
