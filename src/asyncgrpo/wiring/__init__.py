@@ -8,7 +8,7 @@
 - `collector.py`: the collector of a recipe (prompt source, scorer, sampling parameters), for `wire_run` and for
   the tests and benchmarks that drive a collector alone.
 
-Invariant: every part is handed what it needs to its constructor; nothing is set on a built part afterwards (the two
-exceptions are named where they happen: the reward scorer's trainer_state, which needs the collector the scorer
-is given to, and the collector's resumed counters).
+Invariant: every part is handed what it needs to its constructor; nothing is set on a built part afterwards (the one
+exception is named where it happens: the reward scorer's trainer_state, which needs the collector the scorer is
+given to).
 """
