@@ -34,8 +34,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 
 SERVER_START_S = 120.0  # deadline for `asyncgrpo serve` to answer /health
 

@@ -19,9 +19,9 @@ import tempfile
 import threading
 import time
 
-import asyncgrpo.train
+import asyncgrpo.commands.train
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 
 
 class Pauses:
@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     pauses = Pauses()
-    pipeline = asyncgrpo.train.run_pipeline
+    pipeline = asyncgrpo.commands.train.run_pipeline
 
     async def counted_pipeline(*a, **kw):  # the stage the collections are counted in
         pauses.active = True
@@ -56,7 +56,7 @@ def main() -> None:
         finally:
             pauses.active = False
 
-    asyncgrpo.train.run_pipeline = counted_pipeline
+    asyncgrpo.commands.train.run_pipeline = counted_pipeline
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config("recipes/demo.yaml", [f"run.output_dir={tmp}", "logging.progress=false", f"train.max_steps={args.steps}",
                                                 "eval.every_steps=0", "checkpoint.every_steps=0"])

@@ -28,7 +28,7 @@ peak() {  # peak GPU memory of one training process, measured from inside it
   "$PYTHON" - "$@" <<'PY'
 import asyncio, sys, torch
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
+from asyncgrpo.commands.train import train
 cfg = load_config(sys.argv[1], sys.argv[2:] + ["train.device=cuda", "eval.every_steps=0", "checkpoint.every_steps=0",
                                               "logging.progress=false", "run.overwrite=true", "run.output_dir=/tmp/asyncgrpo-gpu-peak"])
 asyncio.run(train(cfg))

@@ -190,13 +190,13 @@ async def measure(url: str, *, failure_rate: float, backoff_s: float | None, ste
     import aiohttp
     import torch
 
-    from asyncgrpo.assemble import build_collector
     from asyncgrpo.config import validate_config
     from asyncgrpo.generation.http import HttpGenerator
     from asyncgrpo.pipeline import run_pipeline
     from asyncgrpo.rewards.scoring import RewardScorer
     from asyncgrpo.training.stub import StubTrainer
     from asyncgrpo.types import Prompt
+    from asyncgrpo.wiring.collector import build_collector
 
     generation = {"backend": "http", "max_new_tokens": tokens, "max_inflight": CONCURRENCY,
                   "http": {"base_urls": [url], **(http_overrides or {})}}

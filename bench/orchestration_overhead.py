@@ -23,8 +23,8 @@ import math
 import pstats
 import time
 
+from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.config import Config, load_config
-from asyncgrpo.simulate import simulate
 
 GROUPS_PER_STEP = 8
 MEDIAN_S, SIGMA = 0.2, 1.0

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from orchestration_overhead import workload  # noqa: E402  (a sibling benchmark's workload)
 
-from asyncgrpo.simulate import Simulation, simulate  # noqa: E402
+from asyncgrpo.commands.simulate import Simulation, simulate  # noqa: E402
 
 MEASURED_STEPS = 8
 MEMORY_STEPS = 3

@@ -19,8 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 
 SKIP = 5
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import time
 
+from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.config import load_config
-from asyncgrpo.simulate import simulate
 
 GRID_K = (0, 1, 2, 4)
 GRID_SIGMA = (0.0, 0.8)

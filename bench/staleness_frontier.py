@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.config import load_config
-from asyncgrpo.simulate import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {"nemo": ROOT / "recipes/simulate_nemo.yaml", "reasoning": ROOT / "recipes/simulate_reasoning.yaml"}

@@ -28,11 +28,11 @@ from typing import Any
 
 from asyncgrpo.api_config import Prepared, build_config, dotted_tree
 from asyncgrpo.commands.run_training import STOP_CALL, RunControl, run_training
+from asyncgrpo.commands.train_summary import RunSummary
 from asyncgrpo.config import Config, merge, validate_config
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.objects import registered
 from asyncgrpo.rundir import METRICS_FILE
-from asyncgrpo.train import RunSummary
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class Trainer:
 
     def simulate(self, output_dir: str | os.PathLike[str] | None = None) -> Any:
         """What `asyncgrpo simulate` runs: the pipeline on virtual time with a scripted backend; returns its `Simulation`."""
-        from asyncgrpo.simulate import simulate
+        from asyncgrpo.commands.simulate import simulate
 
         with registered(self._prepared.objects):
             return simulate(self.config, output_dir=Path(output_dir) if output_dir is not None else None)

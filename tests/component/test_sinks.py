@@ -195,7 +195,7 @@ def test_a_tracker_whose_package_is_missing_fails_check_with_the_pip_command(mon
     monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     [problem] = sink_problems(["jsonl", "tensorboard", "wandb"]) if real("tensorboard") else sink_problems(["wandb"])
     assert "logging.sinks names wandb" in problem and "pip install wandb" in problem and "remove wandb from logging.sinks" in problem
-    from asyncgrpo.train import preflight
+    from asyncgrpo.commands.train import preflight
 
     with pytest.raises(ConfigError, match="pip install wandb"):
         preflight(load_config(None, ["logging.sinks=[jsonl, wandb]", "run.name=sinks-missing"]))

@@ -10,8 +10,8 @@ import statistics
 
 import pytest
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 
 
 def run(tmp_path, *overrides: str):

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 import asyncgrpo.atomic
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 from asyncgrpo.training.integrity import checkpoint_problem
 from tests.integration.train_process import ROOT, records
 

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.train import train
 
 
 @pytest.mark.timeout(600)

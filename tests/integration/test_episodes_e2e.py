@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 
 
 @pytest.mark.timeout(300)

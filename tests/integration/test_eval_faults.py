@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 from tests.integration.servers import FakeServer
 from tests.integration.train_process import records
 

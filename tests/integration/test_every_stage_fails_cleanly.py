@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 
+import asyncgrpo.commands.train
 import asyncgrpo.models.loading
-import asyncgrpo.train
 from asyncgrpo.commands.cli import main
 from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.telemetry.metrics import MetricsWriter
@@ -50,7 +50,7 @@ def fail_on_call(n: int, error: BaseException):
 STAGES = {
     # stage: (what to break, which call, the error, the exit code, words the paragraph must hold, steps saved)
     "model load": (asyncgrpo.models.loading, "load_model_and_tokenizer", 1, RuntimeError("weights unreadable"), 1, "unexpected RuntimeError", 0),
-    "baseline eval": (asyncgrpo.train, "evaluate", 1, RuntimeError("eval exploded"), 1, "unexpected RuntimeError", 0),
+    "baseline eval": (asyncgrpo.commands.train, "evaluate", 1, RuntimeError("eval exploded"), 1, "unexpected RuntimeError", 0),
     "a step": (TorchTrainer, "train_step", 3, FloatingPointError("loss is nan"), 1, "error (step_error): Training step 2 failed", 2),
     "a checkpoint write": (checkpoint, "save_checkpoint", 1, RuntimeError("serializer bug"), 1,
                            "error (step_report): Step 1 trained, then failed", 2),

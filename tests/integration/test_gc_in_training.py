@@ -7,8 +7,8 @@ import gc
 
 import pytest
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 from tests.unit import test_gc_pauses
 
 

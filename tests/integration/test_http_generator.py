@@ -18,7 +18,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncgrpo.assemble import build_collector
 from asyncgrpo.config import validate_config
 from asyncgrpo.data.loading import build_prompts, read_rows
 from asyncgrpo.errors import (
@@ -39,6 +38,7 @@ from asyncgrpo.pipeline import run_pipeline
 from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.training.stub import StubTrainer
 from asyncgrpo.types import GenerationRequest, Prompt, SamplingParams
+from asyncgrpo.wiring.collector import build_collector
 from tests.integration.servers import FakeServer, ServeProcess, free_port, http, until
 
 pytestmark = pytest.mark.timeout(120)

@@ -14,10 +14,10 @@ import pytest
 from asyncgrpo.commands.cli import main
 from asyncgrpo.commands.plot import COUNTERS, _counters, _distill, _env, _loss_kl
 from asyncgrpo.commands.plot_timeline import BARS_MAX, Pipeline
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
 from asyncgrpo.rundir import PLOT_FILES
 from asyncgrpo.telemetry.metrics import read_jsonl
-from asyncgrpo.train import train
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 from asyncgrpo.training.checkpoint import PAUSE_FOR_TESTS_ENV
 from tests.integration.train_process import read_until, records, start_train
 

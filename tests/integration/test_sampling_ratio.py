@@ -8,13 +8,13 @@ import asyncio
 
 import pytest
 
-from asyncgrpo.assemble import sampling_params
 from asyncgrpo.config import Config
 from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.rollout.advantages import group_advantages
 from asyncgrpo.training.trainer import TorchTrainer
 from asyncgrpo.types import GenerationRequest, Group, Prompt, Rollout
+from asyncgrpo.wiring.collector import sampling_params
 
 pytestmark = pytest.mark.timeout(120)
 

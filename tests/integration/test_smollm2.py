@@ -9,8 +9,8 @@ import importlib.util
 
 import pytest
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 
 pytestmark = [
     pytest.mark.slow,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 
 pytestmark = [
     pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("mlflow", "sqlalchemy", "alembic", "trackio")),

@@ -11,8 +11,8 @@ import threading
 import pytest
 from transformers import AutoModelForCausalLM
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 
 
 def run(tmp_path, *overrides: str):

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config
-from asyncgrpo.train import train
 from tests.integration.servers import ServeProcess
 
 

@@ -38,12 +38,12 @@ from typing import Any
 import pytest
 import torch
 
+from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config, validate_config
 from asyncgrpo.generation.http import HttpGenerator
 from asyncgrpo.generation.weight_sync import DiskWeightPublisher
 from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import build_tiny
-from asyncgrpo.train import train
 from asyncgrpo.training.loss import token_logprobs
 from asyncgrpo.types import GenerationRequest, SamplingParams
 from tests.integration.servers import http, until

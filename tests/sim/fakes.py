@@ -116,8 +116,8 @@ def recipe(**sections: dict[str, Any]):
 
 def make_collector(cfg, generator):
     """A collector over the recipe's built-in data, in order, scored on the event loop (no threads)."""
-    from asyncgrpo.assemble import build_collector
     from asyncgrpo.data.loading import build_prompts, read_rows
+    from asyncgrpo.wiring.collector import build_collector
 
     rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=0)
     prompts, _ = build_prompts(rows, prompt_key="prompt", tokenizer=None, max_prompt_tokens=256)

@@ -12,10 +12,10 @@ from collections import Counter
 
 import pytest
 
+from asyncgrpo.commands.simulate import Simulation, simulate
 from asyncgrpo.config import Config, validate_config
 from asyncgrpo.generation.scripted import ScriptedGenerator
 from asyncgrpo.metric_names import WASTE_REASONS
-from asyncgrpo.simulate import Simulation, simulate
 from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.training.stub import StubTrainer
 from asyncgrpo.types import Completion, GenerationRequest, Group

@@ -5,7 +5,7 @@ A hand-written generator decides every request's fate (tests/sim/fakes.py); prom
 
 from __future__ import annotations
 
-from asyncgrpo.simulate import simulate
+from asyncgrpo.commands.simulate import simulate
 from tests.sim.fakes import OK, Fate, ProgrammedGenerator, recipe
 
 

@@ -4,8 +4,8 @@ env.max_turns of them); a step past env.step_timeout_s fails its rollout."""
 
 from __future__ import annotations
 
+from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.config import validate_config
-from asyncgrpo.simulate import simulate
 from tests.sim.fakes import recipe
 
 

@@ -3,8 +3,8 @@ that ignore it is counted as abandoned and never as a failure; environment error
 
 from __future__ import annotations
 
+from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.config import validate_config
-from asyncgrpo.simulate import simulate
 from tests.sim.fakes import OK, Fate, ProgrammedGenerator, recipe
 
 

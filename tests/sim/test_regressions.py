@@ -11,10 +11,10 @@ import threading
 
 import pytest
 
+from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.commands.vtime import run_virtual
 from asyncgrpo.errors import GenerationError, PipelineError, TransientGenerationError
 from asyncgrpo.pipeline import run_pipeline
-from asyncgrpo.simulate import simulate
 from tests.sim.fakes import OK, Fate, ProgrammedGenerator, make_collector, member, recipe
 
 REFUSED = Fate(after_s=0.1, error=TransientGenerationError("connection refused", backend="programmed"))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.rewards.scoring import UnscoredGroupError
-from asyncgrpo.simulate import simulate
 from tests.sim.fakes import ProgrammedGenerator, recipe
 
 

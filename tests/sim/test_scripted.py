@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.commands.vtime import run_virtual
 from asyncgrpo.config import SimulateConfig
 from asyncgrpo.generation.scripted import ScriptedGenerator
 from asyncgrpo.generation.weight_sync import WeightSyncError
-from asyncgrpo.simulate import simulate
 from tests.sim.fakes import recipe
 
 

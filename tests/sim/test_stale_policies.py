@@ -6,8 +6,8 @@ request takes 1 s except the ones a test slows down.
 
 from __future__ import annotations
 
+from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.errors import GenerationError
-from asyncgrpo.simulate import simulate
 from tests.sim.fakes import OK, Fate, ProgrammedGenerator, member, recipe
 
 

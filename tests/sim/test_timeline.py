@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.config import load_config
-from asyncgrpo.simulate import simulate
 from asyncgrpo.telemetry.metrics import read_jsonl
 
 FAULTY = [

@@ -180,7 +180,7 @@ def test_objects_given_as_config_values_are_named_as_by_the_named_arguments():
 
 def test_repeated_stop_requests_cancel_the_pipeline_once():
     """A second cancel would interrupt the wait for the step in progress and cancel it after its update, before its metrics line."""
-    from asyncgrpo.train import Stop
+    from asyncgrpo.commands.train import Stop
 
     class Pipeline:
         cancels = 0

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from asyncgrpo.commands.train_summary import RunSummary
 from asyncgrpo.errors import Diagnostic
 from asyncgrpo.pipeline import PipelineResult
 from asyncgrpo.telemetry.metrics import MovingRate
 from asyncgrpo.telemetry.progress import RunTotals, step_fields
-from asyncgrpo.train import RunSummary
 
 ACCOUNTING = {"taken": 10, "trained": 8, "requeued": 0, "dropped": {"failed": 2}, "in_flight": 0, "buffered": 0}
 

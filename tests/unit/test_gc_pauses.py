@@ -50,8 +50,8 @@ def freeze_probe(prompts, completions, **columns):
 
 
 def test_a_simulated_run_freezes_its_setup_while_it_runs():
+    from asyncgrpo.commands.simulate import simulate
     from asyncgrpo.config import load_config
-    from asyncgrpo.simulate import simulate
 
     SEEN_FROZEN.clear()
     cfg = load_config("recipes/simulate.yaml", [

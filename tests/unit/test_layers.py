@@ -3,8 +3,8 @@
 The floors follow the data (LAYERS, bottom first): the words every module speaks, the carriers,
 the machine (threads, files, processes), the recipe, what a run shares (metric names, the run
 directory); then models, prompts and their completion, scoring and hosting episodes, the
-algorithms, the rollouts, training, the loop that ties them (pipeline, assemble, evaluation),
-telemetry, the commands and, on top, the Python API. A unit is one entry of LAYERS: a package or
+algorithms, the rollouts, training, the loop that ties them (pipeline, with evaluation beside it),
+telemetry, the wiring of a run, the commands and, on top, the Python API. A unit is one entry of LAYERS: a package or
 a loose module (the longest entry that matches a module places it).
 
 The rules, one test each; every import statement counts, wherever it is (at module level, inside
@@ -21,14 +21,13 @@ import inside rewards/worker.py's `main()`, until issue 21).
    _die_with_parent`): a helper two units need moves down to where both can import it.
 6. A floor holds at most MAX_UNITS_PER_FLOOR units.
 7. The top level of the package holds only TOP_LEVEL's loose modules, each with its reason: what
-   several floors share (errors, carriers, metric names, the run directory, ...), the
-   loop and its wiring (pipeline, assemble, evaluation: issue 21 item 4 decides their place) and
-   the Python API (api.py, the package's front door). Everything else lives in its package.
+   several floors share (errors, carriers, metric names, the run directory, ...), the loop
+   and evaluation beside it (pipeline, evaluation: wiring/ and the commands use them) and the
+   Python API (api.py, the package's front door). Everything else lives in its package.
 
 KNOWN_VIOLATIONS lists what the rules find today that work in progress removes, each entry naming
 who removes it; the test fails on a violation it does not list and on an entry that no longer
-happens (delete it then). MOVING_INTO_COMMANDS does the same for modules on their way into
-commands/. Tests, bench/ and scripts/ are outside the package and are not checked.
+happens (delete it then). Tests, bench/ and scripts/ are outside the package and are not checked.
 """
 
 from __future__ import annotations
@@ -64,20 +63,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rollout",),  # a group's life: admission, slots, retries, judging, the buffer, the books
     ("algorithms",),  # GRPO and distillation behind the protocol (they use rollout's judge), the registry
     ("training",),  # the loss family, the torch trainer and its ranks, checkpoints
-    ("pipeline", "assemble", "evaluation"),  # the loop, its wiring, held-out evaluation
+    ("pipeline", "evaluation"),  # the loop; held-out evaluation beside it
     ("telemetry",),  # metrics, samples, trackers, the timeline, the console
+    ("wiring",),  # one place that wires a run (train's and simulate's parts, in one order)
     ("commands",),  # what a user runs: train, simulate, check, plot, serve, convert-trl (cli.py)
     ("api",),  # the Python API, asyncgrpo.Trainer: the front door beside the CLI
 )
 
 MAX_UNITS_PER_FLOOR = 4
-
-# Modules on their way into commands/ (today's name -> the name they will have), placed as commands already.
-MOVING_INTO_COMMANDS = {
-    "train": "commands.train",
-    "simulate": "commands.simulate",
-    "sim_metrics": "commands.sim_metrics",
-}
 
 # Imports between two units of one floor, (importer, imported): why the floor keeps both.
 SIDEWAYS: dict[tuple[str, str], str] = {
@@ -103,9 +96,8 @@ TOP_LEVEL: dict[str, str] = {
     "rundir": "the run directory's files: training (checkpoints), telemetry, the commands and the API",
     "api_config": "a Config from Python objects: the API and the CLI's overrides (commands) build one",
     "distributions": "draws from the simulator's distributions: the scripted backend, environment and teacher, the simulator",
-    "pipeline": "the loop train and simulate share (issue 21 item 4 gives the wiring one place)",
-    "assemble": "the wiring of source, scorer and collector from a recipe (issue 21 item 4)",
-    "evaluation": "held-out evaluation beside the loop, through the rollouts' retry policy",
+    "pipeline": "the loop: wiring/ builds it, train and simulate (commands/) run it",
+    "evaluation": "held-out evaluation beside the loop (commands/train.py), through the rollouts' retry policy",
     "api": "the Python API (asyncgrpo.Trainer), re-exported by asyncgrpo/__init__.py",
 }
 
@@ -178,9 +170,6 @@ def package_imports() -> tuple[Import, ...]:
 
 def unit_of(module: str) -> str | None:
     """The LAYERS entry that places `module` (the longest that matches), or None."""
-    top = module.split(".")[0]
-    if top in MOVING_INTO_COMMANDS:
-        return "commands"
     names = [name for floor in LAYERS for name in floor if module == name or module.startswith(name + ".")]
     return max(names, key=len) if names else None
 
@@ -298,13 +287,13 @@ def test_floors_hold_few_units():
 
 def test_the_top_level_holds_only_what_many_floors_share():
     loose = {path.stem for path in PACKAGE.glob("*.py") if path.stem != "__init__"}
-    unexplained = sorted(loose - set(TOP_LEVEL) - set(MOVING_INTO_COMMANDS))
-    gone = sorted((set(TOP_LEVEL) | set(MOVING_INTO_COMMANDS)) - loose)
+    unexplained = sorted(loose - set(TOP_LEVEL))
+    gone = sorted(set(TOP_LEVEL) - loose)
     assert not unexplained, (
         f"loose modules at the top of the package: {unexplained}. Fix: move each into the package it serves, "
         f"or, if several floors import it, add it to TOP_LEVEL in {__file__} saying which"
     )
-    assert not gone, f"TOP_LEVEL / MOVING_INTO_COMMANDS name modules that are not at the top any more: delete them: {gone}"
+    assert not gone, f"TOP_LEVEL names modules that are not at the top any more: delete them: {gone}"
 
 
 # --- each rule fails when broken: the checks on imports added to the package's own -----------------------------
@@ -355,10 +344,9 @@ def test_another_units_private_name_is_caught():
     )
 
 
-def test_commands_train_and_simulate_are_placed_before_and_after_their_move():
-    for today, tomorrow in MOVING_INTO_COMMANDS.items():
-        assert unit_of(today) == unit_of(tomorrow) == "commands"
-    assert floor_of("commands.cli") == len(LAYERS) - 2 and floor_of("api") == len(LAYERS) - 1
+def test_only_the_python_api_sits_above_the_commands():
+    assert floor_of("commands.train") == floor_of("commands.simulate") == floor_of("commands.cli") == len(LAYERS) - 2
+    assert floor_of("api") == len(LAYERS) - 1
 
 
 @pytest.mark.parametrize("key", sorted(KNOWN_VIOLATIONS))

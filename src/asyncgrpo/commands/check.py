@@ -25,19 +25,20 @@ from asyncgrpo.training.resume import ResumePlan
 def check_recipe(cfg: Config) -> str:
     """Check the recipe and its data as the run would (see the module docstring); the report, as lines."""
     if cfg.generation.backend == "scripted":  # a simulate recipe
-        from asyncgrpo.simulate import preflight_simulation
+        from asyncgrpo.commands.simulate import preflight_simulation
 
         preflight_simulation(cfg)
         rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)
         eval_rows: list[dict[str, Any]] = []
         plan, tokenizer = None, None
     else:
-        from asyncgrpo.train import _split_rows, preflight
+        from asyncgrpo.commands.train import preflight
+        from asyncgrpo.wiring.prompts import split_rows
 
         plan = preflight(cfg)
-        rows, eval_rows = _split_rows(cfg)
+        rows, eval_rows = split_rows(cfg)
         tokenizer = load_tokenizer(cfg.model.path)
-    from asyncgrpo.train import prompt_sources
+    from asyncgrpo.wiring.prompts import prompt_sources
 
     limit, key = cfg.data.max_prompt_tokens, cfg.data.prompt_key
     train_source, eval_source = prompt_sources(cfg)

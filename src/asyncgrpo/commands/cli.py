@@ -176,7 +176,7 @@ def _convert_trl(source: Path, out: Path | None) -> int:
 
 
 def _simulate(prepared: Prepared, *, as_json: bool, output_dir: Path | None) -> int:
-    from asyncgrpo.simulate import simulate
+    from asyncgrpo.commands.simulate import simulate
 
     simulation = simulate(prepared.config, output_dir=output_dir)
     report = simulation.report()

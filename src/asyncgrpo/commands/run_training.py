@@ -34,11 +34,12 @@ from typing import Any
 from asyncgrpo.api_config import Prepared
 from asyncgrpo.commands.run_files import describe_last_checkpoint
 from asyncgrpo.commands.signals import StopSignals
+from asyncgrpo.commands.train import Stop, train
+from asyncgrpo.commands.train_summary import RunSummary
 from asyncgrpo.config import Config
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.objects import registered
 from asyncgrpo.rundir import ERROR_FILE, is_foreign
-from asyncgrpo.train import RunSummary, Stop, train
 
 log = logging.getLogger("asyncgrpo")
 

@@ -27,7 +27,7 @@ Group endings return the failure policy's `Verdict` when a rule is now broken (t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from asyncgrpo.metric_names import COUNTER_NAMES
 from asyncgrpo.rollout import token_books
@@ -44,14 +44,14 @@ from asyncgrpo.types import Completion, DropReason, Group, Prompt
 
 class Books:
     def __init__(self, policy: FailurePolicy, *, accounting: Accounting | None = None, ledger: PromptLedger | None = None,
-                 observer: RolloutObserver | None = None) -> None:
-        """`accounting` and `ledger` continue a checkpoint's (a fresh run starts them empty); the counters start at 0
-        (a resumed run updates them before its first take)."""
+                 counters: Mapping[str, int] | None = None, observer: RolloutObserver | None = None) -> None:
+        """`accounting`, `ledger` and `counters` continue a checkpoint's (a fresh run starts them empty or at 0)."""
         self.policy = policy
         self.accounting = accounting if accounting is not None else Accounting()
         self.ledger = ledger if ledger is not None else PromptLedger()
         self.observer: RolloutObserver = observer if observer is not None else NoObserver()
         self.counters: dict[str, int] = {name: 0 for name in COUNTER_NAMES}
+        self.counters.update(counters or {})
 
     # ------------------------------------------------------------------ rollouts
 

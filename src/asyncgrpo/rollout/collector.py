@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 from asyncgrpo.algorithms.base import Algorithm
@@ -75,12 +75,13 @@ class Collector:
         sampling: SamplingParams,
         start_step: int = 0,
         accounting: Accounting | None = None,
+        counters: Mapping[str, int] | None = None,
         ledger: PromptLedger | None = None,
         observer: RolloutObserver | None = None,
         codec: Codec | None = None,
         host_factory: Callable[[EnvConfig], EnvironmentHost] = open_host,
     ) -> None:
-        """`accounting` and `ledger` continue a checkpoint's (rollout/books.py). `codec` renders and tokenizes an
+        """`accounting`, `counters` and `ledger` continue a checkpoint's (rollout/books.py). `codec` renders and tokenizes an
         episode's messages, `host_factory` makes each episode's host (the simulator's own): both for an `env:`
         section (rollout/episode.py)."""
         self.cfg = cfg
@@ -93,7 +94,8 @@ class Collector:
         self.group_size = r.group_size
         self.groups_per_step = r.groups_per_step
         self.max_staleness = r.max_staleness
-        self.books = Books(FailurePolicy.from_rollout(r), accounting=accounting, ledger=ledger, observer=observer)
+        self.books = Books(FailurePolicy.from_rollout(r), accounting=accounting, ledger=ledger, counters=counters,
+                           observer=observer)
         self.stale = stale_policy(r)  # rollout.on_stale
         self.first_failure = FirstFailure()
         self._no_signal = NoSignalWatch(r.drop_window) if algorithm.watches_no_signal and not r.filter_zero_variance else None

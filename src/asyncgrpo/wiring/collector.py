@@ -1,10 +1,9 @@
-"""One way to wire a pipeline's parts from a recipe: the prompt source, the reward scorer, the sampling
-parameters and the collector. Used by `train`, `simulate`, the benchmarks and the tests, so a part is
-configured the same way everywhere.
+"""The collector of a recipe: its prompt source, reward scorer and sampling parameters (wiring/run.py calls it
+for `train` and `simulate`; tests and benchmarks that drive a collector alone call it directly).
 
 What differs between callers is passed in: the prompts (tokenized or not), the generator, the stop
 tokens of the tokenizer, a resumed run's ledger and books, and (for tests and benchmarks) a scorer
-of their own.
+of their own. Every part is given to the collector's constructor; nothing is set on it afterwards.
 """
 
 from __future__ import annotations
@@ -82,10 +81,9 @@ def build_collector(
         scorer = RewardScorer.from_config(cfg.reward, isolation=isolation)
     collector = Collector(
         cfg, source=source, generator=generator, scorer=scorer, algorithm=algorithm_for(cfg), sampling=sampling_params(cfg, stop_token_ids),
-        start_step=start_step, accounting=Accounting.resumed(resumed["accounting"]) if resumed else None, ledger=ledger, observer=observer,
+        start_step=start_step, ledger=ledger, observer=observer,
+        accounting=Accounting.resumed(resumed["accounting"]) if resumed else None, counters=resumed["counters"] if resumed else None,
         codec=episode_codec(cfg, tokenizer),
         **({"host_factory": host_factory} if host_factory is not None else {}),
     )
-    if resumed:
-        collector.counters.update(resumed["counters"])
     return collector

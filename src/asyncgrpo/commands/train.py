@@ -6,8 +6,8 @@
 2. The run directory is claimed (rundir.py): refused unless asyncgrpo made it, locked for this
    process, and on a fresh start cleared of what an earlier run wrote (nothing else).
 3. `TrainingRun.prepare`: the model and tokenizer (the trainer trains one copy, the engine serves
-   another), the prompts, the generator and the collector (assemble.py); on resume, the
-   checkpoint's weights, optimizer state and record files are restored.
+   another), the prompts, the generator and the run's parts (wiring/: the same order as `simulate`'s);
+   on resume, the checkpoint's weights, optimizer state and record files are restored.
 4. `TrainingRun.generate_and_train`: a baseline evaluation, then the shared loop of pipeline.py,
    whose `on_step` evaluates every `eval.every_steps`, writes metrics and samples, and checkpoints
    every `checkpoint.every_steps`.
@@ -17,12 +17,12 @@ Invariants:
 - Every trained step has its metrics line; metrics.jsonl, outcomes.jsonl, timeline.jsonl and the
   newest checkpoint describe the same steps after any ending (a resume restores the records that the
   checkpoint copied, so damaged live files are replaced, never padded or silently shortened).
-- Any error, at any stage, ends as one paragraph (commands/run_training.py), with error.txt in the run
+- Any error, at any stage, ends as one paragraph (commands/run_training.py `run_training`), with error.txt in the run
   directory when there is one and a checkpoint when a step completed.
 
 Threads: the engine owns its decode thread; the trainer's steps and checkpoint writes run on
 one dedicated thread owned by `TrainingRun`, shut down on every exit path. Signals and stop requests: see
-commands/run_training.py and commands/signals.py (a stop cancels the pipeline, the step in progress finishes, a checkpoint is saved,
+commands/run_training.py and signals.py (a stop cancels the pipeline, the step in progress finishes, a checkpoint is saved,
 exit 130/143).
 """
 
@@ -31,37 +31,28 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import os
-import signal
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from asyncgrpo.algorithms.registry import algorithm_for
-from asyncgrpo.assemble import build_collector, episode_codec
 from asyncgrpo.commands.gc_pauses import quiet_gc
 from asyncgrpo.commands.run_files import disk_diagnostic, disk_problem, open_record, write_or_disk_error
-from asyncgrpo.commands.signals import EXIT_CODES as SIGNAL_EXIT_CODES
+from asyncgrpo.commands.train_summary import RunSummary
 from asyncgrpo.commands.watchdog import LoopWatchdog
 from asyncgrpo.config import Config
-from asyncgrpo.data.loading import build_prompts, check_data_source, read_eval_rows, read_rows
+from asyncgrpo.data.loading import check_data_source
 from asyncgrpo.environments.hosts import check_env
 from asyncgrpo.errors import ConfigError, Diagnostic, DiskError, FatalBackendError, PipelineError
 from asyncgrpo.evaluation import eval_diagnostic, evaluate
-from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.ray_cluster import import_ray
 from asyncgrpo.metric_names import EVAL_KEYS
 from asyncgrpo.models.loading import check_model_path
-from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
+from asyncgrpo.pipeline import PipelineResult, run_pipeline
 from asyncgrpo.rewards.resolve import resolve_rewards
-from asyncgrpo.rewards.scoring import RewardScorer
-from asyncgrpo.rewards.trl_args import run_trainer_state
-from asyncgrpo.rollout.episode import term_names
-from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rundir import (
     ERROR_FILE,
     METRICS_FILE,
@@ -73,19 +64,19 @@ from asyncgrpo.rundir import (
     clear_run,
 )
 from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, metric_keys, step_metrics, write_samples
-from asyncgrpo.telemetry.progress import Progress, RunTotals
+from asyncgrpo.telemetry.progress import Progress
 from asyncgrpo.telemetry.sinks import TrackerError, Trackers, sink_problems
-from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.training.lora import check_peft
 from asyncgrpo.training.losses.plugin import resolve_loss_plugin
-from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import Group, Prompt, StepRecord
+from asyncgrpo.wiring.backends import real_generator, trainer_ranks
+from asyncgrpo.wiring.collector import episode_codec
+from asyncgrpo.wiring.prompts import training_prompts
+from asyncgrpo.wiring.run import Backends, wire_run
 
 log = logging.getLogger("asyncgrpo")
-
-EXIT_CODES = {"completed": 0, "failed": 1, "stalled": 2}
 
 
 def preflight(cfg: Config) -> ResumePlan:
@@ -128,90 +119,6 @@ def check_devices(cfg: Config) -> None:
             from asyncgrpo.training.device import resolve_device
 
             resolve_device(spec, key=key)
-
-
-@dataclass
-class RunSummary:
-    run_dir: Path
-    result: PipelineResult
-    accounting: dict[str, Any]
-    first_rewards: list[float] = field(default_factory=list)
-    last_rewards: list[float] = field(default_factory=list)
-    final_checkpoint: Path | None = None
-    interrupted_by: int | None = None
-    stopped_by: str | None = None  # who asked for the stop, when not a signal's name: "stop()" (the Python API, commands/run_training.py)
-    warnings: list[str] = field(default_factory=list)
-    totals: RunTotals = field(default_factory=RunTotals)
-    wall_s: float = 0.0
-    generator_use: float | None = None  # rollouts in progress per generation slot, on average
-    start_step: int = 0  # the step this invocation resumed at (0: a fresh run)
-
-    @property
-    def exit_code(self) -> int:
-        if self.interrupted_by is not None:
-            return SIGNAL_EXIT_CODES[self.interrupted_by]
-        return EXIT_CODES[self.result.outcome]
-
-    def render(self) -> str:
-        """The summary. A resumed run's says which lines count this invocation (its steps, rewards, staleness,
-        generation) and which the whole run (prompts and counters, which the checkpoint carried over)."""
-        r = self.result
-        acc = self.accounting
-        dropped = ", ".join(f"{k} {v}" for k, v in acc["dropped"].items() if v) or "none"
-        if self.interrupted_by is not None:
-            head = f"interrupted by {self.stopped_by or signal.Signals(self.interrupted_by).name} after {r.steps} steps"
-        elif r.outcome == "completed":
-            why = "max_steps reached" if r.stop_reason == "max_steps" else "the data ran out"
-            head = f"completed {r.steps} steps ({why})"
-        else:
-            head = f"{r.outcome} after {r.steps} steps"
-        lines = [f"asyncgrpo: {head}. Run directory: {self.run_dir}"]
-        if r.diagnostic is not None:  # what went wrong first; the numbers after it
-            lines.append(f"  error ({r.diagnostic.kind}): {r.diagnostic.render()}")
-            if r.diagnostic.traceback:
-                lines.append("  first error's traceback is in " + str(self.run_dir / "error.txt"))
-        resumed = self.start_step > 0
-        this, whole = (" this invocation", ", whole run") if resumed else ("", "")
-        t = self.totals
-        since = f" (resumed at step {self.start_step})" if resumed else ""
-        lines.append(f"  trained{this}{since}: {t.steps} steps, {t.samples} samples, {t.tokens} completion tokens in {_duration(self.wall_s)}")
-        if t.eval_first is not None and t.eval_last is not None:
-            lines.append(f"  eval reward{this}: {t.eval_first:.3f} -> {t.eval_last:.3f}")
-        if self.first_rewards and self.last_rewards:
-            lines.append(
-                f"  reward{this}: first 10% of steps {statistics.fmean(self.first_rewards):.3f} -> "
-                f"last 10% {statistics.fmean(self.last_rewards):.3f}"
-            )
-        if t.kl_first is not None and t.kl_last is not None:
-            lines.append(f"  distill/kl_mean{this}: first step {t.kl_first:.4f} -> last {t.kl_last:.4f}")
-        lines.append(
-            f"  prompts{whole}: taken {acc['taken']}, trained {acc['trained']}, requeued {acc['requeued']}, dropped: {dropped}, "
-            f"in flight at exit {acc['in_flight']}, buffered at exit {acc['buffered']}"
-        )
-        if t.staleness:
-            wait = f"; the trainer waited for batches {t.wait_share:.0%} of its time" if t.wait_share is not None else ""
-            lines.append(f"  staleness trained{this}: mean {statistics.fmean(t.staleness):.2f}, max {max(t.staleness):g}{wait}")
-        if self.generator_use is not None:
-            lines.append(f"  generation{this}: on average {self.generator_use:.0%} of generation.max_inflight rollouts in progress")
-        counters = {k.removeprefix("rollout/"): v for k, v in t.last.items()
-                    if k.startswith("rollout/") and k.endswith("_total") and v and "generated" not in k}
-        if counters:
-            lines.append(f"  counters{whole}: " + ", ".join(f"{k} {v}" for k, v in counters.items()))
-        if self.final_checkpoint is not None:
-            lines.append(f"  checkpoint: {self.final_checkpoint} (loads with transformers' from_pretrained)")
-        if t.steps:
-            lines.append(f"  plots: asyncgrpo plot {self.run_dir} (PNGs in {self.run_dir / 'plots'}); metrics in {self.run_dir / METRICS_FILE}")
-        if r.diagnostic is not None:
-            lines.append(f"  what to try: the '{r.diagnostic.kind}' section of docs/troubleshooting.md")
-        if self.final_checkpoint is not None and (self.interrupted_by is not None or r.outcome != "completed"):
-            lines.append("  to continue: run the same command again (checkpoint.resume=auto continues from the newest checkpoint)")
-        return "\n".join(lines)
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"
 
 
 @dataclass
@@ -287,34 +194,27 @@ class TrainingRun:
             self.metrics_file = undo.enter_context(contextlib.closing(open_record(run_dir / METRICS_FILE, offsets)))
             self.samples_file = undo.enter_context(contextlib.closing(open_record(run_dir / SAMPLES_FILE, offsets, warnings)))
             self.timeline_file = undo.enter_context(contextlib.closing(open_record(run_dir / TIMELINE_FILE, offsets, warnings)))
-            self.ledger = PromptLedger(saved.get("done"), sink=self.outcomes.append)
-            self.engine = _generator(cfg, trainer, tokenizer, run_dir)
+            self.engine = real_generator(cfg, trainer, tokenizer, run_dir)
             # train.world_size > 1: ranks on Ray train from here on (`trainer` only restored the run and built the engine).
-            self.ranks = _ranks(cfg, plan, tokenizer, trainer.version)
+            self.ranks = trainer_ranks(cfg, plan, tokenizer, trainer.version)
             if self.ranks is not None:
                 self.trainer = self.ranks
-            self.timeline = Timeline(
-                self.timeline_file, server=self.engine.name, max_inflight=cfg.generation.max_inflight,
-                group_size=cfg.rollout.group_size, max_rollout_spans=cfg.logging.timeline_max_rollouts,
-                start_step=plan.step, resumed=saved.get("timeline"),
-            )
-            self.scorer = RewardScorer.from_config(cfg.reward)
             self.teacher = teacher  # the algorithm's own scorer (distillation's teacher), in place of the reward functions
-            self.collector = build_collector(
-                cfg, prompts, self.engine, stop_token_ids=self.stop_ids, scorer=teacher or self.scorer, ledger=self.ledger,
-                start_step=plan.step, resumed=saved, observer=self.timeline, tokenizer=tokenizer,
+            self.parts = wire_run(
+                cfg, prompts, Backends(self.engine, teacher=teacher, tokenizer=tokenizer, stop_token_ids=self.stop_ids),
+                outcomes=self.outcomes.append, timeline_file=self.timeline_file, start_step=plan.step, saved=saved,
             )
-            self.scorer.trainer_state = functools.partial(run_trainer_state, cfg, len(prompts), lambda: self.collector.steps_trained)
-            self.reward_terms = term_names(self.scorer.names, cfg.env)
+            assert self.parts.timeline is not None  # given its file, wire_run always builds it
+            self.timeline = self.parts.timeline
             self.eval_codec = episode_codec(cfg, tokenizer)  # evaluation plays episodes tokenized as the collector's
-            keys = metric_keys(self.reward_terms, max_staleness=cfg.rollout.max_staleness, algorithm_keys=algorithm_for(cfg).metric_keys)
+            keys = metric_keys(self.parts.reward_terms, max_staleness=cfg.rollout.max_staleness, algorithm_keys=algorithm_for(cfg).metric_keys)
             self.metrics = MetricsWriter(self.metrics_file, keys)
             self.progress = Progress(cfg, plan.step)
-            self.eval_state: dict[str, float | None] = dict.fromkeys([*EVAL_KEYS, *(f"eval/reward/{name}" for name in self.reward_terms)])
+            self.eval_state: dict[str, float | None] = dict.fromkeys([*EVAL_KEYS, *(f"eval/reward/{name}" for name in self.parts.reward_terms)])
             self.rewards_by_step: list[float] = []
             self.trainer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncgrpo-trainer")
             self.started = time.perf_counter()
-            self.token_rate = MovingRate(self.started, self.collector.counters["rollout/generated_tokens_total"])
+            self.token_rate = MovingRate(self.started, self.parts.collector.counters["rollout/generated_tokens_total"])
             self.final_checkpoint: Path | None = None
             self.ended_at = 0.0  # loop time when the pipeline ended
             self.tracker_failures: list[TrackerError] = []  # trackers that failed to close
@@ -337,15 +237,8 @@ class TrainingRun:
         log.info("loading the model %s ...", cfg.model.path)
         model, tokenizer = load_model_and_tokenizer(cfg.model.path, "float32", cfg.run.seed)  # the trainer's master weights
         log.info("reading the data %s ...", cfg.data.source)
-        train_rows, eval_rows = _split_rows(cfg)
-        tokens = {"tokenizer": tokenizer, "max_prompt_tokens": cfg.data.max_prompt_tokens}
-        train_source, eval_source = prompt_sources(cfg)
-        prompts, report = build_prompts(train_rows, prompt_key=cfg.data.prompt_key, source=train_source, **tokens)
-        eval_key = "eval.source" if cfg.eval.source else "data.prompt_key"
-        eval_prompts, eval_report = (
-            build_prompts(eval_rows, prompt_key=cfg.data.prompt_key, key=eval_key, source=eval_source, **tokens) if eval_rows else ([], None)
-        )
-        warnings = [*plan.notes, *report.warnings(), *(eval_report.warnings() if eval_report else []), *step_budget_warnings(cfg, len(prompts))]
+        prompts, eval_prompts, prompt_warnings = training_prompts(cfg, tokenizer)
+        warnings = [*plan.notes, *prompt_warnings]
         teacher = algorithm_for(cfg).build_scorer(tokenizer)  # None: the reward functions score
         run = cls(cfg, plan, run_dir, stop, TorchTrainer(model, tokenizer, cfg), tokenizer, prompts, eval_prompts, warnings, teacher)
         if plan.checkpoint is not None:
@@ -406,7 +299,7 @@ class TrainingRun:
                 return PipelineResult("failed", "error", self.plan.step, failure.diagnostic, failure)
         self.progress.stage("generating the first batch")
         return await run_pipeline(
-            cfg, collector=self.collector, trainer=self, generator=self.engine, start_step=self.plan.step, on_step=self._on_step
+            cfg, collector=self.parts.collector, trainer=self, generator=self.engine, start_step=self.plan.step, on_step=self._on_step
         )
 
     async def _on_step(self, record: StepRecord) -> None:
@@ -420,12 +313,12 @@ class TrainingRun:
         now = time.perf_counter()
         values = step_metrics(
             record,
-            self.collector.metric_values(),
-            reward_names=self.reward_terms,
+            self.parts.collector.metric_values(),
+            reward_names=self.parts.reward_terms,
             elapsed_s=now - self.started,
-            gen_tokens_per_s=self.token_rate.add(now, self.collector.counters["rollout/generated_tokens_total"]),
+            gen_tokens_per_s=self.token_rate.add(now, self.parts.collector.counters["rollout/generated_tokens_total"]),
             eval_metrics=self.eval_state,
-        ) | self.scorer.log.drain()  # the reward functions' log_metric values since the last step: user/<name>
+        ) | self.parts.scorer.log.drain()  # the reward functions' log_metric values since the last step: user/<name>
         try:
             line = self.metrics.write(values)
             write_samples(self.samples_file, record, cfg.logging.samples_per_step)
@@ -436,7 +329,7 @@ class TrainingRun:
         except TrackerError as exc:
             raise PipelineError(_tracker_diagnostic(exc, step)) from exc
         self.rewards_by_step.append(values["reward/mean"])
-        self.progress.update(values, record, self.collector.in_flight_groups)
+        self.progress.update(values, record, self.parts.collector.in_flight_groups)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.max_steps:
             await self._checkpoint(step)
         if eval_failure is not None:
@@ -451,7 +344,7 @@ class TrainingRun:
         started = loop.time()
         try:
             self.eval_state.update(await evaluate(
-                self.cfg, self.engine, self.scorer, self.eval_prompts, self.stop_ids, step=step, codec=self.eval_codec,
+                self.cfg, self.engine, self.parts.scorer, self.eval_prompts, self.stop_ids, step=step, codec=self.eval_codec,
             ))
         except FatalBackendError as exc:
             return PipelineError.caused_by(eval_diagnostic(exc, step), exc)
@@ -463,9 +356,9 @@ class TrainingRun:
         """Taken in one synchronous moment, so the ledger, counters and record files agree."""
         sizes = {f.path.name: f.offset() for f in self._records()}
         extra = {
-            "done": self.ledger.done_by_epoch(),
-            "accounting": self.collector.accounting.to_json(),
-            "counters": dict(self.collector.counters),
+            "done": self.parts.ledger.done_by_epoch(),
+            "accounting": self.parts.collector.accounting.to_json(),
+            "counters": dict(self.parts.collector.counters),
             "offsets": sizes,
             "timeline": self.timeline.state(asyncio.get_running_loop().time()),
         }
@@ -492,7 +385,7 @@ class TrainingRun:
         self.progress.close()
         self.timeline.close()
         self.tracker_failures = self.trackers.close()
-        await self.scorer.aclose()
+        await self.parts.scorer.aclose()
         if self.teacher is not None:
             await self.teacher.aclose()
         await self.engine.aclose()
@@ -523,7 +416,7 @@ class TrainingRun:
         return RunSummary(
             run_dir=self.run_dir,
             result=result,
-            accounting=self.collector.accounting.to_json(),
+            accounting=self.parts.collector.accounting.to_json(),
             first_rewards=self.rewards_by_step[:tenth],
             last_rewards=self.rewards_by_step[-tenth:],
             final_checkpoint=self.final_checkpoint,
@@ -566,78 +459,6 @@ def _with_failure(result: PipelineResult, diagnostic: Diagnostic) -> PipelineRes
         log.warning("warning: after the run's error, also: %s", diagnostic.render())
         return result
     return PipelineResult("failed", "error", result.steps, diagnostic, PipelineError(diagnostic), result.staleness_max)
-
-
-def prompt_sources(cfg: Config) -> tuple[str, str]:
-    """Where the training and the evaluation prompts come from, in words (for warnings about them)."""
-    held_out = f"eval.source = {cfg.eval.source}" if cfg.eval.source else f"the eval rows of data.source = {cfg.data.source}"
-    return f"data.source = {cfg.data.source}", held_out
-
-
-def _generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Generator:
-    """The generation backend: the in-process engine on its own copy of the weights, Ray actors of it, or HTTP servers."""
-    if cfg.runtime == "ray":
-        from asyncgrpo.generation.ray_pool import RayGenerator
-
-        return RayGenerator(cfg, _serving_model(cfg, trainer, "cpu"), tokenizer, version=trainer.version)
-    if cfg.generation.backend == "http":
-        from asyncgrpo.generation.http import HttpGenerator
-        from asyncgrpo.models.loading import model_directory
-
-        model_dir = None if cfg.model.path.startswith("builtin:") else model_directory(cfg.model.path, weights=False)  # a hub id's snapshot
-        http = cfg.generation.http
-        return HttpGenerator(
-            cfg.generation,
-            weights_dir=Path(http.weights_dir) if http.weights_dir else run_dir / "weights",
-            model_config=model_dir if model_dir is not None else trainer.model.config.to_dict(),
-            initial_version=trainer.version,
-        )
-    from asyncgrpo.generation.local import LocalEngine
-
-    local = cfg.generation.local
-    served = _serving_model(cfg, trainer, local.device)
-    return LocalEngine(served, tokenizer, max_batch_size=local.max_batch_size, version=trainer.version)
-
-
-def _ranks(cfg: Config, plan: ResumePlan, tokenizer: Any, version: int) -> RayTrainer | None:
-    """The data-parallel trainer on Ray (train.world_size > 1; not started), or None: the trainer runs in this process."""
-    if cfg.train.world_size == 1:
-        return None
-    return RayTrainer(cfg, tokenizer, checkpoint=plan.checkpoint, version=version)
-
-
-def _serving_model(cfg: Config, trainer: Any, device: str) -> Any:
-    """The generators' own copy of the trainer's (merged) weights, in the serving dtype `model.dtype`, on `device`
-    (`auto`: the trainer's). Built without a float32 intermediate."""
-    import torch
-
-    from asyncgrpo.generation.local import serving_copy
-    from asyncgrpo.training.device import resolve_device
-
-    target = trainer.device if device == "auto" else resolve_device(device, key="generation.local.device")
-    return serving_copy(trainer.base_model, trainer.generation_weights(), dtype=getattr(torch, cfg.model.dtype), device=target)
-
-
-def _split_rows(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Training rows and held-out eval rows (none when eval is off).
-
-    Eval rows come from `eval.source`, else the built-in task's eval split, else the last
-    `eval.num_prompts` rows of the data, which are then left out of training.
-    """
-    rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)
-    n = cfg.eval.num_prompts
-    if not cfg.eval.every_steps:
-        return rows, []
-    if cfg.eval.source is not None:
-        return rows, read_eval_rows(cfg.eval.source, n=n, seed=cfg.run.seed, key="eval.source")
-    if cfg.data.source.startswith("builtin:"):
-        return rows, read_eval_rows(cfg.data.source, n=n, seed=cfg.run.seed, key="data.source")
-    if len(rows) <= n:
-        raise ConfigError(
-            f"eval.num_prompts = {n} would hold out all {len(rows)} rows of data.source = {cfg.data.source!r}, "
-            f"leaving nothing to train on. Fix: lower eval.num_prompts, give a separate eval.source, or set eval.every_steps=0."
-        )
-    return rows[:-n], rows[-n:]
 
 
 def _error_report(diagnostic: Diagnostic) -> str:

@@ -16,7 +16,7 @@ pipeline started has ended when it returns.
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -24,30 +24,26 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.algorithms.registry import algorithm_for
-from asyncgrpo.assemble import build_collector
 from asyncgrpo.commands.gc_pauses import quiet_gc
+from asyncgrpo.commands.sim_metrics import population_length, token_capacities, token_metrics
 from asyncgrpo.commands.vtime import run_virtual
 from asyncgrpo.config import Config
-from asyncgrpo.data.loading import build_prompts, check_data_source, read_rows
+from asyncgrpo.data.loading import check_data_source
 from asyncgrpo.distributions import mean_of
 from asyncgrpo.environments.simulated import SimulatedHosts
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.scripted import ScriptedGenerator
-from asyncgrpo.pipeline import PipelineResult, run_pipeline, step_budget_warnings
+from asyncgrpo.pipeline import PipelineResult, run_pipeline
 from asyncgrpo.rewards.resolve import resolve_rewards
-from asyncgrpo.rewards.scoring import RewardScorer
-from asyncgrpo.rewards.trl_args import run_trainer_state
 from asyncgrpo.rollout.collector import Collector
-from asyncgrpo.rollout.episode import term_names
 from asyncgrpo.rollout.events import RolloutObserver
-from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rundir import METRICS_FILE, TIMELINE_FILE
-from asyncgrpo.sim_metrics import population_length, token_capacities, token_metrics
 from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, metric_keys, step_metrics
-from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.training.stub import StubTrainer
 from asyncgrpo.types import StepRecord
+from asyncgrpo.wiring.prompts import simulation_prompts
+from asyncgrpo.wiring.run import Backends, RunParts, wire_run
 
 log = logging.getLogger("asyncgrpo")
 
@@ -130,44 +126,43 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     the train-only metrics (loss, kl, ...) are null. `observer` watches the rollouts when no `output_dir`'s timeline does.
     """
     check_simulatable(cfg)
-    rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)
-    prompts, _ = build_prompts(rows, prompt_key=cfg.data.prompt_key, tokenizer=None, max_prompt_tokens=cfg.data.max_prompt_tokens)
-    for warning in step_budget_warnings(cfg, len(prompts)):
+    prompts, warnings = simulation_prompts(cfg)
+    for warning in warnings:
         log.warning("warning: %s", warning)
     if generator is None:
         generator = ScriptedGenerator(cfg.simulate, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
     algorithm = algorithm_for(cfg)
     trainer = trainer if trainer is not None else StubTrainer(cfg.simulate.step_time_s, cfg.simulate.token_time_s, algorithm=algorithm)
-    report = _Report(cfg, output_dir, generator.name) if output_dir is not None else None
-    scorer = RewardScorer.from_config(cfg.reward, isolation="inline")
     # Episodes run on the simulator's model of an environment (simulate.env), not env.factory.
     env_hosts = SimulatedHosts(cfg.simulate.env, cfg.run.seed) if cfg.env is not None else None
     teacher = algorithm.simulated_scorer()  # None: the reward functions score
     outcomes: list[dict[str, Any]] = []
-    collector = build_collector(cfg, prompts, generator, scorer=teacher or scorer, observer=report.timeline if report else observer,
-                                host_factory=env_hosts, ledger=PromptLedger(sink=outcomes.append))
-    scorer.trainer_state = functools.partial(run_trainer_state, cfg, len(prompts), lambda: collector.steps_trained)
-    records: list[StepRecord] = []
-
-    async def record(step: StepRecord) -> None:
-        records.append(step)
+    with contextlib.ExitStack() as closing:  # a part that fails to start closes the report's files opened before it
+        report = _Report(cfg, output_dir) if output_dir is not None else None
         if report is not None:
-            report.step(step, collector, term_names(scorer.names, cfg.env), scorer.log.drain())
+            closing.callback(report.close)
+        parts = wire_run(cfg, prompts, Backends(generator, teacher=teacher, isolation="inline", host_factory=env_hosts),
+                         outcomes=outcomes.append, timeline_file=report.timeline_file if report else None, observer=observer)
+        if parts.timeline is not None:
+            closing.callback(parts.timeline.close)  # before its file: the callbacks run last in, first out
+        collector, scorer = parts.collector, parts.scorer
+        records: list[StepRecord] = []
 
-    async def main() -> tuple[PipelineResult, float]:
-        result = await run_pipeline(cfg, collector=collector, trainer=trainer, generator=generator, on_step=record)
-        leftovers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        if leftovers:
-            raise InvariantViolation(f"tasks outlived the pipeline: {[t.get_name() for t in leftovers]}")
-        return result, asyncio.get_running_loop().time()
+        async def record(step: StepRecord) -> None:
+            records.append(step)
+            if report is not None:
+                report.step(step, parts, scorer.log.drain())
 
-    wall_start = time.perf_counter()
-    try:
+        async def main() -> tuple[PipelineResult, float]:
+            result = await run_pipeline(cfg, collector=collector, trainer=trainer, generator=generator, on_step=record)
+            leftovers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if leftovers:
+                raise InvariantViolation(f"tasks outlived the pipeline: {[t.get_name() for t in leftovers]}")
+            return result, asyncio.get_running_loop().time()
+
+        wall_start = time.perf_counter()
         with quiet_gc(collect=False):  # a full collection per simulation would cost more than a small one runs
             result, virtual_time = run_virtual(main())
-    finally:
-        if report is not None:
-            report.close()
     simulation = Simulation(
         cfg, result, collector, generator, trainer, records, virtual_time, time.perf_counter() - wall_start, outcomes, env_hosts,
     )
@@ -176,24 +171,22 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
 
 
 class _Report:
-    """The files of `simulate --output-dir`: metrics.jsonl and timeline.jsonl, on virtual time."""
+    """The files of `simulate --output-dir`: metrics.jsonl and timeline.jsonl (the run's timeline writes it), on virtual time."""
 
-    def __init__(self, cfg: Config, output_dir: Path, server: str) -> None:
+    def __init__(self, cfg: Config, output_dir: Path) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
         self.timeline_file = JsonlFile(output_dir / TIMELINE_FILE, truncate_to=0)
-        self.timeline = Timeline(
-            self.timeline_file, server=server, max_inflight=cfg.generation.max_inflight,
-            group_size=cfg.rollout.group_size, max_rollout_spans=cfg.logging.timeline_max_rollouts,
-        )
         self.file = JsonlFile(output_dir / METRICS_FILE, truncate_to=0)
         self.rate = MovingRate(0.0, 0)
         self.writer: MetricsWriter | None = None
 
-    def step(self, record: StepRecord, collector: Collector, reward_names: list[str], logged: dict[str, float]) -> None:
+    def step(self, record: StepRecord, parts: RunParts, logged: dict[str, float]) -> None:
         """Write the step's metrics line; `logged`: the reward functions' log_metric means (user/<name>)."""
         now = asyncio.get_running_loop().time()
-        self.timeline.step(record, now)
+        assert parts.timeline is not None  # given its file, wire_run always builds it
+        parts.timeline.step(record, now)
+        collector, reward_names = parts.collector, parts.reward_terms
         if self.writer is None:
             self.writer = MetricsWriter(self.file, metric_keys(reward_names, max_staleness=self.cfg.rollout.max_staleness,
                                                                   algorithm_keys=algorithm_for(self.cfg).metric_keys))
@@ -204,7 +197,6 @@ class _Report:
         self.writer.write({**dict.fromkeys(self.writer.keys), **values, **logged})
 
     def close(self) -> None:
-        self.timeline.close()
         self.timeline_file.close()
         self.file.close()
 

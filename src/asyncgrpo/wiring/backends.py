@@ -1,0 +1,61 @@
+"""A training run's real backends, built from its trainer: the generator and, with `train.world_size > 1`, the ranks.
+
+- The generator serves its own copy of the trainer's weights (the in-process engine on `generation.local.device`,
+  or `runtime: ray` actors), or drives HTTP servers that load them from `generation.http.weights_dir`; its
+  version is the trainer's (a resumed run's checkpoint step).
+- The ranks are built, not started: `train` starts them first and closes them last (they own a local Ray cluster).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.config import Config
+from asyncgrpo.generation.base import Generator
+from asyncgrpo.training.ray_trainer import RayTrainer
+from asyncgrpo.training.resume import ResumePlan
+
+
+def real_generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Generator:
+    """The generation backend: the in-process engine on its own copy of the weights, Ray actors of it, or HTTP servers."""
+    if cfg.runtime == "ray":
+        from asyncgrpo.generation.ray_pool import RayGenerator
+
+        return RayGenerator(cfg, serving_model(cfg, trainer, "cpu"), tokenizer, version=trainer.version)
+    if cfg.generation.backend == "http":
+        from asyncgrpo.generation.http import HttpGenerator
+        from asyncgrpo.models.loading import model_directory
+
+        model_dir = None if cfg.model.path.startswith("builtin:") else model_directory(cfg.model.path, weights=False)  # a hub id's snapshot
+        http = cfg.generation.http
+        return HttpGenerator(
+            cfg.generation,
+            weights_dir=Path(http.weights_dir) if http.weights_dir else run_dir / "weights",
+            model_config=model_dir if model_dir is not None else trainer.model.config.to_dict(),
+            initial_version=trainer.version,
+        )
+    from asyncgrpo.generation.local import LocalEngine
+
+    local = cfg.generation.local
+    served = serving_model(cfg, trainer, local.device)
+    return LocalEngine(served, tokenizer, max_batch_size=local.max_batch_size, version=trainer.version)
+
+
+def trainer_ranks(cfg: Config, plan: ResumePlan, tokenizer: Any, version: int) -> RayTrainer | None:
+    """The data-parallel trainer on Ray (train.world_size > 1; not started), or None: the trainer runs in this process."""
+    if cfg.train.world_size == 1:
+        return None
+    return RayTrainer(cfg, tokenizer, checkpoint=plan.checkpoint, version=version)
+
+
+def serving_model(cfg: Config, trainer: Any, device: str) -> Any:
+    """The generators' own copy of the trainer's (merged) weights, in the serving dtype `model.dtype`, on `device`
+    (`auto`: the trainer's). Built without a float32 intermediate."""
+    import torch
+
+    from asyncgrpo.generation.local import serving_copy
+    from asyncgrpo.training.device import resolve_device
+
+    target = trainer.device if device == "auto" else resolve_device(device, key="generation.local.device")
+    return serving_copy(trainer.base_model, trainer.generation_weights(), dtype=getattr(torch, cfg.model.dtype), device=target)
