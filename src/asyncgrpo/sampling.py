@@ -4,6 +4,8 @@ Job: turn a model's raw next-token logits into the distribution a completion is 
 q = softmax(processed logits), with tokens outside the kept support at -inf. The local engine samples
 from it and reports log q of each sampled token; the trainer computes log q_theta of the same tokens by
 applying the same processing to its own logits (DESIGN.md §3 "Which distribution is optimised").
+`token_logprobs` is the plain tempered case (no processing), which the trainer's KL reference and the
+distillation teacher score with; `LOG_RATIO_CLAMP` bounds the log-ratio of two such log-probs.
 
 Processing, in vLLM's order (each step has TRL's / vLLM's / transformers' meaning):
 1. `repetition_penalty` (1.0: off): a token already in the context (prompt or completion so far) has its
@@ -33,6 +35,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+# The bound on a log-ratio of two distributions' log-probs: the loss clamps its log-ratios to +-this before `exp`,
+# distillation its per-token advantages, so one wild token gives a large finite value, never inf or NaN.
+LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,30 @@ def seen_before(input_ids: Tensor, attention_mask: Tensor, vocab_size: int, posi
     return first[:, None, :] <= positions.to(first.device)[None, :, None]
 
 
+def token_logprobs(
+    logits: Tensor, target_ids: Tensor, temperature: float = 1.0, *, with_entropy: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probabilities of `target_ids` under softmax(logits / temperature), and the entropy.
+
+    logits `[B, T, V]` (any float dtype; computed in float32), target_ids `[B, T]` (int64).
+    Returns (logp `[B, T]` float32 with grad, entropy `[B, T]` float32 detached, or None when
+    `with_entropy` is False). The entropy is that of the same tempered distribution, in nats.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    logp = logp_all.gather(-1, target_ids.long().unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            detached = logp_all.detach()
+            entropy = -(detached.exp() * detached).sum(-1)
+    return logp, entropy
+
+
 ROWS_PER_CHUNK = 1024  # kept_support sorts a float32 copy of the logits: bound it to this many positions at once
 
 
@@ -140,7 +170,7 @@ def sampled_logprobs(logits: Tensor, target_ids: Tensor, p: Processing, *, seen:
     The support is recomputed from these logits (never carried from the engine): at staleness 0 it is the
     engine's own, token for token up to float rounding; later it is the support the current policy would
     sample from, so a token that left it has log q = -inf (ratio 0: it no longer belongs to the objective).
-    Returns (logp `[B, T]` float32 with grad, entropy `[B, T]` detached or None), like `training.loss.token_logprobs`."""
+    Returns (logp `[B, T]` float32 with grad, entropy `[B, T]` detached or None), like `token_logprobs`."""
     b, t, v = logits.shape
     x = logits.float()
     if p.penalises:

@@ -9,7 +9,8 @@ Invariants:
   completion of a multi-turn episode also holds the environment's tokens, marked out by
   `loss_mask`; its generation version is the minimum over the model's tokens only.
 - `DropReason` is the closed set of reasons a taken prompt can end without training; the
-  accounting object always reports every one of them.
+  accounting object always reports every one of them. A `Drop` carries one, and the error that
+  stands for it in the failure policy (None for `filtered`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ DROP_REASONS: tuple[DropReason, ...] = (
     "filtered",
     "reward_error",
 )
+
+
+@dataclass(frozen=True)
+class Drop:
+    """The group ends without training: why, and the error that stands for it."""
+
+    reason: DropReason
+    error: BaseException | None
+
 
 FinishReason = Literal["stop", "length"]
 

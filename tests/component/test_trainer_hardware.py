@@ -12,8 +12,8 @@ import torch
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.local import serving_copy
+from asyncgrpo.models.device import autocast, check_precision, resolve_device
 from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
-from asyncgrpo.training.device import autocast, check_precision, resolve_device
 from asyncgrpo.training.integrity import checkpoint_problem
 from asyncgrpo.training.trainer import TorchTrainer
 from tests.component.test_trainer import TEMPERATURE, make_cfg, make_groups, weights

@@ -44,7 +44,7 @@ from asyncgrpo.generation.http import HttpGenerator
 from asyncgrpo.generation.weight_sync import DiskWeightPublisher
 from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import build_tiny
-from asyncgrpo.training.loss import token_logprobs
+from asyncgrpo.sampling import token_logprobs
 from asyncgrpo.types import GenerationRequest, SamplingParams
 from tests.integration.servers import http, until
 from tests.integration.vllm_server import VllmServerProcess, start_vllm_server, vllm_available

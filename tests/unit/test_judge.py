@@ -6,8 +6,8 @@ import pytest
 
 from asyncgrpo.errors import GenerationError, PromptRejectedError
 from asyncgrpo.rewards.scoring import ScoredCompletion, UnscoredGroupError
-from asyncgrpo.rollout.judge import Drop, scored_rollouts, survivors
-from asyncgrpo.types import Completion, Prompt
+from asyncgrpo.rollout.judge import scored_rollouts, survivors
+from asyncgrpo.types import Completion, Drop, Prompt
 
 PROMPT = Prompt(id=3, text="say a", token_ids=(1, 2))
 

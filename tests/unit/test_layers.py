@@ -25,22 +25,17 @@ import inside rewards/worker.py's `main()`, until issue 21).
    and evaluation beside it (pipeline, evaluation: wiring/ and the commands use them) and the
    Python API (api.py, the package's front door). Everything else lives in its package.
 
-KNOWN_VIOLATIONS lists what the rules find today that work in progress removes, each entry naming
-who removes it; the test fails on a violation it does not list and on an entry that no longer
-happens (delete it then). Tests, bench/ and scripts/ are outside the package and are not checked.
+Tests, bench/ and scripts/ are outside the package and are not checked.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 import asyncgrpo
 
@@ -81,7 +76,7 @@ SIDEWAYS: dict[tuple[str, str], str] = {
 TOP_LEVEL: dict[str, str] = {
     "errors": "the exceptions of every floor",
     "sync": "StateSignal, the one wait primitive of generation, rewards, rollout, distill and the books",
-    "sampling": "the rule that picks the sampled distribution: the carriers, the engines and the trainer apply it",
+    "sampling": "the sampled distribution and its log-probs: the carriers, the engines, the trainer and the teacher (distill/)",
     "types": "the frozen carriers every floor passes on",
     "objects": "`python:` objects: data, rewards, environments and the API resolve them",
     "user_modules": "the module loader: rewards, environments and the loss plug-in (training) import the user's code with it",
@@ -100,21 +95,6 @@ TOP_LEVEL: dict[str, str] = {
     "evaluation": "held-out evaluation beside the loop (commands/train.py), through the rollouts' retry policy",
     "api": "the Python API (asyncgrpo.Trainer), re-exported by asyncgrpo/__init__.py",
 }
-
-# TEMPORARY: what the rules find on this branch that parallel work on issue 21 removes. Each entry
-# names who; delete it when that work is merged (the test says which entries no longer happen).
-KNOWN_VIOLATIONS: dict[str, str] = {
-    # engineer "algorithms": the protocol imports rollout's Drop (Drop belongs with the carriers, types.py), and
-    # distill/ imports training/ (the teacher's token_logprobs and resolve_device, the loss's LOG_RATIO_CLAMP),
-    # which imports the registry, which imports distill/: those helpers move below distill/.
-    "upward: algorithms.base imports rollout.judge": "algorithms: Drop moves to types.py",
-    "upward: distill.loss imports training.loss": "algorithms: LOG_RATIO_CLAMP moves below distill/",
-    "upward: distill.teacher imports training.device": "algorithms: resolve_device moves below distill/",
-    "upward: distill.teacher imports training.loss": "algorithms: token_logprobs moves below distill/",
-    "cycle between units: algorithms.base, rollout": "algorithms: Drop moves to types.py",
-    "cycle between units: algorithms, distill, training": "algorithms: the three helpers move below distill/",
-}
-
 
 @dataclass(frozen=True)
 class Import:
@@ -215,7 +195,7 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def violations(imports: Sequence[Import]) -> dict[str, list[str]]:
-    """Rules 2-5 over `imports`: a key per violation (what KNOWN_VIOLATIONS names) -> the import lines behind it."""
+    """Rules 2-5 over `imports`: a key per violation -> the import lines behind it."""
     found: dict[str, list[str]] = defaultdict(list)
     unit_graph: dict[str, set[str]] = defaultdict(set)
     module_graph: dict[str, set[str]] = defaultdict(set)
@@ -264,12 +244,9 @@ def test_every_module_has_a_floor():
     assert not unplaced, f"modules missing from LAYERS in {__file__}: {unplaced}"
 
 
-def test_imports_keep_the_rules_or_are_known_violations():
+def test_imports_keep_the_rules():
     found = violations(package_imports())
-    new = {key: lines for key, lines in found.items() if key not in KNOWN_VIOLATIONS}
-    gone = sorted(key for key in KNOWN_VIOLATIONS if key not in found)
-    assert not new, "imports that break the floor plan (see this file's docstring for the rules):\n" + report(new)
-    assert not gone, f"KNOWN_VIOLATIONS entries that no longer happen: delete them from {__file__}: {gone}"
+    assert not found, "imports that break the floor plan (see this file's docstring for the rules):\n" + report(found)
 
 
 def test_each_sideways_edge_is_used():
@@ -348,8 +325,3 @@ def test_only_the_python_api_sits_above_the_commands():
     assert floor_of("commands.train") == floor_of("commands.simulate") == floor_of("commands.cli") == len(LAYERS) - 2
     assert floor_of("api") == len(LAYERS) - 1
 
-
-@pytest.mark.parametrize("key", sorted(KNOWN_VIOLATIONS))
-def test_known_violations_name_who_fixes_them(key):
-    assert re.match(r"(upward|sideways|private|cycle (between units|inside \w+)): ", key), key
-    assert KNOWN_VIOLATIONS[key].split(":")[0] in ("sizes", "algorithms", "config"), KNOWN_VIOLATIONS[key]

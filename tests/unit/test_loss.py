@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from asyncgrpo.loss_config import LossConfig
-from asyncgrpo.training.loss import LossStats, grpo_loss, grpo_token_terms, token_logprobs
+from asyncgrpo.sampling import token_logprobs
+from asyncgrpo.training.loss import LossStats, grpo_loss, grpo_token_terms
 
 LN = math.log
 

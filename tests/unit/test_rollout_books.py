@@ -19,10 +19,9 @@ from asyncgrpo.rollout.buffer import ReplayBuffer
 from asyncgrpo.rollout.failures import FailurePolicy
 from asyncgrpo.rollout.first_failure import format_traceback
 from asyncgrpo.rollout.in_flight import InFlightGroup
-from asyncgrpo.rollout.judge import Drop
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.no_signal import NoSignalWatch
-from asyncgrpo.types import Completion, Group, Prompt, Rollout
+from asyncgrpo.types import Completion, Drop, Group, Prompt, Rollout
 
 
 def group(prompt_id: int, version: int, seq: int) -> Group:

@@ -28,8 +28,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncgrpo.config import Config
-from asyncgrpo.rollout.judge import Drop
-from asyncgrpo.types import Completion, Group, Prompt, Rollout
+from asyncgrpo.types import Completion, Drop, Group, Prompt, Rollout
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -25,8 +25,7 @@ from asyncgrpo.distill.judge import kl_mean, taught_rollouts
 from asyncgrpo.distill.simulated import SimulatedTeacher
 from asyncgrpo.distill.teacher_path import check_teacher_path, teacher_seed
 from asyncgrpo.metric_names import DISTILL_KEYS
-from asyncgrpo.rollout.judge import Drop
-from asyncgrpo.types import Completion, Group, Prompt, Rollout
+from asyncgrpo.types import Completion, Drop, Group, Prompt, Rollout
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncgrpo.config import Config
-from asyncgrpo.rollout.judge import Drop, scored_rollouts
-from asyncgrpo.types import Completion, Group, Prompt, Rollout
+from asyncgrpo.rollout.judge import scored_rollouts
+from asyncgrpo.types import Completion, Drop, Group, Prompt, Rollout
 
 if TYPE_CHECKING:
     from torch import Tensor

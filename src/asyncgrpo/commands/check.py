@@ -100,7 +100,7 @@ def _duration(seconds: float) -> str:
 
 def _hardware(cfg: Config) -> str:
     """Where and how the trainer computes: device (auto resolved on this machine), precision, schedule, memory savers."""
-    from asyncgrpo.training.device import resolve_device
+    from asyncgrpo.models.device import resolve_device
 
     t = cfg.train
     device = f"auto ({resolve_device('auto')})" if t.device == "auto" else t.device

@@ -116,7 +116,7 @@ def check_devices(cfg: Config) -> None:
     wanted += algorithm_for(cfg).devices()  # e.g. distillation's teacher
     for key, spec in wanted:
         if spec not in ("auto", "cpu"):
-            from asyncgrpo.training.device import resolve_device
+            from asyncgrpo.models.device import resolve_device
 
             resolve_device(spec, key=key)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from asyncgrpo.training.loss import LOG_RATIO_CLAMP
+from asyncgrpo.sampling import LOG_RATIO_CLAMP
 
 
 def distill_advantages(logp_gen: Tensor, logp_teacher: Tensor, mask: Tensor) -> Tensor:

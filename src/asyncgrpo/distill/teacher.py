@@ -38,9 +38,9 @@ import torch
 from asyncgrpo.config import Config
 from asyncgrpo.distill.teacher_path import load_teacher
 from asyncgrpo.errors import ConfigError, TeacherError, TeacherTimeoutError
+from asyncgrpo.models.device import resolve_device
+from asyncgrpo.sampling import token_logprobs
 from asyncgrpo.sync import StateSignal
-from asyncgrpo.training.device import resolve_device
-from asyncgrpo.training.loss import token_logprobs
 from asyncgrpo.types import Completion, Prompt
 
 

@@ -36,10 +36,9 @@ from asyncgrpo.rollout.episode import count_episode
 from asyncgrpo.rollout.events import NoObserver, RolloutObserver
 from asyncgrpo.rollout.failures import FailurePolicy, GroupEnding, Verdict
 from asyncgrpo.rollout.in_flight import InFlightGroup
-from asyncgrpo.rollout.judge import Drop
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.stale_policy import LeftBehind
-from asyncgrpo.types import Completion, DropReason, Group, Prompt
+from asyncgrpo.types import Completion, Drop, DropReason, Group, Prompt
 
 
 class Books:

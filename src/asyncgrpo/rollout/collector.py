@@ -49,7 +49,7 @@ from asyncgrpo.rollout.failure_log import FailureLog, Tolerated, source_of
 from asyncgrpo.rollout.failures import FailurePolicy, Verdict
 from asyncgrpo.rollout.first_failure import FirstFailure
 from asyncgrpo.rollout.in_flight import InFlightGroup, rollout_request
-from asyncgrpo.rollout.judge import Drop, survivors
+from asyncgrpo.rollout.judge import survivors
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.no_signal import NoSignalWatch
 from asyncgrpo.rollout.ports import PromptSourceLike, ScorerLike
@@ -57,7 +57,7 @@ from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rollout.slots import RequestSlots, Slot
 from asyncgrpo.rollout.stale_policy import stale_policy
 from asyncgrpo.sync import StateSignal
-from asyncgrpo.types import Completion, GenerationRequest, Group, Prompt, SamplingParams
+from asyncgrpo.types import Completion, Drop, GenerationRequest, Group, Prompt, SamplingParams
 
 log = logging.getLogger("asyncgrpo")
 STALE: Literal["stale"] = "stale"  # the ending of a group that no remaining step can train

@@ -17,21 +17,12 @@ A drop carries the error that stands for it in the failure policy (None for `fil
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo.errors import PromptRejectedError
 from asyncgrpo.rewards.scoring import unscored_group_error
 from asyncgrpo.rollout.advantages import group_advantages
-from asyncgrpo.types import Completion, DropReason, Prompt, Rollout
-
-
-@dataclass(frozen=True)
-class Drop:
-    """The group ends without training: why, and the error that stands for it."""
-
-    reason: DropReason
-    error: BaseException | None
+from asyncgrpo.types import Completion, Drop, Prompt, Rollout
 
 
 def survivors(

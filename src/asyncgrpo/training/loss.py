@@ -35,36 +35,13 @@ import torch
 from torch import Tensor
 
 from asyncgrpo.loss_config import LossConfig
+from asyncgrpo.sampling import LOG_RATIO_CLAMP
 from asyncgrpo.training.losses.aggregation import aggregate
 from asyncgrpo.training.losses.corrections import off_policy_weight
-from asyncgrpo.training.losses.objectives import LOG_RATIO_CLAMP, policy_term
+from asyncgrpo.training.losses.objectives import policy_term
 from asyncgrpo.training.losses.plugin import LossBatch, LossFunction, call_plugin
 
 DEFAULT_LOSS = LossConfig()
-
-
-def token_logprobs(
-    logits: Tensor, target_ids: Tensor, temperature: float = 1.0, *, with_entropy: bool = True
-) -> tuple[Tensor, Tensor | None]:
-    """Log-probabilities of `target_ids` under softmax(logits / temperature), and the entropy.
-
-    logits `[B, T, V]` (any float dtype; computed in float32), target_ids `[B, T]` (int64).
-    Returns (logp `[B, T]` float32 with grad, entropy `[B, T]` float32 detached, or None when
-    `with_entropy` is False). The entropy is that of the same tempered distribution, in nats.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    scaled = logits.float()
-    if temperature != 1.0:
-        scaled = scaled / temperature
-    logp_all = torch.log_softmax(scaled, dim=-1)
-    logp = logp_all.gather(-1, target_ids.long().unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            detached = logp_all.detach()
-            entropy = -(detached.exp() * detached).sum(-1)
-    return logp, entropy
 
 
 @dataclass

@@ -18,7 +18,7 @@ One training step on a batch of groups:
    whole mini-batch, then clipped to `train.max_grad_norm`.
 4. The LR scheduler steps once, and `version` advances by exactly 1.
 
-Hardware (training/device.py): the model, its optimizer state and every batch live on
+Hardware (models/device.py): the model, its optimizer state and every batch live on
 `train.device`. The trainer's weights are float32 master weights whatever `model.dtype` says;
 `train.precision` bfloat16/float16 runs forward and backward under autocast (float16 with a
 gradient scaler). `train.gradient_checkpointing` recomputes each decoder layer's activations in
@@ -70,13 +70,13 @@ from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.config import Config
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
 from asyncgrpo.metric_names import TRAIN_KEYS
-from asyncgrpo.sampling import Processing, sampled_logprobs, seen_before
+from asyncgrpo.models.device import autocast, check_precision, resolve_device
+from asyncgrpo.sampling import Processing, sampled_logprobs, seen_before, token_logprobs
 from asyncgrpo.training import heap
 from asyncgrpo.training import lora as lora_adapters
 from asyncgrpo.training.batch import MicroBatch, TrainSequence, by_length, chunks, collate, filler, sequences, split_even
 from asyncgrpo.training.bf16_adamw import Bf16StateAdamW
-from asyncgrpo.training.device import autocast, check_precision, resolve_device
-from asyncgrpo.training.loss import LossStats, grpo_loss, token_logprobs
+from asyncgrpo.training.loss import LossStats, grpo_loss
 from asyncgrpo.training.losses.aggregation import update_normalizer
 from asyncgrpo.training.losses.plugin import resolve_loss_plugin
 from asyncgrpo.training.offpolicy import OffPolicyStats

@@ -55,7 +55,7 @@ def serving_model(cfg: Config, trainer: Any, device: str) -> Any:
     import torch
 
     from asyncgrpo.generation.local import serving_copy
-    from asyncgrpo.training.device import resolve_device
+    from asyncgrpo.models.device import resolve_device
 
     target = trainer.device if device == "auto" else resolve_device(device, key="generation.local.device")
     return serving_copy(trainer.base_model, trainer.generation_weights(), dtype=getattr(torch, cfg.model.dtype), device=target)

@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from asyncgrpo.loss_config import PPO_CLIP_TYPES, LossConfig
+from asyncgrpo.sampling import LOG_RATIO_CLAMP
 
 VESPO_LOG_FLOOR = math.log(1e-8)
-LOG_RATIO_CLAMP = 20.0
 
 
 def policy_term(
