@@ -33,8 +33,7 @@ from torch import Tensor
 
 from asyncgrpo.metric_names import ENGINE_MISMATCH_KEYS as MISMATCH_KEYS
 from asyncgrpo.metric_names import OFFPOLICY_BUCKET_KEYS as BUCKET_KEYS
-
-LOG_RATIO_CLAMP = 20.0
+from asyncgrpo.sampling import LOG_RATIO_CLAMP
 
 
 class OffPolicyStats:
