@@ -48,13 +48,13 @@ class MinTree:
         if nodes[i] == key:
             return
         nodes[i] = key
-        i >>= 1
-        while i:
-            low = min(nodes[2 * i], nodes[2 * i + 1])
+        while i > 1:
+            sibling = nodes[i ^ 1]
+            low = key if key <= sibling else sibling
+            i >>= 1
             if nodes[i] == low:
                 return  # the minimum above is unchanged
-            nodes[i] = low
-            i >>= 1
+            nodes[i] = key = low
 
     def min(self) -> float:
         return self._nodes[1]
