@@ -70,6 +70,7 @@ bench: $(STAMP)
 	run staleness_frontier.py --k 1,2; \
 	run http_overhead.py --rounds 2; \
 	run http_throughput.py --steps 12 --backoffs=; \
+	run http_many_servers.py --requests 2000 --repeats 1 --baseline=; \
 	run gc_pauses.py --steps 60; \
 	run async_speedup.py --steps 20; \
 	run ray_generators.py 12; \

@@ -156,11 +156,17 @@ class FakeServer:
     or "reset" (a TCP reset), or an HTTP status such as "500". Between /pause and /resume, completion
     requests are held (as vLLM's mode=keep does). `freeze()` makes it answer nothing at all until `thaw()` (a SIGSTOPped process: requests
     wait, then are served).
+
+    With `ports` > 1 (and `port` 0) it listens on that many free ports, one server behind all of them
+    (`urls`, in order); `close_port(url)` stops listening on one (new connections are refused, as of a
+    server that is down) and `open_port(url)` listens there again.
     """
 
-    def __init__(self, model: str = "fake", port: int = 0) -> None:
+    def __init__(self, model: str = "fake", port: int = 0, ports: int = 1) -> None:
         self.model = model
         self.port = port
+        self.ports = ports
+        self.sites: dict[str, Any] = {}
         self.completion: Any = "ok"
         self.finish_reason = "length"
         self.reload_status = 200
@@ -177,6 +183,7 @@ class FakeServer:
         self.cancelled = 0
         self.answered = 0
         self.requests: list[dict] = []
+        self.by_url: dict[str, int] = {}  # completion requests started, per URL it listens on
         self.control: list[str] = []
         self._runner = None
 
@@ -211,6 +218,8 @@ class FakeServer:
             body = await request.json()
             self.requests.append(body)
             self.started += 1
+            url = f"http://127.0.0.1:{request.transport.get_extra_info('sockname')[1]}"
+            self.by_url[url] = self.by_url.get(url, 0) + 1
             number = self.started  # this request's arrival number (others arrive while it waits)
             try:
                 await self._changed.wait_for(lambda: not self.paused)
@@ -267,10 +276,26 @@ class FakeServer:
             app.router.add_post(name, control(name))
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
-        await site.start()
+        for _ in range(self.ports):
+            site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+            await site.start()
+            self.sites[f"http://127.0.0.1:{self._runner.addresses[-1][1]}"] = site
         self.port = self._runner.addresses[0][1]
         return self
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.sites)
+
+    async def close_port(self, url: str) -> None:
+        await self.sites[url].stop()
+
+    async def open_port(self, url: str) -> None:
+        from aiohttp import web
+
+        assert self._runner is not None
+        self.sites[url] = web.TCPSite(self._runner, "127.0.0.1", int(url.rsplit(":", 1)[1]))
+        await self.sites[url].start()
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -153,3 +153,35 @@ def test_a_server_that_hangs_every_request_is_taken_out_of_rotation_and_probed_b
     messages = [r.getMessage() for r in caplog.records]
     assert any(url in m and "out of rotation" in m for m in messages)
     assert any(url in m and "back in rotation" in m for m in messages)
+
+
+def test_a_request_waiting_for_a_server_ends_when_the_attempts_have_failed_for_backend_dead_after_s():
+    """Attempts failed (HTTP 500) for a while, then the server went down: the request waiting for a server
+    raises once the failures reach backend_dead_after_s, not a full backend_dead_after_s after the server went
+    down (failed probes of a server that stays down wake no waiter, so its deadline bounds the wait)."""
+    dead_after_s = 3.0
+
+    async def main():
+        fake = await FakeServer().start()
+        fake.completion = (500, {"error": {"message": "engine crashed"}})
+        gen = HttpGenerator(recipe([fake.url], generation={"backend_dead_after_s": dead_after_s}).generation)
+        await gen.start()
+        pool = gen._pool
+        loop = asyncio.get_running_loop()
+        try:
+            with pytest.raises(TransientGenerationError):
+                await gen.generate(request(0))
+            await asyncio.sleep(dead_after_s / 2)  # failing for half the limit, with the server up
+            await fake.close_port(fake.url)
+            while pool.none_usable_since is None:  # the probes see it down (interval 0.2 s)
+                await asyncio.sleep(0.02)
+            with pytest.raises(BackendDeadError) as caught:
+                await gen.generate(request(1))
+            return loop.time(), pool.health.failing_since, pool.none_usable_since, caught.value, fake.url
+        finally:
+            await gen.aclose()
+            await fake.stop()
+
+    raised_at, failing_since, none_usable_since, error, url = run(main(), timeout_s=60)
+    assert failing_since + dead_after_s <= raised_at < none_usable_since + dead_after_s
+    assert "of failing attempts" in str(error) and url in str(error)

@@ -55,3 +55,25 @@ def test_an_answer_or_an_http_error_ends_a_streak_of_timeouts():
         else:
             assert not h.failed(A, 5.0, timed_out=False)
         assert h.timeouts_in_a_row(A) == 0
+
+
+def test_the_hung_rule_asks_whether_another_server_answered_since_the_streak_began_whatever_the_order():
+    """Booked in O(1), the rule matches the scan over every server's last answer."""
+    import random
+
+    rng = random.Random(0)
+    urls = [f"http://s{i}" for i in range(5)]
+    h = PoolHealth(urls)
+    last_answer: dict[str, float] = {}
+    streak: dict[str, float] = {}
+    for step in range(5000):
+        now, url = float(step), rng.choice(urls)
+        if rng.random() < 0.3:
+            h.answered(url, now)
+            last_answer[url] = now
+            streak.pop(url, None)
+        else:
+            streak.setdefault(url, now)
+            expected = h.timeouts_in_a_row(url) + 1 >= HUNG_AFTER and any(
+                other != url and t >= streak[url] for other, t in last_answer.items())
+            assert h.failed(url, now, timed_out=True) == expected

@@ -171,7 +171,7 @@ class HttpGenerator:
     # ------------------------------------------------------------------ generation
 
     async def generate(self, request: GenerationRequest) -> Completion:
-        server = await self._pool.acquire(lambda: any(s.usable for s in self._pool.servers), "generate")
+        server = await self._pool.acquire("generate")
         try:
             completion = await self._attempt(server, request)
         except PromptRejectedError:

@@ -102,7 +102,7 @@ class HealthProbes:
                 or now - server.quiet_since < limit):
             return
         server.silence_reported = True
-        held = sum(s.outstanding for s in self.pool.servers)
+        held = self.pool.index.outstanding
         log.warning("%s: server %s has answered none of its %d open requests for %.1f s although /health answers: it "
                     "looks hung. %d of generation.max_inflight = %d request slots are held open. Each attempt is "
                     "abandoned and retried after %.3g s (%s).", self.pool.name, server.url, server.outstanding,

@@ -7,12 +7,17 @@ every change wakes; mark a server unhealthy; and wait for a server that can take
 
 Invariants:
 - Every change of health, exclusion or version goes through `changed()`, which keeps the clock of how
-  long no server has been usable and wakes every waiter.
+  long no server has been usable and wakes the waiters only when one of them can go on (a first server
+  usable again, or a first healthy one): a probe of a server that stays down wakes nobody.
+- Nothing per request scans the servers: a `PooledServer` keeps its entry in the pool's `ServerIndex`
+  (http_balance.py) up to date on every change of its health, exclusion, hung mark, version or open
+  requests, so choosing a server, `serving_version` and the waiters' predicates are O(1) and each
+  change O(log n) in the number of servers.
 - Waiting. With no usable server (healthy and serving the published weights), `acquire` waits on a
-  `StateSignal` predicate (woken by every health or weight change, nothing polls) and raises
-  `BackendDeadError` once no server has been usable for ``backend_dead_after_s``; the message names each
-  server and its last error. It raises at once once attempts have failed for that long with no answer
-  in between (pool_health.py), and when the probes stopped, the pool is closed or not started.
+  `StateSignal` predicate (woken as said above, nothing polls) and raises `BackendDeadError` once no
+  server has been usable for ``backend_dead_after_s``; the message names each server and its last
+  error. It raises once attempts have failed for that long with no answer in between (pool_health.py;
+  its deadline bounds the wait too), and at once when the probes stopped, the pool is closed or not started.
 - A server marked unhealthy (a failed probe, a refused connection, an unanswered control call) takes no
   work until a probe succeeds; its install in progress is cancelled (no publication waits on a server
   known to be down), its probe loop is woken to probe at once, and, once weights were staged, it is
@@ -27,17 +32,21 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
 from asyncgrpo.config import GenerationConfig
 from asyncgrpo.errors import BackendDeadError, GenerationError
 from asyncgrpo.generation.attempt_clock import AttemptClock
+from asyncgrpo.generation.http_balance import ServerIndex
 from asyncgrpo.generation.pool_health import PoolHealth
 from asyncgrpo.generation.weight_sync import StagedWeights
 from asyncgrpo.sync import StateSignal
 
 log = logging.getLogger("asyncgrpo")
+
+_INDEXED = frozenset({"healthy", "excluded", "hung", "version", "outstanding"})  # what the pool's index reads
 
 
 @dataclass(eq=False)
@@ -66,6 +75,13 @@ class PooledServer:
     install: asyncio.Task | None = None  # the install in progress; an unhealthy mark cancels it
     quiet_since: float | None = None  # loop time since which it has held requests open, answered none, not paused by us
     silence_reported: bool = False  # warned that it answers nothing; reset by its next answer
+    position: int = -1  # its place in cfg.http.base_urls (set by the index)
+    index: ServerIndex[PooledServer] | None = None  # the pool's index, refreshed on every change of an `_INDEXED` field
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _INDEXED and self.index is not None:
+            self.index.refresh(self)
 
     @property
     def usable(self) -> bool:
@@ -93,6 +109,10 @@ class ServerPool:
         self.cfg = cfg
         self.name = name
         self.servers = [PooledServer(url=url.rstrip("/"), version=initial_version) for url in cfg.http.base_urls]
+        self.index = ServerIndex(self.servers)
+        for server in self.servers:
+            server.index = self.index
+        self._could_go_on = (True, True)  # (some server usable, some healthy) when waiters were last woken
         self.published_version = initial_version
         self.latest: StagedWeights | None = None  # the weights staged last (None: the servers' own)
         self.signal = StateSignal()
@@ -108,23 +128,28 @@ class ServerPool:
     @property
     def serving_version(self) -> int:
         """The lowest version among servers that can take work; the published version while none can."""
-        usable = [s.version for s in self.servers if s.usable]
-        return min(usable) if usable else self.published_version
+        version = self.index.lowest_version()
+        return self.published_version if version is None else version
 
-    async def acquire(self, predicate: Callable[[], bool], purpose: str) -> PooledServer:
-        """Wait until `predicate()` (some server can serve `purpose`); return the usable server with least work.
+    async def acquire(self, purpose: str) -> PooledServer:
+        """Wait until a server is usable; return the usable server with the fewest open requests (the first
+        listed among equals). Raises BackendDeadError once no server has been usable for backend_dead_after_s."""
+        await self.wait(lambda: self.index.usable_count > 0, purpose)
+        server = self.index.least_loaded()
+        assert server is not None
+        return server
 
-        Raises BackendDeadError once no server has been usable for backend_dead_after_s.
-        """
+    async def wait(self, ready: Callable[[], bool], purpose: str) -> None:
+        """Wait until `ready()`, which may only become true when a first server becomes usable or healthy
+        (what `changed()` wakes for); the errors are `acquire`'s."""
         loop = asyncio.get_running_loop()
         while True:
             self.check_open()
             failing = self.health.failing_for(loop.time())
             if failing is not None and failing >= self.cfg.backend_dead_after_s:
                 raise self.dead_error(failing)
-            if predicate():
-                usable = [s for s in self.servers if s.usable] or [s for s in self.servers if s.healthy]
-                return min(usable, key=lambda s: s.outstanding)
+            if ready():
+                return
             since = self.none_usable_since if self.none_usable_since is not None else loop.time()
             deadline = since + self.cfg.backend_dead_after_s
             if loop.time() >= deadline:
@@ -134,9 +159,12 @@ class ServerPool:
                     + "; ".join(s.describe() for s in self.servers)
                     + ". Check that the servers are running and reachable, or raise generation.backend_dead_after_s "
                     "to wait longer for restarts.", backend=self.name)
+            failing_since = self.health.failing_since
+            if failing_since is not None:  # the dead-backend clock may run out first
+                deadline = min(deadline, failing_since + self.cfg.backend_dead_after_s)
             try:
                 async with asyncio.timeout_at(deadline):
-                    await self.signal.wait_for(lambda: predicate() or self.closed or self.probe_failure is not None)
+                    await self.signal.wait_for(lambda: ready() or self.closed or self.probe_failure is not None)
             except TimeoutError:
                 pass  # re-checked above: raises unless a server came back at the deadline
 
@@ -152,12 +180,17 @@ class ServerPool:
             raise GenerationError(f"HTTP generator {self.name!r} is not started: await start() first.", backend=self.name)
 
     def changed(self) -> None:
-        """Every change of health, exclusion or version ends here: keep the dead-since clock, wake waiters."""
-        if any(s.usable for s in self.servers):
+        """Every change of health, exclusion or version ends here: keep the dead-since clock; wake the waiters
+        when a first server became usable or healthy (a waiter waits only while none is)."""
+        usable, healthy = self.index.usable_count > 0, self.index.healthy_count > 0
+        if usable:
             self.none_usable_since = None
         elif self.none_usable_since is None:
             self.none_usable_since = asyncio.get_running_loop().time()
-        self.signal.notify()
+        was_usable, was_healthy = self._could_go_on
+        if (usable and not was_usable) or (healthy and not was_healthy):
+            self.signal.notify()
+        self._could_go_on = (usable, healthy)
 
     def mark_unhealthy(self, server: PooledServer, error: str) -> None:
         """`server` failed a probe or a connection: unhealthy until a probe succeeds (see the module docstring)."""

@@ -76,7 +76,7 @@ class WeightInstaller:
         while True:
             # Every server known to be down: wait for one to come back (its recovery installs this version)
             # or raise BackendDeadError after backend_dead_after_s.
-            await self.pool.acquire(lambda: any(s.healthy for s in self.pool.servers), f"publish weights v{version}")
+            await self.pool.wait(lambda: self.pool.index.healthy_count > 0, f"publish weights v{version}")
             targets = [s for s in self.pool.servers if s.healthy]
             async with asyncio.TaskGroup() as group:
                 results = [group.create_task(self.sync_server(s, deadline)) for s in targets]

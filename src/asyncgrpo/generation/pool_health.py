@@ -14,6 +14,9 @@ attempts (the caller passes the loop time of each outcome):
   True when it does): the generator takes it out of rotation until it answers a probe completion
   (`reinstated`). Any other outcome of its attempts (an answer, an HTTP error) ends the streak.
 
+Each outcome is booked in O(1), whatever the number of servers: the two latest answers by different
+servers tell whether another server answered since a streak began.
+
 Invariant: a server is reported hung only on a timed-out attempt of its own and only if some other
 server answered after its streak began, so one slow or hung server alone is never taken out (the
 dead-backend clock covers that).
@@ -28,7 +31,6 @@ HUNG_AFTER = 3  # attempt timeouts in a row that take a server out of rotation w
 
 @dataclass
 class _Record:
-    last_answer: float | None = None
     timeouts_in_a_row: int = 0
     streak_since: float | None = None
 
@@ -39,13 +41,17 @@ class PoolHealth:
     def __init__(self, urls: list[str]) -> None:
         self._records = {url: _Record() for url in urls}
         self._failing_since: float | None = None
+        self._latest: tuple[str, float] | None = None  # the latest answer: (url, time)
+        self._latest_other: float | None = None  # the latest answer by another server than the latest's
 
     def answered(self, url: str, now: float) -> None:
         record = self._records[url]
-        record.last_answer = now
         record.timeouts_in_a_row = 0
         record.streak_since = None
         self._failing_since = None
+        if self._latest is not None and self._latest[0] != url:
+            self._latest_other = self._latest[1]
+        self._latest = (url, now)
 
     def failed(self, url: str, now: float, *, timed_out: bool) -> bool:
         """An attempt on `url` failed (`timed_out`: no answer within its attempt timeout). True when `url` now looks hung."""
@@ -73,6 +79,14 @@ class PoolHealth:
     def failing_for(self, now: float) -> float | None:
         return None if self._failing_since is None else now - self._failing_since
 
+    @property
+    def failing_since(self) -> float | None:
+        """When the attempts began failing with no answer since (None while nothing failed since an answer)."""
+        return self._failing_since
+
     def _others_answered_since(self, url: str, since: float | None) -> bool:
-        return since is not None and any(
-            other != url and r.last_answer is not None and r.last_answer >= since for other, r in self._records.items())
+        if since is None or self._latest is None:
+            return False
+        latest_url, latest = self._latest
+        other = latest if latest_url != url else self._latest_other
+        return other is not None and other >= since
