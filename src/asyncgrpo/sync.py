@@ -1,4 +1,4 @@
-"""`StateSignal`: wait until a predicate over shared state holds, without losing a wake-up.
+"""`StateSignal` and `TurnSignal`: wait until a predicate over shared state holds, without losing a wake-up.
 
 The pipeline's state (buffer, in-flight groups, versions, health) lives on one event loop
 and is only ever changed by synchronous code between awaits. Waiters therefore need no
@@ -8,6 +8,15 @@ and then cleared). Unlike `asyncio.Condition`, `notify()` may be called from any
 synchronous code on the loop, including `finally` blocks of cancelled tasks, which is
 where slots and groups are released.
 
+`StateSignal.notify()` wakes every waiter (O(waiters)): for the few waiters of different
+predicates (a dispatcher, a trainer). `TurnSignal.notify_one()` wakes one, O(1): for many waiters
+of the same predicate over a counted resource (request slots), where one unit freed can satisfy
+only one of them. Its rule against lost wake-ups: the notifier calls `notify_one()` once per unit
+that became free, so while anyone waits, every free unit has a wake-up on its way to a waiter;
+a woken waiter that finds the unit taken (another caller took it without waiting) goes back to
+the front of the queue, the taker's own release will wake it; one cancelled after its wake-up
+hands that wake-up on to the next waiter.
+
 Every wait has a predicate; deadlines are the caller's (`asyncio.timeout`), or the
 lifetime of the owning task group.
 """
@@ -15,6 +24,7 @@ lifetime of the owning task group.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 
 
@@ -41,3 +51,36 @@ class StateSignal:
                 if not waiter.done():
                     waiter.cancel()
                     self._waiters.remove(waiter)
+
+
+class TurnSignal:
+    """Waiters of one predicate, woken one at a time in arrival order (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._waiters: deque[asyncio.Future[None]] = deque()  # cancelled ones stay until `notify_one` passes them
+
+    def notify_one(self) -> None:
+        """Wake the longest-waiting live waiter, if any: O(1) amortized (each waiter is passed at most once)."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Return once `predicate()` is true: checked now and whenever a `notify_one()` reaches this waiter."""
+        loop = asyncio.get_running_loop()
+        first = True
+        while not predicate():
+            waiter: asyncio.Future[None] = loop.create_future()
+            if first:
+                self._waiters.append(waiter)
+            else:  # woken, but the unit was taken meanwhile: keep its place at the front
+                self._waiters.appendleft(waiter)
+            first = False
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self.notify_one()  # woken, then cancelled before it could act: the wake-up goes on
+                raise

@@ -77,6 +77,8 @@ def check_outcome(sim: Simulation) -> None:
     assert result.outcome in ("completed", "failed"), f"outcome {result.outcome}: {result.diagnostic}"
     # Exactly-once: the buckets match the collector's live state.
     assert acc.in_flight == collector.in_flight_groups
+    # Admission's running count of rollouts waiting for a slot is the sum it replaces (groups left in flight included).
+    assert collector.undispatched_rollouts == sum(g.size - g.dispatched for g in collector._in_flight.values())
     assert acc.buffered == len(collector.batches.buffer) + len(collector.batches.in_training)
     assert collector.open_requests == 0, "requests still counted open after the pipeline ended"
     assert sim.generator.in_progress == 0, "a request kept running after its rollout ended"

@@ -102,6 +102,7 @@ class Collector:
         self.failure_log = FailureLog(cfg.logging.failure_summary_s)
         self._signal = StateSignal()
         self._in_flight: dict[int, InFlightGroup] = {}
+        self._undispatched = 0  # running sum of `size - dispatched` over `_in_flight`: admission reads it on every wake-up
         self._slots = RequestSlots(cfg.generation.max_inflight, self._signal)
         self.batches = Batches(cfg, books=self.books, stale=self.stale, signal=self._signal, first_failure=self.first_failure,
                                in_flight=self._in_flight, source=source, start_step=start_step,
@@ -152,13 +153,17 @@ class Collector:
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
+    @property
+    def undispatched_rollouts(self) -> int:
+        """Rollouts of in-flight groups still waiting for a request slot: O(1), kept where groups start, dispatch and end."""
+        return self._undispatched
+
     def _may_admit(self) -> bool:
-        # Evaluated on every wake-up: the cheap necessary condition first (with no slot free no group may start),
-        # before the sum over in-flight groups that may_admit_group needs.
+        # Evaluated on every wake-up of the dispatcher, O(1): counts only, no scan of the groups in flight.
         return self._slots.free > 0 and not self.source.exhausted and may_admit_group(
             occupancy=self.occupancy(), max_staleness=self.max_staleness, groups_per_step=self.groups_per_step,
             next_step=self.next_step, serving_version=self.generator.serving_version, free_request_slots=self._slots.free,
-            undispatched_rollouts=sum(g.size - g.dispatched for g in self._in_flight.values()),
+            undispatched_rollouts=self._undispatched,
             over_admit_groups=self.cfg.rollout.over_admit_groups,
         )
 
@@ -187,6 +192,7 @@ class Collector:
         group = InFlightGroup(key=self.books.take(), prompt=prompt, size=self.group_size)
         group.target_step = self.stale.target(self.next_step, self.generator.serving_version + self.max_staleness)
         self._in_flight[group.key] = group
+        self._undispatched += group.size
         group.task = self._task_group.create_task(self._run_group(group), name=f"group-{prompt.id}")
         self._signal.notify()
 
@@ -204,6 +210,7 @@ class Collector:
             for member in range(group.size):
                 slot = await self._slots.acquire()
                 group.dispatched += 1
+                self._undispatched -= group.key in self._in_flight  # an ended group's rest was subtracted by `_end`
                 task = members.create_task(self._run_rollout(group, member, slot), name=f"rollout-{group.prompt.id}-{member}")
                 group.member_tasks[member] = task
                 slot.release_with(task)
@@ -308,6 +315,7 @@ class Collector:
         """The one way an in-flight group ends: buffered (a `Group`), dropped (a `Drop`), or `STALE`:
         cancelled because no remaining step can train it (its rollouts aborted, its prompt requeued or dropped)."""
         del self._in_flight[group.key]
+        self._undispatched -= group.size - group.dispatched
         verdict: Verdict | None = None
         if isinstance(ending, Group):
             verdict = self.books.buffered(group, ending, self._now())

@@ -1,6 +1,6 @@
 """Request slots: at most `generation.max_inflight` generation requests open at the servers at once.
 
-`acquire()` waits (on the collector's `StateSignal`) for a free slot and returns it as a
+`acquire()` waits (on its own `TurnSignal`, in arrival order) for a free slot and returns it as a
 `Slot`, which its holder gives back exactly once: leaving `with slot:`, or the end of the task
 that runs it (`release_with`), whichever comes first; a second release is a no-op. A rollout
 waiting to retry holds no slot (`Slot.released_while`), so the slot serves other rollouts
@@ -9,7 +9,9 @@ meanwhile, and takes one again before its next attempt.
 Invariants:
 - `open` equals the number of slots held: every change is `acquire` or a `Slot`'s own
   release, and a `Slot` counts itself at most once.
-- Every release notifies the signal (a waiting rollout or admission may proceed).
+- Every release wakes exactly one slot waiter (O(1): one freed slot can serve only one; the
+  `TurnSignal` rule loses no wake-up) and notifies the collector's `StateSignal` (admission may
+  open, and the rollout's ending may complete what the trainer waits for).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from __future__ import annotations
 import asyncio
 from types import TracebackType
 
-from asyncgrpo.sync import StateSignal
+from asyncgrpo.sync import StateSignal, TurnSignal
 
 
 class RequestSlots:
     def __init__(self, limit: int, signal: StateSignal) -> None:
         self.limit = limit
         self._signal = signal
+        self._turns = TurnSignal()  # the tasks waiting for a slot
         self._open = 0
 
     @property
@@ -41,11 +44,12 @@ class RequestSlots:
         return Slot(self)
 
     async def _take(self) -> None:
-        await self._signal.wait_for(lambda: self._open < self.limit)
+        await self._turns.wait_for(lambda: self._open < self.limit)
         self._open += 1
 
     def _give_back(self) -> None:
         self._open -= 1
+        self._turns.notify_one()
         self._signal.notify()
 
 
