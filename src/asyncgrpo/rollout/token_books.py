@@ -16,7 +16,7 @@ resume) at the three places a completion's fate is sealed:
 Derived (telemetry/metrics.py): goodput = trained generation time / generation time, the trained
 completions' mean length beside the stale ones'. Tokens a cancelled request had generated are
 unknown to a real run (servers do not report them), so waste counts finished completions only;
-the simulator knows the rest (simulate.py).
+the simulator knows the rest (commands/simulate.py).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ Invariants:
 - No I/O per event: lines are kept in memory and appended at each step and at `close()`, so
   the collector's hooks (rollout/events.py) cost a dict and a list append.
 - One of the run's records, like metrics.jsonl: appended, never truncated. A resume continues the
-  file from its checkpoint's copy (train.py), with a "start" line naming the step it resumed at;
+  file from its checkpoint's copy (commands/train.py), with a "start" line naming the step it resumed at;
   the takes in flight or buffered at that checkpoint end there without a line (the accounting
   counts them requeued, rollout/accounting.py).
 """

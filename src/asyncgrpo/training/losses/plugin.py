@@ -6,7 +6,7 @@ weight (`objective: decoupled`), the KL penalty (`kl_coef`), the mask, and the n
 (`train.loss.normalization`: token, also when unset, or sequence), so micro-batching never changes the gradient.
 
 Invariants: the function is imported with the loader of every config key that names user code (user_modules.py), so
-a module or name that does not load is a `ConfigError` naming `train.loss.type` before any model loads (train.py's preflight);
+a module or name that does not load is a `ConfigError` naming `train.loss.type` before any model loads (commands/train.py's preflight);
 a result that is not a `[B, T]` floating tensor, or that has no gradient, is a `ConfigError` naming the function,
 what it returned and what it must return.
 """
