@@ -16,13 +16,20 @@ CALLS: Counter[str] = Counter()
 REFUSED: list[int] = []
 STUBBORN_CALLS: list[str] = []
 STARTED: list[str] = []
+release = asyncio.Event()
+refused_four_times = asyncio.Event()  # set when stubborn agents have seen 4 errors or cancellations (replaced per test)
+CANCELLED: list[str] = []  # the prompts of the agents whose task was cancelled
 
 
 def reset_all() -> None:
+    global refused_four_times
+    refused_four_times = asyncio.Event()
     CALLS.clear()
     REFUSED.clear()
     STUBBORN_CALLS.clear()
     STARTED.clear()
+    CANCELLED.clear()
+    release.clear()
 
 
 def _question(row) -> str:
@@ -38,11 +45,15 @@ async def one_turn(client: openai.AsyncOpenAI, row) -> float:
 
 
 async def two_turns(client: openai.AsyncOpenAI, row) -> dict:
-    """Two model calls with a user message between them; a dict return with info."""
+    """Two model calls with a user message between them; a dict return with info. Its cancellation is recorded in CANCELLED."""
     messages = [{"role": "user", "content": _question(row)}]
     first = await client.chat.completions.create(model="policy", messages=messages)
     messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "again"}]
-    await client.chat.completions.create(model="policy", messages=messages)
+    try:
+        await client.chat.completions.create(model="policy", messages=messages)
+    except asyncio.CancelledError:
+        CANCELLED.append(_question(row))
+        raise
     CALLS["two_turns"] += 1
     return {"reward": 1.0, "turns": 2}
 
@@ -93,11 +104,8 @@ async def forever(client: openai.AsyncOpenAI, row) -> float:
         messages += [{"role": "assistant", "content": response.choices[0].message.content}, {"role": "user", "content": "go"}]
 
 
-release = asyncio.Event()
-
-
 async def stubborn(client: openai.AsyncOpenAI, row) -> float:
-    """Ignores its cancellation: catches it and every error, and keeps calling until `release` is set."""
+    """Ignores its cancellation and every error, and keeps calling (a call every 0.05 s after an error) until `release` is set."""
     messages = [{"role": "user", "content": "go"}]
     STARTED.append("stubborn")
     while not release.is_set():
@@ -108,8 +116,9 @@ async def stubborn(client: openai.AsyncOpenAI, row) -> float:
             STUBBORN_CALLS.append("cancelled")
         except openai.APIError as error:
             STUBBORN_CALLS.append(type(error).__name__)
-            if len(STUBBORN_CALLS) > 3:
-                return 0.0
+            await asyncio.sleep(0.05)
+        if len(STUBBORN_CALLS) >= 4:
+            refused_four_times.set()
     return 0.0
 
 

@@ -20,13 +20,16 @@ CODEC = CharCodec()
 
 
 class TextGenerator:
-    """Answers every request at once with `answer(request)`, encoded one id per character; `hang_after` requests, it never answers."""
+    """Answers every request at once with `answer(request)`, encoded one id per character; one that `hang(request)` never."""
 
     name = "text"
 
-    def __init__(self, answer=lambda request: "ok", hang_after: int | None = None) -> None:
+    def __init__(self, answer=lambda request: "ok", hang=lambda request: False, hangs_awaited: int = 0) -> None:
         self.answer = answer
-        self.hang_after = hang_after
+        self.hang = hang
+        self.hanging = 0
+        self.hangs_awaited = hangs_awaited
+        self.all_hanging = asyncio.Event()  # set once `hangs_awaited` requests hang at once
         self.version = 0
         self.requests: list[GenerationRequest] = []
         self.aborted = 0
@@ -46,24 +49,29 @@ class TextGenerator:
 
     async def generate(self, request: GenerationRequest) -> Completion:
         self.requests.append(request)
-        if self.hang_after is not None and len(self.requests) > self.hang_after:
+        if self.hang(request):
+            self.hanging += 1
+            if self.hanging == self.hangs_awaited:
+                self.all_hanging.set()
             try:
                 await asyncio.get_running_loop().create_future()
             except asyncio.CancelledError:
                 self.aborted += 1
                 raise
+            finally:
+                self.hanging -= 1
         text = self.answer(request)
         ids = CODEC.encode(text)
         return Completion(token_ids=ids, logprobs=(-0.5,) * len(ids), versions=(self.version,) * len(ids), finish_reason="stop",
                           dispatch_version=self.version, text=text)
 
 
-def agent_recipe(agent: str, *, group_size: int = 2, **env: object):
+def agent_recipe(agent: str, *, rollout: dict | None = None, inflight: int = 4, **env: object):
     return recipe(
         env={"factory": f"agent:tests.agents:{agent}", "cancel_grace_s": 2.0, "max_turns": 3, "step_timeout_s": 30.0, **env},
         reward={"functions": []},
-        generation={"max_inflight": group_size},
-        rollout={"group_size": group_size, "groups_per_step": 1, "min_group_survivors": 2},
+        generation={"max_inflight": inflight},
+        rollout={"group_size": 2, "groups_per_step": 1, "min_group_survivors": 2, **(rollout or {})},
     )
 
 
@@ -139,7 +147,7 @@ def test_an_unparseable_tool_call_is_returned_as_text_and_counted():
 ])
 def test_bad_endings_fail_the_rollout_counted_and_named(agent, counter, words, caplog):
     caplog.set_level(logging.WARNING, logger="asyncgrpo")
-    collector = make_collector(agent_recipe(agent, group_size=2), TextGenerator())
+    collector = make_collector(agent_recipe(agent), TextGenerator())
 
     async def run():
         async with asyncio.timeout(60):
@@ -163,3 +171,61 @@ def test_a_malformed_request_and_the_turn_limit_are_refused_with_errors_the_clie
     assert set(agents.REFUSED) == {400} and collector.counters["agent/refused/turn_limit"] == len(agents.REFUSED) >= 2
     episode = batch[0].rollouts[0].completion.episode
     assert episode.turns == 2 and episode.stop_reason == "max_turns" and episode.env_reward == 0.5
+
+
+def agent_tasks() -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks() if t.get_name().startswith("agent-")]
+
+
+def test_a_stale_groups_agents_are_cancelled_with_their_request_in_flight_and_nothing_of_them_keeps_running():
+    # Prompt 1's agents reach their second call, whose generation never answers; steps go on until the group is stale.
+    generator = TextGenerator(hang=lambda request: request.prompt_id == 1 and request.request_id.endswith("-t1"))
+    collector = make_collector(agent_recipe("two_turns", rollout={"max_requeues": 0}), generator)
+
+    async def run():
+        async with asyncio.timeout(60):
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(collector.run())
+                step = 0
+                while collector.counters["rollout/stale_groups_total"] == 0:
+                    await collector.next_batch(step, 60.0)
+                    step += 1
+                    generator.version = step
+                    collector.step_trained()
+                    collector.weights_published()
+                stale_left = agent_tasks()
+                collector.stop()
+        return stale_left
+
+    asyncio.run(run())
+    hung = [r for r in generator.requests if r.prompt_id == 1 and r.request_id.endswith("-t1")]
+    assert len(hung) == 2 and generator.aborted >= 2  # the stale group's requests in flight were aborted
+    assert agents.CANCELLED.count("say d: ") == 2  # prompt 1's agents' tasks were cancelled (their calls in flight)
+    assert collector.counters["env/abandoned_total"] == 0  # each ended within the grace
+    assert collector.counters["rollout/failed_total"] == 0 and collector.counters["env/errors_total"] == 0  # cancellation is no failure
+
+
+def test_a_stubborn_agent_is_abandoned_counted_and_its_calls_after_the_close_are_refused(caplog):
+    caplog.set_level(logging.WARNING, logger="asyncgrpo")
+    generator = TextGenerator(hang=lambda request: request.request_id.endswith("-t2"), hangs_awaited=2)
+    collector = make_collector(agent_recipe("stubborn", inflight=2, cancel_grace_s=0.2), generator)
+
+    async def run():
+        async with asyncio.timeout(60):
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(collector.run())
+                await generator.all_hanging.wait()  # both agents of the group wait on their third call
+                collector.stop()
+            left = agent_tasks()
+            assert len(left) == 2, "the abandoned agents are still running when the collector returns"
+            await agents.refused_four_times.wait()  # the abandoned agents' calls keep failing
+            agents.release.set()
+            done, _ = await asyncio.wait(left, timeout=30)
+            return len(done) == len(left)
+
+    assert asyncio.run(run())
+    assert collector.counters["env/abandoned_total"] == 2 and collector.counters["rollout/failed_total"] == 0
+    assert agents.STUBBORN_CALLS[:2] == ["cancelled", "cancelled"]
+    assert set(agents.STUBBORN_CALLS[2:]) <= {"APIStatusError", "APIConnectionError", "NotFoundError"} and len(agents.STUBBORN_CALLS) > 2
+    logged = [r.getMessage() for r in caplog.records if "abandoned" in r.getMessage()]
+    assert len(logged) == 1 and "agent:tests.agents:stubborn" in logged[0]
