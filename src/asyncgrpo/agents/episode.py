@@ -29,16 +29,17 @@ the session is released on every ending; every wait has a deadline.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import replace
 from typing import Any
 
 from asyncgrpo.agents.gateway import NOT_JSON, Call, Gateway, Inbox
-from asyncgrpo.agents.loading import load_agent
 from asyncgrpo.agents.session import Limits, Session
 from asyncgrpo.agents.wire import Refused, chat_request, chat_response, text_request, text_response
 from asyncgrpo.config import EnvConfig, GenerationConfig
+from asyncgrpo.environments.agent_spec import load_agent
 from asyncgrpo.environments.conversation import Codec, as_row, transcript
 from asyncgrpo.environments.protocol import TransientEnvironmentError
 from asyncgrpo.errors import EpisodeError
@@ -62,6 +63,10 @@ class AgentEpisodes:
         self.prompt_key = prompt_key
         self.max_prompt_tokens = max_prompt_tokens
         self.agent = load_agent(env.factory)
+        # The openai client's HTTP library (httpx, or httpx2 in openai 3.x) logs every request at INFO: thousands of lines per
+        # step on the run's console.
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.gateway = Gateway()
         self._report = report
         self._abandoned: set[asyncio.Task[Any]] = set()  # stubborn agents, referenced until they end

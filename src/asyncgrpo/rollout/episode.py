@@ -54,8 +54,8 @@ from dataclasses import replace
 from typing import TypeVar
 
 from asyncgrpo.agents.episode import AgentEpisodes
-from asyncgrpo.agents.loading import is_agent
 from asyncgrpo.config import Config, EnvConfig, GenerationConfig
+from asyncgrpo.environments.agent_spec import is_agent
 from asyncgrpo.environments.conversation import Codec, Conversation, as_row, content_chars, transcript
 from asyncgrpo.environments.hosts import open_host
 from asyncgrpo.environments.protocol import EnvironmentHost, Message, TransientEnvironmentError

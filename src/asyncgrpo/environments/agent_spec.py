@@ -1,7 +1,8 @@
-"""`env.factory: agent:module:function`: the agent of a run, loaded and checked before the run starts.
+"""`env.factory: agent:module:function`: the agent of a run (agents/), loaded and checked before the run starts.
 
-Job: `load_agent(target)` imports the module and returns the `async def agent(client, row)` it names
-(or an object whose `__call__` is one). Invariant: every failure is a `ConfigError` naming
+Job: `load_agent(spec)` imports the module and returns the `async def agent(client, row)` it names
+(or an object whose `__call__` is one). It lives here, below agents/, so that the preflight of
+`env.factory` (factories.py) checks an agent spec as it checks an environment's. Invariant: every failure is a `ConfigError` naming
 `env.factory`, the value, what is wrong and the fix; the agent is never called here.
 """
 
