@@ -156,3 +156,18 @@ def test_a_text_session_extends_its_text_and_refuses_the_other_endpoint():
         s.plan_text(text_request({"prompt": "2+2=5"}))
     with pytest.raises(Refused, match="other endpoint"):
         s.plan_chat(chat(USER))
+
+
+def test_tools_are_rendered_by_a_template_that_renders_them_and_refused_by_one_that_does_not():
+    from asyncgrpo.environments.conversation import TokenizerCodec
+    from asyncgrpo.models.tiny import CHAT_TEMPLATE, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    plain = Session(TokenizerCodec(tokenizer), Limits(3, 200, 100, 16), "agent:x")
+    with pytest.raises(Refused, match="does not render tools") as refused:
+        plain.plan_chat(chat(USER, tools=[TOOL]))
+    assert refused.value.reason == "unsupported" and plain.conversation is None
+    tokenizer.chat_template = "{% for tool in tools or [] %}tool {{ tool['function']['name'] }}\n{% endfor %}" + CHAT_TEMPLATE
+    with_tools = Session(TokenizerCodec(tokenizer), Limits(3, 200, 100, 16), "agent:x")
+    context, _ = with_tools.plan_chat(chat(USER, tools=[TOOL]))
+    assert tokenizer.decode(context) == "tool calc\nuser: hi\nassistant: "

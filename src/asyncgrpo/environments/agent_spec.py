@@ -8,6 +8,7 @@ Job: `load_agent(spec)` imports the module and returns the `async def agent(clie
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,9 @@ def is_agent(spec: str) -> bool:
 
 def load_agent(spec: str) -> Callable[..., Any]:
     """The agent named by `spec` ("agent:module:function")."""
+    if importlib.util.find_spec("openai") is None:
+        raise ConfigError(f"{KEY} = {spec!r} names an agent, which is given an openai.AsyncOpenAI client, but the openai package is not "
+                          "installed. Fix: pip install 'asyncgrpo[agents]'.")
     target = spec.removeprefix(PREFIX)
     module_name, sep, attr_path = target.rpartition(":")
     if not sep or not module_name or not attr_path:
