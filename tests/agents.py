@@ -62,6 +62,12 @@ async def never_calls(client: openai.AsyncOpenAI, row) -> float:
     return 1.0
 
 
+async def sleeps(client: openai.AsyncOpenAI, row) -> float:
+    """Neither calls the model nor returns (until cancelled)."""
+    await asyncio.Event().wait()
+    return 1.0
+
+
 async def raises(client: openai.AsyncOpenAI, row) -> float:
     await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     raise ValueError("the agent's own bug")

@@ -91,8 +91,10 @@ class AgentEpisodes:
             finally:
                 for _ in range(inbox.after_close):
                     self._refused(Refused("after_close", "a call after its session closed"), prompt)
-                await self.gateway.release(inbox)
-                await client.close()
+                try:
+                    await self.gateway.release(inbox)
+                finally:
+                    await client.close()  # an abandoned agent's calls fail from here on
 
     async def _serve(self, inbox: Inbox, session: Session, request: GenerationRequest, generate: Generate,
                      on_progress: Callable[[], None], prompt: Prompt) -> int | None:
