@@ -179,8 +179,10 @@ class Session:
         assert conv is not None
         left = self.limits.max_tokens - conv.generated
         fits = sum(len(str(m.get("content", ""))) for m in added) <= left * self._codec.max_token_chars
+        drift = conv.drift_turns
         ids = conv.delta(added) if fits else None
         if ids is None or len(ids) >= left:  # no room for a model token after them
+            conv.drift_turns = drift  # refused: nothing of these messages is kept, their drift included
             self.limit_hit = "max_tokens"
             raise Refused("context_limit", f"{what} do not fit in the episode's env.max_tokens = {self.limits.max_tokens} tokens "
                           f"({conv.generated} used). Fix: end the episode sooner, send shorter tool results, or raise env.max_tokens.")
