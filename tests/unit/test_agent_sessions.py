@@ -171,3 +171,11 @@ def test_tools_are_rendered_by_a_template_that_renders_them_and_refused_by_one_t
     with_tools = Session(TokenizerCodec(tokenizer), Limits(3, 200, 100, 16), "agent:x")
     context, _ = with_tools.plan_chat(chat(USER, tools=[TOOL]))
     assert tokenizer.decode(context) == "tool calc\nuser: hi\nassistant: "
+
+
+def test_an_agent_with_process_isolation_is_a_config_error_naming_the_fix():
+    from asyncgrpo.errors import ConfigError
+    from tests.sim.fakes import recipe
+
+    with pytest.raises(ConfigError, match="an agent runs as a task of the run's event loop.*env.isolation: thread"):
+        recipe(env={"factory": "agent:tests.agents:one_turn", "isolation": "process"})
