@@ -11,6 +11,15 @@ from asyncgrpo.types import DROP_REASONS
 
 WASTE_REASONS = ("stale", "failed", "filtered")  # rollout/token_books.py: the buckets of wasted tokens
 
+# Agent sessions (agents/): why a request was refused, and how an episode failed.
+AGENT_REFUSALS = ("malformed", "unsupported", "turn_limit", "context_limit", "after_close")
+AGENT_FAILURES = ("raised", "no_model_call", "bad_return", "timeout")
+AGENT_COUNTERS = (
+    *(f"agent/refused/{reason}" for reason in AGENT_REFUSALS),
+    *(f"agent/failed/{kind}" for kind in AGENT_FAILURES),
+    "agent/unparsed_tool_calls_total",
+)
+
 STEP_KEYS = ("step", "version")
 
 TRAIN_KEYS = (
@@ -60,6 +69,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "env/errors_total",
     "env/abandoned_total",
     "env/retokenization_drift_total",
+    *AGENT_COUNTERS,  # agent sessions (agents/episode.py): refused requests by reason, failed endings by kind, unparsed tool calls
     # Where tokens and generator time end up (rollout/token_books.py).
     "rollout/trained_tokens_total",
     "rollout/trained_completions_total",

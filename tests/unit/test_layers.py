@@ -53,6 +53,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models",),  # model.path -> (model, tokenizer); the builtin models
     ("data", "generation"),  # prompts; their completion (engines, servers, the scripted backend)
     ("rewards", "environments"),  # what a rollout calls: scoring, and the hosts of multi-turn episodes
+    ("agents",),  # agents written against the OpenAI client: the gateway, its sessions, their episodes
     ("distill",),  # on-policy distillation's parts: the teacher, judging a taught sample, its advantages
     ("algorithms.base",),  # the algorithm seam's protocol: what rollout and training ask of an algorithm
     ("rollout",),  # a group's life: admission, slots, retries, judging, the buffer, the books
