@@ -252,6 +252,7 @@ class Group:
     failed_rollouts: int = 0
     generation_ms: int = 0
     target_step: int | None = None  # rollout.on_stale: wait: the step that trains it
+    max_staleness: int | None = None  # rollout.max_prefix_staleness: a resumed group's bound, when not rollout.max_staleness
 
     @cached_property
     def generation_version(self) -> int:
@@ -262,6 +263,10 @@ class Group:
 
     def staleness_at(self, step: int) -> int:
         return step - self.generation_version
+
+    def bound(self, max_staleness: int) -> int:
+        """The most steps its trained tokens may be old: its own bound (a resumed group's), or the run's `max_staleness`."""
+        return max_staleness if self.max_staleness is None else self.max_staleness
 
 
 @dataclass(frozen=True)

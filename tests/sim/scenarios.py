@@ -202,4 +202,11 @@ def resume_scenario(seed: int) -> dict[str, Any] | None:
     rng = random.Random(f"resume:{seed}")
     recipe["rollout"].update(on_stale="resume", partial_groups=False, max_resumptions=rng.randint(0, 4),
                              max_masked_share=rng.choice((0.0, 0.3, 0.5, 1.0)))
+    if rng.random() < 0.5:  # short steps: versions move on while rollouts run, so they are resumed and masked
+        recipe["simulate"]["step_time_s"] = round(rng.uniform(0.05, 0.5), 3)
+        recipe["generation"]["weight_sync_every"] = 1
+        recipe["rollout"]["max_staleness"] = rng.randint(0, 1)
+        recipe["train"]["max_steps"] = rng.randint(4, 8)
+    if rng.random() < 0.3:
+        recipe["rollout"]["max_prefix_staleness"] = recipe["rollout"]["max_staleness"] + rng.randint(0, 3)
     return recipe

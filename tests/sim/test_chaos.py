@@ -225,14 +225,17 @@ def check_tokens(sim: Simulation) -> None:
 
 
 def check_token_bound(sim: Simulation) -> None:
-    """No token of a version older than step - K is in the loss of the step that trains it (masked tokens stay as context)."""
-    k = sim.cfg.rollout.max_staleness
+    """No token of a version older than step - K is in the loss of the step that trains it (masked tokens stay as context), nor
+    one older than step - rollout.max_prefix_staleness in a resumed group's."""
+    k, k_resumed = sim.cfg.rollout.max_staleness, sim.cfg.rollout.max_prefix_staleness
     for record in sim.records:
         for group in record.batch:
+            bound = k if group.max_staleness is None else group.max_staleness
+            assert bound == k or bound == k_resumed, (bound, k, k_resumed)
             for rollout in group.rollouts:
                 c = rollout.completion
                 trained = c.versions if c.loss_mask is None else [v for v, m in zip(c.versions, c.loss_mask) if m]
-                assert min(trained, default=record.step) >= record.step - k, (record.step, k, c.versions, c.loss_mask)
+                assert min(trained, default=record.step) >= record.step - bound, (record.step, bound, c.versions, c.loss_mask)
 
 
 def check_seams(sim: Simulation, generator: WatchedGenerator) -> None:
@@ -246,6 +249,7 @@ def check_seams(sim: Simulation, generator: WatchedGenerator) -> None:
             end, finished = len(ids), True
             while True:  # from the finished attempt back to the first, each one's tokens right before the next one's
                 piece = next((a for a in reversed(attempts) if a.finished == finished and a.resumed + len(a.tokens) == end
+                              and (finished or a.tokens)  # an interruption that kept no token is no piece
                               and ids[a.resumed:end] == a.tokens and a.context == group.prompt.token_ids + ids[:a.resumed]), None)
                 assert piece is not None, (ids, end, attempts)
                 if piece.resumed == 0:

@@ -117,6 +117,23 @@ def test_resume_continues_a_long_rollout_under_each_new_version_and_masks_its_to
     assert sim.collector.metric_values()["rollout/trained_version_span"] >= 1
 
 
+def test_resume_trains_a_resumed_groups_tokens_up_to_max_prefix_staleness():
+    # K = 1 for fresh groups; a resumed group's tokens up to 3 steps old stay in the loss (importance-weighted), older are masked.
+    plain, wide = long_rollouts(), long_rollouts(max_prefix_staleness=3)
+    assert wide.result.outcome == "completed"
+    masked = [sim.collector.counters["rollout/masked_stale_tokens_total"] for sim in (plain, wide)]
+    assert masked[1] < masked[0]
+    oldest = 0
+    for record in wide.records:
+        for group in record.batch:
+            for rollout in group.rollouts:
+                c = rollout.completion
+                mask = c.loss_mask or (True,) * len(c.versions)
+                assert mask == tuple(v >= record.step - group.bound(1) for v in c.versions)
+                oldest = max(oldest, max(record.step - v for v, m in zip(c.versions, mask) if m))
+    assert oldest > 1  # tokens past K trained, under the resumed groups' own bound of 3
+
+
 def test_resume_cancels_a_group_whose_rollouts_would_be_resumed_too_often():
     # No resumption allowed: a long rollout is left behind as `requeue` (here: drop) leaves it, and nothing is masked.
     sim = long_rollouts(max_resumptions=0, max_requeues=0)

@@ -81,3 +81,22 @@ def test_resume_refuses_what_it_is_not_built_for(key: str, value: object) -> Non
         overrides.append("generation.http.base_urls=[http://localhost:1]")
     with pytest.raises(ConfigError, match=rf"rollout.on_stale = 'resume' with {key}"):
         load_config("recipes/simulate_nemo.yaml", overrides)
+
+
+@pytest.mark.parametrize("overrides", [["rollout.on_stale=resume", "rollout.max_staleness=2", "rollout.max_prefix_staleness=1"],
+                                       ["rollout.on_stale=patience", "rollout.max_prefix_staleness=4"]])
+def test_max_prefix_staleness_needs_resume_and_at_least_max_staleness(overrides: list[str]) -> None:
+    from asyncgrpo.config import load_config
+    from asyncgrpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout.max_prefix_staleness = \d+ with rollout.on_stale"):
+        load_config("recipes/simulate_nemo.yaml", overrides)
+
+
+def test_a_resumed_groups_own_bound_masks_only_the_tokens_past_it() -> None:
+    g = group(completion((1, 2, 3, 4), (0, 1, 2, 3)))
+    resumed = Group(prompt=g.prompt, rollouts=g.rollouts, seq=1, max_staleness=2)
+    policy = ResumePolicy(recipe(rollout={"on_stale": "resume", "max_staleness": 1, "max_prefix_staleness": 2}).rollout)
+    masked = policy.mask(resumed, 3)
+    assert masked is not None and masked[0].rollouts[0].completion.loss_mask == (False, True, True, True) and masked[1] == 1
+    assert policy.mask(g, 3) is not None and policy.mask(g, 3)[0].rollouts[0].completion.loss_mask == (False, False, True, True)  # type: ignore[index]

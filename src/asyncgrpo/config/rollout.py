@@ -34,6 +34,12 @@ class RolloutConfig(Section):
         description="on_stale: resume: a group in which one rollout would have more than this share of its tokens masked as older "
         "than the bound is stale as a whole (its prompt requeued, as requeue does).",
     )
+    max_prefix_staleness: int | None = Field(
+        None, ge=0,
+        description="on_stale: resume: the bound for the tokens of a resumed group (at least max_staleness): tokens up to this many "
+        "steps old stay in the loss, importance-weighted with their own behaviour logprobs (truncated as the loss does); older "
+        "ones are masked. Unset: max_staleness, for every token.",
+    )
     max_resumptions: int = Field(
         2, ge=0,
         description="on_stale: resume: times one rollout may be interrupted and resumed; the group of a rollout left behind once more "

@@ -251,6 +251,12 @@ def _failure_budget_warnings(cfg: Config) -> list[str]:
 def resume_problems(cfg: Config) -> list[str]:
     """`rollout.on_stale: resume` needs a backend that keeps an interrupted request's tokens, and plain rollouts."""
     r, problems = cfg.rollout, list[str]()
+    if r.max_prefix_staleness is not None and (r.on_stale != "resume" or r.max_prefix_staleness < r.max_staleness):
+        problems.append(
+            f"rollout.max_prefix_staleness = {r.max_prefix_staleness} with rollout.on_stale = {r.on_stale!r} and rollout.max_staleness = "
+            f"{r.max_staleness}: it bounds the tokens of resumed groups, so it needs on_stale: resume and at least max_staleness. "
+            f"Fix: set rollout.on_stale: resume and rollout.max_prefix_staleness >= {r.max_staleness}, or remove it."
+        )
     if r.on_stale != "resume":
         return problems
     unsupported = {"generation.backend": cfg.generation.backend if cfg.generation.backend == "http" else None,

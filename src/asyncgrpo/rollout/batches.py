@@ -161,8 +161,8 @@ class Batches:
         batch = self.buffer.take(n, prefer_target=self._stale.prefer_target(step))
         for group in batch:
             self._stale.release(group.target_step)
-            if is_stale(generation_version=group.generation_version, step=step, max_staleness=self.max_staleness):
-                raise AssertionError(f"group of version {group.generation_version} taken for step {step} with K={self.max_staleness}")
+            if is_stale(generation_version=group.generation_version, step=step, max_staleness=group.bound(self.max_staleness)):
+                raise AssertionError(f"group of version {group.generation_version} taken for step {step} with K={group.bound(self.max_staleness)}")
         self.in_training = batch
         self.version_span = version_span(batch)
         self._step_started = self._now()
@@ -176,7 +176,7 @@ class Batches:
         for group in self.buffer.remove_stale(step):
             masked = self._stale.mask(group, step)  # resume: masked at this step, it may be within the bound again
             if masked is not None and masked[1] and not is_stale(generation_version=masked[0].generation_version, step=step,
-                                                                 max_staleness=self.max_staleness):
+                                                                 max_staleness=group.bound(self.max_staleness)):
                 self._books.masked(masked[1])
                 self.buffer.put(masked[0])
                 continue

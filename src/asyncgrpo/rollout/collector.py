@@ -337,14 +337,15 @@ class Collector:
         kept = [r.completion for r in rollouts]
         self.books.unscored(group.finished_tokens() - sum(c.model_tokens for c in kept))
         finished = Group(prompt=group.prompt, rollouts=rollouts, seq=self._seq, failed_rollouts=sum(e is not None for e in group.errors),
-                         generation_ms=group.ms_of(kept), target_step=group.target_step)
+                         generation_ms=group.ms_of(kept), target_step=group.target_step,
+                         max_staleness=self.stale.bound_of_resumed if any(group.resumptions) else None)
         masked = self.stale.mask(finished, self.next_step)  # resume: tokens older than the bound masked out of the loss
         if masked is None:
             self._end(group, STALE)
             return
         finished, added = masked
         self.books.masked(added)
-        if is_stale(generation_version=finished.generation_version, step=self.next_step, max_staleness=self.max_staleness):
+        if is_stale(generation_version=finished.generation_version, step=self.next_step, max_staleness=finished.bound(self.max_staleness)):
             self._end(group, STALE)
         else:
             self._end(group, finished)

@@ -34,7 +34,9 @@ check before every take enforces it whatever the policy). They differ in what th
   newest weights from the tokens they have (rollout/resume.py), and the bound holds per token: tokens older
   than the bound are masked out of the loss when the group is buffered and before a step takes it. A group
   is left behind as `requeue` leaves it (`left_behind`) when a rollout would be resumed more than
-  `rollout.max_resumptions` times or have more than `rollout.max_masked_share` of its tokens masked.
+  `rollout.max_resumptions` times or have more than `rollout.max_masked_share` of its tokens masked. With
+  `rollout.max_prefix_staleness` K' (>= K), a resumed group's tokens up to K' steps old stay in the loss,
+  importance-weighted by their own behaviour logprobs, and only older ones are masked.
 
 An opt-in for `requeue`, `drop` and `patience`, `rollout.partial_groups` (`may_finish_early`): when a
 batch is ready, a straggler with at least `min_group_survivors` finished members ends with them,
@@ -92,6 +94,7 @@ class StalePolicy:
         self.max_requeues = r.max_requeues
         self.finish_early = r.partial_groups  # rollout.partial_groups: stragglers may end early with their finished members
         self.max_staleness = r.max_staleness
+        self.bound_of_resumed: int | None = None  # `resume`: rollout.max_prefix_staleness, the bound of a resumed group's tokens
 
     resumes = False  # `resume`: a rollout left behind is interrupted and continued (rollout/resume.py), not cancelled
 
@@ -186,17 +189,19 @@ class ResumePolicy(RequeuePolicy):
         super().__init__(r)
         self.max_masked_share = r.max_masked_share
         self.max_resumptions = r.max_resumptions
+        self.bound_of_resumed = r.max_prefix_staleness
 
     def mask(self, group: Group, step: int) -> tuple[Group, int] | None:
         """`group` as step `step` may train it (tokens past the bound masked) and the tokens that masked anew; None: stale."""
-        return mask_stale(group, step=step, bound=self.max_staleness, max_share=self.max_masked_share)
+        return mask_stale(group, step=step, bound=group.bound(self.max_staleness), max_share=self.max_masked_share)
 
     def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int) -> bool:
         """Not when a rollout would be resumed more than `rollout.max_resumptions` times, nor when a finished one already has more
         than the limit masked at `step` (and so at every later step)."""
         if any(times >= self.max_resumptions for times in resumptions):
             return False
-        return not any(c is not None and masked_share(c, step=step, bound=self.max_staleness) > self.max_masked_share for c in finished)
+        bound = self.max_staleness if self.bound_of_resumed is None else self.bound_of_resumed  # the group is resumed now
+        return not any(c is not None and masked_share(c, step=step, bound=bound) > self.max_masked_share for c in finished)
 
 
 STALE_POLICIES: dict[str, type[StalePolicy]] = {
