@@ -87,14 +87,14 @@ def test_metrics_jsonl_carries_the_token_books(tmp_path):
     assert report["length_bias"] < 0.95 and report["wasted_tokens"]["stale"] == last["rollout/wasted_tokens/stale"] > 0
 
 
-def long_rollouts(**rollout):
+def long_rollouts(generator=None, **rollout):
     """K = 1, groups of 2, one group per step of 1 s; a prompt's rollouts are 2 to 60 tokens at 0.1 s each: the long ones
     span several versions while the short ones keep the steps going."""
     cfg = recipe(rollout={"on_stale": "resume", "max_masked_share": 1.0, "max_resumptions": 8, **rollout}, train={"max_steps": 8},
                  generation={"max_new_tokens": 64, "max_inflight": 8},
                  simulate={"tokens": {"dist": "uniform", "low": 2, "high": 60},
                            "token_model": {"decode_s_per_token": 0.1, "rollout_sigma": 0.0}})
-    return simulate(cfg)
+    return simulate(cfg, generator(cfg) if generator else None)
 
 
 def test_resume_continues_a_long_rollout_under_each_new_version_and_masks_its_tokens_past_the_bound():
@@ -157,3 +157,23 @@ def test_rollouts_in_flight_at_a_checkpoint_are_generated_again_after_it():
     parts = wire_run(sim.cfg, prompts, Backends(sim.generator, isolation="inline"), outcomes=lambda _: None, start_step=8, saved=saved)
     taken = [parts.collector.source.take().id for _ in range(len(in_flight))]
     assert set(taken) == in_flight  # the prompts whose rollouts were in flight come first, none that was trained
+
+
+def test_resume_interrupts_nothing_on_a_backend_that_continues_in_flight():
+    # The local engine installs weights between decoding steps (continues_in_flight): a rollout continues in place, so
+    # resume interrupts none; its tokens past the bound are still masked (here all of a rollout carry its dispatch version).
+    from asyncgrpo.generation.scripted import ScriptedGenerator
+
+    class InPlace(ScriptedGenerator):
+        continues_in_flight = True
+
+    sim = long_rollouts(lambda cfg: InPlace(cfg.simulate, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens))
+    assert sim.result.outcome == "completed"
+    counters = sim.collector.counters
+    assert counters["rollout/resumed_rollouts_total"] == 0 and counters["rollout/masked_stale_tokens_total"] > 0
+    for record in sim.records:
+        for group in record.batch:
+            for rollout in group.rollouts:
+                c = rollout.completion
+                assert len(set(c.versions)) == 1  # one attempt each: never interrupted and continued
+                assert c.loss_mask is None or c.loss_mask == tuple(v >= record.step - 1 for v in c.versions)

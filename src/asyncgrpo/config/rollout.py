@@ -41,7 +41,7 @@ class RolloutConfig(Section):
         "ones are masked. Unset: max_staleness, for every token.",
     )
     max_resumptions: int = Field(
-        2, ge=0,
+        4, ge=0,
         description="on_stale: resume: times one rollout may be interrupted and resumed; the group of a rollout left behind once more "
         "is stale as a whole (its prompt requeued, as requeue does).",
     )

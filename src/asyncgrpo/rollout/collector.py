@@ -100,6 +100,9 @@ class Collector:
         self.books = Books(FailurePolicy.from_rollout(r), accounting=accounting, ledger=ledger, counters=counters,
                            observer=observer)
         self.stale = stale_policy(r)  # rollout.on_stale
+        # resume: a backend that installs weights between decoding steps (the local engine) continues every rollout in place,
+        # each token stamped with its version: nothing to interrupt, the per-token mask still applies
+        self._in_place = bool(getattr(generator, "continues_in_flight", False))
         self.first_failure = FirstFailure()
         self._no_signal = NoSignalWatch(r.drop_window) if algorithm.watches_no_signal and not r.filter_zero_variance else None
         self.failure_log = FailureLog(cfg.logging.failure_summary_s)
@@ -405,7 +408,7 @@ class Collector:
     def _interrupt(self, group: InFlightGroup, *, older_than: int, may_end: bool) -> None:
         """Interrupt the group's running rollouts whose attempt is of a version below `older_than`, all at once, if the policy
         lets it resume them; if not, cancel the group as stale (`may_end`: they would be stale) or leave it as it is."""
-        behind = [m for m in range(group.size) if group.running(m) and not group.interrupts[m]
+        behind = [m for m in range(group.size) if not self._in_place and group.running(m) and not group.interrupts[m]
                   and (v := group.dispatch_versions[m]) is not None and v < older_than]
         if not behind and not may_end:
             return
@@ -434,7 +437,7 @@ class Collector:
     def weights_published(self) -> None:
         """A generator's serving version changed: admission may open; under `rollout.on_stale: resume` every running rollout of
         an older version (with resumptions left) is interrupted, all of a group's together, to continue under the new one."""
-        if self.stale.resumes:
+        if self.stale.resumes and not self._in_place:
             for group in self._in_flight.values():
                 self._interrupt(group, older_than=self.generator.serving_version, may_end=False)
         self._signal.notify()
