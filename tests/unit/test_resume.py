@@ -100,3 +100,26 @@ def test_a_resumed_groups_own_bound_masks_only_the_tokens_past_it() -> None:
     masked = policy.mask(resumed, 3)
     assert masked is not None and masked[0].rollouts[0].completion.loss_mask == (False, True, True, True) and masked[1] == 1
     assert policy.mask(g, 3) is not None and policy.mask(g, 3)[0].rollouts[0].completion.loss_mask == (False, False, True, True)  # type: ignore[index]
+
+
+def test_a_buffered_group_past_the_bound_at_a_take_is_masked_again_and_kept_if_that_brings_it_within() -> None:
+    import asyncio
+
+    from tests.sim.fakes import ProgrammedGenerator, make_collector
+
+    cfg = recipe(rollout={"on_stale": "resume", "max_staleness": 1, "max_masked_share": 0.5})
+    collector = make_collector(cfg, ProgrammedGenerator())
+    kept, dropped = group(completion((1, 2, 3, 4), (1, 1, 2, 2))), group(completion((1, 2, 3, 4), (0, 1, 1, 2)))
+    buffer = collector.batches.buffer
+    for _ in range(2):  # two takes, buffered
+        collector.books.take()
+        collector.accounting.buffer()
+    buffer.put(kept)
+    buffer.put(dropped)
+
+    async def at_step_3() -> None:
+        collector.batches._drop_stale_buffered(3)
+
+    asyncio.run(at_step_3())
+    assert [g.rollouts[0].completion.loss_mask for g in buffer.groups()] == [(False, False, True, True)]
+    assert collector.counters["rollout/masked_stale_tokens_total"] == 2 and collector.counters["rollout/dropped/stale"] == 1
