@@ -53,7 +53,7 @@ def offpolicy_keys(max_staleness: int) -> tuple[str, ...]:
 # Reported by the trainers under `algorithm: distill` only (distill/judge.py).
 DISTILL_KEYS = ("distill/kl_mean",)
 # The collector's state at the end of a step (`Collector.metric_values()`).
-COLLECTOR_GAUGES = ("rollout/inflight", "buffer/size")
+COLLECTOR_GAUGES = ("rollout/inflight", "buffer/size", "rollout/trained_version_span")
 # The collector's running totals since the start of the run (kept across a resume).
 COUNTER_NAMES: tuple[str, ...] = (
     "rollout/failed_total",
@@ -76,6 +76,9 @@ COUNTER_NAMES: tuple[str, ...] = (
     *(f"rollout/wasted_tokens/{reason}" for reason in WASTE_REASONS),
     "rollout/generation_ms_total",
     "rollout/trained_generation_ms_total",
+    # rollout.on_stale: resume (rollout/resume.py): rollouts interrupted and continued, tokens masked as older than the bound.
+    "rollout/resumed_rollouts_total",
+    "rollout/masked_stale_tokens_total",
 )
 EVAL_KEYS = ("eval/reward_mean", "eval/pass_rate", "eval/failed_requests")
 PIPELINE_KEYS = (

@@ -130,6 +130,8 @@ class LocalEngine:
     synchronise. `close_timeout_s` bounds `aclose`.
     """
 
+    continues_in_flight = True  # rollout.on_stale: resume: weights change between decoding steps, a rollout continues in place
+
     def __init__(self, model: Any, tokenizer: Any = None, *, name: str = "local", max_batch_size: int = 64,
                  version: int = 0, step_hook: StepHook | None = None, close_timeout_s: float = 30.0) -> None:
         if max_batch_size < 1:
