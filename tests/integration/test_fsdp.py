@@ -28,14 +28,15 @@ import torch.multiprocessing as mp
 
 from asyncgrpo.config import load_config
 from asyncgrpo.models.loading import load_model_and_tokenizer
+from asyncgrpo.training.bf16_adamw import local
 from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
-from asyncgrpo.training.sharding import local
 from asyncgrpo.training.trainer import TorchTrainer
 from tests.component.test_trainer import TEMPERATURE, make_groups
 
 pytestmark = pytest.mark.timeout(300)
 
 WORLD = 2
+LOW = ("train.precision=bfloat16", "train.optimizer_state_dtype=bfloat16")
 
 
 def config(*overrides: str):
@@ -61,6 +62,7 @@ def rank_main(rank: int, port: int, directory: str, first_checkpoint: str) -> No
         torch.manual_seed(0)
         model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
         groups = make_groups(model, 4, seed=6, truncated_every=3)  # the log-probs of the initial model, as the test's
+        initial = copy.deepcopy(model)
         cfg = config("runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp")
         trainer = TorchTrainer(model, tokenizer, cfg)
         load_checkpoint(first_checkpoint, trainer)  # as a Ray rank does: before joining, into the unsharded model
@@ -74,8 +76,14 @@ def rank_main(rank: int, port: int, directory: str, first_checkpoint: str) -> No
         else:  # what the driver's save_checkpoint asks of every rank, in the same order
             trainer.save_pretrained(os.path.join(directory, "unused"))
             assert trainer.state_dict()["optimizer"] == {}
-        torch.save({"metrics": metrics, "weights": weights, "unsharded": unsharded, "sharded": sharded},
-                   os.path.join(directory, f"rank{rank}.pt"))
+        # bfloat16 through FSDP2's mixed precision, AdamW's moments in bfloat16 (sharded like the parameters).
+        low = TorchTrainer(copy.deepcopy(initial), tokenizer, config(*LOW, "runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp"))
+        low.join_data_parallel(rank, WORLD)
+        low_metrics = low.train_step(groups)
+        assert all(local(p).dtype == torch.float32 for p in low.model.parameters())  # the master weights
+        low_state = low.state_dict()["optimizer"]
+        torch.save({"metrics": metrics, "weights": weights, "unsharded": unsharded, "sharded": sharded,
+                    "low_metrics": low_metrics, "low_state": low_state}, os.path.join(directory, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -139,3 +147,25 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     # measured 2.3x the regrouped process's (relative 1.2e-5 of each tensor's largest); 10x bounds it.
     assert largest_difference(moments(resumed), moments(expected), relative=True) <= 10 * moment_noise
     assert resumed.optimizer.state_dict()["param_groups"] == expected.optimizer.state_dict()["param_groups"]
+
+    # bfloat16 compute and moments: the same update to bfloat16's precision. FSDP2 casts the weights where the single
+    # process autocasts the matrix products, and the moments are rounded stochastically, each rank its shard: the bound
+    # is bfloat16's own noise, measured as the distance of the single process's first moments from float32's.
+    low, plain = single(model, tokenizer, *LOW), single(model, tokenizer)
+    low_metrics = low.train_step(groups)
+    plain.train_step(groups)
+    assert ranks[0]["low_metrics"]["loss"] == pytest.approx(low_metrics["loss"], rel=2e-2)
+    assert ranks[0]["low_metrics"]["grad_norm"] == pytest.approx(low_metrics["grad_norm"], rel=2e-2)
+    sharded_moments = {f"{k}.{n}": v for k, e in ranks[0]["low_state"]["state"].items() for n, v in e.items() if n != "step"}
+    assert sharded_moments.keys() == moments(low).keys()
+    assert all(v.dtype == torch.bfloat16 for v in sharded_moments.values())
+    bfloat16_noise = first_moment_distance(moments(low), moments(plain))
+    assert 0 < bfloat16_noise < 0.2
+    assert first_moment_distance(sharded_moments, moments(low)) <= 2 * bfloat16_noise
+    low.load_state_dict({**low.state_dict(), "optimizer": ranks[0]["low_state"]})  # the single-process layout
+
+
+def first_moment_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over every parameter's first moment (AdamW's running mean of the gradient)."""
+    keys = [k for k in b if k.endswith(".exp_avg")]
+    return float(torch.cat([(a[k].float() - b[k].float()).flatten() for k in keys]).norm() / torch.cat([b[k].float().flatten() for k in keys]).norm())

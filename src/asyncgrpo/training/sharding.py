@@ -37,11 +37,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from asyncgrpo.training.data_parallel import RankShare
 
 
-def local(tensor: Tensor) -> Tensor:
-    """This rank's shard of a sharded (DTensor) tensor, sharing its storage; a plain tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 class FullySharded(RankShare):
     """FSDP2 on `model` (in place) for this rank; `optimizer` re-pointed at the sharded parameters. See the module docstring."""
 
