@@ -79,5 +79,10 @@ class TrainConfig(Section):
             raise ValueError("train.sharding = fsdp runs train.precision = float16 without the sharded gradient scaler it needs "
                              "(not built: float16 gradients underflow without one). Fix: train.precision: bfloat16 (no scaler "
                              "needed) or float32, or train.sharding: ddp.")
+        if self.lora is not None:
+            raise ValueError("train.sharding = fsdp with train.lora is not built: the generators and checkpoints get the adapters "
+                             "merged into the base weights, and merging sharded adapters into sharded weights is not. Fix: "
+                             "train.sharding: ddp (the adapters and their AdamW state are small: DDP's full copies cost little "
+                             "beyond the frozen base weights), or train without train.lora.")
         return self
 
