@@ -6,7 +6,7 @@ counts the bytes of the tensors it holds: its parameters, their gradients and Ad
 when sharded; DDP's gradient buckets and the activations are not counted). Then projects the per-GPU memory of
 1.5B / 7B / 32B models from the measured bytes per parameter (see docs/benchmarks.md for the formula).
 
-    PYTHONPATH=src .venv/bin/python bench/sharding_memory.py
+    PYTHONPATH=src:. .venv/bin/python bench/sharding_memory.py   # src: the package; .: the tests' batch maker
 """
 
 from __future__ import annotations
