@@ -4,7 +4,8 @@ Job: shard the model's parameters, their gradients and the optimizer's state acr
 (`torch.distributed.fsdp.fully_shard`: each decoder layer one group, the rest of the model the
 root group), sum the ranks' gradients, and gather the full weights and the full optimizer state
 once, for rank 0, when a generator or a checkpoint needs them. The share of each update and the
-reduction of the loss statistics are data parallelism's (training/data_parallel.py `RankShare`).
+reduction of the loss statistics are data parallelism's (training/data_parallel.py `RankShare`);
+`join` picks DDP or this, as `train.sharding` says.
 
 Invariants:
 - A step equals the single-process step on the same batch (up to float summation order): the
@@ -34,7 +35,16 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from asyncgrpo.training.data_parallel import RankShare
+from asyncgrpo.config.train import TrainConfig
+from asyncgrpo.training.data_parallel import DataParallel, RankShare
+
+
+def join(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig, *, rank: int, world_size: int,
+         device: torch.device) -> DataParallel | FullySharded:
+    """This rank's place in the data-parallel trainer, as `train.sharding` asks: DDP's copies, or FSDP2's shards."""
+    if cfg.sharding == "fsdp":
+        return FullySharded(model, optimizer, rank=rank, world_size=world_size, device=device, precision=cfg.precision)
+    return DataParallel(model, rank=rank, world_size=world_size, device=device)
 
 
 class FullySharded(RankShare):
@@ -83,6 +93,12 @@ class FullySharded(RankShare):
     def full_weights(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """The full tensors of `tensors` (a state dict), gathered one at a time: rank 0's, on the CPU; {} on the others."""
         return {name: value for name, value in ((name, self._gather(t)) for name, t in tensors.items()) if value is not None}
+
+    def save_pretrained(self, base_model: Any, tensors: dict[str, Tensor], directory: Any) -> None:
+        """`base_model.save_pretrained` of the full `tensors` (the model's state dict), written by rank 0."""
+        weights = self.full_weights(tensors)
+        if self.rank == 0:
+            base_model.save_pretrained(directory, state_dict=weights)
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """`optimizer.state_dict()` with each sharded tensor gathered: the single-process layout on rank 0; {} on the others."""

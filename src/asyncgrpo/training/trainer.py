@@ -139,6 +139,7 @@ class TorchTrainer:
         self.pad_id = self._pad_id(tokenizer)
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.base_model.forward).parameters
         self._parallel: DataParallel | FullySharded | None = None
+        self._sharded: FullySharded | None = None  # the same object, when it shards (train.sharding: fsdp)
         self._offpolicy = OffPolicyStats(cfg.rollout.max_staleness, clip_low=t.loss.clip_low, clip_high=t.loss.clip_high)
         g = cfg.generation  # the distribution the generators sample from (sampling.py); pi_theta is scored under it
         self.processing = Processing(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
@@ -181,18 +182,14 @@ class TorchTrainer:
 
     def join_data_parallel(self, rank: int, world_size: int) -> None:
         """From now on train as rank `rank` of `world_size` in the initialised torch.distributed group: each update
-        runs this rank's share of the batch and sums the gradients over the ranks (training/data_parallel.py), with
-        `train.sharding: fsdp` on sharded parameters and optimizer state (training/sharding.py)."""
-        from asyncgrpo.training.data_parallel import DataParallel
-        from asyncgrpo.training.sharding import FullySharded
+        runs this rank's share of the batch and sums the gradients over the ranks (training/data_parallel.py; sharded:
+        training/sharding.py)."""
+        from asyncgrpo.training.sharding import FullySharded, join
 
         with self.lock:
-            if self.cfg.train.sharding == "fsdp":
-                self._parallel = FullySharded(self.model, self.optimizer, rank=rank, world_size=world_size,
-                                              device=self._device, precision=self.cfg.train.precision)
-                self._params = [p for p in self.model.parameters() if p.requires_grad]  # the sharded ones now
-            else:
-                self._parallel = DataParallel(self.model, rank=rank, world_size=world_size, device=self._device)
+            self._parallel = join(self.model, self.optimizer, self.cfg.train, rank=rank, world_size=world_size, device=self._device)
+            self._sharded = self._parallel if isinstance(self._parallel, FullySharded) else None
+            self._params = [p for p in self.model.parameters() if p.requires_grad]  # sharded: the sharded ones now
 
     @property
     def lr(self) -> float:
@@ -229,9 +226,7 @@ class TorchTrainer:
         """The model in the save_pretrained layout (merged, with LoRA: plus the adapter in lora.ADAPTER_DIR)."""
         with self.lock:
             if self._sharded is not None:  # every rank takes part in the gather; rank 0 writes
-                weights = self._sharded.full_weights(self.model.state_dict())
-                if self._sharded.rank == 0:
-                    self.base_model.save_pretrained(directory, state_dict=weights)
+                self._sharded.save_pretrained(self.base_model, self.model.state_dict(), directory)
             elif self.lora:
                 self.base_model.save_pretrained(directory, state_dict=lora_adapters.merged_state(self.model))
                 lora_adapters.save_adapter(self.model, directory)
@@ -431,14 +426,6 @@ class TorchTrainer:
 
     def _share(self, groups: list[list[TrainSequence]]) -> list[list[TrainSequence]]:
         return groups if self._parallel is None else self._parallel.share(groups)
-
-    @property
-    def _sharded(self) -> FullySharded | None:
-        if self._parallel is None:
-            return None
-        from asyncgrpo.training.sharding import FullySharded
-
-        return self._parallel if isinstance(self._parallel, FullySharded) else None
 
     def _missing_rounds(self, count: int) -> int:
         """The forward passes this rank adds to its `count` so that it makes as many as every rank (FSDP all-gathers in each)."""
