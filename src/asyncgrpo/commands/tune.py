@@ -23,7 +23,7 @@ from asyncgrpo.rundir import TUNE_PLOT_FILE
 from asyncgrpo.tuning.calibrate import Calibration, calibrate, recipe_config, write_tuned
 from asyncgrpo.tuning.observe import Comparison, Observed, compare, observe_run, observe_simulation
 from asyncgrpo.tuning.records import load_run
-from asyncgrpo.tuning.sweep import KEYS, Point, Recommendation, candidates, frontier, recommend, run_sweep
+from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, Recommendation, candidates, frontier, recommend, run_sweep
 
 SWEEP_STEPS = 60  # at most, per swept config: enough for the steady state, ~50 of them in well under a minute
 
@@ -144,14 +144,18 @@ def plot_frontier(result: TuneResult, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    on_frontier = {id(p) for p in result.frontier}
-    for policy, marker in zip(("requeue", "drop", "wait", "patience"), "os^D"):
-        pts = [p for p in result.points if p.observed is not None and p.overrides["rollout.on_stale"] == policy]
-        ax.scatter([p.observed.length_bias or 1.0 for p in pts if p.observed], [p.observed.tokens_per_s for p in pts if p.observed],
-                   marker=marker, label=policy, facecolors=["C3" if id(p) in on_frontier else "none" for p in pts], edgecolors="C0")
+
+    def xy(points: list[Point]) -> tuple[list[float], list[float]]:
+        seen = [p.observed for p in points if p.observed is not None]
+        return [o.length_bias or 1.0 for o in seen], [o.tokens_per_s for o in seen]
+
+    for policy, marker in zip(POLICIES, "os^Dv<>"):
+        ax.scatter(*xy([p for p in result.points if p.overrides["rollout.on_stale"] == policy]), marker=marker, label=policy,
+                   facecolors="none", edgecolors="C0")
+    ax.scatter(*xy(result.frontier), marker=".", color="C3", label="frontier")
     ax.set_xlabel("length bias (1.0: none)")
     ax.set_ylabel("predicted trained tokens/s")
-    ax.set_title("asyncgrpo tune: swept configs (filled: the frontier)")
+    ax.set_title("asyncgrpo tune: swept configs and their frontier")
     ax.legend(title="on_stale")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
