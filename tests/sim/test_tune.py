@@ -20,7 +20,7 @@ from asyncgrpo.tuning.records import load_run
 from asyncgrpo.tuning.sweep import KEYS
 
 TRUTH = [
-    "generation.max_inflight=24", "generation.max_new_tokens=512", "rollout.group_size=4", "rollout.groups_per_step=4",
+    "data.builtin_size=256", "generation.max_inflight=24", "generation.max_new_tokens=512", "rollout.group_size=4", "rollout.groups_per_step=4",
     "rollout.max_staleness=1", "train.max_steps=30", "simulate.faults=[]", "simulate.token_time_s=0.0001",
     "simulate.tokens={dist: lognormal, median: 100, sigma: 0.3}",
     "simulate.token_model={rollout_sigma: 0.2, prefill_s: 0.01, decode_s_per_token: 0.002, batch_knee: 8}",
@@ -76,7 +76,7 @@ def test_a_replay_that_misses_the_run_refuses_to_advise(tmp_path, capsys):
 
 
 def test_tune_prints_one_json_object_with_the_frontier_and_dotted_overrides_and_draws_the_plot(tmp_path, capsys):
-    truth_run(tmp_path, "train.max_steps=8")
+    truth_run(tmp_path, "train.max_steps=6")
     assert main(["tune", str(tmp_path), "--json", "--plot", "--max-staleness", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["validation"]["ok"]

@@ -133,3 +133,11 @@ def test_frontier_drops_dominated_points_and_keeps_one_of_each_tie():
     run, tie = _point(1, "patience", 100), _point(1, "drop", 100)
     faster_but_biased, dominated = _point(2, "drop", 150, bias=0.8), _point(2, "requeue", 90)
     assert frontier([run, tie, faster_but_biased, dominated]) == [faster_but_biased, run]
+
+
+def test_recommend_never_widens_generation_beyond_what_the_run_reached():
+    """The decode model has no data beyond the widest concurrency the run saw (a real server timed out there)."""
+    base = _point(1, "patience", 100)
+    wider = Point({**base.overrides, "generation.max_inflight": 128}, _observed(150), None, None)
+    assert recommend([base, wider], max_staleness=None, min_length_bias=None, widest=64).changes == {}
+    assert recommend([base, wider], max_staleness=None, min_length_bias=None, widest=128).changes == {"generation.max_inflight": 128}

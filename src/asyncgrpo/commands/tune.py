@@ -81,8 +81,9 @@ def tune(run_dir: Path, *, max_staleness: int | None = None, min_length_bias: fl
     cfg = records.config
     configs = candidates(cfg.rollout.max_staleness, cfg.rollout.on_stale, cfg.generation.max_inflight, cfg.rollout.groups_per_step)
     points = run_sweep(calibration.recipe, configs, min(sweep_steps, len(records.steps)), simulate_one)
+    widest = min(calibration.decode.max_concurrency, cfg.generation.max_inflight)  # spans waiting to retry hold no request slot
     return TuneResult(calibration, tuned_path, comparison, points, frontier(points),
-                      recommend(points, max_staleness=max_staleness, min_length_bias=min_length_bias))
+                      recommend(points, max_staleness=max_staleness, min_length_bias=min_length_bias, widest=widest))
 
 
 def format_result(result: TuneResult) -> str:

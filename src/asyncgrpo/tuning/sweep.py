@@ -8,7 +8,8 @@ length bias, waste, staleness); `recommend` picks the fastest within the user's 
 
 Invariants: the run's own config is always a candidate and the baseline; a recommendation is another
 config only when it is predicted faster by more than the validation tolerance (a smaller gain is within
-the model's error), else the advice is to keep the run's config; a config that fails to validate or
+the model's error), else the advice is to keep the run's config; a generation width beyond the widest the
+run reached is never recommended (no decode data there); a config that fails to validate or
 whose simulation does not complete is reported with why, never ranked.
 """
 
@@ -98,8 +99,12 @@ class Recommendation:
     reason: str
 
 
-def recommend(points: list[Point], *, max_staleness: int | None, min_length_bias: float | None) -> Recommendation:
-    """The fastest point within the constraints, or the run's own (points[0]) when none beats it by more than the tolerance."""
+def recommend(points: list[Point], *, max_staleness: int | None, min_length_bias: float | None,
+              widest: int | None = None) -> Recommendation:
+    """The fastest point within the constraints, or the run's own (points[0]) when none beats it by more than the tolerance.
+
+    `widest`: the most rollouts the run had open at once. A config with a wider generation.max_inflight is shown but
+    never recommended: the decode model has no data there (a server may time out or slow down beyond what was seen)."""
     base = points[0]
     if base.observed is None:
         raise ConfigError(f"the run's own config did not simulate: {base.problem}")
@@ -110,11 +115,14 @@ def recommend(points: list[Point], *, max_staleness: int | None, min_length_bias
             return False
         if max_staleness is not None and p.overrides["rollout.max_staleness"] > max_staleness:
             return False
+        if widest is not None and p.overrides["generation.max_inflight"] > widest:
+            return False
         return min_length_bias is None or (o.length_bias is not None and o.length_bias >= min_length_bias)
 
     fits = sorted((p for p in points if allowed(p)), key=lambda p: (-_axes(p)[0], mean_staleness(p.observed.staleness) if p.observed else 0))
     limits = ", ".join(text for text in (f"staleness <= {max_staleness}" if max_staleness is not None else "",
-                                         f"length bias >= {min_length_bias}" if min_length_bias is not None else "") if text)
+                                         f"length bias >= {min_length_bias}" if min_length_bias is not None else "",
+                                         f"max_inflight <= {widest} (the widest the run reached)" if widest is not None else "") if text)
     within = f" within {limits}" if limits else ""
     b = base.observed
     if not fits:
