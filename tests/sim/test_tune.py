@@ -12,10 +12,11 @@ import yaml
 
 from asyncgrpo.commands.cli import main
 from asyncgrpo.commands.simulate import simulate
+from asyncgrpo.commands.tune import observe_simulation
 from asyncgrpo.config import load_config
 from asyncgrpo.rundir import CONFIG_FILE, MARKER
 from asyncgrpo.tuning.calibrate import calibrate, with_overrides
-from asyncgrpo.tuning.observe import TOKENS_PER_S_TOLERANCE, WAIT_SHARE_TOLERANCE, observe_simulation
+from asyncgrpo.tuning.observe import TOKENS_PER_S_TOLERANCE, WAIT_SHARE_TOLERANCE
 from asyncgrpo.tuning.records import load_run
 from asyncgrpo.tuning.sweep import KEYS
 

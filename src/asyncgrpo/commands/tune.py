@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.commands.sim_metrics import population_length
+from asyncgrpo.commands.simulate import Simulation, simulate
 from asyncgrpo.config import Config
 from asyncgrpo.rundir import TUNE_PLOT_FILE
 from asyncgrpo.tuning.calibrate import Calibration, calibrate, recipe_config, write_tuned
-from asyncgrpo.tuning.observe import Comparison, Observed, compare, observe_run, observe_simulation
+from asyncgrpo.tuning.observe import Comparison, Observed, compare, observe, observe_run
 from asyncgrpo.tuning.records import load_run
 from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, Recommendation, candidates, frontier, recommend, run_sweep
 
@@ -49,10 +51,19 @@ class TuneResult:
         }
 
 
+def observe_simulation(sim: Simulation) -> Observed:
+    """What a simulation did, measured as tuning/observe.py measures a run (its population: every drawn length)."""
+    counters = sim.collector.counters
+    return observe(
+        ((r.wait_s, r.step_s, r.weight_sync_s) for r in sim.records), (s for r in sim.records for s in r.staleness),
+        trained_tokens=counters["rollout/trained_tokens_total"], trained_completions=counters["rollout/trained_completions_total"],
+        generated_tokens=counters["rollout/generated_tokens_total"], wasted_tokens=counters["rollout/wasted_tokens_total"],
+        population_length=population_length(getattr(sim.generator, "drawn_lengths", {})),
+    )
+
+
 def simulate_one(cfg: Config) -> tuple[Observed, float | None, str | None]:
     """One simulation as the sweep ranks it: what it did, its token efficiency, and why it does not count (None: it does)."""
-    from asyncgrpo.commands.simulate import simulate
-
     quiet = logging.getLogger("asyncgrpo")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the simulator's warnings are about its scripted completions, not the user's run

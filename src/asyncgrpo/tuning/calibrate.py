@@ -98,4 +98,5 @@ def write_tuned(run_dir: Path, calibration: Calibration) -> Path:
 
 
 def recipe_config(recipe: dict[str, Any]) -> Config:
+    """The calibrated recipe as a Config (validated on a copy: the recipe stays as written)."""
     return validate_config(copy.deepcopy(recipe), "the calibrated recipe")

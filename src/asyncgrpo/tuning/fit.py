@@ -163,5 +163,6 @@ def fit_trainer(steps: Sequence[tuple[float, int]]) -> TrainerFit:
 
 
 def mean_or_zero(values: Iterable[float]) -> float:
+    """The mean of `values`, 0.0 for none (a run without evaluations, a simulator-only sync)."""
     values = list(values)
     return statistics.fmean(values) if values else 0.0

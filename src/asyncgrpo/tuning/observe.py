@@ -1,7 +1,7 @@
 """Measure a run and a simulation the same way, and compare them against stated tolerances.
 
-Job: `observe_run` (a real run's records) and `observe_simulation` (a finished simulation) each give an
-`Observed`: trained tokens/s, trainer wait share, staleness histogram, wasted-token share and length
+Job: `observe` (plain numbers; commands/tune.py gives it a simulation's) and `observe_run` (a real run's
+records) each give an `Observed`: trained tokens/s, trainer wait share, staleness histogram, wasted-token share and length
 bias; `compare` says whether a prediction is close enough to advise from.
 
 Definitions (the same on both sides):
@@ -22,13 +22,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from asyncgrpo.commands.sim_metrics import population_length
+from asyncgrpo.tuning.fit import fit_lengths
 from asyncgrpo.tuning.records import RunRecords
-
-if TYPE_CHECKING:
-    from asyncgrpo.commands.simulate import Simulation
 
 TOKENS_PER_S_TOLERANCE = 0.10  # relative
 WAIT_SHARE_TOLERANCE = 0.05  # absolute (5 points)
@@ -62,42 +59,33 @@ def _loop_time(spans: Iterable[tuple[float, float, float]]) -> tuple[float, floa
     return wait, total
 
 
-def _observed(tokens: int, wait: float, total: float, staleness: Iterable[int], waste: float, bias: float | None, steps: int) -> Observed:
-    return Observed(round(tokens / total, 3) if total > 0 else 0.0, round(wait / total, 4) if total > 0 else 0.0,
-                    _histogram(staleness), round(waste, 4), None if bias is None else round(bias, 4), steps)
+def observe(steps: Iterable[tuple[float, float, float]], staleness: Iterable[int], *, trained_tokens: int, trained_completions: int,
+            generated_tokens: int, wasted_tokens: int, population_length: float | None) -> Observed:
+    """An Observed from plain numbers: per step its (wait, train, sync) seconds, per trained group its staleness, the token counts."""
+    spans = list(steps)
+    wait, total = _loop_time(spans)
+    waste = wasted_tokens / generated_tokens if generated_tokens else 0.0
+    bias = trained_tokens / trained_completions / population_length if trained_completions and population_length else None
+    return Observed(round(trained_tokens / total, 3) if total > 0 else 0.0, round(wait / total, 4) if total > 0 else 0.0,
+                    _histogram(staleness), round(waste, 4), None if bias is None else round(bias, 4), len(spans))
 
 
 def observe_run(records: RunRecords) -> Observed:
-    """What the real run did, by the module's definitions."""
-    wait, total = _loop_time((s["wait"][1] - s["wait"][0], s["train"][1] - s["train"][0], s["sync"][1] - s["sync"][0])
-                             for s in records.steps)
+    """What the real run did, by the module's definitions (its population: its finished rollouts)."""
     version_of: dict[int, int] = {}
-    lengths: dict[int, list[int]] = {}
+    finished = []
     for r in records.rollouts:
         if r["outcome"] == "finished" and r.get("version") is not None:
             version_of[r["take"]] = min(version_of.get(r["take"], r["version"]), r["version"])
-            lengths.setdefault(r["prompt"], []).append(r["tokens"])
+            finished.append((r["prompt"], r["tokens"]))
     staleness = [b["step"] - version_of[b["take"]] for b in records.buffered if b["outcome"] == "trained" and b["take"] in version_of]
     m = records.last_metrics
-    generated = m.get("rollout/generated_tokens_total") or 0
-    waste = (m.get("rollout/wasted_tokens_total") or 0) / generated if generated else 0.0
-    completions = m.get("rollout/trained_completions_total") or 0
-    population = population_length(lengths)
-    bias = (m.get("rollout/trained_tokens_total") or 0) / completions / population if completions and population else None
-    return _observed(sum(records.trained_tokens), wait, total, staleness, waste, bias, len(records.steps))
-
-
-def observe_simulation(sim: Simulation) -> Observed:
-    """What a simulation did, by the module's definitions."""
-    wait, total = _loop_time((r.wait_s, r.step_s, r.weight_sync_s) for r in sim.records)
-    counters = sim.collector.counters
-    generated = counters["rollout/generated_tokens_total"]
-    waste = counters["rollout/wasted_tokens_total"] / generated if generated else 0.0
-    completions = counters["rollout/trained_completions_total"]
-    population = population_length(getattr(sim.generator, "drawn_lengths", {}))
-    trained = counters["rollout/trained_tokens_total"]
-    bias = trained / completions / population if completions and population else None
-    return _observed(trained, wait, total, (s for r in sim.records for s in r.staleness), waste, bias, len(sim.records))
+    return observe(
+        ((s["wait"][1] - s["wait"][0], s["train"][1] - s["train"][0], s["sync"][1] - s["sync"][0]) for s in records.steps),
+        staleness, trained_tokens=sum(records.trained_tokens), trained_completions=int(m.get("rollout/trained_completions_total") or 0),
+        generated_tokens=int(m.get("rollout/generated_tokens_total") or 0), wasted_tokens=int(m.get("rollout/wasted_tokens_total") or 0),
+        population_length=fit_lengths(finished, records.config.generation.max_new_tokens).mean if finished else None,
+    )
 
 
 @dataclass(frozen=True)
