@@ -61,8 +61,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training",),  # the loss family, the torch trainer and its ranks, checkpoints
     ("pipeline", "evaluation"),  # the loop; held-out evaluation beside it
     ("telemetry",),  # metrics, samples, trackers, the timeline, the console
-    ("wiring",),  # one place that wires a run (train's and simulate's parts, in one order)
-    ("commands",),  # what a user runs: train, simulate, check, plot, serve, convert-trl (cli.py)
+    # one place that wires a run (train's and simulate's parts, in one order); calibrating the simulator from a run's records
+    ("wiring", "tuning"),
+    ("commands",),  # what a user runs: train, simulate, check, plot, serve, tune, convert-trl (cli.py)
     ("api",),  # the Python API, asyncgrpo.Trainer: the front door beside the CLI
 )
 
