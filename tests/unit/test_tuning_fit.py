@@ -8,9 +8,10 @@ import random
 
 import pytest
 
+from asyncgrpo.config import validate_config
 from asyncgrpo.tuning.fit import concurrency_at_start, fit_decode, fit_faults, fit_lengths, fit_trainer
 from asyncgrpo.tuning.observe import Observed, compare
-from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, candidates, frontier, recommend
+from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, candidates, frontier, policies_for, recommend
 
 
 def test_lengths_recover_the_prompt_median_and_both_spreads():
@@ -100,10 +101,19 @@ def test_compare_refuses_beyond_ten_percent_of_tokens_per_s_or_five_points_of_wa
     assert bool(result.reasons) is not ok
 
 
+def test_only_policies_the_runs_backend_accepts_are_swept():
+    local = validate_config({}, "test").model_dump()
+    http = validate_config({"generation": {"backend": "http", "http": {"base_urls": ["http://127.0.0.1:1"]}}}, "test").model_dump()
+    assert policies_for(local) == POLICIES
+    assert policies_for(http) == tuple(p for p in POLICIES if p != "resume")
+    configs = candidates(1, "patience", 128, 8, policies_for(http))
+    assert "resume" not in {c["rollout.on_stale"] for c in configs} and len(configs) == 4 * 4 * 3 + 2 * 4
+
+
 def test_candidates_start_with_the_run_and_cover_every_policy_without_duplicates():
     configs = candidates(1, "patience", 128, 8)
     assert configs[0] == dict(zip(KEYS, (1, "patience", 128, 8)))
-    assert 40 <= len(configs) <= 60
+    assert len(configs) == 4 * len(POLICIES) * 3 + 2 * len(POLICIES)  # the run's own config is one of them
     assert len({tuple(c.values()) for c in configs}) == len(configs)
     assert {c["rollout.on_stale"] for c in configs} == set(POLICIES)
     assert {c["rollout.max_staleness"] for c in configs} == {0, 1, 2, 3}

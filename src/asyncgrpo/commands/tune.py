@@ -25,7 +25,7 @@ from asyncgrpo.rundir import TUNE_PLOT_FILE
 from asyncgrpo.tuning.calibrate import Calibration, calibrate, recipe_config, write_tuned
 from asyncgrpo.tuning.observe import Comparison, Observed, compare, observe, observe_run
 from asyncgrpo.tuning.records import load_run
-from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, Recommendation, candidates, frontier, recommend, run_sweep
+from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, Recommendation, candidates, frontier, policies_for, recommend, run_sweep
 
 SWEEP_STEPS = 60  # at most, per swept config: enough for the steady state, ~50 of them in well under a minute
 
@@ -90,7 +90,8 @@ def tune(run_dir: Path, *, max_staleness: int | None = None, min_length_bias: fl
     if not comparison.ok:
         return TuneResult(calibration, tuned_path, comparison, [], [], None)
     cfg = records.config
-    configs = candidates(cfg.rollout.max_staleness, cfg.rollout.on_stale, cfg.generation.max_inflight, cfg.rollout.groups_per_step)
+    configs = candidates(cfg.rollout.max_staleness, cfg.rollout.on_stale, cfg.generation.max_inflight, cfg.rollout.groups_per_step,
+                         policies_for(cfg.model_dump()))
     points = run_sweep(calibration.recipe, configs, min(sweep_steps, len(records.steps)), simulate_one)
     widest = min(calibration.decode.max_concurrency, cfg.generation.max_inflight)  # spans waiting to retry hold no request slot
     return TuneResult(calibration, tuned_path, comparison, points, frontier(points),

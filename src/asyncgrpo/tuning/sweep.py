@@ -2,8 +2,9 @@
 
 Job: `candidates` lists the configs to try (dotted overrides of the calibrated recipe): every staleness
 bound in {K-1 .. K+2} with every staleness policy and generation.max_inflight in {M/2, M, 2M}, plus
-rollout.groups_per_step at G/2 and 2G for every policy at the run's K and M: about 50, the run's own
-first. `run_sweep` simulates each; `frontier` keeps the ones no other beats on every axis (tokens/s,
+rollout.groups_per_step at G/2 and 2G for every policy at the run's K and M: 56 with the four policies every backend
+has, 70 where `resume` is possible too (`policies_for`: only the policies the run's own config accepts, so advice can
+always be applied to it), the run's own first. `run_sweep` simulates each; `frontier` keeps the ones no other beats on every axis (tokens/s,
 length bias, waste, staleness); `recommend` picks the fastest within the user's constraints.
 
 Invariants: the run's own config is always a candidate and the baseline; a recommendation is another
@@ -29,15 +30,27 @@ POLICIES: tuple[str, ...] = typing.get_args(RolloutConfig.model_fields["on_stale
 KEYS = ("rollout.max_staleness", "rollout.on_stale", "generation.max_inflight", "rollout.groups_per_step")
 
 
-def candidates(k: int, policy: str, inflight: int, groups: int) -> list[dict[str, Any]]:
+def policies_for(run_config: dict[str, Any]) -> tuple[str, ...]:
+    """The staleness policies the run's own config validates with (resume needs a backend that keeps tokens)."""
+    valid = []
+    for policy in POLICIES:
+        try:
+            with_overrides(run_config, {"rollout.on_stale": policy})
+        except ConfigError:
+            continue
+        valid.append(policy)
+    return tuple(valid)
+
+
+def candidates(k: int, policy: str, inflight: int, groups: int, policies: tuple[str, ...] = POLICIES) -> list[dict[str, Any]]:
     """The sweep's configs as full override sets over KEYS, the run's own first, without duplicates."""
     own = dict(zip(KEYS, (k, policy, inflight, groups)))
     found = [own]
     for staleness in range(max(0, k - 1), k + 3):
-        for on_stale in POLICIES:
+        for on_stale in policies:
             for width in sorted({max(1, inflight // 2), inflight, inflight * 2}):
                 found.append(dict(zip(KEYS, (staleness, on_stale, width, groups))))
-    for on_stale in POLICIES:
+    for on_stale in policies:
         for size in sorted({max(1, groups // 2), groups * 2} - {groups}):
             found.append(dict(zip(KEYS, (k, on_stale, inflight, size))))
     unique: dict[tuple[Any, ...], dict[str, Any]] = {}
