@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncgrpo.generation.serve_weights import merge_delta
 from asyncgrpo.generation.weight_delta import (
     DeltaError,
     apply_delta,
@@ -13,6 +12,7 @@ from asyncgrpo.generation.weight_delta import (
     dtype_names,
     encode_delta,
     load_delta,
+    merge_delta,
     save_delta,
     state_nbytes,
 )

@@ -70,8 +70,8 @@ from aiohttp import web
 
 from asyncgrpo.errors import GenerationError, PromptRejectedError
 from asyncgrpo.generation.serve_protocol import BadRequest, abort_body, completion_body, error_response, parse_completion
-from asyncgrpo.generation.serve_weights import merge_delta, read_bounded, read_delta_file, read_marker, read_weights_dir
-from asyncgrpo.generation.weight_delta import DeltaError
+from asyncgrpo.generation.serve_weights import read_bounded, read_delta_file, read_marker, read_weights_dir
+from asyncgrpo.generation.weight_delta import DeltaError, merge_delta
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.threads import DaemonThreadPool
 

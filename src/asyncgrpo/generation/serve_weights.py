@@ -26,11 +26,11 @@ import asyncio
 import json
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from asyncgrpo.generation.weight_delta import DeltaError, apply_delta, checksum, load_delta
+from asyncgrpo.generation.weight_delta import load_delta
 from asyncgrpo.generation.weight_sync import VERSION_FILE
 from asyncgrpo.threads import run_in_daemon_thread
 
@@ -111,23 +111,3 @@ def read_marker(directory: Path) -> dict[str, Any] | None:
 def read_delta_file(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Entries and manifest of a delta file (a regular file only); DeltaError if it is not one."""
     return load_delta(read_regular_file(path))
-
-
-def merge_delta(current: Mapping[str, Any], held_id: str | None, entries: Mapping[str, Any],
-                manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """The full state after applying the delta to `current` (the served weights, identified by `held_id`): every name
-    of the manifest, changed tensors new, the others `current`'s own. Raises DeltaError when the delta is against
-    another base, does not fit, or the result's checksum is not the publisher's (nothing is changed then)."""
-    if manifest["base"] != held_id:
-        raise DeltaError(f"the delta is against weights {manifest['base']}, this server holds "
-                         f"{held_id or 'weights of no asyncgrpo version'}")
-    dtypes = manifest["dtypes"]
-    missing = [name for name in dtypes if name not in current]
-    if missing:
-        raise DeltaError(f"the delta names weights this server does not have: {missing[:3]}")
-    changed = apply_delta(current, entries)
-    merged = {name: changed.get(name, current[name]) for name in dtypes}
-    got = checksum(merged, dtypes)
-    if got != manifest["checksum"]:
-        raise DeltaError(f"the weights after the delta have checksum {got}, the publisher's have {manifest['checksum']}")
-    return merged

@@ -1,7 +1,8 @@
 """Weight deltas: the elements of a state dict that changed since a base, and a checksum of the whole result.
 
 Job: `encode_delta(base, new)` gives the entries that turn `base` into `new` (None when that would not be
-smaller than `new` itself); `apply_delta(current, entries)` computes the changed tensors from them;
+smaller than `new` itself); `apply_delta(current, entries)` computes the changed tensors from them, `merge_delta` the whole
+state a server installs after checking the base and the checksum;
 `checksum(state)` fingerprints a whole state; `save_delta` / `load_delta` put entries and their manifest
 in one file. Used by the publisher (delta_publisher.py), `asyncgrpo serve` (serve_weights.py) and the vLLM
 worker extension (vllm_weights.py), which runs in vLLM's interpreter: this module imports only torch,
@@ -129,6 +130,26 @@ def apply_delta(current: Mapping[str, torch.Tensor], entries: Mapping[str, torch
             flat[mask] = values
         out[name] = flat.reshape(base.shape)
     return out
+
+
+def merge_delta(current: Mapping[str, Any], held_id: str | None, entries: Mapping[str, Any],
+                manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The full state after applying the delta to `current` (the served weights, identified by `held_id`): every name
+    of the manifest, changed tensors new, the others `current`'s own. Raises DeltaError when the delta is against
+    another base, does not fit, or the result's checksum is not the publisher's (nothing is changed then)."""
+    if manifest["base"] != held_id:
+        raise DeltaError(f"the delta is against weights {manifest['base']}, this server holds "
+                         f"{held_id or 'weights of no asyncgrpo version'}")
+    dtypes = manifest["dtypes"]
+    missing = [name for name in dtypes if name not in current]
+    if missing:
+        raise DeltaError(f"the delta names weights this server does not have: {missing[:3]}")
+    changed = apply_delta(current, entries)
+    merged = {name: changed.get(name, current[name]) for name in dtypes}
+    got = checksum(merged, dtypes)
+    if got != manifest["checksum"]:
+        raise DeltaError(f"the weights after the delta have checksum {got}, the publisher's have {manifest['checksum']}")
+    return merged
 
 
 def checksum(state: Mapping[str, torch.Tensor], dtypes: Mapping[str, str] | None = None) -> str:
