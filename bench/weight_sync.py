@@ -88,7 +88,7 @@ async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path) ->
                                        model_config=model_dir)
             await gens[mode].start()
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        batch = prompts_batch(tokenizer, 8, 0)
+        batch = prompts_batch(tokenizer, 4, 0)
         seconds: dict[str, list[float]] = {"full": [], "delta": []}
         delta_bytes: list[int] = []
         changed_published: list[float] = []
@@ -114,6 +114,7 @@ async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path) ->
                 await gen.load_weights(state, version)
                 if version:
                     seconds[mode].append(time.perf_counter() - started)
+                    print(f"  {model_name} {dtype} {kind} v{version} {mode}: {seconds[mode][-1]:.3f} s", flush=True)
                     if mode == "delta":
                         delta_bytes.append(gen.stats()["weight_sync_bytes_staged"] - before)
                         changed_published.append(gen.stats()["weight_sync_changed_fraction"])
@@ -165,17 +166,22 @@ def main() -> None:
                     continue
             for dtype in args.dtypes.split(","):
                 with tempfile.TemporaryDirectory(prefix="weight-sync-bench-") as work:
-                    rows += asyncio.run(run(model_name, dtype, kind, args.steps, Path(work)))
-                print(f"done: {model_name} {dtype} {kind}", flush=True)
-    print("\n| model | weights | server | sync | s/sync mean | median | MB/sync | deltas / fallbacks | changed/step "
-          "| changed/step in bf16 | time vs full |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+                    done = asyncio.run(run(model_name, dtype, kind, args.steps, Path(work)))
+                rows += done
+                print(table(done), flush=True)
+    print(table(rows))
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | weights | server | sync | s/sync mean | median | MB/sync | deltas / fallbacks | changed/step "
+             "| changed/step in bf16 | time vs full |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     full_time = {(r["model"], r["dtype"], r["server"]): r["mean_s"] for r in rows if r["mode"] == "full"}
     for r in rows:
         ratio = r["mean_s"] / full_time[(r["model"], r["dtype"], r["server"])]
-        print(f"| {r['model']} | {r['dtype']} | {r['server']} | {r['mode']} | {r['mean_s']:.3f} | {r['median_s']:.3f} | "
-              f"{r['mb_per_sync']:.2f} | {r['deltas']} / {r['fallbacks']} | {r['changed']:.2%} | {r['changed_bf16']:.2%} | "
-              f"{ratio:.2f}x |")
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['server']} | {r['mode']} | {r['mean_s']:.3f} | {r['median_s']:.3f} | "
+                     f"{r['mb_per_sync']:.2f} | {r['deltas']} / {r['fallbacks']} | {r['changed']:.2%} | "
+                     f"{r['changed_bf16']:.2%} | {ratio:.2f}x |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ server paused with requests held. The servers must be able to
 read `weights_dir` (same machine or a shared file system) and vLLM must run with
 ``VLLM_SERVER_DEV_MODE=1``; `asyncgrpo serve` has these endpoints built in.
 
+**Delta** (`generation.http.weight_sync: delta`, delta_publisher.py): a subclass that writes per version only
+the elements changed since the previous one, with a checksum of the result, and falls back to the full
+weights per server.
+
 Not implemented: **NCCL** (vLLM's ``/init_weight_transfer_engine``, ``/update_weights``, the path
 TRL uses on GPUs). It slots in as another `WeightPublisher`: `stage` would keep references to
 the tensors (no disk), and `install` would pause the server, drive the transfer-engine endpoints
