@@ -211,6 +211,10 @@ class LocalEngine:
         text = self._tokenizer.decode(body, skip_special_tokens=True) if self._tokenizer is not None else ""
         return Completion(tuple(tokens), tuple(logprobs), tuple(versions), reason, job.dispatch_version, text)
 
+    def weights(self) -> Mapping[str, Any]:
+        """The live parameters by name (tied aliases under every name): read them, never write them (`load_weights` does)."""
+        return self._targets
+
     async def load_weights(self, state: Mapping[str, Any] | None, version: int) -> None:
         """Install `state` (parameter name -> tensor; None: same weights) as `version`; returns once it serves.
 
