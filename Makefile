@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/asyncgrpo train recipes/demo.yaml run.overwrite=true $(ARGS)
 
 test: $(STAMP) vllm-venv-if-possible
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 $(ARGS)
 
 # The inner loop: the fast tier, tests/unit and tests/sim: no child process, network socket, Ray or optimizer step
 # (tests/tier_guard.py fails a test there that has one). About 1.3 minutes on 2 cores, 64 s of CPU (README "Tests").

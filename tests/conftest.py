@@ -1,6 +1,7 @@
 """Shared pytest options (the size of the chaos sweep, replaying one chaos seed) and the fast tier's guard
 (tests/tier_guard.py: a test in tests/unit or tests/sim that starts a process, opens a network socket, imports Ray or
-takes an optimizer step fails, naming what it did)."""
+takes an optimizer step fails, naming what it did), and how `pytest -n N` (make test) shares the tests between its
+workers (tests/xdist_scheduling.py)."""
 
 from tests.tier_guard import FastTierGuard
 
@@ -12,3 +13,9 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.pluginmanager.register(FastTierGuard(), "fast-tier-guard")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from tests.xdist_scheduling import FileAndResourceScheduling
+
+    return FileAndResourceScheduling(config, log)
