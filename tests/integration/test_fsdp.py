@@ -132,7 +132,9 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     for key in ("loss", "grad_norm", "kl", "clip_frac", "is_ratio/mean", "entropy"):
         assert ranks[0]["metrics"][key] == pytest.approx(expected_metrics[key], rel=1e-5, abs=1e-9), key
     assert ranks[1]["weights"] == {}
-    assert largest_difference(ranks[0]["weights"], expected.generation_weights()) <= weight_noise
+    # The ranks sum in a third order: their distance from the single process is of the regrouped process's order, not
+    # under it (1.28x it in one run of make test); 4x bounds it, far below what a wrong sum or a lost shard would move.
+    assert largest_difference(ranks[0]["weights"], expected.generation_weights()) <= 4 * weight_noise
 
     # Each rank holds its half (torch.chunk along the first dimension: a first dimension of odd length splits unevenly).
     assert sum(r["sharded"] for r in ranks) == ranks[0]["unsharded"] == held_bytes(expected)
@@ -142,7 +144,7 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     resumed = single(model, tokenizer)
     state = load_checkpoint(tmp_path / "checkpoints" / "step_000002", resumed)
     assert state["step"] == 2 and resumed.version == 2
-    assert largest_difference(resumed.generation_weights(), expected.generation_weights()) <= weight_noise
+    assert largest_difference(resumed.generation_weights(), expected.generation_weights()) <= 4 * weight_noise
     # The moments (running averages of the gradients) carry the summation order more directly than the weights: the
     # ranks' largest difference measured 2.3x the regrouped process's (1.3e-8 against 5.6e-9, absolute); 10x bounds it.
     assert largest_difference(moments(resumed), moments(expected), relative=True) <= 10 * moment_noise
