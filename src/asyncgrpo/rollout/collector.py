@@ -28,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from functools import partial
 from typing import Literal
 
 from asyncgrpo.algorithms.base import Algorithm
@@ -247,24 +248,27 @@ class Collector:
             self._tolerated("failed", result)
         self.batches.progressed()  # a rollout finished (a cancelled one never gets here)
 
-    async def _generate_with_retries(
+    def _generate_with_retries(
         self, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot, floor: int | None = None
-    ) -> Completion:
+    ) -> Coroutine[object, object, Completion]:
         """One rollout under the retry policy (rollout/retry.py); a rollout waiting to retry holds no request slot.
-        `floor`: the oldest version of an episode's earlier turns, kept as the member's dispatch version."""
-
-        def record_dispatch() -> None:
-            version = self.generator.serving_version
-            group.dispatch_versions[member] = version = version if floor is None else min(version, floor)
-            if group.key in self._in_flight and is_stale(generation_version=version, step=self.next_step, max_staleness=self.max_staleness):
-                # Admitted before the step that made its version stale was taken, dispatched after: it would be generated
-                # in vain. It ends now as stale; its cancellation reaches this request at its first await, as any stale one.
-                self._end(group, STALE)
-
-        return await generate_with_retries(
+        `floor`: the oldest version of an episode's earlier turns, kept as the member's dispatch version.
+        Returns the retry loop's coroutine itself, not a coroutine wrapping it: one coroutine fewer per rollout in
+        flight, and one frame fewer on every resumption."""
+        return generate_with_retries(
             self.generator, request, self.cfg.generation, jitter=self._jitter,
-            before_attempt=record_dispatch, on_retry=self._retried, between_attempts=slot.released_for,
+            before_attempt=partial(self._record_dispatch, group, member, floor), on_retry=self._retried,
+            between_attempts=slot.released_for,
         )
+
+    def _record_dispatch(self, group: InFlightGroup, member: int, floor: int | None) -> None:
+        """Before each attempt: the member's dispatch version (`floor` caps it, for an episode's later turns)."""
+        version = self.generator.serving_version
+        group.dispatch_versions[member] = version = version if floor is None else min(version, floor)
+        if group.key in self._in_flight and is_stale(generation_version=version, step=self.next_step, max_staleness=self.max_staleness):
+            # Admitted before the step that made its version stale was taken, dispatched after: it would be generated
+            # in vain. It ends now as stale; its cancellation reaches this request at its first await, as any stale one.
+            self._end(group, STALE)
 
     def _retried(self, error: Exception) -> None:
         self.books.retried()
