@@ -57,6 +57,7 @@ from asyncgrpo.rollout.ports import PromptSourceLike, ScorerLike
 from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rollout.slots import RequestSlots, Slot
 from asyncgrpo.rollout.stale_policy import stale_policy
+from asyncgrpo.shared_timeout import SharedTimeout
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.types import Completion, Drop, GenerationRequest, Group, Prompt, SamplingParams
 
@@ -105,6 +106,7 @@ class Collector:
         self._in_flight: dict[int, InFlightGroup] = {}
         self._undispatched = 0  # running sum of `size - dispatched` over `_in_flight`: admission reads it on every wake-up
         self._slots = RequestSlots(cfg.generation.max_inflight, self._signal)
+        self._attempt_timeouts = SharedTimeout(cfg.generation.request_timeout_s)  # one loop timer for every rollout's attempts
         self.batches = Batches(cfg, books=self.books, stale=self.stale, signal=self._signal, first_failure=self.first_failure,
                                in_flight=self._in_flight, source=source, start_step=start_step,
                                on_advance=self._cancel_stale, stalled=self._stalled)
@@ -258,7 +260,7 @@ class Collector:
         return generate_with_retries(
             self.generator, request, self.cfg.generation, jitter=self._jitter,
             before_attempt=partial(self._record_dispatch, group, member, floor), on_retry=self._retried,
-            between_attempts=slot.released_for,
+            between_attempts=slot.released_for, timeouts=self._attempt_timeouts,
         )
 
     def _record_dispatch(self, group: InFlightGroup, member: int, floor: int | None) -> None:
