@@ -57,8 +57,7 @@ from asyncgrpo.rollout.ports import PromptSourceLike, ScorerLike
 from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rollout.slots import RequestSlots, Slot
 from asyncgrpo.rollout.stale_policy import stale_policy
-from asyncgrpo.shared_timeout import SharedTimeout
-from asyncgrpo.sync import StateSignal
+from asyncgrpo.sync import SharedTimeout, StateSignal
 from asyncgrpo.types import Completion, Drop, GenerationRequest, Group, Prompt, SamplingParams
 
 log = logging.getLogger("asyncgrpo")

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from asyncgrpo.config import GenerationConfig
 from asyncgrpo.errors import RequestTimeoutError, RolloutDeadlineError, TransientGenerationError
 from asyncgrpo.generation.base import Generator
-from asyncgrpo.shared_timeout import SharedTimeout
+from asyncgrpo.sync import SharedTimeout
 from asyncgrpo.types import Completion, GenerationRequest
 
 
