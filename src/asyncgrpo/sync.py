@@ -9,9 +9,7 @@ from any synchronous code on the loop, including `finally` blocks of cancelled t
 groups are released.
 
 `StateSignal.notify()` wakes every waiter (O(waiters)): for the few waiters of different predicates (a
-dispatcher, a trainer). A signal made with `also=` another notifies that one too: the changes it announces
-concern the other's waiters as well, while the other's own `notify()` (a change that concerns only its
-waiters) leaves this one's asleep. `TurnSignal.notify_one()` wakes one, O(1): for many waiters of the same
+dispatcher, a trainer). `TurnSignal.notify_one()` wakes one, O(1): for many waiters of the same
 predicate over a counted resource (request slots), where one unit freed can satisfy only one of them. Its rule
 against lost wake-ups: the notifier calls `notify_one()` once per unit that became free, so while anyone
 waits, every free unit has a wake-up on its way to a waiter; a woken waiter that finds the unit taken (another
@@ -48,19 +46,15 @@ from types import TracebackType
 
 
 class StateSignal:
-    def __init__(self, also: StateSignal | None = None) -> None:
-        """`also`: a signal whose waiters every `notify()` of this one wakes as well."""
+    def __init__(self) -> None:
         self._waiters: list[asyncio.Future[None]] = []
-        self._also = also
 
     def notify(self) -> None:
-        """Wake every waiter (and every waiter of `also`) so it re-checks its predicate."""
+        """Wake every waiter so it re-checks its predicate."""
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
-        if self._also is not None:
-            self._also.notify()
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         """Return once `predicate()` is true (checked now and after every notify)."""

@@ -72,30 +72,3 @@ def test_a_woken_waiter_that_finds_the_slot_taken_keeps_its_place():
         assert second.done()
 
     asyncio.run(main())
-
-
-def test_a_signal_notifies_the_one_it_was_made_with_but_not_the_reverse():
-    async def main():
-        admission = StateSignal()
-        everything = StateSignal(also=admission)
-        checks = {"admission": 0, "trainer": 0}
-
-        def counted(name):
-            def predicate():
-                checks[name] += 1
-                return False
-            return predicate
-
-        waiters = [asyncio.create_task(admission.wait_for(counted("admission"))),
-                   asyncio.create_task(everything.wait_for(counted("trainer")))]
-        await settle()
-        admission.notify()  # a freed slot: only admission
-        await settle()
-        assert checks == {"admission": 2, "trainer": 1}
-        everything.notify()  # a group ended: both
-        await settle()
-        assert checks == {"admission": 3, "trainer": 2}
-        for waiter in waiters:
-            waiter.cancel()
-
-    asyncio.run(main())

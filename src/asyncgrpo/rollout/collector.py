@@ -101,13 +101,10 @@ class Collector:
         self.first_failure = FirstFailure()
         self._no_signal = NoSignalWatch(r.drop_window) if algorithm.watches_no_signal and not r.filter_zero_variance else None
         self.failure_log = FailureLog(cfg.logging.failure_summary_s)
-        # The dispatcher waits on `_admission`; the trainer's side (rollout/batches.py) on `_signal`, whose every notify
-        # also wakes the dispatcher. A freed request slot or a new group concerns only admission: they leave the trainer asleep.
-        self._admission = StateSignal()
-        self._signal = StateSignal(also=self._admission)
+        self._signal = StateSignal()
         self._in_flight: dict[int, InFlightGroup] = {}
         self._undispatched = 0  # running sum of `size - dispatched` over `_in_flight`: admission reads it on every wake-up
-        self._slots = RequestSlots(cfg.generation.max_inflight, self._admission)
+        self._slots = RequestSlots(cfg.generation.max_inflight, self._signal)
         self._attempt_timeouts = SharedTimeout(cfg.generation.request_timeout_s)  # one loop timer for every rollout's attempts
         self.batches = Batches(cfg, books=self.books, stale=self.stale, signal=self._signal, first_failure=self.first_failure,
                                in_flight=self._in_flight, source=source, start_step=start_step,
@@ -180,7 +177,7 @@ class Collector:
         async with asyncio.TaskGroup() as task_group:
             self._task_group = task_group
             while True:
-                await self._admission.wait_for(lambda: self._stopping or self.first_failure.failed or self._may_admit())
+                await self._signal.wait_for(lambda: self._stopping or self.first_failure.failed or self._may_admit())
                 if self._stopping or self.first_failure.failed:
                     break
                 prompt = self.source.take()
@@ -199,7 +196,7 @@ class Collector:
         self._in_flight[group.key] = group
         self._undispatched += group.size
         group.task = self._task_group.create_task(self._run_group(group), name=f"group-{prompt.id}")
-        self._admission.notify()
+        self._signal.notify()
 
     def stop(self) -> None:
         """Stop admitting and cancel every in-flight group (not a failure); returns at once, `run()` winds down."""
@@ -245,10 +242,7 @@ class Collector:
             result.__cause__ = exc
         except Exception as exc:  # noqa: BLE001 - classified: retries are exhausted, or not retryable, or fatal
             result = exc
-        floor = group.version_floor()
         self.books.rollout_ended(group, member, result, self._now() - started, self._now())
-        if group.version_floor() != floor:  # a failed member (or a completion older than its dispatch): stragglers may be gone
-            self._signal.notify()
         if isinstance(result, FatalBackendError):
             self._fail_run(backend_fatal(result, self.generator.name, group.dispatch_versions[member], self.next_step))
         elif not isinstance(result, Completion):
