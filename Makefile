@@ -76,6 +76,7 @@ bench: $(STAMP)
 	run ray_generators.py 12; \
 	run memory.py --model builtin:tiny; \
 	run env_isolation.py 20; \
+	run weight_sync.py --models tiny --servers serve --steps 5; \
 	if "$$py" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 		echo; echo "== bench/gpu_smoke.sh"; PYTHON="$$py" bash bench/gpu_smoke.sh; \
 	else echo; echo "== bench/gpu_smoke.sh: skipped (no CUDA device)"; fi

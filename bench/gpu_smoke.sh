@@ -42,3 +42,18 @@ run smollm2-bf16-moments recipes/smollm2_arithmetic.yaml train.max_steps=5 model
 peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16
 peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16 train.gradient_checkpointing=true
 peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16 train.optimizer_state_dtype=bfloat16 train.gradient_checkpointing=true
+
+# FSDP2 (train.sharding: fsdp, training/sharding.py) against DDP on the same two trainer ranks, one GPU each (NCCL),
+# a generator actor on a third GPU when there is one (else on the CPU); a checkpoint at the last step exercises the
+# gather of the full weights and AdamW state by rank 0. Needs at least 2 GPUs.
+gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ]; then
+  generator_gpus=$([ "$gpus" -ge 3 ] && echo 1 || echo 0)
+  for sharding in ddp fsdp; do
+    run "smollm2-$sharding-x2" recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16 \
+      runtime=ray train.world_size=2 train.sharding="$sharding" ray.trainer.num_gpus=1 ray.generators=1 \
+      ray.generator.num_gpus="$generator_gpus" checkpoint.every_steps=5
+  done
+else
+  echo "fsdp: skipped: train.sharding=fsdp needs train.world_size >= 2 ranks of one GPU each; this machine has $gpus GPU(s)"
+fi

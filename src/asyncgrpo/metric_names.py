@@ -11,6 +11,15 @@ from asyncgrpo.types import DROP_REASONS
 
 WASTE_REASONS = ("stale", "failed", "filtered")  # rollout/token_books.py: the buckets of wasted tokens
 
+# Agent sessions (agents/): why a request was refused, and how an episode failed.
+AGENT_REFUSALS = ("malformed", "unsupported", "turn_limit", "context_limit", "after_close")
+AGENT_FAILURES = ("raised", "no_model_call", "bad_return", "timeout")
+AGENT_COUNTERS = (
+    *(f"agent/refused/{reason}" for reason in AGENT_REFUSALS),
+    *(f"agent/failed/{kind}" for kind in AGENT_FAILURES),
+    "agent/unparsed_tool_calls_total",
+)
+
 STEP_KEYS = ("step", "version")
 
 TRAIN_KEYS = (
@@ -44,7 +53,7 @@ def offpolicy_keys(max_staleness: int) -> tuple[str, ...]:
 # Reported by the trainers under `algorithm: distill` only (distill/judge.py).
 DISTILL_KEYS = ("distill/kl_mean",)
 # The collector's state at the end of a step (`Collector.metric_values()`).
-COLLECTOR_GAUGES = ("rollout/inflight", "buffer/size")
+COLLECTOR_GAUGES = ("rollout/inflight", "buffer/size", "rollout/trained_version_span")
 # The collector's running totals since the start of the run (kept across a resume).
 COUNTER_NAMES: tuple[str, ...] = (
     "rollout/failed_total",
@@ -60,12 +69,16 @@ COUNTER_NAMES: tuple[str, ...] = (
     "env/errors_total",
     "env/abandoned_total",
     "env/retokenization_drift_total",
+    *AGENT_COUNTERS,  # agent sessions (agents/episode.py): refused requests by reason, failed endings by kind, unparsed tool calls
     # Where tokens and generator time end up (rollout/token_books.py).
     "rollout/trained_tokens_total",
     "rollout/trained_completions_total",
     *(f"rollout/wasted_tokens/{reason}" for reason in WASTE_REASONS),
     "rollout/generation_ms_total",
     "rollout/trained_generation_ms_total",
+    # rollout.on_stale: resume (rollout/resume.py): rollouts interrupted and continued, tokens masked as older than the bound.
+    "rollout/resumed_rollouts_total",
+    "rollout/masked_stale_tokens_total",
 )
 EVAL_KEYS = ("eval/reward_mean", "eval/pass_rate", "eval/failed_requests")
 PIPELINE_KEYS = (

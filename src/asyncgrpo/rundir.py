@@ -46,9 +46,11 @@ MLFLOW_STORE = "mlflow.db"  # telemetry/sinks.py: MLflow's tracking store (sqlit
 MLFLOW_ARTIFACTS_DIR = "mlartifacts"  # ... and its artifact root, a folder per experiment id
 TRACKIO_STORE_DIR = "trackio"  # telemetry/sinks.py: trackio's store (TRACKIO_DIR), unless TRACKIO_DIR is set
 PLOTS_DIR = "plots"
+TUNED_FILE = "tuned.yaml"  # commands/tune.py: the calibrated simulator recipe
+TUNE_PLOT_FILE = "tune.png"  # commands/tune.py --plot: the swept configs' frontier
 PLOT_FILES = ("rewards.png", "loss_kl.png", "staleness.png", "counters.png", "offpolicy.png", "env.png", "distill.png",  # commands/plot.py
               "timeline.png", "timeline_start.png")
-OWNED_FILES = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, OUTCOMES_FILE, ERROR_FILE, TIMELINE_FILE, TRACKER_RUNS_FILE,
+OWNED_FILES = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, OUTCOMES_FILE, ERROR_FILE, TIMELINE_FILE, TRACKER_RUNS_FILE, TUNED_FILE, TUNE_PLOT_FILE,
                MLFLOW_STORE, f"{MLFLOW_STORE}-journal")  # sqlite's rollback journal, left by a run killed mid-write
 OWNED_DIRS: dict[str, re.Pattern[str]] = {
     # directory: the names of what asyncgrpo writes in it (whole-name matches), besides atomic.py's temporaries

@@ -15,7 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
@@ -91,12 +91,43 @@ class SamplingParams:
                           repetition_penalty=self.repetition_penalty)
 
 
+class TokenSink:
+    """Where a backend records a request's tokens as it generates them (`rollout.on_stale: resume`), so an interrupted
+    request loses none: the collector reads what the current attempt generated. The collector empties it before each
+    attempt (a failed attempt's tokens are not the prefix of its retry); the backend only appends."""
+
+    __slots__ = ("token_ids", "logprobs", "versions")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+    def extend(self, token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
+        if not (len(token_ids) == len(logprobs) == len(versions)):
+            raise ValueError(f"TokenSink.extend got {len(token_ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        self.versions.extend(versions)
+
+    def empty(self) -> None:
+        self.token_ids.clear()
+        self.logprobs.clear()
+        self.versions.clear()
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One completion request sent to a `Generator` (one rollout is one request).
 
     `seed` makes sampling reproducible per request; `prompt_id` lets scripted backends
-    inject faults for given prompts.
+    inject faults for given prompts. A resumed request (`rollout.on_stale: resume`) continues an
+    interrupted rollout: the last `resumed_tokens` of `prompt_token_ids` are the rollout's own
+    earlier tokens and `sampling.max_new_tokens` is the budget left; its completion is the
+    continuation only. `sink` (None: the caller does not resume) receives each generated token.
     """
 
     request_id: str
@@ -104,6 +135,8 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     seed: int
+    resumed_tokens: int = 0
+    sink: TokenSink | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -219,13 +252,21 @@ class Group:
     failed_rollouts: int = 0
     generation_ms: int = 0
     target_step: int | None = None  # rollout.on_stale: wait: the step that trains it
+    max_staleness: int | None = None  # rollout.max_prefix_staleness: a resumed group's bound, when not rollout.max_staleness
 
     @cached_property
     def generation_version(self) -> int:
-        return min(r.completion.generation_version for r in self.rollouts)
+        """The oldest version of a trained token: over the rollouts with a loss token (`rollout.on_stale: resume` may mask
+        every token of one), or over all when none has."""
+        trained = [r.completion.generation_version for r in self.rollouts if r.completion.loss_mask is None or any(r.completion.loss_mask)]
+        return min(trained or [r.completion.generation_version for r in self.rollouts])
 
     def staleness_at(self, step: int) -> int:
         return step - self.generation_version
+
+    def bound(self, max_staleness: int) -> int:
+        """The most steps its trained tokens may be old: its own bound (a resumed group's), or the run's `max_staleness`."""
+        return max_staleness if self.max_staleness is None else self.max_staleness
 
 
 @dataclass(frozen=True)

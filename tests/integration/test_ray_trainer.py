@@ -66,9 +66,12 @@ def run(coro, timeout_s: float = 200.0):
     return asyncio.run(bounded())
 
 
-@pytest.mark.parametrize("loss", [(), ("train.loss.objective=decoupled", "train.loss.normalization=sequence", "train.loss.kl_coef=0.1")],
-                         ids=["behaviour-token", "decoupled-sequence-kl"])
-def test_two_ranks_make_the_single_process_step(cluster, loss):
+@pytest.mark.parametrize(("loss", "sharding"), [
+    ((), "ddp"),
+    (("train.loss.objective=decoupled", "train.loss.normalization=sequence", "train.loss.kl_coef=0.1"), "ddp"),
+    ((), "fsdp"),  # sharded: the ranks gather rank 0's weights for the generator (training/sharding.py)
+], ids=["behaviour-token", "decoupled-sequence-kl", "fsdp"])
+def test_two_ranks_make_the_single_process_step(cluster, loss, sharding):
     model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
     groups = make_groups(model, 4, seed=5, truncated_every=3)
     single = TorchTrainer(copy.deepcopy(model), tokenizer, config(*loss))
@@ -79,7 +82,7 @@ def test_two_ranks_make_the_single_process_step(cluster, loss):
     float32_noise = largest_difference(regrouped.generation_weights(), expected_weights)
 
     async def scenario():
-        cfg = config(*loss, "runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=0.5", "ray.generators=1",
+        cfg = config(*loss, "runtime=ray", "train.world_size=2", f"train.sharding={sharding}", "ray.trainer.num_cpus=0.5", "ray.generators=1",
                      "ray.generator.num_cpus=0.5", "generation.backend_dead_after_s=60",
                      "ray.trainer.placement=PACK", "ray.generator.placement=SPREAD")  # each role in its placement group
         trainer = RayTrainer(cfg, tokenizer, checkpoint=None, version=0)

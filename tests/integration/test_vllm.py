@@ -47,11 +47,12 @@ from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.sampling import token_logprobs
 from asyncgrpo.types import GenerationRequest, SamplingParams
 from tests.integration.servers import http, until
-from tests.integration.vllm_server import VllmServerProcess, start_vllm_server, vllm_available
+from tests.integration.vllm_server import REPO_ROOT, VllmServerProcess, start_vllm_server, vllm_available
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 TEMPERATURE = 0.7
+DELTA_EXTENSION = "asyncgrpo.generation.vllm_weights.DeltaWorkerExtension"
 LOGPROB_TOLERANCE = 1e-3
 EOS = 2
 
@@ -74,7 +75,9 @@ def vllm(tmp_path_factory):
         pytest.skip(f"no vLLM server can be started here: {reason}")
     model_dir = save_model(*build_tiny(0), tmp_path_factory.mktemp("vllm-model") / "tiny")
     log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
-    server = start_vllm_server(model_dir, log_path=log_path)  # --logprobs-mode processed_logprobs, dev mode (harness)
+    # --logprobs-mode processed_logprobs, dev mode (harness); the worker extension for delta weight sync (only adds methods)
+    server = start_vllm_server(model_dir, log_path=log_path, extra_args=("--worker-extension-cls", DELTA_EXTENSION),
+                               env={"PYTHONPATH": str(REPO_ROOT / "src")})
     print(f"\nvLLM server {server.base_url}: healthy after {server.startup_s:.1f} s, warm-up {server.warmup_s:.1f} s, "
           f"RSS {server.rss_bytes() / 2**30:.1f} GiB, log {log_path}")
     try:
@@ -250,6 +253,60 @@ def test_vllm_logprobs_match_a_teacher_forced_forward_of_the_reloaded_weights(vl
     record_property("logprob_mismatch_max", worst)
     assert worst < LOGPROB_TOLERANCE, f"max |logp_vllm - logp_torch| = {worst:.3g} (mean {mean:.3g}) over {len(errors)} tokens"
     assert max(long_errors) < LOGPROB_TOLERANCE, "a prefix cached under the previous weights was reused after the reload"
+
+
+# ----------------------------------------------------------------------------- (b2) delta weight sync
+
+
+def test_vllm_applies_weight_deltas_through_the_worker_extension_and_serves_the_trainers_logprobs(vllm, tmp_path):
+    """generation.http.weight_sync = delta: the first version loads whole, sparse changes travel as deltas that the
+    worker extension checks and applies; after each, the server's logprobs are a teacher-forced forward's."""
+    cfg = validate_config({"train": {"backend": "stub"}, "generation": {
+        "backend": "http", "max_new_tokens": 24, "temperature": TEMPERATURE, "health_probe_interval_s": 1.0,
+        "http": {"base_urls": [vllm.url], "startup_timeout_s": 60.0, "weight_sync": "delta"}}}).generation
+    trainer = build_tiny(1)[0].eval()
+    prompts = demo_prompts(6)
+
+    async def main():
+        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights", model_config=vllm.model_dir)
+        await gen.start()
+        worst: dict[int, tuple[float, float]] = {}
+        try:
+            previous = None
+            for version in range(3):
+                if version:
+                    previous = {k: v.clone() for k, v in trainer.state_dict().items()}
+                    g = torch.Generator().manual_seed(version)
+                    with torch.no_grad():  # a sparse step: 2% of the elements move
+                        for p in trainer.parameters():
+                            flat = p.view(-1)
+                            flat[torch.rand(flat.numel(), generator=g) < 0.02] += 0.3
+                started = time.monotonic()
+                await gen.load_weights(trainer.state_dict(), version)
+                print(f"delta sync v{version}: {time.monotonic() - started:.2f} s")
+                requests = [GenerationRequest(f"d{version}-{i}", i, p, sampling(), seed=i) for i, p in enumerate(prompts)]
+                completions = await asyncio.gather(*(gen.generate(r) for r in requests))
+                errors, against_previous = [0.0], [0.0]
+                old = build_tiny(1)[0].eval()
+                if previous is not None:
+                    old.load_state_dict(previous)
+                for r, c in zip(requests, completions):
+                    ref = teacher_forced_logprobs(trainer, r.prompt_token_ids, c.token_ids, TEMPERATURE)
+                    errors += [abs(a - b) for a, b in zip(c.logprobs, ref)]
+                    stale = teacher_forced_logprobs(old, r.prompt_token_ids, c.token_ids, TEMPERATURE)
+                    against_previous += [abs(a - b) for a, b in zip(c.logprobs, stale)]
+                worst[version] = (max(errors), max(against_previous))
+            return gen.stats(), worst
+        finally:
+            await gen.aclose()
+
+    stats, worst = run(main())
+    print(f"delta sync on vLLM: max |logp_vllm - logp_torch| per version {worst}, stats "
+          f"{ {k: v for k, v in stats.items() if k.startswith('weight_sync')} }")
+    assert stats["weight_sync_full_loads"] == 1 and stats["weight_sync_deltas"] == 2, stats
+    assert stats["weight_sync_delta_fallbacks"] == 0 and stats["weight_sync_failures"] == 0, stats
+    assert all(err < LOGPROB_TOLERANCE for err, _ in worst.values()), worst
+    assert all(stale > 0.01 for _, stale in (worst[1], worst[2])), "the delta did not change what the server serves"
 
 
 # ----------------------------------------------------------------------------- (c) cancellation

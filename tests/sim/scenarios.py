@@ -3,7 +3,7 @@
 `scenario(seed)` returns a recipe dict: at most 6 steps, at most 4 groups of at most 4 per
 step, random latencies and lengths (or the token model: lengths per prompt, latency from
 tokens), transient errors, non-retryable errors, outages, hangs, per-prompt exceptions,
-staleness 0-4 under every staleness policy, random tolerances, weight publications
+staleness 0-4 under every staleness policy (`resume_scenario`: the same under `resume`), random tolerances, weight publications
 that take virtual time and may fail or hang, (drawn after those) multi-turn episodes on the
 simulator's environments, which take time, may raise, and may ignore their cancellation, and (a quarter
 of the others) `algorithm: distill`: one sample per unit, scored by a simulated teacher that takes time,
@@ -191,3 +191,22 @@ def flaky_reward(prompts: list[str], completions: list[str], **columns: Any) -> 
         if hashlib.blake2b(completion.encode(), digest_size=2).digest()[0] < 9:
             raise ValueError(f"flaky reward refuses {completion!r}")
     return coin_reward(prompts, completions, **columns)
+
+
+def resume_scenario(seed: int) -> dict[str, Any] | None:
+    """Scenario `seed` under `rollout.on_stale: resume`, its limits drawn from a stream of their own (None: the scenario
+    plays episodes or distils, which resume does not support)."""
+    recipe = scenario(seed)
+    if "env" in recipe or recipe.get("algorithm") == "distill":
+        return None
+    rng = random.Random(f"resume:{seed}")
+    recipe["rollout"].update(on_stale="resume", partial_groups=False, max_resumptions=rng.randint(0, 4),
+                             max_masked_share=rng.choice((0.0, 0.3, 0.5, 1.0)))
+    if rng.random() < 0.5:  # short steps: versions move on while rollouts run, so they are resumed and masked
+        recipe["simulate"]["step_time_s"] = round(rng.uniform(0.05, 0.5), 3)
+        recipe["generation"]["weight_sync_every"] = 1
+        recipe["rollout"]["max_staleness"] = rng.randint(0, 1)
+        recipe["train"]["max_steps"] = rng.randint(4, 8)
+    if rng.random() < 0.3:
+        recipe["rollout"]["max_prefix_staleness"] = recipe["rollout"]["max_staleness"] + rng.randint(0, 3)
+    return recipe

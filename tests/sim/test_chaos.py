@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from dataclasses import dataclass
 
 import pytest
 
@@ -19,26 +20,49 @@ from asyncgrpo.metric_names import WASTE_REASONS
 from asyncgrpo.telemetry.timeline import Timeline
 from asyncgrpo.training.stub import StubTrainer
 from asyncgrpo.types import Completion, GenerationRequest, Group
-from tests.sim.scenarios import is_fault_free, scenario
+from tests.sim.scenarios import is_fault_free, resume_scenario, scenario
 
 BATCH = 100
 
 
-def replay_command(seed: int) -> str:
-    return f".venv/bin/python -m pytest -q tests/sim/test_chaos.py --chaos-seed={seed}"
+def replay_command(seed: int, *, resume: bool = False) -> str:
+    test = "::test_resume_chaos_scenarios_keep_every_invariant" if resume else ""
+    return f".venv/bin/python -m pytest -q tests/sim/test_chaos.py{test} --chaos-seed={seed}"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt of a resumable request (`rollout.on_stale: resume`): its context and the tokens it generated."""
+
+    context: tuple[int, ...]
+    resumed: int
+    tokens: tuple[int, ...]
+    finished: bool
 
 
 class WatchedGenerator(ScriptedGenerator):
-    """The scenario's scripted generator, noting the virtual time and the version of each request it completes."""
+    """The scenario's scripted generator, noting the virtual time and the version of each request it completes, and
+    (resumable requests) what each attempt was given and generated, finished or interrupted."""
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg.simulate, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
         self.finished: list[tuple[float, int]] = []
+        self.attempts: dict[str, list[Attempt]] = {}
 
     async def generate(self, request: GenerationRequest) -> Completion:
-        completion = await super().generate(request)
+        try:
+            completion = await super().generate(request)
+        except asyncio.CancelledError:
+            if request.sink is not None:
+                self._note(request, tuple(request.sink.token_ids), finished=False)
+            raise
         self.finished.append((asyncio.get_running_loop().time(), completion.generation_version))
+        if request.sink is not None:
+            self._note(request, completion.token_ids, finished=True)
         return completion
+
+    def _note(self, request: GenerationRequest, tokens: tuple[int, ...], *, finished: bool) -> None:
+        self.attempts.setdefault(request.request_id, []).append(Attempt(request.prompt_token_ids, request.resumed_tokens, tokens, finished))
 
 
 class WatchedTrainer(StubTrainer):
@@ -53,8 +77,10 @@ class WatchedTrainer(StubTrainer):
         return await super().train_step(groups)
 
 
-def check_scenario(seed: int) -> Simulation:
-    cfg = validate_config(scenario(seed), source=f"chaos scenario {seed}")
+def check_scenario(seed: int, *, resume: bool = False) -> Simulation:
+    recipe = resume_scenario(seed) if resume else scenario(seed)
+    assert recipe is not None, f"chaos scenario {seed} cannot resume"
+    cfg = validate_config(recipe, source=f"chaos scenario {seed}" + (" (resume)" if resume else ""))
     try:
         generator, trainer = WatchedGenerator(cfg), WatchedTrainer(cfg)
         # The run's timeline, in memory, its rollouts counted (not drawn as spans): what check_books holds the books to.
@@ -64,8 +90,11 @@ def check_scenario(seed: int) -> Simulation:
         check_outcome(sim)
         check_books(sim, timeline)
         check_waste(sim.cfg, generator, trainer)
+        check_token_bound(sim)
+        if resume:
+            check_seams(sim, generator)
     except BaseException as exc:
-        raise AssertionError(f"chaos scenario {seed} broke an invariant: {exc!r}\n  replay: {replay_command(seed)}") from exc
+        raise AssertionError(f"chaos scenario {seed} broke an invariant: {exc!r}\n  replay: {replay_command(seed, resume=resume)}") from exc
     return sim
 
 
@@ -181,14 +210,52 @@ def check_per_sample(sim: Simulation) -> None:
 
 
 def check_tokens(sim: Simulation) -> None:
-    """Every generated token is trained, wasted for a reason, or still held (in flight, buffered, in training)."""
+    """Every generated token is trained, masked as older than the bound (`resume`), wasted for a reason, or still held (in
+    flight, buffered, in training; a held group's masked tokens are counted masked)."""
     collector, counters = sim.collector, sim.collector.counters
     held = sum(g.finished_tokens() for g in collector._in_flight.values())
     held += sum(r.completion.model_tokens for g in collector.batches.buffer.groups() + collector.batches.in_training for r in g.rollouts)
     wasted = sum(counters[f"rollout/wasted_tokens/{reason}"] for reason in WASTE_REASONS)
-    assert counters["rollout/generated_tokens_total"] == counters["rollout/trained_tokens_total"] + wasted + held, counters
+    masked = counters["rollout/masked_stale_tokens_total"]
+    assert counters["rollout/generated_tokens_total"] == counters["rollout/trained_tokens_total"] + masked + wasted + held, counters
+    if sim.cfg.rollout.on_stale != "resume":
+        assert masked == counters["rollout/resumed_rollouts_total"] == 0, counters
     assert counters["rollout/wasted_tokens/stale"] == counters["rollout/wasted_tokens_total"]
     assert counters["rollout/trained_generation_ms_total"] <= counters["rollout/generation_ms_total"]
+
+
+def check_token_bound(sim: Simulation) -> None:
+    """No token of a version older than step - K is in the loss of the step that trains it (masked tokens stay as context), nor
+    one older than step - rollout.max_prefix_staleness in a resumed group's."""
+    k, k_resumed = sim.cfg.rollout.max_staleness, sim.cfg.rollout.max_prefix_staleness
+    for record in sim.records:
+        for group in record.batch:
+            bound = k if group.max_staleness is None else group.max_staleness
+            assert bound == k or bound == k_resumed, (bound, k, k_resumed)
+            for rollout in group.rollouts:
+                c = rollout.completion
+                trained = c.versions if c.loss_mask is None else [v for v, m in zip(c.versions, c.loss_mask) if m]
+                assert min(trained, default=record.step) >= record.step - bound, (record.step, bound, c.versions, c.loss_mask)
+
+
+def check_seams(sim: Simulation, generator: WatchedGenerator) -> None:
+    """`resume`: a trained rollout's ids are exactly its attempts' tokens end to end, each resumed attempt given the prompt
+    and every token before it as context: nothing lost or duplicated at a seam."""
+    resumed = 0
+    for group in sim.trainer.trained_groups:
+        for rollout in group.rollouts:
+            ids = rollout.completion.token_ids
+            attempts = generator.attempts[rollout.completion.text.rsplit(":", 1)[0]]
+            end, finished = len(ids), True
+            while True:  # from the finished attempt back to the first, each one's tokens right before the next one's
+                piece = next((a for a in reversed(attempts) if a.finished == finished and a.resumed + len(a.tokens) == end
+                              and (finished or a.tokens)  # an interruption that kept no token is no piece
+                              and ids[a.resumed:end] == a.tokens and a.context == group.prompt.token_ids + ids[:a.resumed]), None)
+                assert piece is not None, (ids, end, attempts)
+                if piece.resumed == 0:
+                    break
+                end, finished, resumed = piece.resumed, False, resumed + 1
+    assert resumed <= sim.collector.counters["rollout/resumed_rollouts_total"], resumed
 
 
 def check_fault_free(sim: Simulation) -> None:
@@ -235,6 +302,23 @@ def test_chaos_scenarios_keep_every_invariant(chaos_seeds: list[int]) -> None:
                          "failed:reward_error", "failed:misconfigured_backend", "failed:filtered_fraction", "failed:weight_sync",
                          "failed:teacher_error"):
             assert outcomes[expected] > 0, f"no scenario reached {expected}: {outcomes}"
+
+
+# Two hundred of the scenarios again under `rollout.on_stale: resume` (scenarios.resume_scenario): the same checks, and
+# the per-token bound and the seams of resumed rollouts.
+@pytest.mark.timeout(600)
+def test_resume_chaos_scenarios_keep_every_invariant(request: pytest.FixtureRequest) -> None:
+    chosen = request.config.getoption("--chaos-seed")
+    count = min(200, request.config.getoption("--chaos-scenarios"))
+    seeds = [chosen] if chosen is not None else [s for s in range(2 * count) if resume_scenario(s) is not None][:count]
+    outcomes: Counter[str] = Counter()
+    for seed in seeds:
+        sim = check_scenario(seed, resume=True)
+        outcomes[sim.result.outcome] += 1
+        outcomes["resumed"] += sim.collector.counters["rollout/resumed_rollouts_total"] > 0
+        outcomes["masked"] += sim.collector.counters["rollout/masked_stale_tokens_total"] > 0
+    if len(seeds) >= 200:  # the sweep must resume and mask, not only run
+        assert outcomes["resumed"] >= len(seeds) // 10 and outcomes["masked"] > 0 and outcomes["completed"] > 0, outcomes
 
 
 def test_a_group_dispatched_after_its_version_went_stale_is_cancelled_before_it_generates() -> None:

@@ -85,3 +85,95 @@ def test_metrics_jsonl_carries_the_token_books(tmp_path):
     assert last["rollout/trained_len_mean"] < last["rollout/stale_len_mean"]  # the short ones were trained
     assert 0 < last["rollout/goodput"] < 1  # (the report's also counts the rollouts cancelled at the end)
     assert report["length_bias"] < 0.95 and report["wasted_tokens"]["stale"] == last["rollout/wasted_tokens/stale"] > 0
+
+
+def long_rollouts(generator=None, **rollout):
+    """K = 1, groups of 2, one group per step of 1 s; a prompt's rollouts are 2 to 60 tokens at 0.1 s each: the long ones
+    span several versions while the short ones keep the steps going."""
+    cfg = recipe(rollout={"on_stale": "resume", "max_masked_share": 1.0, "max_resumptions": 8, **rollout}, train={"max_steps": 8},
+                 generation={"max_new_tokens": 64, "max_inflight": 8},
+                 simulate={"tokens": {"dist": "uniform", "low": 2, "high": 60},
+                           "token_model": {"decode_s_per_token": 0.1, "rollout_sigma": 0.0}})
+    return simulate(cfg, generator(cfg) if generator else None)
+
+
+def test_resume_continues_a_long_rollout_under_each_new_version_and_masks_its_tokens_past_the_bound():
+    sim = long_rollouts()
+    assert sim.result.outcome == "completed" and sim.result.steps == 8
+    counters = sim.collector.counters
+    assert counters["rollout/stale_groups_total"] == 0 and counters["rollout/resumed_rollouts_total"] > 0
+    assert counters["rollout/masked_stale_tokens_total"] > 0
+    spanning = 0
+    for record in sim.records:
+        for group in record.batch:
+            for rollout in group.rollouts:
+                c = rollout.completion
+                assert len(c.token_ids) == sim.generator.drawn_lengths[group.prompt.id][0]  # every token kept, none twice
+                assert list(c.versions) == sorted(c.versions)
+                spanning += len(set(c.versions)) > 1  # continued under newer weights
+                mask = c.loss_mask or (True,) * len(c.versions)
+                assert mask == tuple(v >= record.step - 1 for v in c.versions)  # exactly the tokens past K = 1 masked
+    assert spanning >= 2
+    assert sim.collector.metric_values()["rollout/trained_version_span"] >= 1
+
+
+def test_resume_trains_a_resumed_groups_tokens_up_to_max_prefix_staleness():
+    # K = 1 for fresh groups; a resumed group's tokens up to 3 steps old stay in the loss (importance-weighted), older are masked.
+    plain, wide = long_rollouts(), long_rollouts(max_prefix_staleness=3)
+    assert wide.result.outcome == "completed"
+    masked = [sim.collector.counters["rollout/masked_stale_tokens_total"] for sim in (plain, wide)]
+    assert masked[1] < masked[0]
+    oldest = 0
+    for record in wide.records:
+        for group in record.batch:
+            for rollout in group.rollouts:
+                c = rollout.completion
+                mask = c.loss_mask or (True,) * len(c.versions)
+                assert mask == tuple(v >= record.step - group.bound(1) for v in c.versions)
+                oldest = max(oldest, max(record.step - v for v, m in zip(c.versions, mask) if m))
+    assert oldest > 1  # tokens past K trained, under the resumed groups' own bound of 3
+
+
+def test_resume_cancels_a_group_whose_rollouts_would_be_resumed_too_often():
+    # No resumption allowed: a long rollout is left behind as `requeue` (here: drop) leaves it, and nothing is masked.
+    sim = long_rollouts(max_resumptions=0, max_requeues=0)
+    counters = sim.collector.counters
+    assert counters["rollout/stale_groups_total"] > 0 and counters["rollout/dropped/stale"] == counters["rollout/stale_groups_total"]
+    assert counters["rollout/resumed_rollouts_total"] == counters["rollout/masked_stale_tokens_total"] == 0
+
+
+def test_rollouts_in_flight_at_a_checkpoint_are_generated_again_after_it():
+    # The checkpoint keeps the ledger, not the prefixes: a resumed run takes again every prompt not trained or dropped.
+    from asyncgrpo.wiring.prompts import simulation_prompts
+    from asyncgrpo.wiring.run import Backends, wire_run
+
+    sim = long_rollouts()
+    books = sim.collector.books
+    done = books.ledger.done_by_epoch()
+    in_flight = {g.prompt.id for g in sim.collector._in_flight.values()} | {g.prompt.id for g in sim.collector.batches.buffer.groups()}
+    assert in_flight and not in_flight & set(done.get(0, []))
+    saved = {"done": done, "accounting": books.accounting.to_json(), "counters": books.counters}
+    prompts, _ = simulation_prompts(sim.cfg)
+    parts = wire_run(sim.cfg, prompts, Backends(sim.generator, isolation="inline"), outcomes=lambda _: None, start_step=8, saved=saved)
+    taken = [parts.collector.source.take().id for _ in range(len(in_flight))]
+    assert set(taken) == in_flight  # the prompts whose rollouts were in flight come first, none that was trained
+
+
+def test_resume_interrupts_nothing_on_a_backend_that_continues_in_flight():
+    # The local engine installs weights between decoding steps (continues_in_flight): a rollout continues in place, so
+    # resume interrupts none; its tokens past the bound are still masked (here all of a rollout carry its dispatch version).
+    from asyncgrpo.generation.scripted import ScriptedGenerator
+
+    class InPlace(ScriptedGenerator):
+        continues_in_flight = True
+
+    sim = long_rollouts(lambda cfg: InPlace(cfg.simulate, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens))
+    assert sim.result.outcome == "completed"
+    counters = sim.collector.counters
+    assert counters["rollout/resumed_rollouts_total"] == 0 and counters["rollout/masked_stale_tokens_total"] > 0
+    for record in sim.records:
+        for group in record.batch:
+            for rollout in group.rollouts:
+                c = rollout.completion
+                assert len(set(c.versions)) == 1  # one attempt each: never interrupted and continued
+                assert c.loss_mask is None or c.loss_mask == tuple(v >= record.step - 1 for v in c.versions)

@@ -136,6 +136,19 @@ def test_a_data_parallel_trainer_needs_the_ray_runtime_and_its_ranks_count_in_th
                        "ray.trainer.num_cpus=0.5"])
 
 
+def test_sharding_needs_ranks_and_refuses_what_it_cannot_shard_naming_the_fix():
+    ray = ("runtime=ray", "train.world_size=2", "ray.num_cpus=4")
+    assert load_config(None, list(ray)).train.sharding == "ddp"
+    assert load_config(None, [*ray, "train.sharding=fsdp", "train.precision=bfloat16"]).train.sharding == "fsdp"
+    message = error_of("train.sharding=fsdp")
+    assert "train.sharding = fsdp" in message and "train.world_size = 1" in message and "Fix: set train.world_size >= 2" in message
+    message = error_of(*ray, "train.sharding=fsdp", "train.precision=float16")
+    assert "train.precision = float16" in message and "Fix: train.precision: bfloat16" in message
+    message = error_of(*ray, "train.sharding=fsdp", "train.lora.r=8")
+    assert "train.lora is not built" in message and "Fix: train.sharding: ddp" in message
+    assert "zero" in error_of(*ray, "train.sharding=zero")  # not a choice: the choices are named
+
+
 def test_a_placement_group_needs_resources_to_reserve():
     message = error_of("ray.trainer.placement=SPREAD", "ray.trainer.num_cpus=0")
     assert "placement = SPREAD" in message and "num_cpus and num_gpus are both 0" in message and "Fix:" in message

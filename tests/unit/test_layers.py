@@ -53,6 +53,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models",),  # model.path -> (model, tokenizer); the builtin models
     ("data", "generation"),  # prompts; their completion (engines, servers, the scripted backend)
     ("rewards", "environments"),  # what a rollout calls: scoring, and the hosts of multi-turn episodes
+    ("agents",),  # agents written against the OpenAI client: the gateway, its sessions, their episodes
     ("distill",),  # on-policy distillation's parts: the teacher, judging a taught sample, its advantages
     ("algorithms.base",),  # the algorithm seam's protocol: what rollout and training ask of an algorithm
     ("rollout",),  # a group's life: admission, slots, retries, judging, the buffer, the books
@@ -60,8 +61,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training",),  # the loss family, the torch trainer and its ranks, checkpoints
     ("pipeline", "evaluation"),  # the loop; held-out evaluation beside it
     ("telemetry",),  # metrics, samples, trackers, the timeline, the console
-    ("wiring",),  # one place that wires a run (train's and simulate's parts, in one order)
-    ("commands",),  # what a user runs: train, simulate, check, plot, serve, convert-trl (cli.py)
+    # one place that wires a run (train's and simulate's parts, in one order); calibrating the simulator from a run's records
+    ("wiring", "tuning"),
+    ("commands",),  # what a user runs: train, simulate, check, plot, serve, tune, convert-trl (cli.py)
     ("api",),  # the Python API, asyncgrpo.Trainer: the front door beside the CLI
 )
 

@@ -101,7 +101,7 @@ def _policy(on_stale: str, **rollout) -> StalePolicy:
 def test_every_on_stale_value_has_its_policy_in_the_registry():
     assert set(STALE_POLICIES) == set(get_args(RolloutConfig.model_fields["on_stale"].annotation))
     assert {name: type(_policy(name)).__name__ for name in STALE_POLICIES} == {
-        "patience": "PatiencePolicy", "requeue": "RequeuePolicy", "drop": "DropPolicy", "wait": "WaitPolicy"}
+        "patience": "PatiencePolicy", "requeue": "RequeuePolicy", "drop": "DropPolicy", "wait": "WaitPolicy", "resume": "ResumePolicy"}
 
 
 def test_what_each_policy_does_with_a_group_left_behind_and_how_long_a_ready_batch_waits():
@@ -113,6 +113,7 @@ def test_what_each_policy_does_with_a_group_left_behind_and_how_long_a_ready_bat
         "requeue": (["requeue", "drop"], None, None),
         "drop": (["drop", "drop"], None, None),
         "wait": (["drop", "drop"], None, None),  # wait never leaves a group behind; should the bound cut one, it is dropped
+        "resume": (["requeue", "drop"], None, None),  # a group it cannot resume is left behind as requeue leaves it
     }
     assert _policy("requeue", partial_groups=True).finish_early and not _policy("requeue").finish_early
 

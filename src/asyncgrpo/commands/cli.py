@@ -1,4 +1,5 @@
-"""`asyncgrpo train|simulate|check RECIPE [dotted.key=value ...]`, `asyncgrpo serve MODEL` and `asyncgrpo convert-trl FILE`:
+"""`asyncgrpo train|simulate|check RECIPE [dotted.key=value ...]`, `asyncgrpo serve MODEL`, `asyncgrpo tune RUN_DIR` and
+`asyncgrpo convert-trl FILE`:
 argument parsing and exit codes only.
 
 Exit codes: 0 completed, 1 failed (the run's diagnostic is printed), 2 stalled,
@@ -47,6 +48,17 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", type=Path, help="a run directory (runs/<run.name>) or a `simulate --output-dir` directory")
     plot.add_argument("--out", type=Path, default=None, help="where the PNGs go (default RUN_DIR/plots)")
     plot.add_argument("--debug", action="store_true", help="show tracebacks")
+    tune = sub.add_parser("tune", help="Calibrate the simulator from a run, check it replays the run, and recommend a config.",
+                          description="Fit the simulator to a run directory (writes RUN_DIR/tuned.yaml), replay the run on virtual "
+                                      "time and compare, then sweep staleness, policy, width and batch size and recommend a config.")
+    tune.add_argument("run_dir", type=Path, help="the directory of a finished `asyncgrpo train` run (runs/<run.name>)")
+    tune.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    tune.add_argument("--plot", action="store_true", help="draw the swept configs and their frontier to RUN_DIR/tune.png")
+    tune.add_argument("--max-staleness", type=_bounded_int(0, 1 << 20), default=None, metavar="K",
+                      help="recommend only configs with rollout.max_staleness <= K")
+    tune.add_argument("--min-length-bias", type=_positive_float, default=None, metavar="B",
+                      help="recommend only configs whose predicted length bias is at least B (e.g. 0.95)")
+    tune.add_argument("--debug", action="store_true", help="show tracebacks")
     convert = sub.add_parser(
         "convert-trl",
         help="Convert a TRL GRPOConfig YAML/JSON into a recipe, reporting what was mapped and what has no counterpart.",
@@ -140,6 +152,11 @@ def _run_command(args: argparse.Namespace) -> int:
         for note in plots.left_out:
             print(note)
         return 0
+    if args.command == "tune":
+        from asyncgrpo.commands.tune import tune_cli
+
+        return tune_cli(args.run_dir, as_json=args.json, plot=args.plot, max_staleness=args.max_staleness,
+                        min_length_bias=args.min_length_bias)
     if args.command == "convert-trl":
         return _convert_trl(args.trl_config, args.out)
     prepared = build_config(args.recipe, cli_overrides=args.overrides)  # the Python API's config, from a recipe

@@ -207,8 +207,9 @@ def check_invariants(sim: Simulation) -> None:
         raise InvariantViolation(f"accounting does not add up: {acc.to_json()}")
     k = sim.cfg.rollout.max_staleness
     for record in sim.records:
-        if any(s > k for s in record.staleness):
-            raise InvariantViolation(f"step {record.step} trained staleness {max(record.staleness)} > max_staleness {k}")
+        for group, staleness in zip(record.batch, record.staleness):
+            if staleness > group.bound(k):  # a resumed group's own bound: rollout.max_prefix_staleness
+                raise InvariantViolation(f"step {record.step} trained staleness {staleness} > its bound {group.bound(k)} (max_staleness {k})")
     if sim.env_hosts is not None and sim.collector.counters["env/abandoned_total"] != sim.env_hosts.abandoned:
         raise InvariantViolation(
             f"{sim.env_hosts.abandoned} episodes outlived their grace but env/abandoned_total = {sim.collector.counters['env/abandoned_total']}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from asyncgrpo.config.section import Section
 
@@ -18,7 +18,9 @@ class EnvConfig(Section):
 
     factory: str = Field(
         ..., min_length=1,
-        description="module:callable returning a new environment (reset/step/close); called with no arguments once per episode.",
+        description="module:callable returning a new environment (reset/step/close); called with no arguments once per episode. "
+        "agent:module:function: an async agent(client, row) written against the OpenAI client, played through the run's gateway "
+        "(docs/agents.md).",
     )
     max_turns: int = Field(4, ge=1, description="Most model turns of one episode; the episode then ends (stop reason max_turns).")
     max_tokens: int = Field(
@@ -44,6 +46,13 @@ class EnvConfig(Section):
     reward_weight: float = Field(
         1.0, ge=0, description="Weight of the environment's episode reward, added to the weighted reward functions (0: ignore it).",
     )
+
+    @model_validator(mode="after")
+    def _agent_isolation(self) -> EnvConfig:
+        if self.factory.startswith("agent:") and self.isolation != "thread":
+            raise ValueError(f"isolation = {self.isolation!r} with factory = {self.factory!r}: an agent runs as a task of the run's event loop "
+                             "(cancelled with its session), not in a worker process. Fix: set env.isolation: thread (or leave it out).")
+        return self
 
 
 def episode_limit_s(env: EnvConfig, generation: GenerationConfig) -> float:

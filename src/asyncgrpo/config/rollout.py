@@ -20,12 +20,30 @@ class RolloutConfig(Section):
         1, ge=0,
         description="K: most steps between the version that generated a group and the step that trains it; 0 = synchronous on-policy.",
     )
-    on_stale: Literal["requeue", "drop", "wait", "patience"] = Field(
+    on_stale: Literal["requeue", "drop", "wait", "patience", "resume"] = Field(
         "patience",
         description="The staleness policy (rollout/stale_policy.py; docs/benchmarks.md, 'Staleness policies'). requeue: a group cancelled "
         "as stale has its prompt generated again later; drop: it is dropped (dropped/stale); wait: each group targets a step and "
         "that step waits for its own groups (no waste, no length bias, less throughput); patience: requeue, but a ready batch waits "
-        "up to rollout.patience_share of a step for groups the next step would cancel.",
+        "up to rollout.patience_share of a step for groups the next step would cancel; resume: a rollout the next step would leave "
+        "behind is interrupted and continued under the newest weights from the tokens it has (generation.backend scripted or local), "
+        "tokens older than the bound masked out of the loss (rollout.max_masked_share, rollout.max_resumptions).",
+    )
+    max_masked_share: float = Field(
+        0.5, ge=0, le=1,
+        description="on_stale: resume: a group in which one rollout would have more than this share of its tokens masked as older "
+        "than the bound is stale as a whole (its prompt requeued, as requeue does).",
+    )
+    max_prefix_staleness: int | None = Field(
+        None, ge=0,
+        description="on_stale: resume: the bound for the tokens of a resumed group (at least max_staleness): tokens up to this many "
+        "steps old stay in the loss, importance-weighted with their own behaviour logprobs (truncated as the loss does); older "
+        "ones are masked. Unset: max_staleness, for every token.",
+    )
+    max_resumptions: int = Field(
+        4, ge=0,
+        description="on_stale: resume: times one rollout may be interrupted and resumed; the group of a rollout left behind once more "
+        "is stale as a whole (its prompt requeued, as requeue does).",
     )
     over_admit_groups: int = Field(
         0, ge=0,

@@ -116,6 +116,7 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"at the step it targets, so a group beyond the capacity would have no step. Fix: set rollout.over_admit_groups: 0, "
             f"or choose another rollout.on_stale."
         )
+    problems += resume_problems(cfg)
     if g.request_timeout_s > g.rollout_deadline_s:
         problems.append(
             f"generation.request_timeout_s = {g.request_timeout_s:g} exceeds generation.rollout_deadline_s = "
@@ -246,3 +247,27 @@ def _failure_budget_warnings(cfg: Config) -> list[str]:
         ]
     return []
 
+
+def resume_problems(cfg: Config) -> list[str]:
+    """`rollout.on_stale: resume` needs a backend that keeps an interrupted request's tokens, and plain rollouts."""
+    r, problems = cfg.rollout, list[str]()
+    if r.max_prefix_staleness is not None and (r.on_stale != "resume" or r.max_prefix_staleness < r.max_staleness):
+        problems.append(
+            f"rollout.max_prefix_staleness = {r.max_prefix_staleness} with rollout.on_stale = {r.on_stale!r} and rollout.max_staleness = "
+            f"{r.max_staleness}: it bounds the tokens of resumed groups, so it needs on_stale: resume and at least max_staleness. "
+            f"Fix: set rollout.on_stale: resume and rollout.max_prefix_staleness >= {r.max_staleness}, or remove it."
+        )
+    if r.on_stale != "resume":
+        return problems
+    unsupported = {"generation.backend": cfg.generation.backend if cfg.generation.backend == "http" else None,
+                   "runtime": cfg.runtime if cfg.runtime == "ray" else None,
+                   "algorithm": cfg.algorithm if cfg.algorithm != "grpo" else None, "env": "set" if cfg.env is not None else None,
+                   "rollout.partial_groups": "true" if r.partial_groups else None}
+    for key, value in unsupported.items():
+        if value is not None:
+            problems.append(
+                f"rollout.on_stale = 'resume' with {key} = {value}: resumable rollouts are built for plain GRPO rollouts on the "
+                f"scripted and local backends (runtime: local, no env:, no partial groups) so far. Fix: choose another "
+                f"rollout.on_stale (patience is the default), or drop {key}."
+            )
+    return problems

@@ -54,7 +54,8 @@ class Codec(Protocol):
     def max_token_chars(self) -> int:
         """The most characters the text of one token holds (an upper bound)."""
 
-    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str: ...
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Mapping[str, Any]] = ()) -> str:
+        """The messages as the model reads them; `tools` (OpenAI function schemas, agents/) through the template's tool support."""
 
     def encode(self, text: str) -> tuple[int, ...]: ...
 
@@ -81,9 +82,10 @@ class TokenizerCodec:
     def has_template(self) -> bool:
         return getattr(self._tokenizer, "chat_template", None) is not None
 
-    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Mapping[str, Any]] = ()) -> str:
         return str(self._tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
+            tools=[dict(t) for t in tools] or None,
         ))
 
     def encode(self, text: str) -> tuple[int, ...]:
@@ -100,8 +102,8 @@ class CharCodec:
     offload = False  # the simulator's loop runs on virtual time, with no threads
     max_token_chars = 1
 
-    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
-        text = "".join(
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Mapping[str, Any]] = ()) -> str:
+        text = "".join(f"tools: {t['function']['name']}\n" for t in tools) + "".join(
             f"{m['role']}: {m['content']}" + ("" if m["role"] == "assistant" else "\n") for m in messages
         )
         return text + ("assistant: " if add_generation_prompt else "")
@@ -235,3 +237,8 @@ def as_row(prompt: Prompt, prompt_key: str) -> Mapping[str, Any]:
     """The prompt's row as `reset` receives it: its columns, and the prompt (text or messages) under `prompt_key`."""
     value: Any = [dict(m) for m in prompt.messages] if prompt.messages is not None else prompt.text
     return {**prompt.columns, prompt_key: value}
+
+
+def transcript(messages: Sequence[Any]) -> str:
+    """The episode after the prompt as "role: content" lines (samples and logs; reward functions get the messages)."""
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)

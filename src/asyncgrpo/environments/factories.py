@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from asyncgrpo.environments.agent_spec import PREFIX as AGENT_PREFIX
+from asyncgrpo.environments.agent_spec import load_agent
 from asyncgrpo.environments.protocol import Environment
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.objects import lookup
@@ -29,6 +31,12 @@ def _openenv(target: str) -> Callable[[], Environment]:
     return openenv_factory(target)
 
 
+def _agent(target: str) -> Callable[[], Environment]:
+    """``agent:module:function``: an agent written against the OpenAI client, played through the run's gateway (agents/), never
+    made as an environment: loading it checks the spec, and returns the agent."""
+    return load_agent(AGENT_PREFIX + target)
+
+
 def _python_object(name: str) -> Callable[[], Environment]:
     """``python:<name>``: a factory passed to the Python API (objects.py), valid inside that run."""
     factory: Callable[[], Environment] = lookup(f"python:{name}", KEY)
@@ -36,7 +44,7 @@ def _python_object(name: str) -> Callable[[], Environment]:
 
 
 # "<prefix>" -> loader of the rest of the spec (after "<prefix>:"); adapters register here.
-PREFIXES: dict[str, Callable[[str], Callable[[], Environment]]] = {"openenv": _openenv, "python": _python_object}
+PREFIXES: dict[str, Callable[[str], Callable[[], Environment]]] = {"openenv": _openenv, "python": _python_object, "agent": _agent}
 
 
 def load_factory(spec: str) -> Callable[[], Environment]:

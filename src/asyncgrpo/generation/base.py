@@ -12,6 +12,12 @@ Contract:
 - `load_weights(state, version)` installs new weights; requests in flight keep running,
   and their later tokens carry the new version. It returns once the new version serves.
 - `aclose` releases threads and connections; it is bounded and idempotent.
+- `rollout.on_stale: resume` (rollout/resume.py): a backend appends each token it generates to the
+  request's `sink` (when it has one), so a cancelled (interrupted) request loses none; a resumed
+  request's context ends with the rollout's own earlier tokens (`resumed_tokens`), its budget may be
+  0 (answer with an empty continuation), and its `text` is the whole rollout's. A backend whose
+  weights change between decoding steps declares `continues_in_flight = True` (the local engine): its
+  rollouts are never interrupted, each token already carries its version.
 """
 
 from __future__ import annotations

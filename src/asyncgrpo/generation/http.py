@@ -56,6 +56,7 @@ from asyncgrpo.errors import (
 )
 from asyncgrpo.generation.attempt_clock import AnswerMarks, AttemptClock
 from asyncgrpo.generation.attempt_timeout import LatencyTracker
+from asyncgrpo.generation.delta_publisher import DeltaWeightPublisher
 from asyncgrpo.generation.http_client import completion_payload, read_completion
 from asyncgrpo.generation.http_discovery import discover
 from asyncgrpo.generation.http_probes import HealthProbes
@@ -87,7 +88,8 @@ class HttpGenerator:
         self.cfg = cfg
         self.http = cfg.http
         if publisher is None and weights_dir is not None:
-            publisher = DiskWeightPublisher(weights_dir, model_config=model_config)
+            kind = DeltaWeightPublisher if cfg.http.weight_sync == "delta" else DiskWeightPublisher
+            publisher = kind(weights_dir, model_config=model_config)
         self._pool = ServerPool(cfg, name, initial_version)
         self.counters = self._pool.counters
         self.model: str | None = cfg.http.model
@@ -115,6 +117,7 @@ class HttpGenerator:
     def stats(self) -> dict[str, Any]:
         return {
             **self.counters,
+            **getattr(self._weights.publisher, "counters", {}),  # the delta publisher's: deltas, full loads, fallbacks
             "serving_version": self.serving_version,
             "published_version": self._pool.published_version,
             "servers": [{"url": s.url, "healthy": s.healthy, "excluded": s.excluded, "hung": s.hung, "version": s.version,

@@ -130,6 +130,8 @@ class LocalEngine:
     synchronise. `close_timeout_s` bounds `aclose`.
     """
 
+    continues_in_flight = True  # rollout.on_stale: resume: weights change between decoding steps, a rollout continues in place
+
     def __init__(self, model: Any, tokenizer: Any = None, *, name: str = "local", max_batch_size: int = 64,
                  version: int = 0, step_hook: StepHook | None = None, close_timeout_s: float = 30.0) -> None:
         if max_batch_size < 1:
@@ -208,6 +210,10 @@ class LocalEngine:
         body = tokens[:-1] if reason == "stop" else tokens
         text = self._tokenizer.decode(body, skip_special_tokens=True) if self._tokenizer is not None else ""
         return Completion(tuple(tokens), tuple(logprobs), tuple(versions), reason, job.dispatch_version, text)
+
+    def weights(self) -> Mapping[str, Any]:
+        """The live parameters by name (tied aliases under every name): read them, never write them (`load_weights` does)."""
+        return self._targets
 
     async def load_weights(self, state: Mapping[str, Any] | None, version: int) -> None:
         """Install `state` (parameter name -> tensor; None: same weights) as `version`; returns once it serves.

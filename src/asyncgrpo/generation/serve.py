@@ -62,7 +62,7 @@ import copy
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,8 @@ from aiohttp import web
 
 from asyncgrpo.errors import GenerationError, PromptRejectedError
 from asyncgrpo.generation.serve_protocol import BadRequest, abort_body, completion_body, error_response, parse_completion
-from asyncgrpo.generation.serve_weights import read_weights
+from asyncgrpo.generation.serve_weights import read_bounded, read_delta_file, read_marker, read_weights_dir
+from asyncgrpo.generation.weight_delta import DeltaError, merge_delta
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.threads import DaemonThreadPool
 
@@ -83,6 +84,7 @@ PROMPT_CHARS_PER_TOKEN = 16
 BODY_BYTES_PER_PROMPT_CHAR = 12
 BODY_BYTES_OTHER_FIELDS = 1 << 20
 RELOAD_TIMEOUT_S = 300.0
+RPC_METHODS = ("reload_weights", "asyncgrpo_load_full", "asyncgrpo_apply_delta")  # delta_publisher.py sends the last two
 
 
 class ServerState:
@@ -112,8 +114,10 @@ class ServerState:
         self.signal = StateSignal()
         self.generating: set[asyncio.Task] = set()  # engine calls in progress
         self.reload_lock = asyncio.Lock()
+        self.weights_id: str | None = None  # the delta publisher's identity of the weights served (None: unknown)
         self.counters = {"requests_total": 0, "requests_completed": 0, "requests_aborted": 0, "requests_rejected": 0,
-                         "requests_waiting": 0, "reloads": 0, "reload_failures": 0}
+                         "requests_waiting": 0, "reloads": 0, "reload_failures": 0, "deltas_applied": 0,
+                         "delta_refusals": 0}
 
     def stats(self) -> dict[str, Any]:
         engine = self.engine.stats()
@@ -121,6 +125,7 @@ class ServerState:
             "engine_failure": None if self.engine.failure is None else repr(self.engine.failure),
             "model": self.model_name,
             "serving_version": engine["serving_version"],
+            "weights_id": self.weights_id,
             "paused": self.paused,
             "requests_active": len(self.generating),
             **self.counters,
@@ -188,32 +193,52 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
             return error_response(413, _too_large(state))
         if not isinstance(body, dict) or body.get("method") is None:
             return error_response(400, "Missing 'method' in request body")
-        if body["method"] != "reload_weights":
-            return error_response(400, f"method {body['method']!r} is not supported by asyncgrpo serve; it supports reload_weights")
-        kwargs = body.get("kwargs") or {}
-        path = kwargs.get("weights_path") or model_dir
+        method, kwargs = body["method"], body.get("kwargs") or {}
+        if method not in RPC_METHODS:
+            return error_response(400, f"method {method!r} is not supported by asyncgrpo serve; it supports "
+                                       f"{', '.join(RPC_METHODS)}")
+        delta = method == "asyncgrpo_apply_delta"
+        path = kwargs.get("delta_path") if delta else kwargs.get("weights_path") or model_dir
         if not path:
-            return error_response(400, "reload_weights needs kwargs.weights_path (this server was not started from a directory)")
+            return error_response(400, f"{method} needs kwargs.{'delta_path' if delta else 'weights_path'}"
+                                       + ("" if delta else " (this server was not started from a directory)"))
         async with state.reload_lock:
             try:
-                weights, file_version = await read_weights(Path(path), state.reload_timeout_s)
+                if delta:
+                    served, held = state.engine.weights(), state.weights_id
+                    weights, manifest = await read_bounded(
+                        lambda: _merged(served, held, Path(path)), state.reload_timeout_s)
+                    file_version: int | None = int(manifest["version"])
+                    weights_id = manifest["weights_id"]
+                else:
+                    (weights, file_version), marker = await read_bounded(
+                        lambda: (read_weights_dir(Path(path)), read_marker(Path(path))), state.reload_timeout_s)
+                    weights_id = (marker or {}).get("weights_id")
                 current = state.engine.serving_version
                 version = file_version if file_version is not None and file_version >= current else current + 1
+                state.weights_id = None  # until the install is complete: no delta may apply to half-loaded weights
                 await _install(state, weights, version)
+                state.weights_id = weights_id
+            except DeltaError as exc:  # another base, a bad file or a failed checksum: the publisher sends the full weights
+                state.counters["delta_refusals"] += 1
+                log.warning("asyncgrpo serve: refused the weight delta %s: %s", path, exc)
+                return web.json_response({"results": [{"applied": False, "reason": str(exc)}]})
             except GenerationError as exc:  # the engine is closed
                 state.counters["reload_failures"] += 1
-                return error_response(503, f"reload_weights from {path}: {exc}")
+                return error_response(503, f"{method} from {path}: {exc}")
             except TimeoutError as exc:  # the read was abandoned on its daemon thread
                 state.counters["reload_failures"] += 1
-                log.warning("asyncgrpo serve: reload_weights from %s failed: %s", path, exc)
-                return error_response(504, f"reload_weights from {path}: {exc}")
+                log.warning("asyncgrpo serve: %s from %s failed: %s", method, path, exc)
+                return error_response(504, f"{method} from {path}: {exc}")
             except Exception as exc:  # noqa: BLE001 - unreadable files, wrong keys or shapes: told to the caller
                 state.counters["reload_failures"] += 1
-                log.warning("asyncgrpo serve: reload_weights from %s failed: %s", path, exc)
-                return error_response(400, f"reload_weights from {path}: {type(exc).__name__}: {exc}")
-        state.counters["reloads"] += 1
+                log.warning("asyncgrpo serve: %s from %s failed: %s", method, path, exc)
+                return error_response(400, f"{method} from {path}: {type(exc).__name__}: {exc}")
+        state.counters["deltas_applied" if delta else "reloads"] += 1
         log.info("asyncgrpo serve: loaded weights from %s as version %d", path, version)
-        return web.json_response({"results": [None]})
+        if method == "reload_weights":
+            return web.json_response({"results": [None]})
+        return web.json_response({"results": [{"applied": True, "weights_id": weights_id, "version": version}]})
 
     async def completions(request: web.Request) -> web.Response:
         state.counters["requests_total"] += 1
@@ -280,6 +305,12 @@ async def _install(state: ServerState, weights: dict[str, Any], version: int) ->
     log.warning("asyncgrpo serve: the engine had failed (%r); restarted it with the reloaded weights (version %d)",
                 failed.failure, version)
     await failed.aclose()  # its thread has exited: releases nothing more, idempotent
+
+
+def _merged(served: Mapping[str, Any], held: str | None, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The full state after the delta at `path` (read on the caller's daemon thread) and the delta's manifest."""
+    entries, manifest = read_delta_file(path)
+    return merge_delta(served, held, entries, manifest), manifest
 
 
 def _too_large(state: ServerState) -> str:

@@ -1,8 +1,10 @@
-"""Reading a weights directory for `asyncgrpo serve`'s reload_weights: regular files only, never a blocking open.
+"""Reading weights for `asyncgrpo serve`'s reload_weights and deltas: regular files only, never a blocking open.
 
 Job: `read_weights_dir(DIR)` returns every tensor of DIR's ``*.safetensors`` files and the
 publisher's version (DIR/asyncgrpo_version.json), or raises an error naming the file;
-`read_weights(DIR, timeout_s)` does it on a daemon thread within a deadline.
+`read_weights(DIR, timeout_s)` does it on a daemon thread within a deadline (`read_bounded` any such
+read: also a delta file's, `read_delta_file`). `merge_delta` turns the served weights and a delta into the
+full state to install, or says why it must not be applied (another base, a checksum that does not match).
 
 Invariants:
 - Only regular files are read. Each file is opened with ``O_NONBLOCK`` (opening a FIFO for
@@ -24,18 +26,27 @@ import asyncio
 import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from asyncgrpo.generation.weight_delta import load_delta
 from asyncgrpo.generation.weight_sync import VERSION_FILE
 from asyncgrpo.threads import run_in_daemon_thread
+
+T = TypeVar("T")
 
 
 async def read_weights(directory: Path, timeout_s: float) -> tuple[dict[str, Any], int | None]:
     """`read_weights_dir(directory)` on a daemon thread, abandoned after `timeout_s` (TimeoutError saying so)."""
+    return await read_bounded(lambda: read_weights_dir(directory), timeout_s)
+
+
+async def read_bounded(read: Callable[[], T], timeout_s: float) -> T:
+    """`read()` on a daemon thread, abandoned after `timeout_s` (TimeoutError naming --reload-timeout-s)."""
     try:
         async with asyncio.timeout(timeout_s):
-            return await run_in_daemon_thread(lambda: read_weights_dir(directory), name="asyncgrpo-serve-reload")
+            return await run_in_daemon_thread(read, name="asyncgrpo-serve-reload")
     except TimeoutError:
         raise TimeoutError(f"reading the weights did not finish within --reload-timeout-s = {timeout_s:g} s (a slow or "
                            f"hung file system?); the weights being served are unchanged. Fix: check the path's storage, "
@@ -85,7 +96,18 @@ def read_weights_dir(directory: Path) -> tuple[dict[str, Any], int | None]:
         raise ValueError(f"{len(bad)} of {len(weights)} tensors hold NaN or inf (e.g. {', '.join(bad[:3])}); refused, "
                          f"the weights being served are unchanged. Check the trainer (learning rate, loss scale) that "
                          f"produced them")
+    marker = read_marker(directory)
+    return weights, None if marker is None else int(marker["version"])
+
+
+def read_marker(directory: Path) -> dict[str, Any] | None:
+    """The publisher's VERSION_FILE in `directory` (``version``, and ``weights_id`` from the delta publisher), or None."""
     marker = directory / VERSION_FILE
     if not os.path.lexists(marker):
-        return weights, None
-    return weights, int(json.loads(read_regular_file(marker))["version"])
+        return None
+    return dict(json.loads(read_regular_file(marker)))
+
+
+def read_delta_file(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Entries and manifest of a delta file (a regular file only); DeltaError if it is not one."""
+    return load_delta(read_regular_file(path))

@@ -13,7 +13,7 @@ order, health, deadlines, version bookkeeping) and the publisher only moves byte
 
 Supported: **disk** (`DiskWeightPublisher`). `stage` writes the state dict as safetensors in
 the Hugging Face layout (``model.safetensors`` + the model's ``config.json``; tied weights under
-every name, see `_plain_tensors`) into
+every name, see `plain_tensors`) into
 ``weights_dir/v{version:06d}/``, atomically (temp dir + rename), keeping the last `keep_last`
 versions; `install` runs vLLM's dev-mode sequence on the server:
 ``POST /pause?mode=keep`` (vLLM's default mode aborts in-flight requests; keep does not),
@@ -22,6 +22,10 @@ versions; `install` runs vLLM's dev-mode sequence on the server:
 server paused with requests held. The servers must be able to
 read `weights_dir` (same machine or a shared file system) and vLLM must run with
 ``VLLM_SERVER_DEV_MODE=1``; `asyncgrpo serve` has these endpoints built in.
+
+**Delta** (`generation.http.weight_sync: delta`, delta_publisher.py): a subclass that writes per version only
+the elements changed since the previous one, with a checksum of the result, and falls back to the full
+weights per server.
 
 Not implemented: **NCCL** (vLLM's ``/init_weight_transfer_engine``, ``/update_weights``, the path
 TRL uses on GPUs). It slots in as another `WeightPublisher`: `stage` would keep references to
@@ -159,25 +163,34 @@ def version_dir(weights_dir: Path, version: int) -> Path:
 
 
 def write_weights(state: Mapping[str, Any], weights_dir: Path, version: int, *,
-                  model_config: str | Path | Mapping[str, Any] | None = None, keep_last: int = 2) -> Path:
+                  model_config: str | Path | Mapping[str, Any] | None = None, keep_last: int = 2,
+                  marker: Mapping[str, Any] | None = None) -> Path:
     """Write `state` as `weights_dir/v{version:06d}/` atomically; prune to the last `keep_last` versions. Returns the dir."""
-    from safetensors.torch import save_file
-
     if version < 0:
         raise ValueError(f"version must be >= 0, got {version}")
     weights_dir = Path(weights_dir)
     weights_dir.mkdir(parents=True, exist_ok=True)
-    final = version_dir(weights_dir, version)
-    with atomic_directory(final) as tmp:
-        config = _write_config(model_config, tmp)
-        tied = bool(config.get("tie_word_embeddings")) if config else False
-        save_file(_plain_tensors(state, tied_embeddings=tied), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / VERSION_FILE).write_text(json.dumps({"version": version}))
-    _prune(weights_dir, version, keep_last)
+    final = write_weights_at(state, version_dir(weights_dir, version), version, model_config=model_config, marker=marker)
+    prune(weights_dir, version, keep_last)
     return final
 
 
-def _plain_tensors(state: Mapping[str, Any], *, tied_embeddings: bool) -> dict[str, Any]:
+def write_weights_at(state: Mapping[str, Any], final: Path, version: int, *,
+                     model_config: str | Path | Mapping[str, Any] | None = None,
+                     marker: Mapping[str, Any] | None = None) -> Path:
+    """Write `state` as the directory `final` atomically (safetensors, config, VERSION_FILE with `version` and the
+    fields of `marker`, e.g. the delta publisher's ``weights_id``). Returns `final`."""
+    from safetensors.torch import save_file
+
+    with atomic_directory(final) as tmp:
+        config = write_config(model_config, tmp)
+        tied = bool(config.get("tie_word_embeddings")) if config else False
+        save_file(plain_tensors(state, tied_embeddings=tied), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / VERSION_FILE).write_text(json.dumps({"version": version, **(marker or {})}))
+    return final
+
+
+def plain_tensors(state: Mapping[str, Any], *, tied_embeddings: bool) -> dict[str, Any]:
     """CPU, contiguous tensors that share no memory (safetensors refuses that); aliases are written as copies.
 
     Tied weights are written under every name, `lm_head.weight` included (added from the
@@ -200,7 +213,18 @@ def _plain_tensors(state: Mapping[str, Any], *, tied_embeddings: bool) -> dict[s
     return out
 
 
-def _write_config(model_config: str | Path | Mapping[str, Any] | None, target: Path) -> dict[str, Any] | None:
+def tied_embeddings(model_config: str | Path | Mapping[str, Any] | None) -> bool:
+    """Whether `model_config` (as `DiskWeightPublisher` takes it) ties the input embeddings and the LM head."""
+    if model_config is None:
+        return False
+    if isinstance(model_config, Mapping):
+        return bool(model_config.get("tie_word_embeddings"))
+    source = Path(model_config)
+    source = source / "config.json" if source.is_dir() else source
+    return bool(json.loads(source.read_text()).get("tie_word_embeddings")) if source.is_file() else False
+
+
+def write_config(model_config: str | Path | Mapping[str, Any] | None, target: Path) -> dict[str, Any] | None:
     if model_config is None:
         return None
     if isinstance(model_config, Mapping):
@@ -220,7 +244,7 @@ def _write_config(model_config: str | Path | Mapping[str, Any] | None, target: P
 
 
 
-def _prune(weights_dir: Path, written: int, keep_last: int) -> None:
+def prune(weights_dir: Path, written: int, keep_last: int) -> None:
     """Keep `written` and the newest versions below it, `keep_last` in all. Versions above `written`
     are left over from an earlier run that got further (a resume, or a restart from scratch): no
     server needs them, and keeping them would make the just-written version look old."""

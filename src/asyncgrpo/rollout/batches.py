@@ -10,7 +10,9 @@ state only in synchronous code, each change followed by `notify()`.
 Invariants (DESIGN.md §2):
 - No stale group (staleness > K) reaches the trainer: `next_batch` drops stale buffered groups
   right before taking a batch and checks the batch it takes; the take then drops those stale at
-  the next step.
+  the next step. Under `rollout.on_stale: resume` a buffered group stale at a step is first masked
+  at that step (its tokens older than the bound out of the loss, rollout/resume.py) and kept if
+  that brings it within the bound.
 - A ready batch waits only as the staleness policy says (rollout/stale_policy.py): for stragglers,
   then for stragglers finishing early; every wait has a predicate and a deadline.
 - No progress (a rollout, an episode turn or a group's scoring ended, a step trained) for the
@@ -30,6 +32,7 @@ from asyncgrpo.rollout.books import Books
 from asyncgrpo.rollout.buffer import ReplayBuffer
 from asyncgrpo.rollout.first_failure import FirstFailure
 from asyncgrpo.rollout.in_flight import InFlightGroup
+from asyncgrpo.rollout.resume import version_span
 from asyncgrpo.rollout.stale_policy import Exhaustible, StalePolicy, is_straggler, may_finish_early
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.types import Group
@@ -58,6 +61,7 @@ class Batches:
         self.buffer = ReplayBuffer(cfg.rollout.max_staleness)
         self.next_step = start_step  # the index of the step whose batch is taken next
         self.in_training: list[Group] = []
+        self.version_span = 0  # the widest version span of a rollout's trained tokens in the last batch taken
         self._books = books
         self._stale = stale
         self._signal = signal
@@ -157,9 +161,10 @@ class Batches:
         batch = self.buffer.take(n, prefer_target=self._stale.prefer_target(step))
         for group in batch:
             self._stale.release(group.target_step)
-            if is_stale(generation_version=group.generation_version, step=step, max_staleness=self.max_staleness):
-                raise AssertionError(f"group of version {group.generation_version} taken for step {step} with K={self.max_staleness}")
+            if is_stale(generation_version=group.generation_version, step=step, max_staleness=group.bound(self.max_staleness)):
+                raise AssertionError(f"group of version {group.generation_version} taken for step {step} with K={group.bound(self.max_staleness)}")
         self.in_training = batch
+        self.version_span = version_span(batch)
         self._step_started = self._now()
         self.next_step = step + 1
         self._on_advance()
@@ -169,6 +174,12 @@ class Batches:
 
     def _drop_stale_buffered(self, step: int) -> None:
         for group in self.buffer.remove_stale(step):
+            masked = self._stale.mask(group, step)  # resume: masked at this step, it may be within the bound again
+            if masked is not None and masked[1] and not is_stale(generation_version=masked[0].generation_version, step=step,
+                                                                 max_staleness=group.bound(self.max_staleness)):
+                self._books.masked(masked[1])
+                self.buffer.put(masked[0])
+                continue
             self._stale.release(group.target_step)
             self._books.stale_buffered(group, step, self._now())
 

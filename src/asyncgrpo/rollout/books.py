@@ -21,7 +21,7 @@ Invariants, checked after every chaos scenario (tests/sim/test_chaos.py, `check_
 - the ledger holds every take that was trained or dropped, and nothing else;
 - the observer saw each ended take end once, with the accounting's outcome;
 - the failure policy judged every buffered or dropped group once (`judged`);
-- every generated token is trained, wasted for a reason, or still held.
+- every generated token is trained, masked as older than the bound (`resume`), wasted for a reason, or still held.
 Group endings return the failure policy's `Verdict` when a rule is now broken (the collector fails the run).
 """
 
@@ -79,6 +79,14 @@ class Books:
             self.counters["rollout/failed_total"] += 1
             self.observer.rollout_ended(group.key, member, "failed", group.dispatch_versions[member], 0, t)
         group.ms[member] = token_books.rollout_ended(self.counters, seconds)
+
+    def resumed(self, rollouts: int) -> None:
+        """`rollout.on_stale: resume`: `rollouts` rollouts were interrupted to continue under newer weights (not an ending)."""
+        self.counters["rollout/resumed_rollouts_total"] += rollouts
+
+    def masked(self, tokens: int) -> None:
+        """`rollout.on_stale: resume`: `tokens` tokens of a kept group were masked out of the loss as older than the bound."""
+        token_books.masked(self.counters, tokens)
 
     def retried(self) -> None:
         """An attempt failed and is retried (not an ending: counted)."""

@@ -7,7 +7,8 @@ Invariants:
   completion order (`Group.seq`).
 - `remove_stale(step)` is the consumption-time check that makes the staleness bound
   hard: called before every take, it removes every group that is stale at `step` (staleness
-  above K), so no such group can ever reach the loss.
+  above K, or above its own bound: a resumed group's under `rollout.max_prefix_staleness`), so no
+  such group can ever reach the loss.
 """
 
 from __future__ import annotations
@@ -31,15 +32,14 @@ class ReplayBuffer:
 
     def remove_stale(self, step: int) -> list[Group]:
         """Remove and return the groups that are stale at `step` (and so at every later step)."""
-        stale = [g for _, _, g in self._heap if is_stale(generation_version=g.generation_version, step=step, max_staleness=self.max_staleness)]
+        stale = [g for _, _, g in self._heap if self._stale(g, step)]
         if stale:
-            self._heap = [
-                entry
-                for entry in self._heap
-                if not is_stale(generation_version=entry[2].generation_version, step=step, max_staleness=self.max_staleness)
-            ]
+            self._heap = [entry for entry in self._heap if not self._stale(entry[2], step)]
             heapq.heapify(self._heap)
         return stale
+
+    def _stale(self, group: Group, step: int) -> bool:
+        return is_stale(generation_version=group.generation_version, step=step, max_staleness=group.bound(self.max_staleness))
 
     def take(self, n: int, prefer_target: int | None = None) -> list[Group]:
         """Remove and return up to `n` groups, oldest generation version first; with `prefer_target`, the groups

@@ -14,7 +14,9 @@ Invariants (DESIGN.md §2):
   it first removes it from `_in_flight`, and only a group still there can be ended. Each ending
   reaches the books in one call.
 - A group no remaining step can train is cancelled as soon as the steps move past it
-  (`_cancel_stale`), or when it is dispatched, or finishes, after that.
+  (`_cancel_stale`), or when it is dispatched, or finishes, after that; under `rollout.on_stale: resume`
+  its rollouts the next step cannot train are interrupted instead and continue from their tokens
+  (`_resume`; rollout/resume.py), all of a group's at once, and it is cancelled only when the policy says so.
 - Errors are never swallowed: a rollout error is retried (transient) or fails the rollout; judged
   groups feed the failure policy; a broken budget, a misconfigured backend or a fatal reward error
   becomes the run's sticky diagnostic (`raise_if_failed()`). Cancellation is never a failure.
@@ -29,7 +31,6 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable, Coroutine, Mapping
-from functools import partial
 from typing import Literal
 
 from asyncgrpo.algorithms.base import Algorithm
@@ -54,11 +55,12 @@ from asyncgrpo.rollout.judge import survivors
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.no_signal import NoSignalWatch
 from asyncgrpo.rollout.ports import PromptSourceLike, ScorerLike
+from asyncgrpo.rollout.resume import join, partial, resumed_request
 from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rollout.slots import RequestSlots, Slot
 from asyncgrpo.rollout.stale_policy import stale_policy
 from asyncgrpo.sync import SharedTimeout, StateSignal
-from asyncgrpo.types import Completion, Drop, GenerationRequest, Group, Prompt, SamplingParams
+from asyncgrpo.types import Completion, Drop, GenerationRequest, Group, Prompt, SamplingParams, TokenSink
 
 log = logging.getLogger("asyncgrpo")
 STALE: Literal["stale"] = "stale"  # the ending of a group that no remaining step can train
@@ -98,6 +100,9 @@ class Collector:
         self.books = Books(FailurePolicy.from_rollout(r), accounting=accounting, ledger=ledger, counters=counters,
                            observer=observer)
         self.stale = stale_policy(r)  # rollout.on_stale
+        # resume: a backend that installs weights between decoding steps (the local engine) continues every rollout in place,
+        # each token stamped with its version: nothing to interrupt, the per-token mask still applies
+        self._in_place = bool(getattr(generator, "continues_in_flight", False))
         self.first_failure = FirstFailure()
         self._no_signal = NoSignalWatch(r.drop_window) if algorithm.watches_no_signal and not r.filter_zero_variance else None
         self.failure_log = FailureLog(cfg.logging.failure_summary_s)
@@ -142,7 +147,8 @@ class Collector:
 
     def metric_values(self) -> dict[str, int]:
         """Its gauges and counters by metric name (metric_names.py), for the step's metrics line."""
-        return {"rollout/inflight": self._slots.open, "buffer/size": len(self.batches.buffer), **self.counters}
+        return {"rollout/inflight": self._slots.open, "buffer/size": len(self.batches.buffer),
+                "rollout/trained_version_span": self.batches.version_span, **self.counters}
 
     def occupancy(self) -> int:
         """Groups admitted and not yet taken for a step (the step in training is the lag term of admission)."""
@@ -230,6 +236,8 @@ class Collector:
                         group.prompt, request, lambda turn, floor: self._generate_with_retries(turn, group, member, slot, floor),
                         on_retry=self._retried, between_attempts=slot.released_for, on_progress=self.batches.progressed,
                     )  # an episode's turn is progress: the stall bound need not cover env.max_turns turns
+                elif self.stale.resumes:
+                    result = await self._generate_resumable(request, group, member, slot)
                 else:
                     result = await self._generate_with_retries(request, group, member, slot)
         except asyncio.CancelledError as exc:
@@ -256,20 +264,48 @@ class Collector:
         `floor`: the oldest version of an episode's earlier turns, kept as the member's dispatch version.
         Returns the retry loop's coroutine itself, not a coroutine wrapping it: one coroutine fewer per rollout in
         flight, and one frame fewer on every resumption."""
+
+        def record_dispatch() -> None:
+            if request.sink is not None:
+                request.sink.empty()  # the sink holds the current attempt's tokens only
+            version = self.generator.serving_version
+            group.dispatch_versions[member] = version = version if floor is None else min(version, floor)
+            if group.key in self._in_flight and is_stale(generation_version=version, step=self.next_step, max_staleness=self.max_staleness):
+                # Admitted before the step that made its version stale was taken, dispatched after: it would be generated
+                # in vain. It ends now as stale; its cancellation reaches this request at its first await, as any stale one.
+                self._end(group, STALE)
+
+        def retried(error: Exception) -> None:
+            if request.sink is not None:
+                request.sink.empty()  # a failed attempt's tokens are no prefix: an interruption while its retry waits keeps none
+            self._retried(error)
+
         return generate_with_retries(
             self.generator, request, self.cfg.generation, jitter=self._jitter,
-            before_attempt=partial(self._record_dispatch, group, member, floor), on_retry=self._retried,
-            between_attempts=slot.released_for, timeouts=self._attempt_timeouts,
+            before_attempt=record_dispatch, on_retry=retried, between_attempts=slot.released_for,
+            timeouts=self._attempt_timeouts,
         )
 
-    def _record_dispatch(self, group: InFlightGroup, member: int, floor: int | None) -> None:
-        """Before each attempt: the member's dispatch version (`floor` caps it, for an episode's later turns)."""
-        version = self.generator.serving_version
-        group.dispatch_versions[member] = version = version if floor is None else min(version, floor)
-        if group.key in self._in_flight and is_stale(generation_version=version, step=self.next_step, max_staleness=self.max_staleness):
-            # Admitted before the step that made its version stale was taken, dispatched after: it would be generated
-            # in vain. It ends now as stale; its cancellation reaches this request at its first await, as any stale one.
-            self._end(group, STALE)
+    async def _generate_resumable(self, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot) -> Completion:
+        """`rollout.on_stale: resume`: the rollout's requests, each continuing from the tokens of those interrupted before it
+        (`_resume` interrupts: a cancellation this task takes back); its completion is their concatenation."""
+        sink = TokenSink()
+        prefix: Completion | None = None
+        while True:
+            try:
+                continuation = await self._generate_with_retries(resumed_request(request, prefix, sink), group, member, slot)
+            except asyncio.CancelledError:
+                task, pending = asyncio.current_task(), group.interrupts[member]
+                if not pending or task is None or task.cancelling() != pending:
+                    raise  # cancelled (stale, shutdown), not (only) interrupted
+                for _ in range(pending):
+                    task.uncancel()
+                group.interrupts[member] = 0
+                version = group.dispatch_versions[member]
+                assert version is not None  # an interrupted member was dispatched
+                prefix = join(prefix, partial(sink, version))
+                continue
+            return join(prefix, continuation)
 
     def _retried(self, error: Exception) -> None:
         self.books.retried()
@@ -308,8 +344,15 @@ class Collector:
         kept = [r.completion for r in rollouts]
         self.books.unscored(group.finished_tokens() - sum(c.model_tokens for c in kept))
         finished = Group(prompt=group.prompt, rollouts=rollouts, seq=self._seq, failed_rollouts=sum(e is not None for e in group.errors),
-                         generation_ms=group.ms_of(kept), target_step=group.target_step)
-        if is_stale(generation_version=finished.generation_version, step=self.next_step, max_staleness=self.max_staleness):
+                         generation_ms=group.ms_of(kept), target_step=group.target_step,
+                         max_staleness=self.stale.bound_of_resumed if any(group.resumptions) else None)
+        masked = self.stale.mask(finished, self.next_step)  # resume: tokens older than the bound masked out of the loss
+        if masked is None:
+            self._end(group, STALE)
+            return
+        finished, added = masked
+        self.books.masked(added)
+        if is_stale(generation_version=finished.generation_version, step=self.next_step, max_staleness=finished.bound(self.max_staleness)):
             self._end(group, STALE)
         else:
             self._end(group, finished)
@@ -355,7 +398,31 @@ class Collector:
         for group in list(self._in_flight.values()):
             floor = group.version_floor()
             if floor is not None and is_stale(generation_version=floor, step=self.next_step, max_staleness=self.max_staleness):
+                if self.stale.resumes:
+                    self._resume(group)
+                else:
+                    self._end(group, STALE)
+
+    def _resume(self, group: InFlightGroup) -> None:
+        """`rollout.on_stale: resume`, once the steps moved past a group's oldest version: interrupt, all at once, its running
+        rollouts whose attempt no remaining step can train, to continue under the newest weights; or, when the policy says
+        so (a finished rollout masked past the limit, a rollout resumed too often), cancel the group as stale."""
+        self._interrupt(group, older_than=self.next_step - self.max_staleness, may_end=True)
+
+    def _interrupt(self, group: InFlightGroup, *, older_than: int, may_end: bool) -> None:
+        """Interrupt the group's running rollouts whose attempt is of a version below `older_than`, all at once, if the policy
+        lets it resume them; if not, cancel the group as stale (`may_end`: they would be stale) or leave it as it is."""
+        behind = [m for m in range(group.size) if not self._in_place and group.running(m) and not group.interrupts[m]
+                  and (v := group.dispatch_versions[m]) is not None and v < older_than]
+        if not behind and not may_end:
+            return
+        if not self.stale.may_resume(group.kept()[0], [group.resumptions[m] for m in behind], self.next_step):
+            if may_end:
                 self._end(group, STALE)
+            return
+        for member in behind:
+            group.interrupt(member)
+        self.books.resumed(len(behind))
 
     # ------------------------------------------------------------------ the trainer's side (rollout/batches.py)
 
@@ -372,7 +439,11 @@ class Collector:
         return self.batches.steps_trained
 
     def weights_published(self) -> None:
-        """A generator's serving version changed: admission may open."""
+        """A generator's serving version changed: admission may open; under `rollout.on_stale: resume` every running rollout of
+        an older version (with resumptions left) is interrupted, all of a group's together, to continue under the new one."""
+        if self.stale.resumes and not self._in_place:
+            for group in self._in_flight.values():
+                self._interrupt(group, older_than=self.generator.serving_version, may_end=False)
         self._signal.notify()
 
     def _stalled(self, step: int, stall_timeout_s: float) -> Diagnostic:

@@ -51,10 +51,12 @@ import math
 import random
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from asyncgrpo.agents.episode import AgentEpisodes
 from asyncgrpo.config import Config, EnvConfig, GenerationConfig
-from asyncgrpo.environments.conversation import Codec, Conversation, as_row, content_chars
+from asyncgrpo.environments.agent_spec import is_agent
+from asyncgrpo.environments.conversation import Codec, Conversation, as_row, content_chars, transcript
 from asyncgrpo.environments.hosts import open_host
 from asyncgrpo.environments.protocol import EnvironmentHost, Message, TransientEnvironmentError
 from asyncgrpo.errors import EpisodeError, RewardError
@@ -107,6 +109,11 @@ class EpisodeRunner:
         self._jitter = jitter
         self._open_host = host_factory
         self._logged: set[str] = set()  # the counters whose first ending was logged (`_count_and_log_first`)
+        # `env.factory: agent:module:function` is played through the gateway (agents/); a simulator's own hosts model it instead.
+        self._agents: AgentEpisodes | None = None
+        if is_agent(env.factory) and host_factory is open_host:
+            self._agents = AgentEpisodes(env, generation, codec, counters, prompt_key=prompt_key, max_prompt_tokens=max_prompt_tokens,
+                                         report=self._count_and_log_first)
 
     @classmethod
     def of_run(cls, cfg: Config, codec: Codec | None, counters: MutableMapping[str, int], jitter: random.Random,
@@ -151,6 +158,8 @@ class EpisodeRunner:
                 await between_attempts(delay)
 
     async def _attempt(self, prompt: Prompt, request: GenerationRequest, generate: Generate, on_progress: Callable[[], None]) -> Completion:
+        if self._agents is not None:
+            return await self._agents.play(prompt, request, generate, on_progress)
         host = self._open_host(self.env)
         try:
             completion = await self._play(host, prompt, request, generate, on_progress)
@@ -343,11 +352,6 @@ class EpisodeRunner:
             self._logged.add(counter)
             log.warning("environment %r: %s (counted in %s; later ones of this environment are counted there without a "
                         "log line each). %s", self.env.factory, what, counter, fix)
-
-
-def transcript(messages: Sequence[Any]) -> str:
-    """The episode after the prompt as "role: content" lines (samples and logs; reward functions get the messages)."""
-    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
 def add_env_reward(scored: Sequence[ScoredCompletion], completions: Sequence[Completion], env: EnvConfig, prompt: Prompt) -> list[ScoredCompletion]:

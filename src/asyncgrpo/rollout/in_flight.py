@@ -31,6 +31,8 @@ class InFlightGroup:
     ms: list[int] = field(default_factory=list)  # a finished member's time from its start to its end, in milliseconds
     member_tasks: list[asyncio.Task[None] | None] = field(default_factory=list)
     cut: list[bool] = field(default_factory=list)  # rollout.partial_groups: members cancelled so the group could end early
+    interrupts: list[int] = field(default_factory=list)  # rollout.on_stale: resume: interruptions sent and not yet taken
+    resumptions: list[int] = field(default_factory=list)  # rollout.on_stale: resume: times each member was resumed
 
     def __post_init__(self) -> None:
         self.dispatch_versions = [None] * self.size
@@ -39,6 +41,22 @@ class InFlightGroup:
         self.ms = [0] * self.size
         self.member_tasks = [None] * self.size
         self.cut = [False] * self.size
+        self.interrupts = [0] * self.size
+        self.resumptions = [0] * self.size
+
+    def running(self, member: int) -> bool:
+        """Is the member's rollout being generated (dispatched, not ended)?"""
+        task = self.member_tasks[member]
+        return task is not None and not task.done() and self.completions[member] is None and self.errors[member] is None
+
+    def interrupt(self, member: int) -> None:
+        """rollout.on_stale: resume: stop the member's attempt; its rollout keeps the tokens and continues (a cancellation
+        its task takes back, rollout/collector.py)."""
+        task = self.member_tasks[member]
+        assert task is not None
+        self.interrupts[member] += 1
+        self.resumptions[member] += 1
+        task.cancel()
 
     def version_floor(self) -> int | None:
         """Lowest version any of its surviving tokens has or can have (a member being retried counts with

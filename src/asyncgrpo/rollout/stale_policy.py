@@ -29,6 +29,15 @@ check before every take enforces it whatever the policy). They differ in what th
   no length bias, and the trainer waits for its slowest group. (Should the bound still cut a group,
   its prompt is dropped.)
 
+- `resume`: `requeue`, except that a group the next step would leave behind is not cancelled: its running
+  rollouts whose attempt is of a version the next step cannot train are interrupted and continued under the
+  newest weights from the tokens they have (rollout/resume.py), and the bound holds per token: tokens older
+  than the bound are masked out of the loss when the group is buffered and before a step takes it. A group
+  is left behind as `requeue` leaves it (`left_behind`) when a rollout would be resumed more than
+  `rollout.max_resumptions` times or have more than `rollout.max_masked_share` of its tokens masked. With
+  `rollout.max_prefix_staleness` K' (>= K), a resumed group's tokens up to K' steps old stay in the loss,
+  importance-weighted by their own behaviour logprobs, and only older ones are masked.
+
 An opt-in for `requeue`, `drop` and `patience`, `rollout.partial_groups` (`may_finish_early`): when a
 batch is ready, a straggler with at least `min_group_survivors` finished members ends with them,
 its unfinished members cancelled, and is trained in this step. It wastes less and biases more: the
@@ -47,7 +56,8 @@ from collections.abc import Iterable, Sized
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from asyncgrpo.rollout.admission import is_stale
-from asyncgrpo.types import Prompt
+from asyncgrpo.rollout.resume import mask_stale, masked_share
+from asyncgrpo.types import Completion, Group, Prompt
 
 if TYPE_CHECKING:
     from asyncgrpo.config import RolloutConfig
@@ -83,6 +93,10 @@ class StalePolicy:
         self.groups_per_step = r.groups_per_step
         self.max_requeues = r.max_requeues
         self.finish_early = r.partial_groups  # rollout.partial_groups: stragglers may end early with their finished members
+        self.max_staleness = r.max_staleness
+        self.bound_of_resumed: int | None = None  # `resume`: rollout.max_prefix_staleness, the bound of a resumed group's tokens
+
+    resumes = False  # `resume`: a rollout left behind is interrupted and continued (rollout/resume.py), not cancelled
 
     def target(self, next_step: int, last_step: int) -> int | None:
         """The step a group admitted now trains in, within [next_step, last_step]; None: whichever takes it."""
@@ -107,6 +121,16 @@ class StalePolicy:
         """Until when (loop time) a ready batch waits for stragglers; None: it does not wait. `last_step_s`: how long
         the last step trained (None before one has)."""
         return None
+
+    def mask(self, group: Group, step: int) -> tuple[Group, int] | None:
+        """`group` as step `step` may train it, and the tokens masked anew; None: it is stale. Here the bound is on groups:
+        the group as it is (the buffer's and the take's checks hold it to the bound)."""
+        return group, 0
+
+    def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int) -> bool:
+        """`resume`: may a group whose finished rollouts are `finished` resume its rollouts resumed `resumptions` times so far,
+        once the steps reached `step`? (No policy but `resume` resumes.)"""
+        return False
 
 
 class DropPolicy(StalePolicy):
@@ -155,11 +179,37 @@ class WaitPolicy(StalePolicy):
         return step
 
 
+class ResumePolicy(RequeuePolicy):
+    """`resume`: a rollout left behind is interrupted and continued under the newest weights; tokens older than the bound
+    are masked out of the loss, and a group with too many of them, or resumed too often, is left behind as `requeue`."""
+
+    resumes = True
+
+    def __init__(self, r: RolloutConfig) -> None:
+        super().__init__(r)
+        self.max_masked_share = r.max_masked_share
+        self.max_resumptions = r.max_resumptions
+        self.bound_of_resumed = r.max_prefix_staleness
+
+    def mask(self, group: Group, step: int) -> tuple[Group, int] | None:
+        """`group` as step `step` may train it (tokens past the bound masked) and the tokens that masked anew; None: stale."""
+        return mask_stale(group, step=step, bound=group.bound(self.max_staleness), max_share=self.max_masked_share)
+
+    def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int) -> bool:
+        """Not when a rollout would be resumed more than `rollout.max_resumptions` times, nor when a finished one already has more
+        than the limit masked at `step` (and so at every later step)."""
+        if any(times >= self.max_resumptions for times in resumptions):
+            return False
+        bound = self.max_staleness if self.bound_of_resumed is None else self.bound_of_resumed  # the group is resumed now
+        return not any(c is not None and masked_share(c, step=step, bound=bound) > self.max_masked_share for c in finished)
+
+
 STALE_POLICIES: dict[str, type[StalePolicy]] = {
     "patience": PatiencePolicy,
     "requeue": RequeuePolicy,
     "drop": DropPolicy,
     "wait": WaitPolicy,
+    "resume": ResumePolicy,
 }
 
 

@@ -9,6 +9,7 @@ resume) at the three places a completion's fate is sealed:
   (cancelled or dropped as stale), `filtered` (zero reward variance), `failed` (every other drop:
   failed, too few survivors, invalid prompt, reward error); also the completions of a trained
   group that got no reward.
+- `masked` (`rollout.on_stale: resume`): tokens of a kept group masked out of the loss as older than the bound.
 - `step_trained`: a step trained its groups; their completions' tokens (the model's only: an
   episode's environment tokens are not generated) and generator time are
   the useful part (`rollout/trained_tokens_total`, `rollout/trained_generation_ms_total`).
@@ -41,6 +42,12 @@ def rollout_ended(counters: MutableMapping[str, int], seconds: float) -> int:
 
 def group_wasted(counters: MutableMapping[str, int], reason: DropReason, tokens: int) -> None:
     counters[f"rollout/wasted_tokens/{waste_reason(reason)}"] += tokens
+
+
+def masked(counters: MutableMapping[str, int], tokens: int) -> None:
+    """`rollout.on_stale: resume`: tokens of a kept group masked out of the loss as older than the bound (in the context, not
+    trained); counted once, when masked (a masked token stays masked), whatever becomes of the group."""
+    counters["rollout/masked_stale_tokens_total"] += tokens
 
 
 def step_trained(counters: MutableMapping[str, int], groups: Iterable[Group]) -> None:

@@ -19,6 +19,8 @@ Invariants:
   `exp_avg_sq`) plus the generators; `load_state_dict` keeps the moments in bfloat16 (torch's
   default would cast them to the parameters' float32) and accepts a float32 AdamW state (rounded once);
   torch.optim.AdamW loads this one's state too (as float32 moments).
+- A sharded parameter (a DTensor: `train.sharding: fsdp`, training/sharding.py) gets moments
+  sharded like it, and each rank updates its own shard (`local`) as above.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,6 +37,12 @@ from torch import Tensor
 CHUNK = 1 << 22  # elements updated at once (a larger parameter in slices, smaller ones together)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _HIGH_BITS = -(1 << 16)  # int32 0xFFFF0000: the bits a bfloat16 keeps of a float32
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a sharded tensor (a DTensor), sharing its storage; a plain tensor itself."""
+    to_local = getattr(tensor, "to_local", None)  # DTensor's; no import of torch.distributed here
+    return to_local() if callable(to_local) else tensor
 
 
 def stochastic_round(values: Tensor, generator: torch.Generator) -> Tensor:
@@ -58,9 +66,10 @@ def _uniform_16_bits(count: int, generator: torch.Generator, device: torch.devic
 
 @dataclass(frozen=True)
 class _Piece:
-    """Elements [lo, hi) of `param` (flattened) and of its moments in `state`."""
+    """Elements [lo, hi) of `param` (flattened; this rank's shard), its gradient and its moments in `state`."""
 
     param: Tensor
+    grad: Tensor
     state: dict[str, Any]
     lo: int
     hi: int
@@ -110,11 +119,12 @@ class Bf16StateAdamW(torch.optim.Optimizer):
                     for name in MOMENTS:
                         state[name] = torch.zeros_like(param, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
                 state["step"] += 1
-                size = param.numel()
+                shard, grad = local(param), local(param.grad)
+                size = shard.numel()
                 # A non-contiguous parameter (rare) is one piece, written through its own shape.
-                bounds = range(0, size, CHUNK) if param.is_contiguous() else range(1)
+                bounds = range(0, size, CHUNK) if shard.is_contiguous() else range(1)
                 pieces.setdefault(float(state["step"]), []).extend(
-                    _Piece(param, state, lo, min(lo + CHUNK, size) if param.is_contiguous() else size) for lo in bounds
+                    _Piece(shard, grad, state, lo, min(lo + CHUNK, size) if shard.is_contiguous() else size) for lo in bounds
                 )
             for step, found in pieces.items():
                 bucket: list[_Piece] = []
@@ -134,9 +144,9 @@ class Bf16StateAdamW(torch.optim.Optimizer):
         instead of a score per parameter (each operation is a thread-pool round trip)."""
         lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         generator = self._generator(bucket[0].param.device)
-        grad = torch.cat([cast(Tensor, p.param.grad).reshape(-1)[p.lo : p.hi] for p in bucket]).float()
-        m = torch.cat([p.state["exp_avg"].view(-1)[p.lo : p.hi] for p in bucket]).float().lerp_(grad, 1 - beta1)
-        v = torch.cat([p.state["exp_avg_sq"].view(-1)[p.lo : p.hi] for p in bucket]).float()
+        grad = torch.cat([p.grad.reshape(-1)[p.lo : p.hi] for p in bucket]).float()
+        m = torch.cat([local(p.state["exp_avg"]).view(-1)[p.lo : p.hi] for p in bucket]).float().lerp_(grad, 1 - beta1)
+        v = torch.cat([local(p.state["exp_avg_sq"]).view(-1)[p.lo : p.hi] for p in bucket]).float()
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         del grad
         update = m / (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
@@ -150,8 +160,8 @@ class Bf16StateAdamW(torch.optim.Optimizer):
             if decay:
                 weights.mul_(1 - lr * decay)
             weights.add_(update[part].view(weights.shape).to(weights.dtype))
-            p.state["exp_avg"].view(-1)[p.lo : p.hi] = m[part]
-            p.state["exp_avg_sq"].view(-1)[p.lo : p.hi] = v[part]
+            local(p.state["exp_avg"]).view(-1)[p.lo : p.hi] = m[part]
+            local(p.state["exp_avg_sq"]).view(-1)[p.lo : p.hi] = v[part]
 
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()

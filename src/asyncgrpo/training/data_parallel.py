@@ -4,7 +4,8 @@ Job: hold this rank's DDP wrapper of the model, say which groups of an update ar
 and sum what the ranks computed (the gradients, the loss and the loss statistics), so the ranks
 together make exactly the update one process makes on the whole batch. The process group
 (`torch.distributed`, gloo on CPU, NCCL on GPU) is joined by the caller first
-(training/ray_trainer.py).
+(training/ray_trainer.py). `RankShare` is the part `train.sharding: fsdp` shares
+(training/sharding.py): the share, the reduction of the loss statistics, the count of rounds.
 
 Invariants:
 - Every rank sees the whole batch: the split into updates and each update's normaliser (its loss
@@ -44,28 +45,22 @@ def _sum_gradients(state: object, bucket: dist.GradBucket) -> torch.futures.Futu
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-class DataParallel:
-    def __init__(self, model: torch.nn.Module, *, rank: int, world_size: int, device: torch.device) -> None:
-        from torch.nn.parallel import DistributedDataParallel
+class RankShare:
+    """This rank's share of an update and the sums over every rank's; see the module docstring."""
 
+    def __init__(self, *, rank: int, world_size: int, device: torch.device) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("DataParallel needs the torch.distributed process group to be initialised first")
-        self.rank, self.world_size = rank, world_size
-        with warnings.catch_warnings():
-            # torch 2.13 renames broadcast_buffers=False (torch >= 2.4 has no other name for it), and warns.
-            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
-            self.module = DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
-            )
-        self.module.register_comm_hook(None, _sum_gradients)
+            raise RuntimeError(f"{type(self).__name__} needs the torch.distributed process group to be initialised first")
+        self.rank, self.world_size, self.device = rank, world_size, device
 
     def share(self, items: Sequence[T]) -> list[T]:
         """This rank's items (every world_size-th, starting at its rank): the ranks' shares partition `items`."""
         return list(items[self.rank :: self.world_size])
 
-    def sync(self, *, last: bool) -> contextlib.AbstractContextManager[Any]:
-        """Around one micro-batch's forward and backward: gradients are summed over the ranks only for the last."""
-        return contextlib.nullcontext() if last else self.module.no_sync()
+    def rounds(self, count: int) -> int:
+        """How many forward passes every rank makes where this one has `count` to make: `count` itself (DDP
+        communicates only in the synchronising backward pass, so the ranks' counts may differ)."""
+        return count
 
     def reduce(self, total: Tensor, stats: LossStats) -> tuple[Tensor, LossStats]:
         """The update's loss and statistics over every rank (sums added, the ratio maximum the largest)."""
@@ -76,3 +71,23 @@ class DataParallel:
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
         total_sum, tokens, clipped, ratio_sum, is_truncated, kl_sum, entropy_sum = sums.unbind()
         return total_sum, LossStats(tokens, clipped, ratio_sum, ratio_max, is_truncated, kl_sum, entropy_sum)
+
+
+class DataParallel(RankShare):
+    """`train.sharding: ddp`: a full copy of the model and optimizer per rank; DDP sums the gradients."""
+
+    def __init__(self, model: torch.nn.Module, *, rank: int, world_size: int, device: torch.device) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        super().__init__(rank=rank, world_size=world_size, device=device)
+        with warnings.catch_warnings():
+            # torch 2.13 renames broadcast_buffers=False (torch >= 2.4 has no other name for it), and warns.
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            self.module = DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+            )
+        self.module.register_comm_hook(None, _sum_gradients)
+
+    def sync(self, *, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Around one micro-batch's forward and backward: gradients are summed over the ranks only for the last."""
+        return contextlib.nullcontext() if last else self.module.no_sync()

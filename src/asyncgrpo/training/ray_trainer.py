@@ -23,6 +23,10 @@ Design and invariants:
 - **Checkpoints.** Rank 0 writes the weights (`save_pretrained`, into the run directory); its
   optimizer state comes through the object store to the driver, which writes the rest
   (training/checkpoint.py, unchanged).
+- **Sharded** (`train.sharding: fsdp`, training/sharding.py): rank 0 answers with the full weights
+  and optimizer state as before, gathered from every rank's shards; so every rank is called for
+  them (a gather is a collective) and only rank 0's answer is kept. A checkpoint holds the full
+  state in the single-process layout, so a run resumes it at any world size, sharded or not.
 - **Faults.** Ranks are not restarted (a new process cannot rejoin the group mid-run). Every wait
   on a rank is bounded: `ray.startup_timeout_s` for the start, `ray.trainer_timeout_s` for any
   later call. When a rank dies, raises or does not answer in time, every rank is killed (the others
@@ -91,7 +95,7 @@ class TrainerRank:
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def join(self, address: str) -> tuple[int, int, str]:
-        """Join the process group at `address` (every rank at once) and wrap the model in DDP. Returns
+        """Join the process group at `address` (every rank at once) and wrap the model in DDP (or shard it: FSDP2). Returns
         (version, pid, node address) for the driver's messages."""
         import torch
         import torch.distributed as dist
@@ -105,9 +109,11 @@ class TrainerRank:
         return self.trainer.version, os.getpid(), import_ray().util.get_node_ip_address()
 
     def train_step(self, groups: list[Group], with_weights: bool) -> tuple[dict[str, float], dict[str, Any] | None]:
-        """The step's metrics and (`with_weights`) the weights after it: two returns, so the weights stay in the store."""
+        """The step's metrics and (`with_weights`) the weights after it: two returns, so the weights stay in the store.
+        Sharded, every rank is asked for the weights (they are gathered) and rank 0 returns them."""
         metrics = self.trainer.train_step(groups)
-        return metrics, self.trainer.generation_weights() if with_weights else None
+        weights = self.trainer.generation_weights() if with_weights else None
+        return metrics, weights if self.rank == 0 else None
 
     def generation_weights(self) -> dict[str, Any]:
         return self.trainer.generation_weights()
@@ -231,7 +237,8 @@ class RayTrainer:
             weights: list[Any] = []
 
             def submit(rank: _Rank) -> Any:
-                metrics_ref, weights_ref = rank.handle.train_step.options(num_returns=2).remote(batch, publish and rank.index == 0)
+                with_weights = publish and (rank.index == 0 or self._sharded)
+                metrics_ref, weights_ref = rank.handle.train_step.options(num_returns=2).remote(batch, with_weights)
                 if rank.index == 0:
                     weights.append(weights_ref)
                 return metrics_ref
@@ -247,17 +254,26 @@ class RayTrainer:
         step due to be published they are already there (they came with the step, so a rank's death shows there)."""
         self._raise_if_lost()
         version, ref = self._weights
-        if version != self.version:
-            ref = self._ranks[0].handle.generation_weights.remote()
+        if version != self.version:  # sharded: every rank takes part in the gather (bounded by the process group's timeout)
+            ref = [rank.handle.generation_weights.remote() for rank in self._answering][0]
         return StoredWeights(ref, timeout_s=self.cfg.ray.trainer_timeout_s)
 
     def save_pretrained(self, directory: Any) -> None:
         with self.lock:
-            self._call(self._ranks[:1], lambda r: r.handle.save_pretrained.remote(str(directory)), "writing a checkpoint's weights")
+            self._call(self._answering, lambda r: r.handle.save_pretrained.remote(str(directory)), "writing a checkpoint's weights")
 
     def state_dict(self) -> dict[str, Any]:
         with self.lock:
-            return self._call(self._ranks[:1], lambda r: r.handle.state_dict.remote(), "reading its optimizer state")[0]
+            return self._call(self._answering, lambda r: r.handle.state_dict.remote(), "reading its optimizer state")[0]
+
+    @property
+    def _sharded(self) -> bool:
+        return self.cfg.train.sharding == "fsdp"
+
+    @property
+    def _answering(self) -> list[_Rank]:
+        """The ranks a call for the weights or the optimizer state goes to: rank 0, which answers; sharded, every rank."""
+        return self._ranks if self._sharded else self._ranks[:1]
 
     # ------------------------------------------------------------------ waiting on ranks
 

@@ -85,6 +85,7 @@ from asyncgrpo.types import Group
 
 if TYPE_CHECKING:
     from asyncgrpo.training.data_parallel import DataParallel
+    from asyncgrpo.training.sharding import FullySharded
 
 
 class NonFiniteLossError(AsyncGRPOError):
@@ -137,7 +138,8 @@ class TorchTrainer:
         self.scaler = torch.amp.GradScaler(self._device.type) if t.precision == "float16" else None
         self.pad_id = self._pad_id(tokenizer)
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.base_model.forward).parameters
-        self._parallel: DataParallel | None = None
+        self._parallel: DataParallel | FullySharded | None = None
+        self._sharded: FullySharded | None = None  # the same object, when it shards (train.sharding: fsdp)
         self._offpolicy = OffPolicyStats(cfg.rollout.max_staleness, clip_low=t.loss.clip_low, clip_high=t.loss.clip_high)
         g = cfg.generation  # the distribution the generators sample from (sampling.py); pi_theta is scored under it
         self.processing = Processing(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
@@ -180,11 +182,14 @@ class TorchTrainer:
 
     def join_data_parallel(self, rank: int, world_size: int) -> None:
         """From now on train as rank `rank` of `world_size` in the initialised torch.distributed group: each update
-        runs this rank's share of the batch and sums the gradients over the ranks (training/data_parallel.py)."""
-        from asyncgrpo.training.data_parallel import DataParallel
+        runs this rank's share of the batch and sums the gradients over the ranks (training/data_parallel.py; sharded:
+        training/sharding.py)."""
+        from asyncgrpo.training.sharding import FullySharded, join
 
         with self.lock:
-            self._parallel = DataParallel(self.model, rank=rank, world_size=world_size, device=self._device)
+            self._parallel = join(self.model, self.optimizer, self.cfg.train, rank=rank, world_size=world_size, device=self._device)
+            self._sharded = self._parallel if isinstance(self._parallel, FullySharded) else None
+            self._params = [p for p in self.model.parameters() if p.requires_grad]  # sharded: the sharded ones now
 
     @property
     def lr(self) -> float:
@@ -211,6 +216,8 @@ class TorchTrainer:
         them into its own weights, in its serving dtype). With LoRA, adapted linears are merged
         into fresh tensors and every other weight is still the live one (training/lora.py)."""
         with self.lock, torch.no_grad():
+            if self._sharded is not None:  # gathered: rank 0 gets full copies, the other ranks {}
+                return self._sharded.full_weights(self.model.state_dict())
             if self.lora:
                 return lora_adapters.merged_state(self.model)
             return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
@@ -218,7 +225,9 @@ class TorchTrainer:
     def save_pretrained(self, directory: Any) -> None:
         """The model in the save_pretrained layout (merged, with LoRA: plus the adapter in lora.ADAPTER_DIR)."""
         with self.lock:
-            if self.lora:
+            if self._sharded is not None:  # every rank takes part in the gather; rank 0 writes
+                self._sharded.save_pretrained(self.base_model, self.model.state_dict(), directory)
+            elif self.lora:
                 self.base_model.save_pretrained(directory, state_dict=lora_adapters.merged_state(self.model))
                 lora_adapters.save_adapter(self.model, directory)
             else:
@@ -231,7 +240,7 @@ class TorchTrainer:
             if torch.cuda.is_available():
                 rng["cuda"] = torch.cuda.get_rng_state_all()
             return {
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": self.optimizer.state_dict() if self._sharded is None else self._sharded.full_optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(),
                 "version": self.version,
                 "rng": rng,
@@ -327,6 +336,7 @@ class TorchTrainer:
             cfg_l.aggregation, [s.loss_tokens for s in active], max_new_tokens=self.cfg.generation.max_new_tokens,
             micro_batches=len(micro) * world,  # bnpo: TRL's accumulation steps; ranks are assumed to cut alike
         )
+        micro += [[]] * self._missing_rounds(len(micro))
         self.optimizer.zero_grad(set_to_none=True)
         if normalizer == 0:
             # Nothing to learn from (e.g. every completion truncated and masked). With every
@@ -417,6 +427,10 @@ class TorchTrainer:
     def _share(self, groups: list[list[TrainSequence]]) -> list[list[TrainSequence]]:
         return groups if self._parallel is None else self._parallel.share(groups)
 
+    def _missing_rounds(self, count: int) -> int:
+        """The forward passes this rank adds to its `count` so that it makes as many as every rank (FSDP all-gathers in each)."""
+        return 0 if self._parallel is None else self._parallel.rounds(count) - count
+
     def _gradient_sync(self, *, last: bool) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext() if self._parallel is None else self._parallel.sync(last=last)
 
@@ -467,8 +481,9 @@ class TorchTrainer:
     def _fill_proximal(self, seqs: list[TrainSequence]) -> None:
         """pi_prox of the current weights for each sequence (no grad), stored per sequence."""
         ordered = [s for s in by_length(seqs) if s.completion_ids]
+        batches = list(chunks(ordered, self.cfg.train.micro_batch_size))
         with torch.no_grad():
-            for chunk in chunks(ordered, self.cfg.train.micro_batch_size):
+            for chunk in batches + [[filler(self.pad_id)]] * self._missing_rounds(len(batches)):  # fillers: not stored
                 batch = self._collate(chunk)
                 logp, _ = self._policy_logprobs(self._logits(self.model, batch), batch, with_entropy=False)
                 for row, s in enumerate(chunk):

@@ -1,0 +1,223 @@
+"""One agent episode: a gateway session, the agent run against it, and the training sample built from it.
+
+Job (`AgentEpisodes.play`): open a session (gateway.py), run `agent(client, row)` as a task of its
+own with an `openai.AsyncOpenAI` at the session's base URL, answer the session's calls in order
+(each generated through the collector's retry policy, in this episode's task), and when the agent
+returns build the `Completion` from the session's conversation (session.py): the prompt of its first
+request, the model's ids as sampled, the agent's additions masked out of the loss.
+
+Endings (counters are the collector's; the first of each is logged in full, naming the agent):
+- the agent returns a number, None, or a dict whose "reward" is one (its other keys are the
+  episode's info): the episode's environment reward, weighted by `env.reward_weight` beside the
+  reward functions, which get the session's messages (assistant turns as the agent saw them);
+- a refused request (malformed, a limit, a call after the close; wire.py) is answered with an HTTP
+  error the client raises, counted in `agent/refused/<reason>`; the agent may go on or end;
+- the agent raises (`agent/failed/raised`), returns without calling the model
+  (`agent/failed/no_model_call`) or returns anything else (`agent/failed/bad_return`), or neither
+  calls the model nor returns within `env.step_timeout_s` (`agent/failed/timeout`): the rollout
+  fails (an `EpisodeError`, also counted in `env/errors_total`); `TransientEnvironmentError` is retried
+  as an episode's is.
+- cancelled (the group is stale, the run stops): the session closes (the call in flight and every
+  later one refused with HTTP 410), the agent's task is cancelled and awaited up to
+  `env.cancel_grace_s`; an agent still running then is abandoned, counted in `env/abandoned_total`
+  (it is kept referenced until it ends, and its client is closed under it).
+
+Invariants: the agent's task never outlives `play` unaccounted (ended, or abandoned and counted);
+the session is released on every ending; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import replace
+from typing import Any
+
+from asyncgrpo.agents.gateway import NOT_JSON, Call, Gateway, Inbox
+from asyncgrpo.agents.session import Limits, Session
+from asyncgrpo.agents.wire import Refused, chat_request, chat_response, text_request, text_response
+from asyncgrpo.config import EnvConfig, GenerationConfig
+from asyncgrpo.environments.agent_spec import load_agent
+from asyncgrpo.environments.conversation import Codec, as_row, transcript
+from asyncgrpo.environments.protocol import TransientEnvironmentError
+from asyncgrpo.errors import EpisodeError
+from asyncgrpo.threads import run_in_daemon_thread
+from asyncgrpo.types import Completion, Episode, GenerationRequest, Prompt
+
+# A turn's generation under the collector's retry policy: (request, the oldest version of the episode's model tokens so far).
+Generate = Callable[[GenerationRequest, int | None], Awaitable[Completion]]
+Report = Callable[[str, str, str], None]  # (counter, what happened, fix): count it, log the first of its kind
+
+
+class AgentEpisodes:
+    """Plays the agent episodes of one episode runner (see the module docstring)."""
+
+    def __init__(self, env: EnvConfig, generation: GenerationConfig, codec: Codec, counters: MutableMapping[str, int], *,
+                 prompt_key: str, max_prompt_tokens: int, report: Report) -> None:
+        self.env = env
+        self.generation = generation
+        self.codec = codec
+        self.counters = counters
+        self.prompt_key = prompt_key
+        self.max_prompt_tokens = max_prompt_tokens
+        self.agent = load_agent(env.factory)
+        # The openai client's HTTP library (httpx, or httpx2 in openai 3.x) logs every request at INFO: thousands of lines per
+        # step on the run's console.
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        self.gateway = Gateway()
+        self._report = report
+        self._abandoned: set[asyncio.Task[Any]] = set()  # stubborn agents, referenced until they end
+
+    async def play(self, prompt: Prompt, request: GenerationRequest, generate: Generate, on_progress: Callable[[], None]) -> Completion:
+        import openai  # the agents extra; imported by the runs that play agents only
+
+        inbox = await self.gateway.open()
+        session = Session(self.codec, Limits(self.env.max_turns, self.env.max_tokens, self.max_prompt_tokens,
+                                             request.sampling.max_new_tokens), self.env.factory)
+        client = openai.AsyncOpenAI(base_url=inbox.base_url, api_key=inbox.key, max_retries=0,
+                                    timeout=self.generation.rollout_deadline_s + self.env.step_timeout_s)
+        task = asyncio.get_running_loop().create_task(self.agent(client, as_row(prompt, self.prompt_key)), name=f"agent-{prompt.id}")
+        task.add_done_callback(lambda _: inbox.calls.put_nowait(Call("done", None)))
+        try:
+            dispatch = await self._serve(inbox, session, request, generate, on_progress, prompt)
+            return await self._ending(task, session, dispatch, prompt)
+        finally:
+            inbox.close()
+            try:
+                await self._stop(task, prompt)
+            finally:
+                for _ in range(inbox.after_close):
+                    self._refused(Refused("after_close", "a call after its session closed"), prompt)
+                try:
+                    await self.gateway.release(inbox)
+                finally:
+                    await client.close()  # an abandoned agent's calls fail from here on
+
+    async def _serve(self, inbox: Inbox, session: Session, request: GenerationRequest, generate: Generate,
+                     on_progress: Callable[[], None], prompt: Prompt) -> int | None:
+        """Answer the session's calls until the agent ends; the version at the first dispatch (None: no model call)."""
+        dispatch: int | None = None
+        while True:
+            try:
+                async with asyncio.timeout(self.env.step_timeout_s):
+                    call = await inbox.calls.get()
+            except TimeoutError:
+                raise self._failed(
+                    "timeout", prompt, f"neither called the model nor returned within env.step_timeout_s = {self.env.step_timeout_s:g} s",
+                    "make the agent's work between model calls shorter, or raise env.step_timeout_s") from None
+            if call.kind == "done":
+                return dispatch
+            try:
+                completion = await self._answer(call, session, request, generate, prompt)
+            except BaseException:
+                call.refuse(Refused("after_close", "the episode ended while this request was being generated (its group went stale, "
+                                    "the run stopped, or the generation failed)."))
+                raise
+            if completion is not None and dispatch is None:
+                dispatch = completion.dispatch_version
+            on_progress()
+
+    async def _answer(self, call: Call, session: Session, request: GenerationRequest, generate: Generate, prompt: Prompt) -> Completion | None:
+        try:
+            if call.body is NOT_JSON:
+                raise Refused("malformed", "the request body is not JSON. Fix: send the OpenAI request object as JSON.")
+            if call.kind == "chat":
+                chat = chat_request(call.body)
+                ids, budget = await self._encoding(lambda: session.plan_chat(chat))
+                model = chat.model
+            else:
+                text = text_request(call.body)
+                ids, budget = await self._encoding(lambda: session.plan_text(text))
+                model = text.model
+        except Refused as refusal:
+            self._refused(refusal, prompt)
+            call.refuse(refusal)
+            return None
+        conv = session.conversation
+        assert conv is not None
+        versions = conv.model_versions()
+        turn_request = replace(request, request_id=f"{request.request_id}-t{session.turns}", prompt_token_ids=ids,
+                               sampling=replace(request.sampling, max_new_tokens=budget), seed=request.seed + session.turns)
+        completion = await generate(turn_request, min(versions) if versions else None)
+        unparsed = session.unparsed_tool_calls
+        turn = session.add_turn(completion)
+        if session.unparsed_tool_calls > unparsed:
+            self._report("agent/unparsed_tool_calls_total", f"the model's turn {session.turns} (prompt {prompt.id}) has a <tool_call> that is "
+                         "not a JSON call; it was returned as text", "none needed: the model learns the format, or the agent reads the text")
+        ident = f"{call.kind}cmpl-{request.request_id}-{session.turns}"
+        call.answer.set_result(chat_response(ident, model, turn, completion, len(ids)) if call.kind == "chat"
+                               else text_response(ident, model, completion, len(ids)))
+        return completion
+
+    async def _ending(self, task: asyncio.Task[Any], session: Session, dispatch: int | None, prompt: Prompt) -> Completion:
+        """The episode's sample from the agent's return, or the error its ending is."""
+        if task.cancelled():
+            raise self._failed("raised", prompt, "cancelled itself (its task ended cancelled)", "let the agent return a reward")
+        error = task.exception()
+        if error is not None:
+            transient = isinstance(error, TransientEnvironmentError)
+            raise self._failed("raised", prompt, f"raised {type(error).__name__}: {error}",
+                               "the agent's traceback is chained to this error (asyncgrpo --debug shows it); raise TransientEnvironmentError "
+                               "for failures worth retrying", transient=transient) from error
+        value = task.result()
+        conv = session.conversation
+        if dispatch is None or conv is None:
+            raise self._failed("no_model_call", prompt, f"returned {value!r} without a model call answered",
+                               "call client.chat.completions.create (or completions.create) before returning")
+        reward, info = self._reward(value, prompt)
+        await self._encoding(conv.check_final_drift)
+        versions = conv.model_versions()
+        messages = tuple(session.episode_messages())
+        stop = session.limit_hit or "done"
+        episode = Episode(messages=messages, turns=session.turns, stop_reason=stop, env_reward=reward,  # type: ignore[arg-type]
+                          version_span=(min(versions, default=dispatch), max(versions, default=dispatch)),
+                          drift_turns=conv.drift_turns, info=(info,), step_rewards=(reward,))
+        return Completion(token_ids=tuple(conv.ids), logprobs=tuple(conv.logprobs), versions=tuple(conv.versions),
+                          finish_reason="length" if stop == "max_tokens" else "stop", dispatch_version=dispatch, text=transcript(messages),
+                          loss_mask=tuple(conv.mask), episode=episode, prompt_token_ids=conv.prompt_ids)
+
+    def _reward(self, value: Any, prompt: Prompt) -> tuple[float | None, dict[str, Any]]:
+        info: dict[str, Any] = {}
+        reward = value
+        if isinstance(value, dict) and "reward" in value:
+            info = {k: v for k, v in value.items() if k != "reward"}
+            reward = value["reward"]
+        if reward is None or (isinstance(reward, int | float) and not isinstance(reward, bool) and math.isfinite(reward)):
+            return (None if reward is None else float(reward)), info
+        raise self._failed("bad_return", prompt, f"returned {value!r}",
+                           "return a finite number, None (no reward from the agent), or a dict whose 'reward' is one")
+
+    def _failed(self, kind: str, prompt: Prompt, what: str, fix: str, *, transient: bool = False) -> EpisodeError:
+        self.counters["env/errors_total"] += 1
+        self._report(f"agent/failed/{kind}", f"the agent {what} (prompt {prompt.id}); the rollout failed", f"Fix: {fix}.")
+        return EpisodeError(f"agent {self.env.factory!r} {what} (prompt {prompt.id}). Fix: {fix}.", backend=self.env.factory, transient=transient)
+
+    def _refused(self, refusal: Refused, prompt: Prompt) -> None:
+        self._report(f"agent/refused/{refusal.reason}", f"a request of the agent's session (prompt {prompt.id}) was refused with HTTP "
+                     f"{refusal.status}: {refusal}", "The agent's client raised it (openai.APIStatusError); the agent may go on or end.")
+
+    async def _stop(self, task: asyncio.Task[Any], prompt: Prompt) -> None:
+        """Cancel the agent's task and wait for it up to env.cancel_grace_s; one still running then is abandoned and counted."""
+        if task.done():
+            return
+        task.cancel()
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.env.cancel_grace_s)
+        except asyncio.CancelledError:
+            self._abandon(task, prompt, "was cancelled again while it was being stopped")
+            raise
+        if not done:
+            self._abandon(task, prompt, f"was still running {self.env.cancel_grace_s:g} s (env.cancel_grace_s) after its cancellation")
+
+    def _abandon(self, task: asyncio.Task[Any], prompt: Prompt, what: str) -> None:
+        self._abandoned.add(task)
+        task.add_done_callback(self._abandoned.discard)
+        self._report("env/abandoned_total", f"the agent of prompt {prompt.id} {what}; it is abandoned (its session refuses its calls)",
+                     "Fix: let CancelledError end the agent (do not catch it, or re-raise it), and return when a call raises.")
+
+    async def _encoding(self, work: Callable[[], Any]) -> Any:
+        """Tokenizer work of the session: on a thread of its own when the codec asks (the loop never waits for it)."""
+        return await run_in_daemon_thread(work, name="asyncgrpo-agent-encode") if self.codec.offload else work()

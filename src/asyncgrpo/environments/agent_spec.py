@@ -1,0 +1,43 @@
+"""`env.factory: agent:module:function`: the agent of a run (agents/), loaded and checked before the run starts.
+
+Job: `load_agent(spec)` imports the module and returns the `async def agent(client, row)` it names
+(or an object whose `__call__` is one). It lives here, below agents/, so that the preflight of
+`env.factory` (factories.py) checks an agent spec as it checks an environment's. Invariant: every failure is a `ConfigError` naming
+`env.factory`, the value, what is wrong and the fix; the agent is never called here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.user_modules import import_user_module, lookup_attribute
+
+PREFIX = "agent:"
+KEY = "env.factory"
+
+
+def is_agent(spec: str) -> bool:
+    return spec.startswith(PREFIX)
+
+
+def load_agent(spec: str) -> Callable[..., Any]:
+    """The agent named by `spec` ("agent:module:function")."""
+    if importlib.util.find_spec("openai") is None:
+        raise ConfigError(f"{KEY} = {spec!r} names an agent, which is given an openai.AsyncOpenAI client, but the openai package is not "
+                          "installed. Fix: pip install 'asyncgrpo[agents]'.")
+    target = spec.removeprefix(PREFIX)
+    module_name, sep, attr_path = target.rpartition(":")
+    if not sep or not module_name or not attr_path:
+        raise ConfigError(f"{KEY} = {spec!r} is not of the form agent:module:function, e.g. agent:my_agents:solve for "
+                          "`async def solve(client, row)` in my_agents.py.")
+    agent = lookup_attribute(import_user_module(module_name, KEY, spec), module_name, attr_path, KEY, spec,
+                             fix=lambda _obj, _part: "name the async function that plays one episode.")
+    if not (inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))):  # noqa: B004
+        raise ConfigError(f"{KEY} = {spec!r}: {attr_path} is a {type(agent).__name__}, not an async function. Fix: define it as "
+                          "`async def agent(client, row)`, taking an openai.AsyncOpenAI and the prompt's row and returning a reward "
+                          "(a number, None, or a dict with 'reward').")
+    return agent

@@ -1,0 +1,200 @@
+"""`DeltaWeightPublisher`: the disk publisher that writes, per version, only what changed since the previous one.
+
+Job: `stage(state, v)` writes ``weights_dir/v{v:06d}/`` holding either the full weights (the first version,
+or whenever the delta would be no smaller: weight_delta.py) or ``weights.delta``: the elements changed since
+version v-1 with a checksum of the full result. `install` asks the server to apply the delta in place
+(``/collective_rpc asyncgrpo_apply_delta``; `asyncgrpo serve` has it, vLLM through the worker extension
+vllm_weights.py) and falls back to a full load when the server holds another base, the delta is refused
+or its checksum fails on the server: the full weights of that version are then written once, under
+``v{v:06d}/full/``, and loaded with ``asyncgrpo_load_full``. A server without the extension (it fails the
+call without being down) is remembered and gets vLLM's own ``reload_weights`` from then on.
+
+Invariants:
+- Every version has an identity, ``weights_id`` (``<publisher run id>-v<version>``), which the server reports
+  back after a load; a delta names the identity of its base and is applied only on exactly that base, so a
+  restarted server, one that missed a version, or another run's server always gets the full weights.
+- Each install is one pause (keep, clearing the prefix cache), the loads, one resume, all within its
+  `timeout_s` like `DiskWeightPublisher.install` (and /resume sent again after any failure).
+- The publisher keeps one CPU copy of the latest staged weights (the next delta's base); a staged
+  version keeps its own copy until its full files are needed or it is dropped.
+- Counted in `counters` (merged into `HttpGenerator.stats()`): deltas applied, full loads, fallbacks
+  from a delta to a full load (each also logged with the server and its reason) and the bytes staged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.atomic import atomic_directory
+from asyncgrpo.generation.weight_delta import Delta, checksum, dtype_names, encode_delta, save_delta, state_nbytes
+from asyncgrpo.generation.weight_sync import (
+    RESUME_AFTER_FAILURE_S,
+    VERSION_FILE,
+    ControlClient,
+    DiskWeightPublisher,
+    StagedWeights,
+    WeightSyncStepError,
+    plain_tensors,
+    prune,
+    tied_embeddings,
+    version_dir,
+    write_weights,
+    write_weights_at,
+)
+
+log = logging.getLogger("asyncgrpo")
+
+DELTA_FILE = "weights.delta"  # not *.safetensors: a reader of the directory's full weights must not take it for them
+FULL_SUBDIR = "full"
+
+
+@dataclass(frozen=True)
+class StagedVersion(StagedWeights):
+    """A version as the delta publisher staged it. `path` is the version's directory; `delta` is set when it holds a
+    delta against `base_id`, `full` when its full weights are on disk (a Path), else the in-memory weights that
+    `full_path()` writes on first need."""
+
+    weights_id: str = ""
+    base_id: str | None = None
+    delta: Path | None = None
+    nbytes: int = 0
+    full: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    full_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
+
+
+class DeltaWeightPublisher(DiskWeightPublisher):
+    """See the module docstring; arguments as `DiskWeightPublisher`."""
+
+    def __init__(self, weights_dir: str | Path, *, model_config: str | Path | Mapping[str, Any] | None = None,
+                 keep_last: int = 2) -> None:
+        super().__init__(weights_dir, model_config=model_config, keep_last=keep_last)
+        self.run_id = secrets.token_hex(6)
+        self._base: dict[str, Any] | None = None
+        self._base_id: str | None = None
+        self._tied = tied_embeddings(model_config)  # lm_head.weight is written (and so part of every delta): plain_tensors
+        self._without_extension: set[str] = set()  # servers that fail asyncgrpo_* calls: vLLM's reload_weights
+        self.counters = {"weight_sync_deltas": 0, "weight_sync_full_loads": 0, "weight_sync_delta_fallbacks": 0,
+                         "weight_sync_bytes_staged": 0, "weight_sync_changed_fraction": 0.0}
+
+    async def stage(self, state: Mapping[str, Any], version: int) -> StagedWeights:
+        staged = await asyncio.to_thread(self._stage, state, version)
+        self.counters["weight_sync_bytes_staged"] += staged.nbytes
+        return staged
+
+    def _stage(self, state: Mapping[str, Any], version: int) -> StagedVersion:
+        new = {name: t.clone() for name, t in plain_tensors(state, tied_embeddings=self._tied).items()}
+        weights_id = f"{self.run_id}-v{version}"
+        delta = encode_delta(self._base, new) if self._base is not None else None
+        marker = {"weights_id": weights_id}
+        if delta is None:
+            path = write_weights(new, self.weights_dir, version, model_config=self.model_config,
+                                 keep_last=self.keep_last, marker=marker)
+            staged = StagedVersion(version, path, weights_id=weights_id, nbytes=state_nbytes(new))
+            self.counters["weight_sync_changed_fraction"] = 1.0
+        else:
+            path = self._write_delta(delta, new, version, weights_id)
+            staged = StagedVersion(version, path, weights_id=weights_id, base_id=self._base_id, delta=path / DELTA_FILE,
+                                   nbytes=delta.nbytes, full=new)
+            self.counters["weight_sync_changed_fraction"] = delta.changed / max(1, delta.total)
+        self._base, self._base_id = new, weights_id
+        return staged
+
+    def _write_delta(self, delta: Delta, new: Mapping[str, Any], version: int, weights_id: str) -> Path:
+        final = version_dir(self.weights_dir, version)
+        manifest = {"version": version, "weights_id": weights_id, "base": self._base_id,
+                    "checksum": checksum(new), "dtypes": dtype_names(new)}
+        with atomic_directory(final) as tmp:
+            save_delta(tmp / DELTA_FILE, delta, manifest)
+            (tmp / VERSION_FILE).write_text(json.dumps({"version": version, "weights_id": weights_id}))
+        prune(self.weights_dir, version, self.keep_last)
+        return final
+
+    async def full_path(self, staged: StagedVersion) -> Path:
+        """The directory of `staged`'s full weights, written on first need (once, under its lock)."""
+        assert staged.path is not None
+        if staged.delta is None:
+            return staged.path
+        async with staged.full_lock:
+            target = staged.path / FULL_SUBDIR
+            if not (target / VERSION_FILE).is_file():
+                await asyncio.to_thread(write_weights_at, staged.full, target, staged.version,
+                                        model_config=self.model_config, marker={"weights_id": staged.weights_id})
+            return target
+
+    async def install(self, server: ControlClient, staged: StagedWeights, timeout_s: float) -> None:
+        if not isinstance(staged, StagedVersion):
+            await super().install(server, staged, timeout_s)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+
+        def left() -> float:
+            return max(0.001, deadline - loop.time())
+
+        try:
+            await server.post("/pause", params={"mode": "keep", "clear_cache": "true"}, timeout_s=left())
+            await self._load(server, staged, left)
+            await server.post("/resume", timeout_s=left())
+        except BaseException as error:
+            try:
+                await server.post("/resume", timeout_s=RESUME_AFTER_FAILURE_S)
+            except WeightSyncStepError as resume_error:
+                raise WeightSyncStepError(f"{str(error) or type(error).__name__}; then /resume failed too: {resume_error}. The server may "
+                                          f"stay paused: restart it, or POST {server.url}/resume by hand.",
+                                          status=getattr(error, "status", None),
+                                          unreachable=getattr(error, "unreachable", False) or resume_error.unreachable,
+                                          ) from error
+            raise
+
+    async def _load(self, server: ControlClient, staged: StagedVersion, left: Any) -> None:
+        """The delta when the server can take it, else the full weights (see the module docstring)."""
+        if server.url not in self._without_extension and staged.delta is not None:
+            answer = await self._rpc(server, "asyncgrpo_apply_delta",
+                                     {"delta_path": str(staged.delta.resolve()), "weights_id": staged.weights_id}, left)
+            if answer is not None and answer.get("applied"):
+                self.counters["weight_sync_deltas"] += 1
+                return
+            self.counters["weight_sync_delta_fallbacks"] += 1
+            reason = "it lacks the worker extension" if answer is None else answer.get("reason")
+            log.warning("%s did not apply the delta of weights v%d (%s); loading the full weights instead",
+                        server.url, staged.version, reason)
+        path = str((await asyncio.wait_for(self.full_path(staged), left())).resolve())
+        if server.url not in self._without_extension:
+            answer = await self._rpc(server, "asyncgrpo_load_full", {"weights_path": path, "weights_id": staged.weights_id},
+                                     left)
+            if answer is not None:
+                if not answer.get("applied"):
+                    raise WeightSyncStepError(f"{server.url} could not load the full weights v{staged.version} from "
+                                              f"{path}: {answer.get('reason')}")
+                self.counters["weight_sync_full_loads"] += 1
+                return
+        await server.post("/collective_rpc", timeout_s=left(), json_body={
+            "method": "reload_weights", "kwargs": {"weights_path": path}})
+        self.counters["weight_sync_full_loads"] += 1
+
+    async def _rpc(self, server: ControlClient, method: str, kwargs: dict[str, str], left: Any) -> dict[str, Any] | None:
+        """`method` on the server: its first worker's answer, or None when the server answered the call with an error
+        (no extension: remembered, and it gets vLLM's reload_weights from then on). A server that does not answer
+        raises WeightSyncStepError."""
+        try:
+            text = await server.post("/collective_rpc", timeout_s=left(), json_body={"method": method, "kwargs": kwargs})
+        except WeightSyncStepError as exc:
+            if exc.status is None:
+                raise
+            self._without_extension.add(server.url)
+            log.warning("%s failed %s (%s): it gets full reloads through reload_weights from now on. For deltas, start "
+                        "vLLM with --worker-extension-cls asyncgrpo.generation.vllm_weights.DeltaWorkerExtension and "
+                        "asyncgrpo importable", server.url, method, exc)
+            return None
+        results = json.loads(text).get("results") if text else None
+        if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
+            raise WeightSyncStepError(f"{server.url} answered {method} with {text!r}, not a list of results")
+        failed = [r for r in results if not r.get("applied")]
+        return failed[0] if failed else results[0]

@@ -1,0 +1,126 @@
+"""`FullySharded`: one rank of a data-parallel trainer whose model is sharded by FSDP2 (`train.sharding: fsdp`).
+
+Job: shard the model's parameters, their gradients and the optimizer's state across the ranks
+(`torch.distributed.fsdp.fully_shard`: each decoder layer one group, the rest of the model the
+root group), sum the ranks' gradients, and gather the full weights and the full optimizer state
+once, for rank 0, when a generator or a checkpoint needs them. The share of each update and the
+reduction of the loss statistics are data parallelism's (training/data_parallel.py `RankShare`);
+`join` picks DDP or this, as `train.sharding` says.
+
+Invariants:
+- A step equals the single-process step on the same batch (up to float summation order): the
+  normaliser is the whole update's, and each micro-batch's gradients are reduce-scattered by SUM
+  (the divide factor is 1), so every rank holds its shard of the single-process gradient. Clipping
+  takes the norm of the whole gradient (a DTensor reduction), AdamW updates each rank's shard.
+- Every rank makes the same collectives in the same order: each forward pass all-gathers the
+  parameters, so the ranks make the same number of forward passes (`rounds`: the largest count
+  over the ranks; a rank with fewer makes zero-loss passes), and every rank takes part in each
+  gather (`full_weights`, `full_optimizer_state`), whose full tensors only rank 0 keeps.
+- The trainer's parameters stay float32 master weights (sharded); `train.precision: bfloat16`
+  runs forward and backward in bfloat16 through FSDP2's `MixedPrecisionPolicy` (gradients reduced
+  in float32).
+- The optimizer is the trainer's own object, re-pointed at the sharded parameters, its state (the
+  loaded checkpoint's, if any) sliced to each rank's shard without communication. Checkpoints hold
+  the full state in the single-process layout, so any world size, sharded or not, resumes them.
+- The KL reference (`train.loss.kl_coef > 0` without LoRA) is not sharded: every rank holds a full copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from asyncgrpo.config.train import TrainConfig
+from asyncgrpo.training.data_parallel import DataParallel, RankShare
+
+
+def join(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig, *, rank: int, world_size: int,
+         device: torch.device) -> DataParallel | FullySharded:
+    """This rank's place in the data-parallel trainer, as `train.sharding` asks: DDP's copies, or FSDP2's shards."""
+    if cfg.sharding == "fsdp":
+        return FullySharded(model, optimizer, rank=rank, world_size=world_size, device=device, precision=cfg.precision)
+    return DataParallel(model, rank=rank, world_size=world_size, device=device)
+
+
+class FullySharded(RankShare):
+    """FSDP2 on `model` (in place) for this rank; `optimizer` re-pointed at the sharded parameters. See the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, world_size: int,
+                 device: torch.device, precision: str) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        super().__init__(rank=rank, world_size=world_size, device=device)
+        names = {id(p): name for name, p in model.named_parameters()}
+        groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        saved = {names[id(p)]: state for p, state in optimizer.state.items()}
+        mesh = init_device_mesh(device.type, (world_size,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bfloat16" \
+            else MixedPrecisionPolicy()
+        layers = set(getattr(_transformers_model(model), "_no_split_modules", None) or ())
+        for module in list(model.modules()):
+            if module is not model and type(module).__name__ in layers:
+                fully_shard(module, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        for sharded in model.modules():
+            if isinstance(sharded, FSDPModule):  # SUM over the ranks: the single-process gradient, not the mean
+                sharded.set_gradient_divide_factor(1.0)
+                sharded.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+        self.module = model
+        params = dict(model.named_parameters())
+        for group, group_names in zip(optimizer.param_groups, groups, strict=True):
+            group["params"] = [params[name] for name in group_names]
+        optimizer.state.clear()
+        for name, state in saved.items():
+            param = params[name]
+            optimizer.state[param] = {key: _shard_like(value, param) for key, value in state.items()}
+
+    def sync(self, *, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Each micro-batch's gradients are reduce-scattered (summed) in its own backward pass: nothing to defer."""
+        return contextlib.nullcontext()
+
+    def rounds(self, count: int) -> int:
+        """The largest number of forward passes any rank has to make where this one has `count` (every rank makes it)."""
+        counts = torch.tensor([count], device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        return int(counts.item())
+
+    def full_weights(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The full tensors of `tensors` (a state dict), gathered one at a time: rank 0's, on the CPU; {} on the others."""
+        return {name: value for name, value in ((name, self._gather(t)) for name, t in tensors.items()) if value is not None}
+
+    def save_pretrained(self, base_model: Any, tensors: dict[str, Tensor], directory: Any) -> None:
+        """`base_model.save_pretrained` of the full `tensors` (the model's state dict), written by rank 0."""
+        weights = self.full_weights(tensors)
+        if self.rank == 0:
+            base_model.save_pretrained(directory, state_dict=weights)
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """`optimizer.state_dict()` with each sharded tensor gathered: the single-process layout on rank 0; {} on the others."""
+        state = optimizer.state_dict()
+        full = {key: {name: self._gather(value) if isinstance(value, DTensor) else value for name, value in entry.items()}
+                for key, entry in state["state"].items()}
+        return {**state, "state": full} if self.rank == 0 else {}
+
+    def _gather(self, tensor: Tensor) -> Tensor | None:
+        if not isinstance(tensor, DTensor):
+            return tensor.detach().cpu() if self.rank == 0 else None
+        full = tensor.full_tensor()  # a collective: every rank, the same tensors in the same order
+        return full.detach().cpu() if self.rank == 0 else None
+
+
+def _shard_like(value: Any, param: Tensor) -> Any:
+    """A full optimizer state tensor of `param`'s shape as `param` is sharded (this rank's slice); anything else as is."""
+    if isinstance(param, DTensor) and isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value
+
+
+def _transformers_model(model: torch.nn.Module) -> Any:
+    get_base = getattr(model, "get_base_model", None)  # a peft wrapper
+    return get_base() if callable(get_base) else model

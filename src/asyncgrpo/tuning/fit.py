@@ -1,0 +1,168 @@
+"""Fit the simulator's models to a run's records: pure functions over plain numbers, no I/O.
+
+Job: each function takes what the timeline and metrics recorded and returns the parameters of one
+model of the simulator (config/simulate.py, generation/scripted.py, training/stub.py):
+- `fit_lengths`: completion length per prompt (lognormal median, sigma across prompts) and the spread
+  of a rollout around its prompt's length (`token_model.rollout_sigma`), from finished rollouts;
+- `fit_decode`: `prefill_s`, `decode_s_per_token` and `batch_knee` of the token model, from rollout
+  spans (duration, tokens, and the rollouts open at each one's start, counted here);
+- `fit_faults`: the injected faults that reproduce the run's retry, failure and invalid-prompt rates;
+- `fit_trainer`: seconds per trained token (and per step, with the per-step line's intercept);
+- `mean_or_zero`: weight-sync and evaluation time.
+
+Invariants: every function is deterministic and returns finite, non-negative parameters the config
+accepts (decode time > 0, knee >= 1); a model with nothing to fit from gets a neutral value (no spread,
+no faults) rather than an error: records.py has already refused a run with too little to fit.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MIN_DECODE_S_PER_TOKEN = 1e-9  # the config needs > 0
+
+
+@dataclass(frozen=True)
+class LengthFit:
+    median: float  # of a prompt's length (lognormal across prompts)
+    sigma: float  # across prompts, of the log length
+    rollout_sigma: float  # within a group, of the log length around the prompt's
+    mean: float  # population mean: per prompt the mean of its rollouts, then over prompts
+    truncated_share: float  # rollouts at max_new_tokens
+
+
+def fit_lengths(lengths: Iterable[tuple[int, int]], max_new_tokens: int) -> LengthFit:
+    """Lognormal per-prompt length and within-group spread from (prompt id, tokens) of finished rollouts.
+
+    Within a prompt, the spread of log lengths around the prompt's mean log length (pooled, with each
+    prompt's degrees of freedom); across prompts, the variance of the prompts' mean logs less the part
+    the within-prompt spread explains."""
+    per_prompt: dict[int, list[float]] = {}
+    all_lengths = []
+    for prompt, tokens in lengths:
+        per_prompt.setdefault(prompt, []).append(math.log(max(1, tokens)))
+        all_lengths.append(tokens)
+    if not per_prompt:
+        raise ValueError("no finished rollouts to fit lengths from")
+    means = {p: statistics.fmean(logs) for p, logs in per_prompt.items()}
+    within_ss = sum((x - means[p]) ** 2 for p, logs in per_prompt.items() for x in logs)
+    within_df = sum(len(logs) - 1 for logs in per_prompt.values())
+    within_var = within_ss / within_df if within_df > 0 else 0.0
+    centre = statistics.fmean(means.values())
+    between_var = statistics.pvariance(means.values()) if len(means) > 1 else 0.0
+    mean_group = statistics.fmean(len(logs) for logs in per_prompt.values())
+    across_var = max(0.0, between_var - within_var / mean_group)
+    population = statistics.fmean(statistics.fmean(math.exp(x) for x in logs) for logs in per_prompt.values())
+    truncated = sum(t >= max_new_tokens for t in all_lengths) / len(all_lengths)
+    return LengthFit(math.exp(centre), math.sqrt(across_var), math.sqrt(within_var), population, truncated)
+
+
+@dataclass(frozen=True)
+class DecodeFit:
+    prefill_s: float
+    decode_s_per_token: float
+    batch_knee: int
+    rms_error_s: float  # of a rollout's duration under the fitted model
+    max_concurrency: int  # most rollouts open at once in the records
+
+
+def concurrency_at_start(spans: Sequence[tuple[float, float]], order: Sequence[float] | None = None) -> list[int]:
+    """For each (start, end) span, the spans open at its start, itself included (one ending at that instant is not).
+
+    Spans starting at the same instant were dispatched in an order the records do not keep; they are counted
+    in the order of `order` (smallest first; default: as given): fit_decode passes the time per token, since
+    a server slows as it fills, so of requests sent together the first sent decodes fastest."""
+    keys = order if order is not None else range(len(spans))
+    events = sorted([(end, 0, 0.0, -1) for _, end in spans] + [(start, 1, float(keys[i]), i) for i, (start, _) in enumerate(spans)])
+    open_now, result = 0, [0] * len(spans)
+    for _, kind, _, index in events:
+        if kind == 0:
+            open_now -= 1
+        else:
+            open_now += 1
+            result[index] = open_now
+    return result
+
+
+def fit_decode(spans: Sequence[dict[str, Any]]) -> DecodeFit:
+    """The token model's timing from rollout spans ({start, end, tokens, outcome}): duration = prefill_s +
+    tokens * decode_s_per_token * max(1, n / batch_knee), n the rollouts open at the span's start.
+
+    Every span counts towards n (a failed or cancelled rollout held a slot); only finished ones are fitted.
+    The knee is chosen among powers of two up to the most rollouts seen open (and that most itself: no
+    slowdown observed), each with its least-squares (prefill, decode) line; the smallest squared error wins."""
+    counts = concurrency_at_start([(s["start"], s["end"]) for s in spans],
+                                  [(s["end"] - s["start"]) / s["tokens"] if s["tokens"] > 0 else math.inf for s in spans])
+    rows = [(s["end"] - s["start"], s["tokens"], n) for s, n in zip(spans, counts) if s["outcome"] == "finished" and s["tokens"] > 0]
+    if not rows:
+        raise ValueError("no finished rollout spans to fit decode time from")
+    most = max(counts)
+    knees = sorted({2**i for i in range(most.bit_length()) if 2**i <= most} | {most})
+    best: tuple[float, float, float, int] | None = None
+    for knee in knees:
+        xs = [tokens * max(1.0, n / knee) for _, tokens, n in rows]
+        prefill, per_token = _line(xs, [duration for duration, _, _ in rows])
+        sse = sum((duration - prefill - per_token * x) ** 2 for (duration, _, _), x in zip(rows, xs))
+        if best is None or sse < best[0] * (1 - 1e-9):
+            best = (sse, prefill, per_token, knee)
+    assert best is not None
+    sse, prefill, per_token, knee = best
+    return DecodeFit(prefill, per_token, knee, math.sqrt(sse / len(rows)), most)
+
+
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares y = a + b x with a >= 0 and b > 0 (through the origin when the free intercept is negative)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx > 0:
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        a = my - b * mx
+        if a >= 0 and b > 0:
+            return a, b
+    xx = sum(x * x for x in xs)
+    b = sum(x * y for x, y in zip(xs, ys)) / xx if xx > 0 else 0.0
+    return 0.0, max(b, MIN_DECODE_S_PER_TOKEN)
+
+
+def fit_faults(*, finished: int, failed: int, cancelled: int, retries: int, takes: int, invalid_prompts: int) -> list[dict[str, Any]]:
+    """Faults (simulate.faults) that reproduce the run's rates: a retried attempt as http_500, a rollout failed
+    after its retries as http_400, an invalid prompt as prompt_too_long; each rate per attempt (per take for prompts)."""
+    attempts = finished + failed + cancelled + retries
+    faults = []
+    if retries and attempts:
+        faults.append({"error": "http_500", "rate": round(retries / attempts, 6)})
+    if failed and attempts:
+        faults.append({"error": "http_400", "rate": round(failed / attempts, 6)})
+    if invalid_prompts and takes:
+        faults.append({"error": "prompt_too_long", "rate": round(min(1.0, invalid_prompts / takes), 6)})
+    return faults
+
+
+@dataclass(frozen=True)
+class TrainerFit:
+    token_time_s: float  # seconds per trained token: total train time / total trained tokens
+    step_time_s: float  # mean seconds per step
+    intercept_s: float  # of the per-step line train_s = intercept + slope * tokens (reported, not simulated)
+    slope_s: float
+
+
+def fit_trainer(steps: Sequence[tuple[float, int]]) -> TrainerFit:
+    """Trainer time from (train seconds, trained tokens) per step; the first step (warm-up) is left out when more remain."""
+    rows = [(s, t) for s, t in steps if t > 0]
+    if len(rows) > 1:
+        rows = rows[1:]
+    if not rows:
+        raise ValueError("no step trained any token")
+    total_s, total_tokens = sum(s for s, _ in rows), sum(t for _, t in rows)
+    intercept, slope = _line([float(t) for _, t in rows], [s for s, _ in rows])
+    return TrainerFit(total_s / total_tokens, total_s / len(rows), intercept, slope)
+
+
+def mean_or_zero(values: Iterable[float]) -> float:
+    """The mean of `values`, 0.0 for none (a run without evaluations, a simulator-only sync)."""
+    values = list(values)
+    return statistics.fmean(values) if values else 0.0

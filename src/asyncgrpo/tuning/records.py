@@ -1,0 +1,126 @@
+"""Read what calibration needs from a run directory: its config, timeline and metrics, as plain records.
+
+Job: turn RUN_DIR/config.yaml, timeline.jsonl and metrics.jsonl into a `RunRecords`, or raise
+`CalibrationError` naming what is missing and how to produce it (a foreign directory, no timeline,
+no rollout spans, too few steps). Nothing here fits or simulates.
+
+Invariants: every rollout span carries its prompt (from its take's line); steps are in step order;
+`trained_tokens[i]` is the tokens trained by `steps[i]` (from metrics.jsonl's running total).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from asyncgrpo.config import Config
+from asyncgrpo.config.loading import validate_config
+from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.rundir import CONFIG_FILE, MARKER, METRICS_FILE, TIMELINE_FILE
+
+MIN_STEPS = 5  # fewer steps say too little about the trainer and the pipeline's steady state
+
+
+class CalibrationError(AsyncGRPOError):
+    """A run directory lacks what calibration needs; the message names it and how to produce it."""
+
+
+@dataclass
+class RunRecords:
+    """One run's records, as calibration and validation read them."""
+
+    run_dir: Path
+    config: Config
+    rollouts: list[dict[str, Any]]  # timeline "rollout" lines, each with "prompt" added
+    takes: list[dict[str, Any]]
+    buffered: list[dict[str, Any]]
+    steps: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+    trained_tokens: list[int]  # per step
+    last_metrics: dict[str, Any]
+    unrecorded: dict[str, int] = field(default_factory=dict)  # rollout spans the timeline only counted
+
+
+def load_run(run_dir: Path) -> RunRecords:
+    """The records of the run in `run_dir`, or a CalibrationError saying what is missing and how to produce it."""
+    if not run_dir.is_dir():
+        raise CalibrationError(f"{run_dir} is not a directory. Fix: give the run directory of a finished `asyncgrpo train` run (runs/<run.name>).")
+    config_path = run_dir / CONFIG_FILE
+    if not (run_dir / MARKER).exists() or not config_path.exists():
+        raise CalibrationError(
+            f"{run_dir} is not an asyncgrpo run directory (it has no {MARKER} marker or no {CONFIG_FILE}); "
+            f"`asyncgrpo tune` calibrates from what `asyncgrpo train` writes there. Fix: give a run directory "
+            f"(runs/<run.name>, or the run's run.output_dir), or produce one with `asyncgrpo train RECIPE`."
+        )
+    config = validate_config(yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}, str(config_path))
+    timeline = _read_jsonl(run_dir / TIMELINE_FILE, what="the run's timeline (every rollout, step and weight sync)")
+    metrics = _read_jsonl(run_dir / METRICS_FILE, what="the run's per-step metrics")
+    records = _split_timeline(run_dir, config, timeline, metrics)
+    _check_enough(records)
+    return records
+
+
+def _read_jsonl(path: Path, *, what: str) -> list[dict[str, Any]]:
+    if not path.exists():
+        raise CalibrationError(
+            f"{path} is missing: calibration needs {what}. asyncgrpo train writes it in every run directory; a run "
+            f"interrupted before its first step, or copied without it, has none. Fix: train again (a short run will do: "
+            f"train.max_steps={4 * MIN_STEPS}) and tune that directory."
+        )
+    lines = []
+    with path.open(encoding="utf-8") as f:
+        for number, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError:
+                if text.endswith("\n"):
+                    raise CalibrationError(f"{path}, line {number}, is not JSON ({text[:60]!r}). Fix: tune an unedited run directory.") from None
+                # a last line cut short by a killed run: the records before it stand
+    return lines
+
+
+def _split_timeline(run_dir: Path, config: Config, timeline: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> RunRecords:
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for line in timeline:
+        by_kind.setdefault(str(line.get("e")), []).append(line)
+    prompt_of = {t["take"]: t["prompt"] for t in by_kind.get("take", [])}
+    rollouts = [{**r, "prompt": prompt_of[r["take"]]} for r in by_kind.get("rollout", []) if r["take"] in prompt_of]
+    unrecorded: dict[str, int] = {}
+    for line in (*by_kind.get("step", []), *by_kind.get("end", [])):
+        for key, value in line.get("unrecorded", {}).items():
+            unrecorded[key] = unrecorded.get(key, 0) + int(value)
+    steps = sorted({s["step"]: s for s in by_kind.get("step", [])}.values(), key=lambda s: s["step"])  # a resume may repeat one
+    totals = {m["step"]: int(m.get("rollout/trained_tokens_total") or 0) for m in metrics if "step" in m}
+    trained, previous = [], 0
+    for s in steps:
+        total = totals.get(s["step"], previous)
+        trained.append(total - previous)
+        previous = total
+    return RunRecords(run_dir, config, rollouts, by_kind.get("take", []), by_kind.get("buffered", []), steps, by_kind.get("eval", []),
+                      trained, metrics[-1] if metrics else {}, unrecorded)
+
+
+def _check_enough(records: RunRecords) -> None:
+    where = records.run_dir
+    if len(records.steps) < MIN_STEPS:
+        raise CalibrationError(
+            f"{where / TIMELINE_FILE} records {len(records.steps)} training steps; calibration needs at least {MIN_STEPS} "
+            f"to measure the trainer and the pipeline's steady state. Fix: train longer (train.max_steps={4 * MIN_STEPS} or more) and tune that run."
+        )
+    if not any(r["outcome"] == "finished" for r in records.rollouts):
+        raise CalibrationError(
+            f"{where / TIMELINE_FILE} has no finished rollout span (logging.timeline_max_rollouts = "
+            f"{records.config.logging.timeline_max_rollouts}), so completion lengths and decode times cannot be fitted. "
+            f"Fix: train again with logging.timeline_max_rollouts of at least 1000."
+        )
+    if sum(records.trained_tokens) <= 0:
+        raise CalibrationError(
+            f"{where / METRICS_FILE} counts no trained tokens (rollout/trained_tokens_total), so the trainer's time per token "
+            f"cannot be fitted. Fix: tune the directory of a run that trained (asyncgrpo train RECIPE)."
+        )

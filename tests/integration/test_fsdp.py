@@ -1,0 +1,171 @@
+"""`train.sharding: fsdp` on two CPU ranks (torch.multiprocessing, gloo; what a Ray rank runs, without Ray): a step
+of the two sharded ranks equals the single-process step on the same batch (loss, gradient norm, weights, AdamW's
+moments), each rank holds about half the parameters and optimizer state (measured: the bytes of its shards), and
+checkpoints cross world sizes both ways: the ranks resume a checkpoint one process wrote, and one process resumes
+the checkpoint the ranks wrote (the single-process layout: the gathered full weights and optimizer state).
+
+The batch makes the ranks unequal (as tests/integration/test_ray_trainer.py): 4 groups in 3 updates (2, 1 and 1
+groups), micro-batches of 3 sequences, so rank 1 has no sequence in two updates and fewer forward passes in each;
+the decoupled objective adds the pi_prox passes of each rank's share. FSDP all-gathers in every forward pass, so a
+rank that made fewer would wait forever: the test ends in its timeout instead.
+
+Tolerance: the ranks add the same gradients in another order (each rank its sequences, then the reduce-scatter).
+As in test_ray_trainer.py, the bound on the weights and moments is the single process's own float32 noise,
+measured: how far its results move when only its micro-batch size changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from asyncgrpo.config import load_config
+from asyncgrpo.models.loading import load_model_and_tokenizer
+from asyncgrpo.training.bf16_adamw import local
+from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
+from asyncgrpo.training.trainer import TorchTrainer
+from tests.component.test_trainer import TEMPERATURE, make_groups
+
+pytestmark = pytest.mark.timeout(300)
+
+WORLD = 2
+LOW = ("train.precision=bfloat16", "train.optimizer_state_dtype=bfloat16")
+
+
+def config(*overrides: str):
+    return load_config(None, ["model.path=builtin:tiny", f"generation.temperature={TEMPERATURE}", "train.lr=1e-2",
+                              "train.updates_per_batch=3", "train.micro_batch_size=3", "train.device=cpu",
+                              "rollout.group_size=4", "rollout.mask_truncated=true", "train.loss.objective=decoupled",
+                              *overrides])
+
+
+def held_bytes(trainer: TorchTrainer) -> int:
+    """Bytes of this process's parameters and optimizer state tensors (a rank's shards when sharded)."""
+    params = sum(local(p).numel() * p.element_size() for p in trainer.model.parameters())
+    state = sum(local(t).numel() * t.element_size() for s in trainer.optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return params + state
+
+
+def rank_main(rank: int, port: int, directory: str, first_checkpoint: str) -> None:
+    torch.set_num_threads(1)  # forked: no OpenMP pool of the parent's in this process (and two ranks on two cores)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
+        groups = make_groups(model, 4, seed=6, truncated_every=3)  # the log-probs of the initial model, as the test's
+        initial = copy.deepcopy(model)
+        cfg = config("runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp")
+        trainer = TorchTrainer(model, tokenizer, cfg)
+        load_checkpoint(first_checkpoint, trainer)  # as a Ray rank does: before joining, into the unsharded model
+        unsharded = held_bytes(trainer)
+        trainer.join_data_parallel(rank, WORLD)
+        sharded = held_bytes(trainer)
+        metrics = trainer.train_step(groups)
+        weights = trainer.generation_weights()  # every rank takes part; rank 0 gets them
+        if rank == 0:
+            save_checkpoint(directory, 2, trainer, cfg.model_dump_json(), {})
+        else:  # what the driver's save_checkpoint asks of every rank, in the same order
+            trainer.save_pretrained(os.path.join(directory, "unused"))
+            assert trainer.state_dict()["optimizer"] == {}
+        # bfloat16 through FSDP2's mixed precision, AdamW's moments in bfloat16 (sharded like the parameters).
+        low = TorchTrainer(copy.deepcopy(initial), tokenizer, config(*LOW, "runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp"))
+        low.join_data_parallel(rank, WORLD)
+        low_metrics = low.train_step(groups)
+        assert all(local(p).dtype == torch.float32 for p in low.model.parameters())  # the master weights
+        low_state = low.state_dict()["optimizer"]
+        torch.save({"metrics": metrics, "weights": weights, "unsharded": unsharded, "sharded": sharded,
+                    "low_metrics": low_metrics, "low_state": low_state}, os.path.join(directory, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def single(model, tokenizer, *overrides: str) -> TorchTrainer:
+    return TorchTrainer(copy.deepcopy(model), tokenizer, config(*overrides))
+
+
+def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, relative: bool = False) -> float:
+    """The largest elementwise difference of two state dicts (`relative`: each tensor's over its largest magnitude)."""
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max() / (b[k].abs().max() if relative else 1)) for k in a)
+
+
+def moments(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
+    state = trainer.optimizer.state_dict()["state"]
+    return {f"{key}.{name}": value for key, entry in state.items() for name, value in entry.items() if name != "step"}
+
+
+def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_checkpoints_cross_world_sizes(tmp_path):
+    model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
+    # One process trains step 1 and writes its checkpoint; the ranks resume it for step 2.
+    first = single(model, tokenizer)
+    first.train_step(make_groups(model, 4, seed=5, truncated_every=3))
+    first_checkpoint = save_checkpoint(tmp_path, 1, first, "", {})
+    mp.start_processes(rank_main, args=(free_port(), str(tmp_path), str(first_checkpoint)), nprocs=WORLD, join=True,
+                       start_method="fork")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+    groups = make_groups(model, 4, seed=6, truncated_every=3)
+    expected, regrouped = single(model, tokenizer), single(model, tokenizer, "train.micro_batch_size=1")
+    for trainer in (expected, regrouped):
+        load_checkpoint(first_checkpoint, trainer)
+    expected_metrics = expected.train_step(groups)
+    regrouped.train_step(groups)
+    weight_noise = largest_difference(regrouped.generation_weights(), expected.generation_weights())
+    moment_noise = largest_difference(moments(regrouped), moments(expected), relative=True)
+    assert 0 < weight_noise < 1e-3 and 0 < moment_noise < 1e-4
+
+    for key in ("loss", "grad_norm", "kl", "clip_frac", "is_ratio/mean", "entropy"):
+        assert ranks[0]["metrics"][key] == pytest.approx(expected_metrics[key], rel=1e-5, abs=1e-9), key
+    assert ranks[1]["weights"] == {}
+    assert largest_difference(ranks[0]["weights"], expected.generation_weights()) <= weight_noise
+
+    # Each rank holds its half (torch.chunk along the first dimension: a first dimension of odd length splits unevenly).
+    assert sum(r["sharded"] for r in ranks) == ranks[0]["unsharded"] == held_bytes(expected)
+    assert all(0.45 < r["sharded"] / r["unsharded"] < 0.55 for r in ranks), [r["sharded"] for r in ranks]
+
+    # One process resumes the ranks' checkpoint: the full weights and AdamW state, in the single-process layout.
+    resumed = single(model, tokenizer)
+    state = load_checkpoint(tmp_path / "checkpoints" / "step_000002", resumed)
+    assert state["step"] == 2 and resumed.version == 2
+    assert largest_difference(resumed.generation_weights(), expected.generation_weights()) <= weight_noise
+    # The moments (running averages of the gradients) carry the summation order more directly than the weights: the
+    # ranks' largest difference measured 2.3x the regrouped process's (1.3e-8 against 5.6e-9, absolute); 10x bounds it.
+    assert largest_difference(moments(resumed), moments(expected), relative=True) <= 10 * moment_noise
+    assert resumed.optimizer.state_dict()["param_groups"] == expected.optimizer.state_dict()["param_groups"]
+
+    # bfloat16 compute and moments: the same update to bfloat16's precision. FSDP2 casts the weights where the single
+    # process autocasts the matrix products, and the moments are rounded stochastically, each rank its shard: the bound
+    # is bfloat16's own noise, measured as the distance of the single process's first moments from float32's.
+    low, plain = single(model, tokenizer, *LOW), single(model, tokenizer)
+    low_metrics = low.train_step(groups)
+    plain.train_step(groups)
+    assert ranks[0]["low_metrics"]["loss"] == pytest.approx(low_metrics["loss"], rel=2e-2)
+    assert ranks[0]["low_metrics"]["grad_norm"] == pytest.approx(low_metrics["grad_norm"], rel=2e-2)
+    sharded_moments = {f"{k}.{n}": v for k, e in ranks[0]["low_state"]["state"].items() for n, v in e.items() if n != "step"}
+    assert sharded_moments.keys() == moments(low).keys()
+    assert all(v.dtype == torch.bfloat16 for v in sharded_moments.values())
+    bfloat16_noise = first_moment_distance(moments(low), moments(plain))
+    assert 0 < bfloat16_noise < 0.2
+    assert first_moment_distance(sharded_moments, moments(low)) <= 2 * bfloat16_noise
+    low.load_state_dict({**low.state_dict(), "optimizer": ranks[0]["low_state"]})  # the single-process layout
+
+
+def first_moment_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over every parameter's first moment (AdamW's running mean of the gradient)."""
+    keys = [k for k in b if k.endswith(".exp_avg")]
+    return float(torch.cat([(a[k].float() - b[k].float()).flatten() for k in keys]).norm() / torch.cat([b[k].float().flatten() for k in keys]).norm())

@@ -1,0 +1,87 @@
+"""`asyncgrpo tune` against a known truth: a simulated run with known models is calibrated from its own
+timeline; the fits recover the models, the replay is within tolerance, and a swept config's prediction
+holds when the truth simulator runs that config (the simulator's side of "checked against reality")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncgrpo.commands.cli import main
+from asyncgrpo.commands.simulate import simulate
+from asyncgrpo.commands.tune import observe_simulation
+from asyncgrpo.config import load_config
+from asyncgrpo.rundir import CONFIG_FILE, MARKER
+from asyncgrpo.tuning.calibrate import calibrate, with_overrides
+from asyncgrpo.tuning.observe import TOKENS_PER_S_TOLERANCE, WAIT_SHARE_TOLERANCE
+from asyncgrpo.tuning.records import load_run
+from asyncgrpo.tuning.sweep import KEYS
+
+TRUTH = [
+    "data.builtin_size=256", "generation.max_inflight=24", "generation.max_new_tokens=512", "rollout.group_size=4", "rollout.groups_per_step=4",
+    "rollout.max_staleness=1", "train.max_steps=30", "simulate.faults=[]", "simulate.token_time_s=0.0001",
+    "simulate.tokens={dist: lognormal, median: 100, sigma: 0.3}",
+    "simulate.token_model={rollout_sigma: 0.2, prefill_s: 0.01, decode_s_per_token: 0.002, batch_knee: 8}",
+    "simulate.weight_sync_s={dist: const, value: 0.05}",
+]
+
+
+def truth_run(run_dir: Path, *extra: str):
+    """Simulate the truth into `run_dir` and make it a run directory (config.yaml and the marker), as a training run leaves one."""
+    cfg = load_config("recipes/simulate.yaml", [*TRUTH, *extra])
+    sim = simulate(cfg, output_dir=run_dir)
+    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(mode="json")), encoding="utf-8")
+    (run_dir / MARKER).write_text("{}", encoding="utf-8")
+    return cfg, sim
+
+
+def test_calibration_recovers_the_truth_models(tmp_path):
+    truth_run(tmp_path)
+    c = calibrate(load_run(tmp_path))
+    assert c.trainer.token_time_s == pytest.approx(1e-4, rel=1e-6)
+    assert c.weight_sync_s == pytest.approx(0.05, rel=1e-6)
+    assert c.decode.batch_knee == 8
+    assert c.decode.decode_s_per_token == pytest.approx(0.002, rel=0.1)  # dispatch order within an instant is not recorded
+    assert c.decode.prefill_s == pytest.approx(0.01, abs=0.005)
+    assert c.lengths.median == pytest.approx(100, rel=0.15)
+    assert c.lengths.rollout_sigma == pytest.approx(0.2, rel=0.25)
+    assert c.faults == []
+
+
+@pytest.mark.parametrize("change", [{}, {"generation.max_inflight": 48}, {"rollout.max_staleness": 2, "rollout.on_stale": "drop"},
+                                    {"rollout.groups_per_step": 8, "rollout.on_stale": "wait"}])
+def test_predictions_of_the_calibrated_simulator_hold_on_the_truth(tmp_path, change):
+    """The run's own config (the replay) and configs the sweep tries: predicted within the validation tolerance of the truth."""
+    cfg, _ = truth_run(tmp_path)
+    recipe = calibrate(load_run(tmp_path)).recipe
+    predicted = observe_simulation(simulate(with_overrides(recipe, change)))
+    truth = observe_simulation(simulate(with_overrides(cfg.model_dump(mode="json"), change)))
+    assert abs(predicted.tokens_per_s / truth.tokens_per_s - 1) <= TOKENS_PER_S_TOLERANCE, (predicted, truth)
+    assert abs(predicted.wait_share - truth.wait_share) <= WAIT_SHARE_TOLERANCE, (predicted, truth)
+
+
+def test_a_replay_that_misses_the_run_refuses_to_advise(tmp_path, capsys):
+    truth_run(tmp_path)
+    timeline = tmp_path / "timeline.jsonl"
+    lines = [json.loads(line) for line in timeline.read_text().splitlines()]
+    for line in lines:  # the trainer's spans recorded 3x longer than the tokens it trained explain: the fit disagrees
+        if line["e"] == "step":
+            line["wait"] = [line["wait"][0], line["wait"][0] + 3 * (line["wait"][1] - line["wait"][0])]
+    timeline.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["tune", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "no recommendation" in out and "MISS" in out and "recommended" not in out
+
+
+def test_tune_prints_one_json_object_with_the_frontier_and_dotted_overrides_and_draws_the_plot(tmp_path, capsys):
+    truth_run(tmp_path, "train.max_steps=6")
+    assert main(["tune", str(tmp_path), "--json", "--plot", "--max-staleness", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["validation"]["ok"]
+    assert 40 <= len(report["sweep"]) <= 60 and report["frontier"]
+    assert all(key in KEYS for key in report["recommendation"]["overrides"])
+    assert report["recommendation"]["predicted"]["overrides"]["rollout.max_staleness"] <= 2
+    assert (tmp_path / "tune.png").stat().st_size > 0 and (tmp_path / "tuned.yaml").exists()

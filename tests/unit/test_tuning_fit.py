@@ -1,0 +1,153 @@
+"""tuning/fit.py, observe.compare and sweep's ranking: fits recover known parameters from synthetic records;
+the tolerance and the recommendation rules hold at their edges."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from asyncgrpo.config import validate_config
+from asyncgrpo.tuning.fit import concurrency_at_start, fit_decode, fit_faults, fit_lengths, fit_trainer
+from asyncgrpo.tuning.observe import Observed, compare
+from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, candidates, frontier, policies_for, recommend
+
+
+def test_lengths_recover_the_prompt_median_and_both_spreads():
+    rng = random.Random(1)
+    records = []
+    for prompt in range(600):
+        prompt_log = math.log(50) + 0.5 * rng.gauss(0, 1)
+        records += [(prompt, round(math.exp(prompt_log + 0.3 * rng.gauss(0, 1)))) for _ in range(8)]
+    fit = fit_lengths(records, max_new_tokens=10_000)
+    assert fit.median == pytest.approx(50, rel=0.06)
+    assert fit.sigma == pytest.approx(0.5, rel=0.08)
+    assert fit.rollout_sigma == pytest.approx(0.3, rel=0.05)
+    assert fit.truncated_share == 0
+
+
+def test_lengths_count_the_rollouts_cut_at_max_new_tokens():
+    assert fit_lengths([(0, 12), (0, 12), (1, 5), (1, 7)], max_new_tokens=12).truncated_share == 0.5
+
+
+def test_concurrency_counts_the_spans_open_at_each_start_itself_included():
+    spans = [(0.0, 2.0), (1.0, 3.0), (2.0, 4.0), (2.5, 2.6)]
+    assert concurrency_at_start(spans) == [1, 2, 2, 3]  # the first ended as the third started: not counted
+
+
+def test_spans_starting_together_are_counted_in_the_given_order():
+    spans = [(0.0, 5.0), (1.0, 2.0), (1.0, 3.0), (1.0, 4.0)]
+    assert concurrency_at_start(spans) == [1, 2, 3, 4]
+    assert concurrency_at_start(spans, order=[0, 3, 2, 1]) == [1, 4, 3, 2]
+
+
+def _waves(prefill: float, per_token: float, knee: int) -> list[dict]:
+    """Waves of 1..40 rollouts started together (each wave after the last ended), durations from the token model."""
+    rng = random.Random(2)
+    spans, t = [], 0.0
+    for n in (1, 2, 3, 5, 8, 12, 16, 24, 32, 40):
+        for i in range(n):
+            tokens = rng.randint(20, 400)
+            start = t + i * 1e-6
+            spans.append({"start": start, "end": start + prefill + tokens * per_token * max(1, (i + 1) / knee),
+                          "tokens": tokens, "outcome": "finished"})
+        t = max(s["end"] for s in spans) + 1
+    return spans
+
+
+def test_decode_recovers_prefill_time_per_token_and_the_knee():
+    fit = fit_decode(_waves(prefill=0.05, per_token=0.002, knee=8))
+    assert fit.batch_knee == 8
+    assert fit.prefill_s == pytest.approx(0.05, rel=1e-6)
+    assert fit.decode_s_per_token == pytest.approx(0.002, rel=1e-6)
+    assert fit.max_concurrency == 40
+
+
+def test_decode_without_slowdown_puts_the_knee_at_the_most_seen_open():
+    assert fit_decode(_waves(prefill=0.0, per_token=0.001, knee=10_000)).batch_knee == 40
+
+
+def test_decode_counts_cancelled_rollouts_as_load_but_does_not_fit_them():
+    spans = [{"start": 0.0, "end": 10.0, "tokens": 3, "outcome": "cancelled"},
+             {"start": 1.0, "end": 1.2, "tokens": 100, "outcome": "finished"},
+             {"start": 5.0, "end": 5.4, "tokens": 200, "outcome": "finished"}]
+    fit = fit_decode(spans)
+    assert fit.max_concurrency == 2 and fit.decode_s_per_token == pytest.approx(0.002 / max(1, 2 / fit.batch_knee))
+
+
+def test_faults_reproduce_the_run_rates_by_kind():
+    faults = fit_faults(finished=90, failed=5, cancelled=0, retries=5, takes=20, invalid_prompts=1)
+    assert faults == [{"error": "http_500", "rate": 0.05}, {"error": "http_400", "rate": 0.05},
+                      {"error": "prompt_too_long", "rate": 0.05}]
+    assert fit_faults(finished=10, failed=0, cancelled=3, retries=0, takes=4, invalid_prompts=0) == []
+
+
+def test_trainer_time_per_token_leaves_the_warm_up_step_out():
+    fit = fit_trainer([(9.0, 100), (1.0, 1000), (2.0, 2000), (1.5, 1500)])
+    assert fit.token_time_s == pytest.approx(0.001)
+    assert fit.step_time_s == pytest.approx(1.5)
+    assert fit.intercept_s == pytest.approx(0.0, abs=1e-12) and fit.slope_s == pytest.approx(0.001)
+
+
+def _observed(tps: float, wait: float = 0.1, bias: float | None = 1.0, staleness: dict[int, float] | None = None, waste: float = 0.0):
+    return Observed(tps, wait, staleness if staleness is not None else {1: 1.0}, waste, bias, 10)
+
+
+@pytest.mark.parametrize(("tps", "wait", "ok"), [(109, 0.14, True), (91, 0.06, True), (111, 0.1, False), (100, 0.16, False)])
+def test_compare_refuses_beyond_ten_percent_of_tokens_per_s_or_five_points_of_wait(tps, wait, ok):
+    result = compare(_observed(100, wait=0.1), _observed(tps, wait=wait))
+    assert result.ok is ok
+    assert bool(result.reasons) is not ok
+
+
+def test_only_policies_the_runs_backend_accepts_are_swept():
+    local = validate_config({}, "test").model_dump()
+    http = validate_config({"generation": {"backend": "http", "http": {"base_urls": ["http://127.0.0.1:1"]}}}, "test").model_dump()
+    assert policies_for(local) == POLICIES
+    assert policies_for(http) == tuple(p for p in POLICIES if p != "resume")
+    configs = candidates(1, "patience", 128, 8, policies_for(http))
+    assert "resume" not in {c["rollout.on_stale"] for c in configs} and len(configs) == 4 * 4 * 3 + 2 * 4
+
+
+def test_candidates_start_with_the_run_and_cover_every_policy_without_duplicates():
+    configs = candidates(1, "patience", 128, 8)
+    assert configs[0] == dict(zip(KEYS, (1, "patience", 128, 8)))
+    assert len(configs) == 4 * len(POLICIES) * 3 + 2 * len(POLICIES)  # the run's own config is one of them
+    assert len({tuple(c.values()) for c in configs}) == len(configs)
+    assert {c["rollout.on_stale"] for c in configs} == set(POLICIES)
+    assert {c["rollout.max_staleness"] for c in configs} == {0, 1, 2, 3}
+
+
+def _point(k: int, policy: str, tps: float, **kw) -> Point:
+    return Point(dict(zip(KEYS, (k, policy, 64, 8))), _observed(tps, **kw), None, None)
+
+
+def test_recommend_keeps_the_run_config_unless_another_is_faster_by_more_than_the_tolerance():
+    base = _point(1, "patience", 100)
+    assert recommend([base, _point(2, "drop", 109)], max_staleness=None, min_length_bias=None).changes == {}
+    rec = recommend([base, _point(2, "drop", 120)], max_staleness=None, min_length_bias=None)
+    assert rec.changes == {"rollout.max_staleness": 2, "rollout.on_stale": "drop"}
+    assert "+20%" in rec.reason
+
+
+def test_recommend_respects_the_staleness_and_length_bias_constraints():
+    points = [_point(1, "patience", 100), _point(3, "drop", 200), _point(2, "requeue", 150, bias=0.9), _point(2, "wait", 130)]
+    assert recommend(points, max_staleness=2, min_length_bias=0.95).changes == {"rollout.max_staleness": 2, "rollout.on_stale": "wait"}
+    assert recommend(points, max_staleness=None, min_length_bias=None).changes["rollout.max_staleness"] == 3
+    nothing = recommend(points, max_staleness=0, min_length_bias=None)
+    assert nothing.changes == {} and "constraints" in nothing.reason
+
+
+def test_frontier_drops_dominated_points_and_keeps_one_of_each_tie():
+    run, tie = _point(1, "patience", 100), _point(1, "drop", 100)
+    faster_but_biased, dominated = _point(2, "drop", 150, bias=0.8), _point(2, "requeue", 90)
+    assert frontier([run, tie, faster_but_biased, dominated]) == [faster_but_biased, run]
+
+
+def test_recommend_never_widens_generation_beyond_what_the_run_reached():
+    """The decode model has no data beyond the widest concurrency the run saw (a real server timed out there)."""
+    base = _point(1, "patience", 100)
+    wider = Point({**base.overrides, "generation.max_inflight": 128}, _observed(150), None, None)
+    assert recommend([base, wider], max_staleness=None, min_length_bias=None, widest=64).changes == {}
+    assert recommend([base, wider], max_staleness=None, min_length_bias=None, widest=128).changes == {"generation.max_inflight": 128}
