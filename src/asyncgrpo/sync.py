@@ -1,24 +1,40 @@
-"""`StateSignal` and `TurnSignal`: wait until a predicate over shared state holds, without losing a wake-up.
+"""`StateSignal` and `TurnSignal`: wait until a predicate over shared state holds, without losing a wake-up;
+`SharedTimeout`: many timeouts of one duration on one loop timer.
 
-The pipeline's state (buffer, in-flight groups, versions, health) lives on one event loop
-and is only ever changed by synchronous code between awaits. Waiters therefore need no
-lock: `wait_for` checks the predicate and registers its waiter with no await in between,
-so a `notify()` cannot slip through the gap (the lost wake-up of an Event that is checked
-and then cleared). Unlike `asyncio.Condition`, `notify()` may be called from any
-synchronous code on the loop, including `finally` blocks of cancelled tasks, which is
-where slots and groups are released.
+The pipeline's state (buffer, in-flight groups, versions, health) lives on one event loop and is only ever
+changed by synchronous code between awaits. Waiters therefore need no lock: `wait_for` checks the predicate
+and registers its waiter with no await in between, so a `notify()` cannot slip through the gap (the lost
+wake-up of an Event that is checked and then cleared). Unlike `asyncio.Condition`, `notify()` may be called
+from any synchronous code on the loop, including `finally` blocks of cancelled tasks, which is where slots and
+groups are released.
 
-`StateSignal.notify()` wakes every waiter (O(waiters)): for the few waiters of different
-predicates (a dispatcher, a trainer). `TurnSignal.notify_one()` wakes one, O(1): for many waiters
-of the same predicate over a counted resource (request slots), where one unit freed can satisfy
-only one of them. Its rule against lost wake-ups: the notifier calls `notify_one()` once per unit
-that became free, so while anyone waits, every free unit has a wake-up on its way to a waiter;
-a woken waiter that finds the unit taken (another caller took it without waiting) goes back to
-the front of the queue, the taker's own release will wake it; one cancelled after its wake-up
-hands that wake-up on to the next waiter.
+`StateSignal.notify()` wakes every waiter (O(waiters)): for the few waiters of different predicates (a
+dispatcher, a trainer). `TurnSignal.notify_one()` wakes one, O(1): for many waiters of the same
+predicate over a counted resource (request slots), where one unit freed can satisfy only one of them. Its rule
+against lost wake-ups: the notifier calls `notify_one()` once per unit that became free, so while anyone
+waits, every free unit has a wake-up on its way to a waiter; a woken waiter that finds the unit taken (another
+caller took it without waiting) goes back to the front of the queue, the taker's own release will wake it; one
+cancelled after its wake-up hands that wake-up on to the next waiter.
 
-Every wait has a predicate; deadlines are the caller's (`asyncio.timeout`), or the
-lifetime of the owning task group.
+Every wait has a predicate; deadlines are the caller's (`asyncio.timeout`), or the lifetime of the owning task
+group.
+
+`SharedTimeout`: many timeouts of one fixed duration sharing one timer of the event loop. It bounds each of
+many concurrent attempts by the same duration (a rollout's `generation.request_timeout_s`) without an
+`asyncio.Timeout`, a timer handle and a heap entry per attempt. Since the duration is fixed and loop time
+never goes back, deadlines arrive in the order the timeouts are entered: they queue in a deque, and one loop
+timer is armed for the oldest live deadline. At 16,384 rollouts in flight this halves the loop's timer heap
+(O(log n) Python-level comparisons per push and pop) and removes three objects per attempt.
+
+Semantics are `asyncio.timeout(duration_s)`'s: `async with shared.timeout():` cancels the task that entered it
+once the deadline passes and turns that cancellation into `TimeoutError` on exit; a cancellation from
+elsewhere stays a `CancelledError`; leaving the block before the deadline disarms it.
+
+Its invariants:
+- Costs O(1) amortized per timeout: entering appends, the timer pops from the front; a timeout left early
+  is popped when it reaches the front, and the queue is compacted once more than half of it was left
+  early, so it never holds more than twice the timeouts still open (plus a constant).
+- At most one loop timer is armed, at the oldest queued deadline, and none while the queue is empty.
 """
 
 from __future__ import annotations
@@ -26,6 +42,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
+from types import TracebackType
 
 
 class StateSignal:
@@ -84,3 +101,107 @@ class TurnSignal:
                 if waiter.done() and not waiter.cancelled():
                     self.notify_one()  # woken, then cancelled before it could act: the wake-up goes on
                 raise
+
+
+COMPACT_AT = 64  # a queue shorter than this is never compacted (its entries leave from the front soon enough)
+
+_OPEN, _EXPIRING, _EXPIRED, _LEFT = range(4)
+
+
+class SharedTimeout:
+    """Timeouts of `duration_s` seconds each, sharing one loop timer (see the module docstring)."""
+
+    def __init__(self, duration_s: float) -> None:
+        if not duration_s > 0:
+            raise ValueError(f"SharedTimeout needs a duration > 0 s, got {duration_s!r}")
+        self.duration_s = duration_s
+        self._queue: deque[_Timeout] = deque()
+        self._left = 0  # queued timeouts already left (not yet popped)
+        self._timer: asyncio.TimerHandle | None = None
+
+    def timeout(self) -> _Timeout:
+        """An async context manager bounding its block by `duration_s` from its entry."""
+        return _Timeout(self)
+
+    @property
+    def queued(self) -> int:
+        """Timeouts queued, open or left early and not yet popped (at most 2 x open + COMPACT_AT)."""
+        return len(self._queue)
+
+    def _enter(self, timeout: _Timeout) -> None:
+        self._queue.append(timeout)
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_at(timeout.deadline, self._fire)
+
+    def _leave(self) -> None:
+        self._left += 1
+        queue = self._queue
+        while queue and queue[0].state == _LEFT:
+            queue.popleft()
+            self._left -= 1
+        if not queue:
+            self._disarm()
+        elif self._left > COMPACT_AT and 2 * self._left > len(queue):
+            self._queue = deque(t for t in queue if t.state != _LEFT)
+            self._left = 0
+
+    def _fire(self) -> None:
+        due = self._timer.when() if self._timer is not None else asyncio.get_running_loop().time()
+        self._timer = None
+        queue = self._queue
+        while queue and (queue[0].state == _LEFT or queue[0].deadline <= due):
+            timeout = queue.popleft()
+            if timeout.state == _LEFT:
+                self._left -= 1
+            else:
+                timeout.expire()
+        if queue:
+            self._timer = asyncio.get_running_loop().call_at(queue[0].deadline, self._fire)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class _Timeout:
+    """One block bounded by its `SharedTimeout`'s duration."""
+
+    __slots__ = ("_shared", "_task", "_cancelling", "deadline", "state")
+
+    def __init__(self, shared: SharedTimeout) -> None:
+        self._shared = shared
+        self._task: asyncio.Task[object] | None = None
+        self._cancelling = 0
+        self.deadline = 0.0
+        self.state = _OPEN
+
+    def expired(self) -> bool:
+        return self.state in (_EXPIRING, _EXPIRED)
+
+    def expire(self) -> None:
+        assert self._task is not None
+        self.state = _EXPIRING
+        self._task.cancel()
+
+    async def __aenter__(self) -> _Timeout:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("SharedTimeout.timeout() must be used inside a task")
+        self._task = task
+        self._cancelling = task.cancelling()
+        self.deadline = asyncio.get_running_loop().time() + self._shared.duration_s
+        self._shared._enter(self)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.state == _OPEN:
+            self.state = _LEFT
+            self._shared._leave()
+            return
+        assert self._task is not None
+        self.state = _EXPIRED  # popped by `_fire` when it expired
+        if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise TimeoutError from exc  # our cancellation, and no other pending: the block timed out

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Literal
 
 from asyncgrpo.algorithms.base import Algorithm
@@ -59,7 +59,7 @@ from asyncgrpo.rollout.resume import join, partial, resumed_request
 from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rollout.slots import RequestSlots, Slot
 from asyncgrpo.rollout.stale_policy import stale_policy
-from asyncgrpo.sync import StateSignal
+from asyncgrpo.sync import SharedTimeout, StateSignal
 from asyncgrpo.types import Completion, Drop, GenerationRequest, Group, Prompt, SamplingParams, TokenSink
 
 log = logging.getLogger("asyncgrpo")
@@ -110,6 +110,7 @@ class Collector:
         self._in_flight: dict[int, InFlightGroup] = {}
         self._undispatched = 0  # running sum of `size - dispatched` over `_in_flight`: admission reads it on every wake-up
         self._slots = RequestSlots(cfg.generation.max_inflight, self._signal)
+        self._attempt_timeouts = SharedTimeout(cfg.generation.request_timeout_s)  # one loop timer for every rollout's attempts
         self.batches = Batches(cfg, books=self.books, stale=self.stale, signal=self._signal, first_failure=self.first_failure,
                                in_flight=self._in_flight, source=source, start_step=start_step,
                                on_advance=self._cancel_stale, stalled=self._stalled)
@@ -256,11 +257,13 @@ class Collector:
             self._tolerated("failed", result)
         self.batches.progressed()  # a rollout finished (a cancelled one never gets here)
 
-    async def _generate_with_retries(
+    def _generate_with_retries(
         self, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot, floor: int | None = None
-    ) -> Completion:
+    ) -> Coroutine[object, object, Completion]:
         """One rollout under the retry policy (rollout/retry.py); a rollout waiting to retry holds no request slot.
-        `floor`: the oldest version of an episode's earlier turns, kept as the member's dispatch version."""
+        `floor`: the oldest version of an episode's earlier turns, kept as the member's dispatch version.
+        Returns the retry loop's coroutine itself, not a coroutine wrapping it: one coroutine fewer per rollout in
+        flight, and one frame fewer on every resumption."""
 
         def record_dispatch() -> None:
             if request.sink is not None:
@@ -277,9 +280,10 @@ class Collector:
                 request.sink.empty()  # a failed attempt's tokens are no prefix: an interruption while its retry waits keeps none
             self._retried(error)
 
-        return await generate_with_retries(
+        return generate_with_retries(
             self.generator, request, self.cfg.generation, jitter=self._jitter,
             before_attempt=record_dispatch, on_retry=retried, between_attempts=slot.released_for,
+            timeouts=self._attempt_timeouts,
         )
 
     async def _generate_resumable(self, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot) -> Completion:

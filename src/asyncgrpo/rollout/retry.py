@@ -6,7 +6,9 @@ Used by the collector for rollouts and by evaluation, so both treat a backend th
   `retry_backoff_max_s`), as long as the retry can start before `rollout_deadline_s` runs out;
   then `RolloutDeadlineError` names the attempts and the last error;
 - anything else (a rejected prompt, a fatal backend error, a bug) propagates at once;
-- every attempt is bounded by `min(request_timeout_s, time left)`.
+- every attempt is bounded by `min(request_timeout_s, time left)`: by the caller's `SharedTimeout` of
+  `request_timeout_s` (one loop timer for all its attempts) while the rollout deadline is farther than
+  that, by an `asyncio.timeout` of its own once it is nearer (or without a shared one).
 
 The caller decides what happens between attempts (`between_attempts(delay)`: the collector frees
 its request slot while it waits) and is told of each retry (`on_retry(error)`).
@@ -21,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from asyncgrpo.config import GenerationConfig
 from asyncgrpo.errors import RequestTimeoutError, RolloutDeadlineError, TransientGenerationError
 from asyncgrpo.generation.base import Generator
+from asyncgrpo.sync import SharedTimeout
 from asyncgrpo.types import Completion, GenerationRequest
 
 
@@ -44,8 +47,12 @@ async def generate_with_retries(
     before_attempt: Callable[[], None] | None = None,
     on_retry: Callable[[TransientGenerationError], None] | None = None,
     between_attempts: Callable[[float], Awaitable[None]] | None = None,
+    timeouts: SharedTimeout | None = None,
 ) -> Completion:
-    """Generate `request` on `generator` under the policy of the module docstring."""
+    """Generate `request` on `generator` under the policy of the module docstring. `timeouts`: shared timeouts of
+    `g.request_timeout_s` for the attempts the rollout deadline does not cut short."""
+    if timeouts is not None and timeouts.duration_s != g.request_timeout_s:
+        raise ValueError(f"shared timeouts of {timeouts.duration_s:g} s for generation.request_timeout_s = {g.request_timeout_s:g}")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + g.rollout_deadline_s
     attempt = 0
@@ -54,7 +61,7 @@ async def generate_with_retries(
             before_attempt()
         limit = min(g.request_timeout_s, deadline - loop.time())
         try:
-            async with asyncio.timeout(limit):
+            async with timeouts.timeout() if timeouts is not None and limit == g.request_timeout_s else asyncio.timeout(limit):
                 return await generator.generate(request)
         except TimeoutError as exc:
             error: TransientGenerationError = RequestTimeoutError(

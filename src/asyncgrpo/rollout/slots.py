@@ -72,7 +72,10 @@ class Slot:
 
     def release_with(self, task: asyncio.Task[object]) -> None:
         """Give the slot back when `task` ends, at the latest: also if it is cancelled before it ever ran."""
-        task.add_done_callback(lambda _: self.release())
+        task.add_done_callback(self._release_when_done)  # a bound method: one object per slot, a lambda took two
+
+    def _release_when_done(self, _task: asyncio.Task[object]) -> None:
+        self.release()
 
     def __enter__(self) -> Slot:
         return self
