@@ -1,11 +1,13 @@
 """Packed micro-batches (`train.micro_batch_tokens`, training/packing.py) train exactly as padded ones: on a fixed
 batch, the loss, the statistics and each update's gradient agree to float32 tolerance, for every loss type and both
 normalisations, with the sampling processing, decoupled proximal log-probs and a KL reference, with LoRA and with
-gradient checkpointing. A model that attends across packed sequences is refused with a ConfigError."""
+gradient checkpointing, and on two data-parallel ranks. A model that attends across packed sequences is refused with a ConfigError."""
 
 from __future__ import annotations
 
 import copy
+import datetime
+import multiprocessing
 from types import SimpleNamespace
 
 import pytest
@@ -126,3 +128,51 @@ def test_a_model_that_attends_across_packed_sequences_is_a_config_error():
     for part in ("train.micro_batch_tokens = 64", "CumulativeLM", "'cumulative-mean'", "Fix: unset train.micro_batch_tokens"):
         assert part in message
     TorchTrainer(CumulativeLM(), None, make_cfg())  # padded micro-batches need no confinement
+
+
+def train_as_rank(rank: int, init_file: str, out: str, model, groups, train: dict) -> None:
+    """One of two data-parallel ranks (a forked child): one packed step; rank 0 saves its metrics and gradients."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        trainer = TorchTrainer(copy.deepcopy(model), None, config({"max_grad_norm": 1e9, **train}, {}))
+        trainer.join_data_parallel(rank, 2)
+        seen: list[list[torch.Tensor]] = []
+        trainer.optimizer.register_step_pre_hook(
+            lambda optimizer, args, kwargs: seen.append([p.grad.detach().clone() for p in trainer._params if p.grad is not None])
+        )
+        metrics = trainer.train_step(groups)
+        if rank == 0:
+            torch.save({"metrics": metrics, "grads": seen}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_packed_data_parallel_ranks_equal_one_padded_process(model_and_groups, tmp_path):
+    # The ranks are forked (gloo on CPU, no re-import): each packs its share of the groups; their summed gradient is
+    # the single padded process's.
+    model, groups = model_and_groups
+    train = {"micro_batch_tokens": BUDGET, "loss": {"type": "grpo"}}
+    context = multiprocessing.get_context("fork")
+    out = tmp_path / "rank0.pt"
+    ranks = [context.Process(target=train_as_rank, args=(rank, str(tmp_path / "init"), str(out), model, groups, train))
+             for rank in range(2)]
+    try:
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join(timeout=90)
+        assert [process.exitcode for process in ranks] == [0, 0]
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+    parallel = torch.load(out)
+    single, single_grads = run_step(model, config({"max_grad_norm": 1e9, "micro_batch_size": 5, "loss": {"type": "grpo"}}, {}), groups)
+    for key in ("loss", "grad_norm", "entropy", "clip_frac"):
+        assert parallel["metrics"][key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
+    for a, b in zip(parallel["grads"][0], single_grads[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
