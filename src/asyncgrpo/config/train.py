@@ -57,7 +57,14 @@ class TrainConfig(Section):
         "updates computed in float32, moments stored with stochastic rounding seeded by run.seed).",
     )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this global L2 norm before each optimizer update.")
-    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")
+    micro_batch_size: int = Field(
+        32, ge=1, description="Sequences per forward/backward (padded micro-batches); gradients accumulate across micro-batches. "
+        "Not used when train.micro_batch_tokens is set.")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1,
+        description="Pack each micro-batch without padding: sequences (prompt + completion) back to back in one row of at most "
+        "this many tokens, attention confined to each sequence (the model is checked at start); replaces "
+        "train.micro_batch_size. A longer sequence trains alone in a micro-batch of its own. null: padded micro-batches.")
     updates_per_batch: int = Field(1, ge=1, description="Optimizer updates per step, each on a slice of the step's batch.")
     world_size: int = Field(
         1, ge=1, description="Trainer ranks: above 1 (runtime: ray), Ray actors that train data-parallel (DDP) on shares of each "

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from asyncgrpo.algorithms.base import Algorithm
+from asyncgrpo.sampling import seen_before
 from asyncgrpo.types import Group, Rollout
 
 
@@ -55,14 +56,16 @@ class TrainSequence:
 
 @dataclass
 class MicroBatch:
-    """Collated sequences.
+    """Collated sequences, padded: one sequence per row.
 
     input_ids/attention_mask/position_ids `[B, P + C - 1]`; targets/logp_gen/mask/staleness (and
     logp_prox) `[B, C]`; advantages `[B]`, or `[B, C]` per token (the algorithm's `token_advantages`).
+    The completion grid (targets and what follows) is the layout of the loss (training/loss.py) whatever
+    the input layout; training/packing.py's `PackedBatch` has the same grid and a packed input.
     """
 
     input_ids: Tensor
-    attention_mask: Tensor
+    attention_mask: Tensor | None
     position_ids: Tensor
     targets: Tensor
     logp_gen: Tensor
@@ -71,6 +74,51 @@ class MicroBatch:
     advantages: Tensor
     completion_width: int
     staleness: Tensor  # [B, C]: the step's version minus the version that generated each token
+
+    def model_inputs(self) -> dict[str, Any]:
+        """The forward's keyword arguments for the inputs."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
+
+    @property
+    def logits_to_keep(self) -> int | Tensor:
+        """transformers' `logits_to_keep`: the positions whose logits are scored (here the last C)."""
+        return self.completion_width
+
+    def kept(self, logits: Tensor) -> Tensor:
+        """The scored logits `[B, C, V]` out of the forward's (whether it kept only those or not)."""
+        return logits[:, -self.completion_width :, :]
+
+    @property
+    def scored_targets(self) -> Tensor:
+        """The token each scored logit predicts, aligned with `kept(...)`."""
+        return self.targets
+
+    def to_grid(self, scored: Tensor) -> Tensor:
+        """A per-scored-position tensor as the completion grid `[B, C]` (padded: already is)."""
+        return scored
+
+    def seen(self, vocab_size: int) -> Tensor:
+        """The repetition penalty's context of each scored position, bool `[B, C, V]` (sampling.py `seen_before`)."""
+        assert self.attention_mask is not None
+        length = self.input_ids.shape[1]
+        positions = torch.arange(length - self.completion_width, length, device=self.input_ids.device)
+        return seen_before(self.input_ids, self.attention_mask, vocab_size, positions)
+
+
+@dataclass
+class CompletionGrid:
+    """What every micro-batch holds per completion token, `[B, C]` (advantages `[B]` or `[B, C]`)."""
+
+    targets: Tensor
+    logp_gen: Tensor
+    logp_prox: Tensor | None
+    mask: Tensor
+    advantages: Tensor
+    staleness: Tensor
+
+    @property
+    def width(self) -> int:
+        return int(self.targets.shape[1])
 
 
 def split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
@@ -93,6 +141,15 @@ def chunks(items: Sequence[Any], size: int) -> Iterator[list[Any]]:
 def by_length(seqs: Sequence[TrainSequence]) -> list[TrainSequence]:
     """Similar lengths together: less padding in a micro-batch, the same sums."""
     return sorted(seqs, key=lambda s: (len(s.prompt_ids) + len(s.completion_ids), len(s.completion_ids)))
+
+
+def pad_id_of(tokenizer: Any) -> int:
+    """The token that pads a micro-batch: the tokenizer's pad token, else its end of sequence, else 0."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
 
 
 def filler(pad_id: int) -> TrainSequence:
@@ -127,19 +184,13 @@ def sequences(group: Group, *, mask_truncated: bool) -> list[TrainSequence]:
     return out
 
 
-def collate(seqs: list[TrainSequence], *, pad_id: int, version: int, device: torch.device, algorithm: Algorithm) -> MicroBatch:
-    """`seqs` (each with completion tokens) padded into one micro-batch on `device`; staleness against `version`."""
-    width_p = max(len(s.prompt_ids) for s in seqs)
+def completion_grid(seqs: list[TrainSequence], *, pad_id: int, version: int, device: torch.device, algorithm: Algorithm) -> CompletionGrid:
+    """The completions of `seqs` (each with completion tokens) right-padded into rows on `device`; staleness against `version`."""
     width_c = max(len(s.completion_ids) for s in seqs)
     assert width_c > 0, "micro-batches hold only sequences with completion tokens"
-    length = width_p + width_c - 1
-    input_rows, attn_rows, target_rows, gen_rows, mask_rows, prox_rows, stale_rows = [], [], [], [], [], [], []
+    target_rows, gen_rows, mask_rows, prox_rows, stale_rows = [], [], [], [], []
     for s in seqs:
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        body = list(s.prompt_ids) + list(s.completion_ids[:-1])
-        left, right = width_p - p, length - (width_p - p) - len(body)
-        input_rows.append([pad_id] * left + body + [pad_id] * right)
-        attn_rows.append([0] * left + [1] * len(body) + [0] * right)
+        c = len(s.completion_ids)
         target_rows.append(list(s.completion_ids) + [pad_id] * (width_c - c))
         gen_rows.append(list(s.logp_gen) + [0.0] * (width_c - c))
         stale_rows.append([version - v for v in s.versions] + [0] * (width_c - len(s.versions)))
@@ -148,23 +199,43 @@ def collate(seqs: list[TrainSequence], *, pad_id: int, version: int, device: tor
             prox_rows.append(torch.nn.functional.pad(s.logp_prox, (0, width_c - c)))
     logp_gen = torch.tensor(gen_rows, dtype=torch.float32, device=device)
     mask = torch.tensor(mask_rows, dtype=torch.bool, device=device)
-    advantages = algorithm.token_advantages([s.rollout for s in seqs], logp_gen, mask)
-    attention_mask = torch.tensor(attn_rows, dtype=torch.long, device=device)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logp_prox = None
     if prox_rows:
         if len(prox_rows) != len(seqs):
             raise AssertionError("proximal log-probs missing for part of a micro-batch")
         logp_prox = torch.stack(prox_rows).to(device)
-    return MicroBatch(
-        input_ids=torch.tensor(input_rows, dtype=torch.long, device=device),
-        attention_mask=attention_mask,
-        position_ids=position_ids,
+    return CompletionGrid(
         targets=torch.tensor(target_rows, dtype=torch.long, device=device),
         logp_gen=logp_gen,
         logp_prox=logp_prox,
         mask=mask,
-        advantages=advantages,
-        completion_width=width_c,
+        advantages=algorithm.token_advantages([s.rollout for s in seqs], logp_gen, mask),
         staleness=torch.tensor(stale_rows, dtype=torch.long, device=device),
+    )
+
+
+def collate(seqs: list[TrainSequence], *, pad_id: int, version: int, device: torch.device, algorithm: Algorithm) -> MicroBatch:
+    """`seqs` (each with completion tokens) padded into one micro-batch on `device`; staleness against `version`."""
+    grid = completion_grid(seqs, pad_id=pad_id, version=version, device=device, algorithm=algorithm)
+    width_p = max(len(s.prompt_ids) for s in seqs)
+    length = width_p + grid.width - 1
+    input_rows, attn_rows = [], []
+    for s in seqs:
+        body = list(s.prompt_ids) + list(s.completion_ids[:-1])
+        left = width_p - len(s.prompt_ids)
+        right = length - left - len(body)
+        input_rows.append([pad_id] * left + body + [pad_id] * right)
+        attn_rows.append([0] * left + [1] * len(body) + [0] * right)
+    attention_mask = torch.tensor(attn_rows, dtype=torch.long, device=device)
+    return MicroBatch(
+        input_ids=torch.tensor(input_rows, dtype=torch.long, device=device),
+        attention_mask=attention_mask,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+        targets=grid.targets,
+        logp_gen=grid.logp_gen,
+        logp_prox=grid.logp_prox,
+        mask=grid.mask,
+        advantages=grid.advantages,
+        completion_width=grid.width,
+        staleness=grid.staleness,
     )

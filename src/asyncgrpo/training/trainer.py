@@ -14,7 +14,8 @@ One training step on a batch of groups:
    the step (computed once, without grad).
 3. The groups are split into `train.updates_per_batch` mini-batches (whole groups, in
    order); each is one optimizer update whose gradient accumulates over micro-batches of
-   `train.micro_batch_size` sequences, normalised by the loss tokens (or sequences) of the
+   `train.micro_batch_size` sequences (padded, sorted by length), or of at most `train.micro_batch_tokens`
+   tokens packed without padding (training/packing.py), normalised by the loss tokens (or sequences) of the
    whole mini-batch, then clipped to `train.max_grad_norm`.
 4. The LR scheduler steps once, and `version` advances by exactly 1.
 
@@ -50,7 +51,8 @@ Invariants:
 - The algorithm (algorithms/, from `algorithm:`) gives the advantages: per sequence (GRPO's `Rollout.advantage`)
   or per token (distillation's -(log pi_gen - log pi_teacher)), with the same importance correction against pi_gen.
 
-Split by job: sequences and their collation in training/batch.py, the LR schedule in training/schedule.py.
+Split by job: sequences and their collation in training/batch.py, packed micro-batches in training/packing.py,
+the LR schedule in training/schedule.py.
 """
 
 from __future__ import annotations
@@ -71,10 +73,10 @@ from asyncgrpo.config import Config
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
 from asyncgrpo.metric_names import TRAIN_KEYS
 from asyncgrpo.models.device import autocast, check_precision, resolve_device
-from asyncgrpo.sampling import Processing, sampled_logprobs, seen_before, token_logprobs
-from asyncgrpo.training import heap
+from asyncgrpo.sampling import Processing, sampled_logprobs, token_logprobs
+from asyncgrpo.training import heap, packing
 from asyncgrpo.training import lora as lora_adapters
-from asyncgrpo.training.batch import MicroBatch, TrainSequence, by_length, chunks, collate, filler, sequences, split_even
+from asyncgrpo.training.batch import MicroBatch, TrainSequence, by_length, chunks, collate, filler, pad_id_of, sequences, split_even
 from asyncgrpo.training.bf16_adamw import Bf16StateAdamW
 from asyncgrpo.training.loss import LossStats, grpo_loss
 from asyncgrpo.training.losses.aggregation import update_normalizer
@@ -125,6 +127,8 @@ class TorchTrainer:
         self._adapter_dropout = t.lora is not None and t.lora.dropout > 0
         if t.gradient_checkpointing:
             self._enable_gradient_checkpointing(model)
+        if t.micro_batch_tokens is not None:
+            packing.check_confinement(self.base_model, budget=t.micro_batch_tokens, model_path=cfg.model.path, device=self._device)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
@@ -136,7 +140,7 @@ class TorchTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         # float16 gradients underflow without loss scaling; bfloat16 has float32's range and needs none.
         self.scaler = torch.amp.GradScaler(self._device.type) if t.precision == "float16" else None
-        self.pad_id = self._pad_id(tokenizer)
+        self.pad_id = pad_id_of(tokenizer)
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.base_model.forward).parameters
         self._parallel: DataParallel | FullySharded | None = None
         self._sharded: FullySharded | None = None  # the same object, when it shards (train.sharding: fsdp)
@@ -328,9 +332,8 @@ class TorchTrainer:
         stats = LossStats.zeros(self.device)
         active = [s for seqs in groups for s in seqs if s.loss_tokens]
         mine = [s for seqs in self._share(groups) for s in seqs if s.loss_tokens]
-        mine = by_length(mine)
         # A rank without a sequence of this update still makes its one backward pass (zero loss) that sums the gradients.
-        micro = list(chunks(mine, cfg_t.micro_batch_size)) or [[]]
+        micro = self._micro_batches(mine) or [[]]
         world = 1 if self._parallel is None else self._parallel.world_size
         normalizer = update_normalizer(
             cfg_l.aggregation, [s.loss_tokens for s in active], max_new_tokens=self.cfg.generation.max_new_tokens,
@@ -400,7 +403,8 @@ class TorchTrainer:
         if cfg_l.kl_coef > 0:
             with torch.no_grad(), self._reference_model() as reference:
                 ref_logits = self._logits(reference, batch)
-                logp_ref, _ = token_logprobs(ref_logits, batch.targets, self.cfg.generation.temperature, with_entropy=False)
+                logp_ref, _ = token_logprobs(ref_logits, batch.scored_targets, self.cfg.generation.temperature, with_entropy=False)
+                logp_ref = batch.to_grid(logp_ref)
                 del ref_logits
         return grpo_loss(
             logp_new,
@@ -442,8 +446,16 @@ class TorchTrainer:
     # ---------------------------------------------------------------------------------
     # Helpers
 
+    def _micro_batches(self, seqs: list[TrainSequence]) -> list[list[TrainSequence]]:
+        """`seqs` cut into micro-batches: packed by `train.micro_batch_tokens`, else by length into `micro_batch_size`."""
+        budget = self.cfg.train.micro_batch_tokens
+        if budget is not None:
+            return packing.pack_sequences(seqs, budget)
+        return list(chunks(by_length(seqs), self.cfg.train.micro_batch_size))
+
     def _collate(self, seqs: list[TrainSequence]) -> MicroBatch:
-        return collate(seqs, pad_id=self.pad_id, version=self.version, device=self.device, algorithm=self.algorithm)
+        lay_out = collate if self.cfg.train.micro_batch_tokens is None else packing.collate_packed
+        return lay_out(seqs, pad_id=self.pad_id, version=self.version, device=self.device, algorithm=self.algorithm)
 
     @contextlib.contextmanager
     def _reference_model(self) -> Iterator[torch.nn.Module]:
@@ -455,44 +467,28 @@ class TorchTrainer:
                 yield self.model
 
     def _logits(self, model: torch.nn.Module, batch: MicroBatch) -> Tensor:
-        """Logits `[B, C, V]` at the C positions that predict the completion tokens."""
-        kwargs: dict[str, Any] = {
-            "input_ids": batch.input_ids,
-            "attention_mask": batch.attention_mask,
-            "position_ids": batch.position_ids,
-            "use_cache": False,
-        }
+        """Logits at the positions that predict the completion tokens: `[B, C, V]` padded, `[1, K, V]` packed."""
+        kwargs: dict[str, Any] = {**batch.model_inputs(), "use_cache": False}
         if self._keeps_logits:
-            kwargs["logits_to_keep"] = batch.completion_width
+            kwargs["logits_to_keep"] = batch.logits_to_keep
         with autocast(self._device, self.cfg.train.precision):
             logits = model(**kwargs).logits
-        return logits[:, -batch.completion_width :, :]
+        return batch.kept(logits)
 
     def _policy_logprobs(self, logits: Tensor, batch: MicroBatch, *, with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
         """log pi_theta of the completion tokens under the sampling distribution (`self.processing`: repetition penalty,
-        temperature, and renormalised over the support top-k / top-p / min-p keep of these logits; sampling.py)."""
-        seen = None
-        if self.processing.penalises:
-            length = batch.input_ids.shape[1]
-            positions = torch.arange(length - batch.completion_width, length, device=batch.input_ids.device)
-            seen = seen_before(batch.input_ids, batch.attention_mask, logits.shape[-1], positions)
-        return sampled_logprobs(logits, batch.targets, self.processing, seen=seen, with_entropy=with_entropy)
+        temperature, and renormalised over the support top-k / top-p / min-p keep of these logits; sampling.py), and
+        the entropy, both as the completion grid `[B, C]`."""
+        seen = batch.seen(logits.shape[-1]) if self.processing.penalises else None
+        logp, entropy = sampled_logprobs(logits, batch.scored_targets, self.processing, seen=seen, with_entropy=with_entropy)
+        return batch.to_grid(logp), (None if entropy is None else batch.to_grid(entropy))
 
     def _fill_proximal(self, seqs: list[TrainSequence]) -> None:
         """pi_prox of the current weights for each sequence (no grad), stored per sequence."""
-        ordered = [s for s in by_length(seqs) if s.completion_ids]
-        batches = list(chunks(ordered, self.cfg.train.micro_batch_size))
+        batches = self._micro_batches([s for s in seqs if s.completion_ids])
         with torch.no_grad():
             for chunk in batches + [[filler(self.pad_id)]] * self._missing_rounds(len(batches)):  # fillers: not stored
                 batch = self._collate(chunk)
                 logp, _ = self._policy_logprobs(self._logits(self.model, batch), batch, with_entropy=False)
                 for row, s in enumerate(chunk):
                     s.logp_prox = logp[row, : len(s.completion_ids)].detach().clone()
-
-    @staticmethod
-    def _pad_id(tokenizer: Any) -> int:
-        for name in ("pad_token_id", "eos_token_id"):
-            value = getattr(tokenizer, name, None)
-            if isinstance(value, int):
-                return value
-        return 0
