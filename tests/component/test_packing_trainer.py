@@ -134,6 +134,7 @@ def train_as_rank(rank: int, init_file: str, out: str, model, groups, train: dic
     """One of two data-parallel ranks (a forked child): one packed step; rank 0 saves its metrics and gradients."""
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # forked from a process whose OpenMP pool may be running: using it here would hang
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     try:
         torch.manual_seed(0)
