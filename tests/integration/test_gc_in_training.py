@@ -22,4 +22,9 @@ def test_the_pipeline_of_a_training_run_runs_with_its_setup_frozen(tmp_path):
     ])
     summary = asyncio.run(train(cfg))
     assert summary.result.outcome == "completed", summary.render()
-    assert test_gc_pauses.SEEN_FROZEN and min(test_gc_pauses.SEEN_FROZEN) > 0 and gc.get_freeze_count() == 0
+    # One reward call per group; the 2 x 2 trained groups were scored before the pipeline could end, so the first four
+    # calls began inside it. A group still in flight at the end may be scored later, in its thread (threads cannot be
+    # cancelled), after the setup was unfrozen: [817159, 817159, 817159, 817159, 817154, 0] in one make test run.
+    trained_groups = 2 * 2
+    seen = test_gc_pauses.SEEN_FROZEN
+    assert len(seen) >= trained_groups and min(seen[:trained_groups]) > 0 and gc.get_freeze_count() == 0

@@ -27,7 +27,7 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,6 @@ from typing import Any
 from asyncgrpo.atomic import atomic_directory
 from asyncgrpo.generation.weight_delta import Delta, checksum, dtype_names, encode_delta, save_delta, state_nbytes
 from asyncgrpo.generation.weight_sync import (
-    RESUME_AFTER_FAILURE_S,
     VERSION_FILE,
     ControlClient,
     DiskWeightPublisher,
@@ -128,33 +127,11 @@ class DeltaWeightPublisher(DiskWeightPublisher):
                                         model_config=self.model_config, marker={"weights_id": staged.weights_id})
             return target
 
-    async def install(self, server: ControlClient, staged: StagedWeights, timeout_s: float) -> None:
-        if not isinstance(staged, StagedVersion):
-            await super().install(server, staged, timeout_s)
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-
-        def left() -> float:
-            return max(0.001, deadline - loop.time())
-
-        try:
-            await server.post("/pause", params={"mode": "keep", "clear_cache": "true"}, timeout_s=left())
-            await self._load(server, staged, left)
-            await server.post("/resume", timeout_s=left())
-        except BaseException as error:
-            try:
-                await server.post("/resume", timeout_s=RESUME_AFTER_FAILURE_S)
-            except WeightSyncStepError as resume_error:
-                raise WeightSyncStepError(f"{str(error) or type(error).__name__}; then /resume failed too: {resume_error}. The server may "
-                                          f"stay paused: restart it, or POST {server.url}/resume by hand.",
-                                          status=getattr(error, "status", None),
-                                          unreachable=getattr(error, "unreachable", False) or resume_error.unreachable,
-                                          ) from error
-            raise
-
-    async def _load(self, server: ControlClient, staged: StagedVersion, left: Any) -> None:
+    async def _load(self, server: ControlClient, staged: StagedWeights, left: Callable[[], float]) -> None:
         """The delta when the server can take it, else the full weights (see the module docstring)."""
+        if not isinstance(staged, StagedVersion):
+            await super()._load(server, staged, left)
+            return
         if server.url not in self._without_extension and staged.delta is not None:
             answer = await self._rpc(server, "asyncgrpo_apply_delta",
                                      {"delta_path": str(staged.delta.resolve()), "weights_id": staged.weights_id}, left)
@@ -175,11 +152,10 @@ class DeltaWeightPublisher(DiskWeightPublisher):
                                               f"{path}: {answer.get('reason')}")
                 self.counters["weight_sync_full_loads"] += 1
                 return
-        await server.post("/collective_rpc", timeout_s=left(), json_body={
-            "method": "reload_weights", "kwargs": {"weights_path": path}})
+        await self._reload(server, path, left)
         self.counters["weight_sync_full_loads"] += 1
 
-    async def _rpc(self, server: ControlClient, method: str, kwargs: dict[str, str], left: Any) -> dict[str, Any] | None:
+    async def _rpc(self, server: ControlClient, method: str, kwargs: dict[str, str], left: Callable[[], float]) -> dict[str, Any] | None:
         """`method` on the server: its first worker's answer, or None when the server answered the call with an error
         (no extension: remembered, and it gets vLLM's reload_weights from then on). A server that does not answer
         raises WeightSyncStepError."""

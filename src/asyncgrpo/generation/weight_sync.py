@@ -42,7 +42,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -127,7 +127,7 @@ class DiskWeightPublisher:
         return StagedWeights(version, path)
 
     async def install(self, server: ControlClient, staged: StagedWeights, timeout_s: float) -> None:
-        """pause (keep), reload, resume; all three within `timeout_s`. On any failure /resume is sent once
+        """pause (keep), load (`_load`), resume; all three within `timeout_s`. On any failure /resume is sent once
         more (bounded by RESUME_AFTER_FAILURE_S): resuming a server that is not paused is harmless, and one
         left paused would hold its requests forever."""
         if staged.path is None:
@@ -143,19 +143,28 @@ class DiskWeightPublisher:
             # reload would serve it). vLLM 0.32 defaults it to true, also for mode=keep, where its docs call it
             # deprecated; said explicitly so a changed default cannot go unnoticed (tests/integration/test_vllm.py).
             await server.post("/pause", params={"mode": "keep", "clear_cache": "true"}, timeout_s=left())
-            await server.post("/collective_rpc", timeout_s=left(), json_body={
-                "method": "reload_weights", "kwargs": {"weights_path": str(staged.path.resolve())}})
+            await self._load(server, staged, left)
             await server.post("/resume", timeout_s=left())
         except BaseException as error:
             try:
                 await server.post("/resume", timeout_s=RESUME_AFTER_FAILURE_S)
             except WeightSyncStepError as resume_error:
-                raise WeightSyncStepError(f"{error}; then /resume failed too: {resume_error}. The server may "
-                                          f"stay paused: restart it, or POST {server.url}/resume by hand.",
+                raise WeightSyncStepError(f"{str(error) or type(error).__name__}; then /resume failed too: {resume_error}. "
+                                          f"The server may stay paused: restart it, or POST {server.url}/resume by hand.",
                                           status=getattr(error, "status", None),
                                           unreachable=getattr(error, "unreachable", False) or resume_error.unreachable,
                                           ) from error
             raise
+
+    async def _load(self, server: ControlClient, staged: StagedWeights, left: Callable[[], float]) -> None:
+        """Load `staged` into the paused server: vLLM's reload_weights of its directory (a subclass may send less)."""
+        assert staged.path is not None
+        await self._reload(server, str(staged.path.resolve()), left)
+
+    @staticmethod
+    async def _reload(server: ControlClient, weights_path: str, left: Callable[[], float]) -> None:
+        await server.post("/collective_rpc", timeout_s=left(), json_body={
+            "method": "reload_weights", "kwargs": {"weights_path": weights_path}})
 
 
 def version_dir(weights_dir: Path, version: int) -> Path:
