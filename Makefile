@@ -28,7 +28,7 @@ test: $(STAMP) vllm-venv-if-possible
 
 # The inner loop: the fast tier, tests/unit and tests/sim: no child process, network socket, Ray or optimizer step
 # (tests/tier_guard.py fails a test there that has one). About 1.3 minutes on 2 cores, 64 s of CPU (README "Tests").
-# `make test` runs every tier: these, tests/component and tests/integration.
+# `make test` runs every tier: these, tests/component and tests/integration, on two xdist workers (tests/xdist_scheduling.py).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit tests/sim $(ARGS)
 
