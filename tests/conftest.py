@@ -15,13 +15,6 @@ def pytest_configure(config):
     config.pluginmanager.register(FastTierGuard(), "fast-tier-guard")
 
 
-def pytest_collection_modifyitems(config, items):
-    if hasattr(config, "workerinput"):  # an xdist worker: the order its scheduler hands the work units out in
-        from tests.xdist_scheduling import heavy_first
-
-        items[:] = heavy_first(items)
-
-
 def pytest_xdist_make_scheduler(config, log):
     from tests.xdist_scheduling import FileAndResourceScheduling
 

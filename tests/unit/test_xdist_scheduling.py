@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.xdist_scheduling import heavy_first, work_unit
+from tests.xdist_scheduling import work_unit
 
 TESTS = Path(__file__).resolve().parents[1]
 STARTS = {
@@ -31,14 +31,3 @@ def test_other_files_are_their_own_unit_and_a_files_tests_share_one() -> None:
     assert work_unit("tests/unit/test_sync.py::test_a[1]") == work_unit("tests/unit/test_sync.py::test_b") == "tests/unit/test_sync.py"
     assert work_unit("tests/integration/test_ray_train.py::t") == work_unit("tests/integration/test_ray_connect.py::t") == "ray"
     assert work_unit("tests/integration/test_vllm_sampling.py::t") == work_unit("tests/integration/test_readme_commands.py::t") == "vllm"
-
-
-def test_the_shared_resource_units_are_handed_out_first_and_the_rest_keep_their_order() -> None:
-    class Item:
-        def __init__(self, nodeid: str) -> None:
-            self.nodeid = nodeid
-
-    ids = ["tests/component/test_a.py::t", "tests/integration/test_ray_train.py::t1", "tests/unit/test_b.py::t",
-           "tests/integration/test_vllm.py::t", "tests/integration/test_ray_train.py::t2"]
-    ordered = [item.nodeid for item in heavy_first([Item(i) for i in ids])]  # type: ignore[misc]
-    assert ordered == [ids[1], ids[3], ids[4], ids[0], ids[2]]
