@@ -24,11 +24,11 @@ demo: $(STAMP)
 	$(BIN)/asyncgrpo train recipes/demo.yaml run.overwrite=true $(ARGS)
 
 test: $(STAMP) vllm-venv-if-possible
-	$(BIN)/python -m pytest -q -n 2 $(ARGS)
+	$(BIN)/python -m pytest -q $(ARGS)
 
 # The inner loop: the fast tier, tests/unit and tests/sim: no child process, network socket, Ray or optimizer step
 # (tests/tier_guard.py fails a test there that has one). About 1.3 minutes on 2 cores, 64 s of CPU (README "Tests").
-# `make test` runs every tier: these, tests/component and tests/integration, on two xdist workers (tests/xdist_scheduling.py).
+# `make test` runs every tier: these, tests/component and tests/integration (`ARGS=-n 2`: two xdist workers, tests/xdist_scheduling.py).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit tests/sim $(ARGS)
 
