@@ -71,6 +71,7 @@ from torch import Tensor
 from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.config import Config
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
+from asyncgrpo.generation.lora_adapter import with_adapter
 from asyncgrpo.metric_names import TRAIN_KEYS
 from asyncgrpo.models.device import autocast, check_precision, resolve_device
 from asyncgrpo.sampling import Processing, sampled_logprobs, token_logprobs
@@ -222,8 +223,8 @@ class TorchTrainer:
         with self.lock, torch.no_grad():
             if self._sharded is not None:  # gathered: rank 0 gets full copies, the other ranks {}
                 return self._sharded.full_weights(self.model.state_dict())
-            if self.lora:
-                return lora_adapters.merged_state(self.model)
+            if self.lora:  # the merged weights, carrying the adapter for weight_sync: lora (lora_adapter.py)
+                return with_adapter(lora_adapters.merged_state(self.model), self.model)
             return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
 
     def save_pretrained(self, directory: Any) -> None:
