@@ -96,7 +96,7 @@ async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path, lo
     gens = {}
     try:
         for mode, server in zip(modes, servers):
-            cfg = validate_config({"train": {"backend": "stub"}, "generation": {
+            cfg = validate_config({"train": {"backend": "stub", "lora": {"r": lora_rank} if lora_rank else None}, "generation": {
                 "backend": "http", "weight_sync_timeout_s": 600, "http": {"base_urls": [server_url(server)],
                                                                          "weight_sync": mode}}}).generation
             gens[mode] = HttpGenerator(cfg, weights_dir=work / f"weights-{model_name}-{dtype}-{kind}-{mode}",
