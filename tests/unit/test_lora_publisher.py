@@ -193,3 +193,29 @@ def test_weight_sync_lora_without_train_lora_is_a_config_error():
     message = str(error.value)
     assert "generation.http.weight_sync = lora" in message and "train.lora" in message and "Fix:" in message
     validate_config({**cfg, "train": {"lora": LORA}})
+
+
+def test_serve_s_merge_is_peft_s_and_refuses_what_it_does_not_implement(tmp_path):
+    from asyncgrpo.generation.lora_serve import AdapterError, merge_adapter
+
+    base = tiny_llama(0)
+    model = peft.get_peft_model(tiny_llama(0), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    model.save_pretrained(str(tmp_path / "ok"))
+    merged = merge_adapter(base.state_dict(), tmp_path / "ok")
+    expected = model.merge_and_unload().state_dict()
+    assert len(merged) == 4 and all(k.endswith(("q_proj.weight", "down_proj.weight")) for k in merged)
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
+
+    config = json.loads((tmp_path / "ok" / "adapter_config.json").read_text())
+    (tmp_path / "dora").mkdir()
+    (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(AdapterError, match="use_dora"):
+        merge_adapter(base.state_dict(), tmp_path / "dora")
+    other = {k: (v[:, :16] if k.endswith("q_proj.weight") else v) for k, v in base.state_dict().items()}
+    with pytest.raises(AdapterError, match="does not fit"):
+        merge_adapter(other, tmp_path / "ok")
