@@ -2,7 +2,9 @@
 of the two sharded ranks equals the single-process step on the same batch (loss, gradient norm, weights, AdamW's
 moments), each rank holds about half the parameters and optimizer state (measured: the bytes of its shards), and
 checkpoints cross world sizes both ways: the ranks resume a checkpoint one process wrote, and one process resumes
-the checkpoint the ranks wrote (the single-process layout: the gathered full weights and optimizer state).
+the checkpoint the ranks wrote (the single-process layout: the gathered full weights and optimizer state). The same
+holds with LoRA (frozen base weights and adapters sharded alike; the generators get the merged weights; the checkpoint
+holds the merged model and peft's adapter), with the KL term on, whose reference is the sharded model, adapters off.
 
 The batch makes the ranks unequal (as tests/integration/test_ray_trainer.py): 4 groups in 3 updates (2, 1 and 1
 groups), micro-batches of 3 sequences, so rank 1 has no sequence in two updates and fewer forward passes in each;
@@ -25,11 +27,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 from asyncgrpo.config import load_config
 from asyncgrpo.models.loading import load_model_and_tokenizer
 from asyncgrpo.training.bf16_adamw import local
 from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
+from asyncgrpo.training.lora import adapter_state
 from asyncgrpo.training.trainer import TorchTrainer
 from tests.component.test_trainer import TEMPERATURE, make_groups
 
@@ -37,6 +41,8 @@ pytestmark = pytest.mark.timeout(300)
 
 WORLD = 2
 LOW = ("train.precision=bfloat16", "train.optimizer_state_dtype=bfloat16")
+# LoRA with the KL term: the reference is the sharded model with its adapters off (a forward that all-gathers too).
+LORA = ("train.lora.r=4", "train.loss.kl_coef=0.1")
 
 
 def config(*overrides: str):
@@ -54,7 +60,7 @@ def held_bytes(trainer: TorchTrainer) -> int:
     return params + state
 
 
-def rank_main(rank: int, port: int, directory: str, first_checkpoint: str) -> None:
+def rank_main(rank: int, port: int, directory: str, first_checkpoint: str, lora_checkpoint: str) -> None:
     torch.set_num_threads(1)  # forked: no OpenMP pool of the parent's in this process (and two ranks on two cores)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
@@ -82,8 +88,24 @@ def rank_main(rank: int, port: int, directory: str, first_checkpoint: str) -> No
         low_metrics = low.train_step(groups)
         assert all(local(p).dtype == torch.float32 for p in low.model.parameters())  # the master weights
         low_state = low.state_dict()["optimizer"]
+        # LoRA: frozen base weights and trainable adapters sharded alike, resumed from (and saved into) checkpoints.
+        lora_cfg = config(*LORA, "runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp")
+        adapted = TorchTrainer(copy.deepcopy(initial), tokenizer, lora_cfg)
+        load_checkpoint(lora_checkpoint, adapted)
+        lora_unsharded = held_bytes(adapted)
+        adapted.join_data_parallel(rank, WORLD)
+        lora_sharded = held_bytes(adapted)
+        lora_metrics = adapted.train_step(groups)
+        lora_weights = adapted.generation_weights()
+        if rank == 0:
+            save_checkpoint(os.path.join(directory, "lora"), 2, adapted, lora_cfg.model_dump_json(), {})
+        else:
+            adapted.save_pretrained(os.path.join(directory, "unused-lora"))
+            assert adapted.state_dict()["optimizer"] == {}
         torch.save({"metrics": metrics, "weights": weights, "unsharded": unsharded, "sharded": sharded,
-                    "low_metrics": low_metrics, "low_state": low_state}, os.path.join(directory, f"rank{rank}.pt"))
+                    "low_metrics": low_metrics, "low_state": low_state, "lora_metrics": lora_metrics,
+                    "lora_weights": lora_weights, "lora_held": (lora_unsharded, lora_sharded)},
+                   os.path.join(directory, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -115,8 +137,11 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     first = single(model, tokenizer)
     first.train_step(make_groups(model, 4, seed=5, truncated_every=3))
     first_checkpoint = save_checkpoint(tmp_path, 1, first, "", {})
-    mp.start_processes(rank_main, args=(free_port(), str(tmp_path), str(first_checkpoint)), nprocs=WORLD, join=True,
-                       start_method="fork")
+    first_lora = single(model, tokenizer, *LORA)
+    first_lora.train_step(make_groups(model, 4, seed=5, truncated_every=3))
+    lora_checkpoint = save_checkpoint(tmp_path / "lora", 1, first_lora, "", {})
+    mp.start_processes(rank_main, args=(free_port(), str(tmp_path), str(first_checkpoint), str(lora_checkpoint)),
+                       nprocs=WORLD, join=True, start_method="fork")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
     groups = make_groups(model, 4, seed=6, truncated_every=3)
@@ -165,6 +190,33 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     assert 0 < bfloat16_noise < 0.2
     assert first_moment_distance(sharded_moments, moments(low)) <= 2 * bfloat16_noise
     low.load_state_dict({**low.state_dict(), "optimizer": ranks[0]["low_state"]})  # the single-process layout
+
+    # LoRA: the ranks' step is the single process's, the generators get the merged weights, each rank holds half of the
+    # (mostly frozen) parameters, and the checkpoint they wrote resumes in one process (the adapter in peft's layout,
+    # the merged model in save_pretrained's).
+    expected, regrouped = single(model, tokenizer, *LORA), single(model, tokenizer, *LORA, "train.micro_batch_size=1")
+    for trainer in (expected, regrouped):
+        load_checkpoint(lora_checkpoint, trainer)
+    expected_metrics = expected.train_step(groups)
+    regrouped.train_step(groups)
+    weight_noise = largest_difference(regrouped.generation_weights(), expected.generation_weights())
+    adapter_noise = largest_difference(adapter_state(regrouped.model), adapter_state(expected.model))
+    assert 0 < weight_noise < 1e-3 and 0 < adapter_noise < 1e-3
+    for key in ("loss", "grad_norm", "kl", "clip_frac", "is_ratio/mean", "entropy"):
+        assert ranks[0]["lora_metrics"][key] == pytest.approx(expected_metrics[key], rel=1e-5, abs=1e-9), key
+    assert expected_metrics["kl"] > 0
+    assert ranks[1]["lora_weights"] == {}
+    assert largest_difference(ranks[0]["lora_weights"], expected.generation_weights()) <= 4 * weight_noise
+    (unsharded, _), shards = ranks[0]["lora_held"], [r["lora_held"][1] for r in ranks]
+    assert sum(shards) == unsharded == held_bytes(expected) and all(0.45 < s / unsharded < 0.55 for s in shards), shards
+    written = tmp_path / "lora" / "checkpoints" / "step_000002"
+    saved = load_file(str(written / "model.safetensors"))
+    assert largest_difference(saved, {k: v for k, v in expected.generation_weights().items() if k in saved}) <= 4 * weight_noise
+    resumed = single(model, tokenizer, *LORA)
+    assert load_checkpoint(written, resumed)["step"] == 2
+    assert largest_difference(adapter_state(resumed.model), adapter_state(expected.model)) <= 4 * adapter_noise
+    assert largest_difference(resumed.generation_weights(), expected.generation_weights()) <= 4 * weight_noise
+    assert resumed.optimizer.state_dict()["param_groups"] == expected.optimizer.state_dict()["param_groups"]
 
 
 def first_moment_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -22,7 +22,14 @@ Invariants:
 - The optimizer is the trainer's own object, re-pointed at the sharded parameters, its state (the
   loaded checkpoint's, if any) sliced to each rank's shard without communication. Checkpoints hold
   the full state in the single-process layout, so any world size, sharded or not, resumes them.
+- LoRA (`train.lora`): the peft model is sharded as it is, the frozen base weights and the adapters
+  in the same groups (FSDP2 all-gathers both and reduce-scatters only the gradients that exist: the
+  adapters'). The generators get the merged weights: `lora.merged_state` computes W + scale * B @ A
+  on the shards (DTensor operations: every rank takes part) and `full_weights` gathers the result;
+  checkpoints hold that merged model and the gathered adapter in peft's layout.
 - The KL reference (`train.loss.kl_coef > 0` without LoRA) is not sharded: every rank holds a full copy.
+  With LoRA it is the sharded model with its adapters off, so its forward all-gathers: a rank's
+  zero-loss filler pass makes that forward too (trainer.py `_backward_without_sequences`).
 """
 
 from __future__ import annotations
@@ -93,12 +100,6 @@ class FullySharded(RankShare):
     def full_weights(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """The full tensors of `tensors` (a state dict), gathered one at a time: rank 0's, on the CPU; {} on the others."""
         return {name: value for name, value in ((name, self._gather(t)) for name, t in tensors.items()) if value is not None}
-
-    def save_pretrained(self, base_model: Any, tensors: dict[str, Tensor], directory: Any) -> None:
-        """`base_model.save_pretrained` of the full `tensors` (the model's state dict), written by rank 0."""
-        weights = self.full_weights(tensors)
-        if self.rank == 0:
-            base_model.save_pretrained(directory, state_dict=weights)
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """`optimizer.state_dict()` with each sharded tensor gathered: the single-process layout on rank 0; {} on the others."""
