@@ -41,8 +41,10 @@ pytestmark = pytest.mark.timeout(300)
 
 WORLD = 2
 LOW = ("train.precision=bfloat16", "train.optimizer_state_dtype=bfloat16")
-# LoRA with the KL term: the reference is the sharded model with its adapters off (a forward that all-gathers too).
-LORA = ("train.lora.r=4", "train.loss.kl_coef=0.1")
+# The KL term: its reference is sharded too (a frozen copy; with LoRA the sharded model, adapters off).
+KL = "train.loss.kl_coef=0.1"
+LORA = ("train.lora.r=4", KL)
+HALF = "train.precision=float16"
 
 
 def config(*overrides: str):
@@ -52,9 +54,14 @@ def config(*overrides: str):
                               *overrides])
 
 
+def parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters `module` holds now (a rank's shards when sharded and not gathered)."""
+    return sum(local(p).numel() * p.element_size() for p in module.parameters())
+
+
 def held_bytes(trainer: TorchTrainer) -> int:
     """Bytes of this process's parameters and optimizer state tensors (a rank's shards when sharded)."""
-    params = sum(local(p).numel() * p.element_size() for p in trainer.model.parameters())
+    params = parameter_bytes(trainer.model)
     state = sum(local(t).numel() * t.element_size() for s in trainer.optimizer.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor) and t.dim() > 0)
     return params + state
@@ -69,13 +76,15 @@ def rank_main(rank: int, port: int, directory: str, first_checkpoint: str, lora_
         model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
         groups = make_groups(model, 4, seed=6, truncated_every=3)  # the log-probs of the initial model, as the test's
         initial = copy.deepcopy(model)
-        cfg = config("runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp")
+        cfg = config(KL, "runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp")
         trainer = TorchTrainer(model, tokenizer, cfg)
         load_checkpoint(first_checkpoint, trainer)  # as a Ray rank does: before joining, into the unsharded model
-        unsharded = held_bytes(trainer)
+        assert trainer.reference is not None
+        unsharded, reference = held_bytes(trainer), [parameter_bytes(trainer.reference)]
         trainer.join_data_parallel(rank, WORLD)
         sharded = held_bytes(trainer)
         metrics = trainer.train_step(groups)
+        reference.append(parameter_bytes(trainer.reference))  # after its forwards: resharded, the root group's too
         weights = trainer.generation_weights()  # every rank takes part; rank 0 gets them
         if rank == 0:
             save_checkpoint(directory, 2, trainer, cfg.model_dump_json(), {})
@@ -88,6 +97,15 @@ def rank_main(rank: int, port: int, directory: str, first_checkpoint: str, lora_
         low_metrics = low.train_step(groups)
         assert all(local(p).dtype == torch.float32 for p in low.model.parameters())  # the master weights
         low_state = low.state_dict()["optimizer"]
+        # float16 with the sharded loss scaler; this rank 1 alone sees an overflow (in one gradient shard) in the last update.
+        half = low_loss_scale(TorchTrainer(copy.deepcopy(initial), tokenizer,
+                                           config(HALF, "runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp")))
+        half.join_data_parallel(rank, WORLD)
+        if rank == 1:
+            overflow_at_unscale(half, 3)
+        half_metrics = half.train_step(groups)
+        assert half.scaler is not None
+        half_state = (half.scaler.get_scale(), max(int(s["step"]) for s in half.optimizer.state.values()))
         # LoRA: frozen base weights and trainable adapters sharded alike, resumed from (and saved into) checkpoints.
         lora_cfg = config(*LORA, "runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp")
         adapted = TorchTrainer(copy.deepcopy(initial), tokenizer, lora_cfg)
@@ -104,10 +122,33 @@ def rank_main(rank: int, port: int, directory: str, first_checkpoint: str, lora_
             assert adapted.state_dict()["optimizer"] == {}
         torch.save({"metrics": metrics, "weights": weights, "unsharded": unsharded, "sharded": sharded,
                     "low_metrics": low_metrics, "low_state": low_state, "lora_metrics": lora_metrics,
-                    "lora_weights": lora_weights, "lora_held": (lora_unsharded, lora_sharded)},
+                    "lora_weights": lora_weights, "lora_held": (lora_unsharded, lora_sharded), "reference": reference,
+                    "half": (half_metrics, half_state)},
                    os.path.join(directory, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def low_loss_scale(trainer: TorchTrainer) -> TorchTrainer:
+    """`trainer` with its float16 loss scale at 1024, not 65536: FSDP2's float16 gradients (of float16 weights) overflow
+    at 65536 in another update than autocast's (of float32 weights) do, and each skips its own; at 1024 neither does."""
+    assert trainer.scaler is not None
+    trainer.scaler.load_state_dict({**trainer.scaler.state_dict(), "scale": 1024.0})
+    return trainer
+
+
+def overflow_at_unscale(trainer: TorchTrainer, update: int) -> None:
+    """At the `update`-th update's unscaling, an inf in this rank's shard of one gradient: an overflow no other rank sees."""
+    assert trainer.scaler is not None
+    unscale, calls = trainer.scaler.unscale_, []
+
+    def unscale_(optimizer: torch.optim.Optimizer) -> None:
+        calls.append(optimizer)
+        if len(calls) == update:
+            local(next(p.grad for p in optimizer.param_groups[0]["params"] if p.grad is not None)).fill_(float("inf"))
+        unscale(optimizer)
+
+    trainer.scaler.unscale_ = unscale_  # type: ignore[method-assign]
 
 
 def free_port() -> int:
@@ -145,7 +186,7 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
     groups = make_groups(model, 4, seed=6, truncated_every=3)
-    expected, regrouped = single(model, tokenizer), single(model, tokenizer, "train.micro_batch_size=1")
+    expected, regrouped = single(model, tokenizer, KL), single(model, tokenizer, KL, "train.micro_batch_size=1")
     for trainer in (expected, regrouped):
         load_checkpoint(first_checkpoint, trainer)
     expected_metrics = expected.train_step(groups)
@@ -164,6 +205,9 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     # Each rank holds its half (torch.chunk along the first dimension: a first dimension of odd length splits unevenly).
     assert sum(r["sharded"] for r in ranks) == ranks[0]["unsharded"] == held_bytes(expected)
     assert all(0.45 < r["sharded"] / r["unsharded"] < 0.55 for r in ranks), [r["sharded"] for r in ranks]
+    # So does the KL reference's frozen copy, after its forward passes as before them.
+    assert expected_metrics["kl"] > 0 and sum(r["reference"][1] for r in ranks) == ranks[0]["reference"][0]
+    assert all(0.45 < part / whole < 0.55 for r in ranks for whole, part in [r["reference"]]), [r["reference"] for r in ranks]
 
     # One process resumes the ranks' checkpoint: the full weights and AdamW state, in the single-process layout.
     resumed = single(model, tokenizer)
@@ -190,6 +234,15 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     assert 0 < bfloat16_noise < 0.2
     assert first_moment_distance(sharded_moments, moments(low)) <= 2 * bfloat16_noise
     low.load_state_dict({**low.state_dict(), "optimizer": ranks[0]["low_state"]})  # the single-process layout
+
+    # float16: the ranks compute the single process's losses; the overflow one rank saw in the last update made both skip
+    # it (one AdamW step fewer than the single process, every rank) and halve their loss scale alike.
+    half = low_loss_scale(single(model, tokenizer, HALF))
+    half_metrics = half.train_step(groups)
+    assert half.scaler is not None
+    steps = max(int(s["step"]) for s in half.optimizer.state.values())
+    assert ranks[0]["half"][0]["loss"] == pytest.approx(half_metrics["loss"], rel=2e-2)
+    assert [r["half"][1] for r in ranks] == [(half.scaler.get_scale() / 2, steps - 1)] * WORLD
 
     # LoRA: the ranks' step is the single process's, the generators get the merged weights, each rank holds half of the
     # (mostly frozen) parameters, and the checkpoint they wrote resumes in one process (the adapter in peft's layout,

@@ -83,9 +83,5 @@ class TrainConfig(Section):
         if self.world_size < 2:
             raise ValueError("train.sharding = fsdp shards the model across the trainer ranks, but train.world_size = 1: one "
                              "process has nothing to shard with. Fix: set train.world_size >= 2 (runtime: ray), or train.sharding: ddp.")
-        if self.precision == "float16":
-            raise ValueError("train.sharding = fsdp runs train.precision = float16 without the sharded gradient scaler it needs "
-                             "(not built: float16 gradients underflow without one). Fix: train.precision: bfloat16 (no scaler "
-                             "needed) or float32, or train.sharding: ddp.")
         return self
 

@@ -16,9 +16,11 @@ Invariants:
   parameters, so the ranks make the same number of forward passes (`rounds`: the largest count
   over the ranks; a rank with fewer makes zero-loss passes), and every rank takes part in each
   gather (`full_weights`, `full_optimizer_state`), whose full tensors only rank 0 keeps.
-- The trainer's parameters stay float32 master weights (sharded); `train.precision: bfloat16`
-  runs forward and backward in bfloat16 through FSDP2's `MixedPrecisionPolicy` (gradients reduced
-  in float32).
+- The trainer's parameters stay float32 master weights (sharded); `train.precision: bfloat16` or
+  `float16` runs forward and backward in that dtype through FSDP2's `MixedPrecisionPolicy` (gradients
+  reduced in float32). float16's loss scaler is torch's `ShardedGradScaler` (`gradient_scaler`):
+  each rank checks its own gradient shards for inf/NaN, and the ranks all-reduce the verdict, so
+  they skip the same updates and keep the same scale.
 - The optimizer is the trainer's own object, re-pointed at the sharded parameters, its state (the
   loaded checkpoint's, if any) sliced to each rank's shard without communication. Checkpoints hold
   the full state in the single-process layout, so any world size, sharded or not, resumes them.
@@ -27,9 +29,10 @@ Invariants:
   adapters'). The generators get the merged weights: `lora.merged_state` computes W + scale * B @ A
   on the shards (DTensor operations: every rank takes part) and `full_weights` gathers the result;
   checkpoints hold that merged model and the gathered adapter in peft's layout.
-- The KL reference (`train.loss.kl_coef > 0` without LoRA) is not sharded: every rank holds a full copy.
-  With LoRA it is the sharded model with its adapters off, so its forward all-gathers: a rank's
-  zero-loss filler pass makes that forward too (trainer.py `_backward_without_sequences`).
+- The KL reference (`train.loss.kl_coef > 0`) is sharded too: without LoRA its frozen copy is sharded
+  like the model (its groups resharded after every forward: it has no backward); with LoRA it is the
+  sharded model with its adapters off. Either way its forward all-gathers, so a rank's zero-loss
+  filler pass makes that forward too (trainer.py `_backward_without_sequences`).
 """
 
 from __future__ import annotations
@@ -43,37 +46,39 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from asyncgrpo.config.train import TrainConfig
+from asyncgrpo.models.device import PRECISIONS
 from asyncgrpo.training.data_parallel import DataParallel, RankShare
 
 
 def join(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig, *, rank: int, world_size: int,
-         device: torch.device) -> DataParallel | FullySharded:
-    """This rank's place in the data-parallel trainer, as `train.sharding` asks: DDP's copies, or FSDP2's shards."""
+         device: torch.device, reference: torch.nn.Module | None) -> DataParallel | FullySharded:
+    """This rank's place in the data-parallel trainer, as `train.sharding` asks: DDP's copies, or FSDP2's shards (of
+    `model` and of the frozen KL `reference`, if any)."""
     if cfg.sharding == "fsdp":
-        return FullySharded(model, optimizer, rank=rank, world_size=world_size, device=device, precision=cfg.precision)
+        return FullySharded(model, optimizer, rank=rank, world_size=world_size, device=device, precision=cfg.precision,
+                            reference=reference)
     return DataParallel(model, rank=rank, world_size=world_size, device=device)
 
 
 class FullySharded(RankShare):
-    """FSDP2 on `model` (in place) for this rank; `optimizer` re-pointed at the sharded parameters. See the module docstring."""
+    """FSDP2 on `model` and the frozen KL `reference` (in place) for this rank; `optimizer` re-pointed at the sharded
+    parameters. See the module docstring."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, world_size: int,
-                 device: torch.device, precision: str) -> None:
+                 device: torch.device, precision: str, reference: torch.nn.Module | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
         super().__init__(rank=rank, world_size=world_size, device=device)
         names = {id(p): name for name, p in model.named_parameters()}
         groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
         saved = {names[id(p)]: state for p, state in optimizer.state.items()}
         mesh = init_device_mesh(device.type, (world_size,))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bfloat16" \
+        policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32) if precision != "float32" \
             else MixedPrecisionPolicy()
-        layers = set(getattr(_transformers_model(model), "_no_split_modules", None) or ())
-        for module in list(model.modules()):
-            if module is not model and type(module).__name__ in layers:
-                fully_shard(module, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        _shard(model, mesh, policy, reshard_root=None)  # None: the root group stays gathered from forward to backward
+        if reference is not None:  # no backward: every group, the root's too, is resharded after each forward
+            _shard(reference, mesh, policy, reshard_root=True)
         for sharded in model.modules():
             if isinstance(sharded, FSDPModule):  # SUM over the ranks: the single-process gradient, not the mean
                 sharded.set_gradient_divide_factor(1.0)
@@ -97,6 +102,17 @@ class FullySharded(RankShare):
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         return int(counts.item())
 
+    def gradient_scaler(self, scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler | None:
+        """float16's loss scaler for sharded gradients, with `scaler`'s state (None: no scaler): torch's ShardedGradScaler,
+        whose overflow check is all-reduced over the ranks, so an inf in any rank's shard skips the update on every rank."""
+        if scaler is None:
+            return None
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        sharded = ShardedGradScaler(self.device.type)
+        sharded.load_state_dict(scaler.state_dict())
+        return sharded
+
     def full_weights(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """The full tensors of `tensors` (a state dict), gathered one at a time: rank 0's, on the CPU; {} on the others."""
         return {name: value for name, value in ((name, self._gather(t)) for name, t in tensors.items()) if value is not None}
@@ -113,6 +129,17 @@ class FullySharded(RankShare):
             return tensor.detach().cpu() if self.rank == 0 else None
         full = tensor.full_tensor()  # a collective: every rank, the same tensors in the same order
         return full.detach().cpu() if self.rank == 0 else None
+
+
+def _shard(model: torch.nn.Module, mesh: Any, policy: Any, *, reshard_root: bool | None) -> None:
+    """FSDP2 on `model` in place: each decoder layer (the model's `_no_split_modules`) one group, the rest the root's."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = set(getattr(_transformers_model(model), "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if module is not model and type(module).__name__ in layers:
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_root)
 
 
 def _shard_like(value: Any, param: Tensor) -> Any:

@@ -191,8 +191,11 @@ class TorchTrainer:
         from asyncgrpo.training.sharding import FullySharded, join
 
         with self.lock:
-            self._parallel = join(self.model, self.optimizer, self.cfg.train, rank=rank, world_size=world_size, device=self._device)
+            self._parallel = join(self.model, self.optimizer, self.cfg.train, rank=rank, world_size=world_size, device=self._device,
+                                  reference=self.reference)
             self._sharded = self._parallel if isinstance(self._parallel, FullySharded) else None
+            if self._sharded is not None:
+                self.scaler = self._sharded.gradient_scaler(self.scaler)
             self._params = [p for p in self.model.parameters() if p.requires_grad]  # sharded: the sharded ones now
 
     @property
