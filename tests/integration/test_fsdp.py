@@ -97,7 +97,7 @@ def rank_main(rank: int, port: int, directory: str, first_checkpoint: str, lora_
         low_metrics = low.train_step(groups)
         assert all(local(p).dtype == torch.float32 for p in low.model.parameters())  # the master weights
         low_state = low.state_dict()["optimizer"]
-        # float16 with the sharded loss scaler; this rank 1 alone sees an overflow (in one gradient shard) in the last update.
+        # float16 with its loss scaler; rank 1 alone sees an overflow (in one gradient shard) in the last update.
         half = low_loss_scale(TorchTrainer(copy.deepcopy(initial), tokenizer,
                                            config(HALF, "runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp")))
         half.join_data_parallel(rank, WORLD)

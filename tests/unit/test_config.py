@@ -142,7 +142,7 @@ def test_sharding_needs_ranks_naming_the_fix_and_takes_lora_and_float16():
     assert load_config(None, [*ray, "train.sharding=fsdp", "train.precision=bfloat16"]).train.sharding == "fsdp"
     message = error_of("train.sharding=fsdp")
     assert "train.sharding = fsdp" in message and "train.world_size = 1" in message and "Fix: set train.world_size >= 2" in message
-    assert load_config(None, [*ray, "train.sharding=fsdp", "train.precision=float16"]).train.precision == "float16"  # ShardedGradScaler
+    assert load_config(None, [*ray, "train.sharding=fsdp", "train.precision=float16"]).train.precision == "float16"
     assert load_config(None, [*ray, "train.sharding=fsdp", "train.lora.r=8"]).train.lora.r == 8  # adapters shard too
     assert "zero" in error_of(*ray, "train.sharding=zero")  # not a choice: the choices are named
 

@@ -18,9 +18,11 @@ Invariants:
   gather (`full_weights`, `full_optimizer_state`), whose full tensors only rank 0 keeps.
 - The trainer's parameters stay float32 master weights (sharded); `train.precision: bfloat16` or
   `float16` runs forward and backward in that dtype through FSDP2's `MixedPrecisionPolicy` (gradients
-  reduced in float32). float16's loss scaler is torch's `ShardedGradScaler` (`gradient_scaler`):
-  each rank checks its own gradient shards for inf/NaN, and the ranks all-reduce the verdict, so
-  they skip the same updates and keep the same scale.
+  reduced in float32). float16's loss scaler is the trainer's own `torch.amp.GradScaler`: its inf/NaN
+  check on the sharded gradients (DTensors) is reduced over the ranks by DTensor itself (a MAX of
+  each rank's verdict), so every rank skips the same updates and keeps the same scale. FSDP2's float16
+  gradients are those of float16 weights (autocast's, of float32 ones), so at a high scale they can
+  overflow in an update where the single process's do not; the scaler then backs off once.
 - The optimizer is the trainer's own object, re-pointed at the sharded parameters, its state (the
   loaded checkpoint's, if any) sliced to each rank's shard without communication. Checkpoints hold
   the full state in the single-process layout, so any world size, sharded or not, resumes them.
@@ -101,17 +103,6 @@ class FullySharded(RankShare):
         counts = torch.tensor([count], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         return int(counts.item())
-
-    def gradient_scaler(self, scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler | None:
-        """float16's loss scaler for sharded gradients, with `scaler`'s state (None: no scaler): torch's ShardedGradScaler,
-        whose overflow check is all-reduced over the ranks, so an inf in any rank's shard skips the update on every rank."""
-        if scaler is None:
-            return None
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        sharded = ShardedGradScaler(self.device.type)
-        sharded.load_state_dict(scaler.state_dict())
-        return sharded
 
     def full_weights(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """The full tensors of `tensors` (a state dict), gathered one at a time: rank 0's, on the CPU; {} on the others."""

@@ -194,8 +194,6 @@ class TorchTrainer:
             self._parallel = join(self.model, self.optimizer, self.cfg.train, rank=rank, world_size=world_size, device=self._device,
                                   reference=self.reference)
             self._sharded = self._parallel if isinstance(self._parallel, FullySharded) else None
-            if self._sharded is not None:
-                self.scaler = self._sharded.gradient_scaler(self.scaler)
             self._params = [p for p in self.model.parameters() if p.requires_grad]  # sharded: the sharded ones now
 
     @property
