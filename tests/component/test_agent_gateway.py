@@ -248,8 +248,38 @@ def test_the_gateway_binds_127_0_0_1_and_refuses_a_key_it_does_not_hold():
                 with pytest.raises(openai.NotFoundError, match="no session 'not-a-session'"):
                     await stranger.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
             finally:
-                await gateway.release(inbox)
+                assert await gateway.release(inbox, 5.0)
             with pytest.raises(openai.APIConnectionError):  # no session left: the port is closed
                 await client.models.list()
 
     asyncio.run(run())
+
+
+def test_a_server_stop_that_will_not_end_is_given_up_at_its_deadline_and_the_next_session_gets_a_fresh_server(monkeypatch):
+    import openai
+    from aiohttp import web
+
+    from asyncgrpo.agents.gateway import Gateway
+
+    async def run():
+        gateway = Gateway()
+        inbox = await gateway.open()
+        stuck = gateway._runner
+        never = asyncio.get_running_loop().create_future()
+        cleanup = web.AppRunner.cleanup
+
+        async def hang(runner):
+            await (never if runner is stuck else cleanup(runner))
+
+        monkeypatch.setattr(web.AppRunner, "cleanup", hang)  # the first server's stop never ends
+        assert not await gateway.release(inbox, 0.2)
+        assert inbox.closed
+        again = await gateway.open()  # not blocked behind the stuck stop: a server of its own
+        try:
+            async with openai.AsyncOpenAI(base_url=again.base_url, api_key="x", max_retries=0) as client:
+                assert [m.id for m in (await client.models.list()).data] == ["policy"]
+        finally:
+            assert await gateway.release(again, 5.0)
+            await cleanup(stuck)
+
+    asyncio.run(asyncio.wait_for(run(), 20))

@@ -31,10 +31,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, MutableMapping
 from dataclasses import replace
 from typing import Any
 
+from asyncgrpo.agents.command import AgentProcessError, CommandAgent
 from asyncgrpo.agents.gateway import NOT_JSON, Call, Gateway, Inbox
 from asyncgrpo.agents.session import Limits, Session
 from asyncgrpo.agents.wire import Refused, chat_request, chat_response, text_request, text_response
@@ -45,6 +46,7 @@ from asyncgrpo.environments.protocol import TransientEnvironmentError
 from asyncgrpo.errors import EpisodeError
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.types import Completion, Episode, GenerationRequest, Prompt
+from asyncgrpo.worker_process import REAP_TIMEOUT_S
 
 # A turn's generation under the collector's retry policy: (request, the oldest version of the episode's model tokens so far).
 Generate = Callable[[GenerationRequest, int | None], Awaitable[Completion]]
@@ -72,14 +74,11 @@ class AgentEpisodes:
         self._abandoned: set[asyncio.Task[Any]] = set()  # stubborn agents, referenced until they end
 
     async def play(self, prompt: Prompt, request: GenerationRequest, generate: Generate, on_progress: Callable[[], None]) -> Completion:
-        import openai  # the agents extra; imported by the runs that play agents only
-
         inbox = await self.gateway.open()
         session = Session(self.codec, Limits(self.env.max_turns, self.env.max_tokens, self.max_prompt_tokens,
                                              request.sampling.max_new_tokens), self.env.factory)
-        client = openai.AsyncOpenAI(base_url=inbox.base_url, api_key=inbox.key, max_retries=0,
-                                    timeout=self.generation.rollout_deadline_s + self.env.step_timeout_s)
-        task = asyncio.get_running_loop().create_task(self.agent(client, as_row(prompt, self.prompt_key)), name=f"agent-{prompt.id}")
+        client, work = self._launch(inbox, as_row(prompt, self.prompt_key), prompt)
+        task = asyncio.get_running_loop().create_task(work, name=f"agent-{prompt.id}")
         task.add_done_callback(lambda _: inbox.calls.put_nowait(Call("done", None)))
         try:
             dispatch = await self._serve(inbox, session, request, generate, on_progress, prompt)
@@ -92,9 +91,26 @@ class AgentEpisodes:
                 for _ in range(inbox.after_close):
                     self._refused(Refused("after_close", "a call after its session closed"), prompt)
                 try:
-                    await self.gateway.release(inbox)
+                    if not await self.gateway.release(inbox, self.env.cancel_grace_s):
+                        self._report("agent/release_timeout_total", f"the gateway did not stop its server within env.cancel_grace_s = "
+                                     f"{self.env.cancel_grace_s:g} s after the last session (prompt {prompt.id}) ended; it was "
+                                     "forgotten (the next session starts a fresh one)", "none needed; raise env.cancel_grace_s if it recurs")
                 finally:
-                    await client.close()  # an abandoned agent's calls fail from here on
+                    if client is not None:
+                        await client.close()  # an abandoned agent's calls fail from here on
+
+    def _launch(self, inbox: Inbox, row: Mapping[str, Any], prompt: Prompt) -> tuple[Any, Coroutine[Any, Any, Any]]:
+        """The agent's client (None for a command, which makes its own) and the work of its episode."""
+        if isinstance(self.agent, CommandAgent):
+            return None, self.agent.run(inbox.base_url, inbox.key, row, grace_s=self.env.cancel_grace_s,
+                                        on_killed=lambda what: self._report(
+                                            "agent/killed_total", f"the agent process of prompt {prompt.id} {what}",
+                                            "Fix: let the agent exit on SIGTERM (its default), or lower what it does before exiting."))
+        import openai  # the agents extra; imported by the runs that play agents only
+
+        client = openai.AsyncOpenAI(base_url=inbox.base_url, api_key=inbox.key, max_retries=0,
+                                    timeout=self.generation.rollout_deadline_s + self.env.step_timeout_s)
+        return client, self.agent(client, row)
 
     async def _serve(self, inbox: Inbox, session: Session, request: GenerationRequest, generate: Generate,
                      on_progress: Callable[[], None], prompt: Prompt) -> int | None:
@@ -157,6 +173,8 @@ class AgentEpisodes:
         if task.cancelled():
             raise self._failed("raised", prompt, "cancelled itself (its task ended cancelled)", "let the agent return a reward")
         error = task.exception()
+        if isinstance(error, AgentProcessError):
+            raise self._failed(error.kind, prompt, error.what, error.fix)
         if error is not None:
             transient = isinstance(error, TransientEnvironmentError)
             raise self._failed("raised", prompt, f"raised {type(error).__name__}: {error}",
@@ -204,13 +222,15 @@ class AgentEpisodes:
         if task.done():
             return
         task.cancel()
+        # A command agent's process is killed after the grace and then reaped (bounded): it ends within both.
+        wait_s = self.env.cancel_grace_s + (REAP_TIMEOUT_S if isinstance(self.agent, CommandAgent) else 0.0)
         try:
-            done, _ = await asyncio.wait({task}, timeout=self.env.cancel_grace_s)
+            done, _ = await asyncio.wait({task}, timeout=wait_s)
         except asyncio.CancelledError:
             self._abandon(task, prompt, "was cancelled again while it was being stopped")
             raise
         if not done:
-            self._abandon(task, prompt, f"was still running {self.env.cancel_grace_s:g} s (env.cancel_grace_s) after its cancellation")
+            self._abandon(task, prompt, f"was still running {wait_s:g} s after its cancellation (env.cancel_grace_s = {self.env.cancel_grace_s:g})")
 
     def _abandon(self, task: asyncio.Task[Any], prompt: Prompt, what: str) -> None:
         self._abandoned.add(task)
