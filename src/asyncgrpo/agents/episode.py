@@ -1,7 +1,8 @@
 """One agent episode: a gateway session, the agent run against it, and the training sample built from it.
 
 Job (`AgentEpisodes.play`): open a session (gateway.py), run `agent(client, row)` as a task of its
-own with an `openai.AsyncOpenAI` at the session's base URL, answer the session's calls in order
+own with an `openai.AsyncOpenAI` at the session's base URL (or, for `agent-command:`, the program
+as a process given the session's base URL and key: command.py, in a task of its own alike), answer the session's calls in order
 (each generated through the collector's retry policy, in this episode's task), and when the agent
 returns build the `Completion` from the session's conversation (session.py): the prompt of its first
 request, the model's ids as sampled, the agent's additions masked out of the loss.
@@ -17,10 +18,15 @@ Endings (counters are the collector's; the first of each is logged in full, nami
   calls the model nor returns within `env.step_timeout_s` (`agent/failed/timeout`): the rollout
   fails (an `EpisodeError`, also counted in `env/errors_total`); `TransientEnvironmentError` is retried
   as an episode's is.
+- a program's own failures (command.py: not found, a non-zero exit, no reward, output that is not
+  JSON) fail the rollout the same way, counted in `agent/failed/<kind>`;
 - cancelled (the group is stale, the run stops): the session closes (the call in flight and every
   later one refused with HTTP 410), the agent's task is cancelled and awaited up to
   `env.cancel_grace_s`; an agent still running then is abandoned, counted in `env/abandoned_total`
-  (it is kept referenced until it ends, and its client is closed under it).
+  (it is kept referenced until it ends, and its client is closed under it). A program's task ends
+  within the grace plus the reap: its process group is killed after the grace (`agent/killed_total`).
+- the gateway's server stop outliving its deadline (`env.cancel_grace_s`) is counted in
+  `agent/release_timeout_total`; the episode's ending stands.
 
 Invariants: the agent's task never outlives `play` unaccounted (ended, or abandoned and counted);
 the session is released on every ending; every wait has a deadline.
