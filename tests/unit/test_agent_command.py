@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from asyncgrpo.agents.command import AgentProcessError, CommandAgent
+from asyncgrpo.agents.command import AgentProcessError, reward_of, run_command
+from asyncgrpo.environments.agent_spec import AgentCommand
 from asyncgrpo.environments.factories import load_factory
 from asyncgrpo.errors import ConfigError
 
-AGENT = CommandAgent(["sh", "agent.sh"], "agent-command:sh agent.sh")
+AGENT = AgentCommand(("sh", "agent.sh"), "agent-command:sh agent.sh")
 
 
 @pytest.mark.parametrize(("stdout", "value"), [
@@ -18,7 +19,7 @@ AGENT = CommandAgent(["sh", "agent.sh"], "agent-command:sh agent.sh")
     (b"\"yes\"\n", "yes"),  # JSON, but not a reward: the episode checks it (agent/failed/bad_return), as a Python agent's return
 ])
 def test_the_reward_is_the_last_non_empty_line_of_stdout_as_json(stdout, value):
-    assert AGENT._reward(0, stdout, b"") == value
+    assert reward_of(0, stdout, b"") == value
 
 
 @pytest.mark.parametrize(("returncode", "stdout", "stderr", "kind", "words"), [
@@ -30,7 +31,7 @@ def test_the_reward_is_the_last_non_empty_line_of_stdout_as_json(stdout, value):
 ])
 def test_each_bad_ending_is_an_error_naming_what_the_program_did(returncode, stdout, stderr, kind, words):
     with pytest.raises(AgentProcessError) as error:
-        AGENT._reward(returncode, stdout, stderr)
+        reward_of(returncode, stdout, stderr)
     assert error.value.kind == kind and words in error.value.what and error.value.fix
 
 
@@ -48,4 +49,12 @@ def test_a_command_that_cannot_run_is_a_config_error_before_the_run(spec, words)
 
 def test_a_command_is_split_as_a_shell_would_and_not_run():
     agent = load_factory("agent-command:sh -c 'exit 3' 'an argument'")
-    assert isinstance(agent, CommandAgent) and agent.argv == ("sh", "-c", "exit 3", "an argument")
+    assert isinstance(agent, AgentCommand) and agent.argv == ("sh", "-c", "exit 3", "an argument")
+
+
+def test_a_row_that_is_not_json_is_an_error_before_any_process_starts():
+    import asyncio
+
+    with pytest.raises(AgentProcessError) as error:
+        asyncio.run(run_command(AGENT, "http://127.0.0.1:1/s/k/v1", "k", {"prompt": "hi", "when": object()}, grace_s=1.0, on_killed=print))
+    assert error.value.kind == "bad_row" and "not JSON" in error.value.what

@@ -41,12 +41,12 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, MutableMapp
 from dataclasses import replace
 from typing import Any
 
-from asyncgrpo.agents.command import AgentProcessError, CommandAgent
+from asyncgrpo.agents.command import AgentProcessError, run_command
 from asyncgrpo.agents.gateway import NOT_JSON, Call, Gateway, Inbox
 from asyncgrpo.agents.session import Limits, Session
 from asyncgrpo.agents.wire import Refused, chat_request, chat_response, text_request, text_response
 from asyncgrpo.config import EnvConfig, GenerationConfig
-from asyncgrpo.environments.agent_spec import load_agent
+from asyncgrpo.environments.agent_spec import AgentCommand, load_agent
 from asyncgrpo.environments.conversation import Codec, as_row, transcript
 from asyncgrpo.environments.protocol import TransientEnvironmentError
 from asyncgrpo.errors import EpisodeError
@@ -107,11 +107,11 @@ class AgentEpisodes:
 
     def _launch(self, inbox: Inbox, row: Mapping[str, Any], prompt: Prompt) -> tuple[Any, Coroutine[Any, Any, Any]]:
         """The agent's client (None for a command, which makes its own) and the work of its episode."""
-        if isinstance(self.agent, CommandAgent):
-            return None, self.agent.run(inbox.base_url, inbox.key, row, grace_s=self.env.cancel_grace_s,
-                                        on_killed=lambda what: self._report(
-                                            "agent/killed_total", f"the agent process of prompt {prompt.id} {what}",
-                                            "Fix: let the agent exit on SIGTERM (its default), or lower what it does before exiting."))
+        if isinstance(self.agent, AgentCommand):
+            return None, run_command(self.agent, inbox.base_url, inbox.key, row, grace_s=self.env.cancel_grace_s,
+                                     on_killed=lambda what: self._report(
+                                         "agent/killed_total", f"the agent process of prompt {prompt.id} {what}",
+                                         "Fix: let the agent exit on SIGTERM (its default), or lower what it does before exiting."))
         import openai  # the agents extra; imported by the runs that play agents only
 
         client = openai.AsyncOpenAI(base_url=inbox.base_url, api_key=inbox.key, max_retries=0,
@@ -229,7 +229,7 @@ class AgentEpisodes:
             return
         task.cancel()
         # A command agent's process is killed after the grace and then reaped (bounded): it ends within both.
-        wait_s = self.env.cancel_grace_s + (REAP_TIMEOUT_S if isinstance(self.agent, CommandAgent) else 0.0)
+        wait_s = self.env.cancel_grace_s + (REAP_TIMEOUT_S if isinstance(self.agent, AgentCommand) else 0.0)
         try:
             done, _ = await asyncio.wait({task}, timeout=wait_s)
         except asyncio.CancelledError:

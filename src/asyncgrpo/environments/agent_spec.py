@@ -1,9 +1,10 @@
 """`env.factory: agent:module:function` or `agent-command:<command line>`: the agent of a run (agents/), checked before the run starts.
 
 Job: `load_agent(spec)` imports the module and returns the `async def agent(client, row)` it names
-(or an object whose `__call__` is one), or, for a command, the `CommandAgent` (agents/command.py) of
-its command line (split as a shell would, never run through one), whose program must be found. It lives here, below agents/, so that the preflight of
-`env.factory` (factories.py) checks an agent spec as it checks an environment's. Invariant: every failure is a `ConfigError` naming
+(or an object whose `__call__` is one), or, for a command, its `AgentCommand`: the command line split
+as a shell would (never run through one), whose program must be found (agents/command.py runs it).
+It lives here, below agents/, so that the preflight of `env.factory` (factories.py) checks an agent
+spec as it checks an environment's. Invariant: every failure is a `ConfigError` naming
 `env.factory`, the value, what is wrong and the fix; the agent is never called here.
 """
 
@@ -15,22 +16,30 @@ import os
 import shlex
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from asyncgrpo.agents.command import PREFIX as COMMAND_PREFIX
-from asyncgrpo.agents.command import CommandAgent
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.user_modules import import_user_module, lookup_attribute
 
 PREFIX = "agent:"
+COMMAND_PREFIX = "agent-command:"
 KEY = "env.factory"
+
+
+@dataclass(frozen=True)
+class AgentCommand:
+    """An agent that is a program: its command line, split (`argv`), and the spec that names it."""
+
+    argv: tuple[str, ...]
+    spec: str
 
 
 def is_agent(spec: str) -> bool:
     return spec.startswith((PREFIX, COMMAND_PREFIX))
 
 
-def load_command(spec: str) -> CommandAgent:
+def load_command(spec: str) -> AgentCommand:
     """The command agent of `spec` ("agent-command:<command line>"), its program found on PATH (or at its path)."""
     try:
         argv = shlex.split(spec.removeprefix(COMMAND_PREFIX))
@@ -43,10 +52,10 @@ def load_command(spec: str) -> CommandAgent:
         raise ConfigError(f"{KEY} = {spec!r}: {argv[0]!r} is not an executable file on PATH or at that path (from the working directory "
                           f"{os.getcwd()}). Fix: name an installed program (e.g. python my_agent.py), or give the script's path and make "
                           "it executable.")
-    return CommandAgent(argv, spec)
+    return AgentCommand(tuple(argv), spec)
 
 
-def load_agent(spec: str) -> Callable[..., Any] | CommandAgent:
+def load_agent(spec: str) -> Callable[..., Any] | AgentCommand:
     """The agent named by `spec` ("agent:module:function" or "agent-command:<command line>")."""
     if spec.startswith(COMMAND_PREFIX):
         return load_command(spec)
