@@ -100,7 +100,7 @@ class AgentEpisodes:
                     if not await self.gateway.release(inbox, self.env.cancel_grace_s):
                         self._report("agent/release_timeout_total", f"the gateway did not stop its server within env.cancel_grace_s = "
                                      f"{self.env.cancel_grace_s:g} s after the last session (prompt {prompt.id}) ended; it was "
-                                     "forgotten (the next session starts a fresh one)", "none needed; raise env.cancel_grace_s if it recurs")
+                                     "forgotten (the next session starts a fresh one)", "Fix: none needed; raise env.cancel_grace_s if it recurs.")
                 finally:
                     if client is not None:
                         await client.close()  # an abandoned agent's calls fail from here on
