@@ -177,6 +177,13 @@ def test_recommend_respects_the_staleness_and_length_bias_constraints():
     assert nothing.changes == {} and "constraints" in nothing.reason
 
 
+def test_a_run_outside_the_constraints_gets_the_fastest_config_inside_them_even_a_slower_one():
+    points = [_point(1, "patience", 100), _point(0, "requeue", 80), _point(0, "drop", 70)]
+    rec = recommend(points, max_staleness=0, min_length_bias=None)
+    assert rec.changes == {"rollout.max_staleness": 0, "rollout.on_stale": "requeue"}
+    assert "-20%" in rec.reason and "outside the constraints" in rec.reason
+
+
 def test_frontier_drops_dominated_points_and_keeps_one_of_each_tie():
     run, tie = _point(1, "patience", 100), _point(1, "drop", 100)
     faster_but_biased, dominated = _point(2, "drop", 150, bias=0.8), _point(2, "requeue", 90)

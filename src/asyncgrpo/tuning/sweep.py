@@ -121,7 +121,8 @@ class Recommendation:
 
 def recommend(points: list[Point], *, max_staleness: int | None, min_length_bias: float | None,
               widest: int | None = None) -> Recommendation:
-    """The fastest point within the constraints, or the run's own (points[0]) when none beats it by more than the tolerance.
+    """The fastest point within the constraints, or the run's own (points[0]) when it meets them and none beats it by more
+    than the tolerance (a run's config outside the user's constraints is never the advice, even when it is the fastest).
 
     `widest`: the most rollouts the run had open at once. A config with a wider generation.max_inflight is shown but
     never recommended: the decode model has no data there (a server may time out or slow down beyond what was seen)."""
@@ -150,12 +151,14 @@ def recommend(points: list[Point], *, max_staleness: int | None, min_length_bias
     best = fits[0]
     assert best.observed is not None
     gain = best.observed.tokens_per_s / b.tokens_per_s - 1 if b.tokens_per_s > 0 else 0.0
-    if best is base or gain <= TOKENS_PER_S_TOLERANCE:
+    base_fits = allowed(base)
+    if best is base or (base_fits and gain <= TOKENS_PER_S_TOLERANCE):
         return Recommendation(base, {}, f"no config{within} is predicted more than {TOKENS_PER_S_TOLERANCE:.0%} faster than the run's "
                               f"({b.tokens_per_s:g} trained tokens/s, the best is {gain:+.0%}), which is inside the prediction's error: keep it.")
     changes = {k: v for k, v in best.overrides.items() if v != base.overrides.get(k)}
     o = best.observed
-    reason = (f"predicted {o.tokens_per_s:g} trained tokens/s ({gain:+.0%} over the run's config, whose trainer waits for batches "
-              f"{b.wait_share:.0%} of its time) with length bias {o.length_bias}, mean staleness {mean_staleness(o.staleness):.2f} "
-              f"and {o.waste_share:.0%} of generated tokens wasted{within}.")
+    versus = (f"{gain:+.0%} over the run's config, whose trainer waits for batches {b.wait_share:.0%} of its time" if base_fits else
+              f"{gain:+.0%} against the run's config, which is outside the constraints: the fastest config inside them")
+    reason = (f"predicted {o.tokens_per_s:g} trained tokens/s ({versus}) with length bias {o.length_bias}, mean staleness "
+              f"{mean_staleness(o.staleness):.2f} and {o.waste_share:.0%} of generated tokens wasted{within}.")
     return Recommendation(best, changes, reason)
