@@ -25,15 +25,17 @@ TRUTH = [
     "rollout.max_staleness=1", "train.max_steps=30", "simulate.faults=[]", "simulate.token_time_s=0.0001",
     "simulate.tokens={dist: lognormal, median: 100, sigma: 0.3}",
     "simulate.token_model={rollout_sigma: 0.2, prefill_s: 0.01, decode_s_per_token: 0.002, batch_knee: 8}",
-    "simulate.weight_sync_s={dist: const, value: 0.05}", "simulate.step_overhead_s=0.03", "eval.every_steps=5", "simulate.eval_s=0.4",
+    "simulate.weight_sync_s={dist: const, value: 0.05}", "simulate.step_overhead_s=0.3", "eval.every_steps=5", "simulate.eval_s=0.4",
 ]
 
 
 def truth_run(run_dir: Path, *extra: str):
-    """Simulate the truth into `run_dir` and make it a run directory (config.yaml and the marker), as a training run leaves one."""
+    """Simulate the truth into `run_dir` and make it a run directory (config.yaml and the marker), as a training run leaves one:
+    its config has no simulate: section (calibration must fit every model, not inherit the truth's)."""
     cfg = load_config("recipes/simulate.yaml", [*TRUTH, *extra])
     sim = simulate(cfg, output_dir=run_dir)
-    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(mode="json")), encoding="utf-8")
+    recorded = {k: v for k, v in cfg.model_dump(mode="json").items() if k != "simulate"}
+    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(recorded), encoding="utf-8")
     (run_dir / MARKER).write_text("{}", encoding="utf-8")
     return cfg, sim
 
@@ -41,7 +43,7 @@ def truth_run(run_dir: Path, *extra: str):
 def test_calibration_recovers_the_truth_models(tmp_path):
     truth_run(tmp_path)
     c = calibrate(load_run(tmp_path))
-    assert c.trainer.token_time_s == pytest.approx(1e-4, rel=1e-6) and c.trainer.overhead_s == pytest.approx(0.03, rel=1e-4)
+    assert c.trainer.token_time_s == pytest.approx(1e-4, rel=1e-6) and c.trainer.overhead_s == pytest.approx(0.3, rel=1e-4)
     assert c.eval_s == pytest.approx(0.4, rel=1e-6)
     assert c.weight_sync_s == pytest.approx(0.05, rel=1e-6)
     assert c.decode.batch_knee == 8
