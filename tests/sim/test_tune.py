@@ -92,3 +92,11 @@ def test_tune_prints_one_json_object_with_the_frontier_and_dotted_overrides_and_
     assert (tmp_path / "tune.png").stat().st_size > 0 and (tmp_path / "tuned.yaml").exists()
     pasted = load_config(str(tmp_path / "tuned.yaml"), [f"{k}={v}" for k, v in overrides.items()])
     assert observe_simulation(simulate(pasted)).tokens_per_s == report["recommendation"]["predicted"]["observed"]["tokens_per_s"]
+
+
+def test_a_run_with_episodes_that_does_not_replay_names_the_uncalibrated_environment_model(tmp_path, capsys):
+    truth_run(tmp_path, "train.max_steps=6", "env={factory: 'simulated:env', max_turns: 4, max_tokens: 4096}",
+              "simulate.env={call_s: {dist: const, value: 1.0}, done_prob: 0.0}")
+    assert main(["tune", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "MISS" in out and "plays episodes (env:)" in out and "simulate.env" in out

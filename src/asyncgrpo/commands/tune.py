@@ -27,6 +27,12 @@ from asyncgrpo.tuning.observe import Comparison, Observed, compare, observe, obs
 from asyncgrpo.tuning.records import load_run
 from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, Recommendation, candidates, frontier, policies_for, recommend, run_sweep
 
+ENV_NOT_FITTED = (
+    "this run plays episodes (env:), and calibration does not fit the simulator's model of an environment (simulate.env: "
+    "time per reset and step, the chance a step ends the episode): tuned.yaml has its defaults, and each turn's completion is "
+    "drawn from lengths fitted to whole episodes. Fix: set simulate.env in tuned.yaml to the run's (env/turns_mean in "
+    "metrics.jsonl gives the turns per episode) and check it with `asyncgrpo simulate`; tune does not advise for such runs yet."
+)
 SWEEP_STEPS = 60  # at most, per swept config: enough for the steady state, ~50 of them in well under a minute
 
 
@@ -87,6 +93,8 @@ def tune(run_dir: Path, *, max_staleness: int | None = None, min_length_bias: fl
     comparison = compare(measured, replay)
     if problem is not None:
         comparison = Comparison(comparison.rows, False, [*comparison.reasons, f"the replay of the run's config did not complete: {problem}"])
+    if not comparison.ok and records.config.env is not None:
+        comparison = Comparison(comparison.rows, False, [*comparison.reasons, ENV_NOT_FITTED])
     if not comparison.ok:
         return TuneResult(calibration, tuned_path, comparison, [], [], None)
     cfg = records.config
@@ -119,7 +127,8 @@ def format_result(result: TuneResult) -> str:
     if not result.comparison.ok:
         lines.append("no recommendation: the simulator does not replay this run closely enough to advise from it:")
         lines += [f"  - {reason}" for reason in result.comparison.reasons]
-        lines.append("  Fix: calibrate from a longer run (more steps in its steady state), or read tuned.yaml to see which model is off.")
+        if ENV_NOT_FITTED not in result.comparison.reasons:  # that reason says its own fix
+            lines.append("  Fix: calibrate from a longer run (more steps in its steady state), or read tuned.yaml to see which model is off.")
         return "\n".join(lines)
     lines.append(f"frontier ({len(result.frontier)} of {len(result.points)} configs; none beats these on tokens/s, length bias, "
                  "waste and staleness):")
