@@ -319,8 +319,8 @@ def test_vllm_applies_weight_deltas_through_the_worker_extension_and_serves_the_
 
 def test_cancelled_requests_are_aborted_by_vllm(vllm, tmp_path):
     """Long generations through HttpGenerator.generate, cancelled: vLLM stops them at once."""
-    n, max_new_tokens = 16, 480
-    cfg = generation_cfg(vllm.url, max_new_tokens=max_new_tokens)
+    n, max_new_tokens = 128, 480
+    cfg = generation_cfg(vllm.url, max_new_tokens=max_new_tokens, max_inflight=n)
 
     async def main():
         gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights", model_config=vllm.model_dir)

@@ -192,7 +192,8 @@ class TorchTrainer:
         from asyncgrpo.training.sharding import FullySharded, join
 
         with self.lock:
-            self._parallel = join(self.model, self.optimizer, self.cfg.train, rank=rank, world_size=world_size, device=self._device)
+            self._parallel = join(self.model, self.optimizer, self.cfg.train, rank=rank, world_size=world_size, device=self._device,
+                                  reference=self.reference)
             self._sharded = self._parallel if isinstance(self._parallel, FullySharded) else None
             self._params = [p for p in self.model.parameters() if p.requires_grad]  # sharded: the sharded ones now
 
@@ -221,22 +222,29 @@ class TorchTrainer:
         them into its own weights, in its serving dtype). With LoRA, adapted linears are merged
         into fresh tensors and every other weight is still the live one (training/lora.py)."""
         with self.lock, torch.no_grad():
+            weights = lora_adapters.merged_state(self.model) if self.lora else self.model.state_dict()
             if self._sharded is not None:  # gathered: rank 0 gets full copies, the other ranks {}
-                return self._sharded.full_weights(self.model.state_dict())
+                return self._sharded.full_weights(weights)
             if self.lora:  # the merged weights, carrying the adapter for weight_sync: lora (lora_adapter.py)
-                return with_adapter(lora_adapters.merged_state(self.model), self.model)
-            return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+                return with_adapter(weights, self.model)
+            return {name: tensor.detach() for name, tensor in weights.items()}
 
     def save_pretrained(self, directory: Any) -> None:
-        """The model in the save_pretrained layout (merged, with LoRA: plus the adapter in lora.ADAPTER_DIR)."""
+        """The model in the save_pretrained layout (merged, with LoRA: plus the adapter in lora.ADAPTER_DIR). Sharded,
+        every rank takes part in the gathers and rank 0 writes."""
         with self.lock:
-            if self._sharded is not None:  # every rank takes part in the gather; rank 0 writes
-                self._sharded.save_pretrained(self.base_model, self.model.state_dict(), directory)
-            elif self.lora:
-                self.base_model.save_pretrained(directory, state_dict=lora_adapters.merged_state(self.model))
-                lora_adapters.save_adapter(self.model, directory)
-            else:
+            if self._sharded is None and not self.lora:
                 self.base_model.save_pretrained(directory)
+                return
+            with torch.no_grad():
+                weights = self.generation_weights()
+                adapter = lora_adapters.adapter_state(self.model) if self.lora else {}
+                if self._sharded is not None:
+                    adapter = self._sharded.full_weights(adapter)
+            if self._sharded is None or self._sharded.rank == 0:
+                self.base_model.save_pretrained(directory, state_dict=weights)
+                if self.lora:
+                    lora_adapters.save_adapter(self.model, directory, adapter)
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer, scheduler, version and torch RNG state (not the weights: those go through save_pretrained)."""
@@ -441,8 +449,14 @@ class TorchTrainer:
 
     def _backward_without_sequences(self) -> None:
         """A zero-loss forward and backward over one pad token: this rank's part of the gradient sum when it has no
-        sequence in an update (every rank must make the same collectives). Adds exactly 0 to every gradient."""
-        (self._logits(self._training_model, self._collate([filler(self.pad_id)])).sum() * 0.0).backward()
+        sequence in an update (every rank must make the same collectives). Adds exactly 0 to every gradient. With the KL
+        term it makes the KL reference's forward too, in a micro-batch's order (sharded, that forward all-gathers)."""
+        batch = self._collate([filler(self.pad_id)])
+        logits = self._logits(self._training_model, batch)
+        if self.cfg.train.loss.kl_coef > 0:
+            with torch.no_grad(), self._reference_model() as reference:
+                self._logits(reference, batch)
+        (logits.sum() * 0.0).backward()
 
     # ---------------------------------------------------------------------------------
     # Helpers
