@@ -52,7 +52,7 @@ Invariants:
   or per token (distillation's -(log pi_gen - log pi_teacher)), with the same importance correction against pi_gen.
 
 Split by job: sequences and their collation in training/batch.py, packed micro-batches in training/packing.py,
-the LR schedule in training/schedule.py.
+the LR schedule in training/schedule.py, gradient checkpointing in training/checkpointing.py.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from torch import Tensor
 
 from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.config import Config
-from asyncgrpo.errors import AsyncGRPOError, ConfigError
+from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.generation.lora_adapter import with_adapter
 from asyncgrpo.metric_names import TRAIN_KEYS
 from asyncgrpo.models.device import autocast, check_precision, resolve_device
@@ -79,6 +79,7 @@ from asyncgrpo.training import heap, packing
 from asyncgrpo.training import lora as lora_adapters
 from asyncgrpo.training.batch import MicroBatch, TrainSequence, by_length, chunks, collate, filler, pad_id_of, sequences, split_even
 from asyncgrpo.training.bf16_adamw import Bf16StateAdamW
+from asyncgrpo.training.checkpointing import enable_gradient_checkpointing
 from asyncgrpo.training.loss import LossStats, grpo_loss
 from asyncgrpo.training.losses.aggregation import update_normalizer
 from asyncgrpo.training.losses.plugin import resolve_loss_plugin
@@ -127,7 +128,7 @@ class TorchTrainer:
         self.model.eval()
         self._adapter_dropout = t.lora is not None and t.lora.dropout > 0
         if t.gradient_checkpointing:
-            self._enable_gradient_checkpointing(model)
+            enable_gradient_checkpointing(model)
         if t.micro_batch_tokens is not None:
             packing.check_confinement(self.base_model, budget=t.micro_batch_tokens, model_path=cfg.model.path, device=self._device)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
@@ -150,24 +151,6 @@ class TorchTrainer:
         self.processing = Processing(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
                                      repetition_penalty=g.repetition_penalty)
         self._loss_plugin = resolve_loss_plugin(t.loss.type) if t.loss.plugin else None
-
-    @staticmethod
-    def _enable_gradient_checkpointing(model: Any) -> None:
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            raise ConfigError(
-                f"train.gradient_checkpointing = true, but {type(model).__name__} (model.path) does not support it. Fix: set "
-                f"train.gradient_checkpointing: false, or lower train.micro_batch_size to save memory instead."
-            )
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # transformers checkpoints a layer only while layer.training is set; setting that flag alone
-        # (not .train(), which recurses) keeps every dropout inside the layers off.
-        for module in model.modules():
-            if getattr(module, "gradient_checkpointing", False):
-                module.training = True
 
     # ---------------------------------------------------------------------------------
     # Public API
