@@ -136,3 +136,41 @@ def test_the_stub_trainer_takes_time_per_trained_token():
     assert [r.step_s for r in sim.records] == [1.0, 1.0, 1.0]  # 1 group x 2 completions x 25 tokens x 20 ms
     report = sim.report()
     assert report["trained_tokens"] == 150 and report["capacity_tokens_per_s"]["training"] == 50.0
+
+
+def test_interleaved_attempts_draw_their_own_streams_from_one_random(monkeypatch):
+    """Every attempt's outcome is that of a fresh `Random((run seed, request id, attempt))`, however attempts
+    interleave, and no attempt allocates a `Random` of its own (issue 22: 2.5 KB per attempt in flight)."""
+    import random
+
+    from asyncgrpo.distributions import sample
+    from asyncgrpo.generation import scripted as module
+    from asyncgrpo.types import GenerationRequest, SamplingParams
+
+    latency = {"dist": "lognormal", "median": 1.0, "sigma": 1.0}
+    tokens = {"dist": "uniform", "low": 1, "high": 8}
+    gen = ScriptedGenerator(SimulateConfig.model_validate({"latency_s": latency, "tokens": tokens}), seed=5, max_new_tokens=8)
+    made = []
+
+    class Counted(random.Random):
+        def __init__(self, *seed: object) -> None:
+            made.append(seed)
+            super().__init__(*seed)
+
+    real = random.Random
+    monkeypatch.setattr(random, "Random", Counted)  # the module the backend reads it from
+    requests = [GenerationRequest(f"r{i}", i, (1,), SamplingParams(max_new_tokens=8), seed=i) for i in range(6)]
+
+    async def main():
+        return await asyncio.gather(*(gen.generate(r) for r in requests + requests[:2]))  # r0, r1: a second attempt each
+
+    completions = run_virtual(main())
+    assert made == []
+    cfg = gen.cfg
+    for n, (request, completion) in enumerate(zip(requests + requests[:2], completions)):
+        rng = real(module._stream_seed(5, request.request_id, 1 + (n >= len(requests))))
+        sample(cfg.latency_s, rng)
+        length = max(1, min(8, round(sample(cfg.tokens, rng))))
+        start = rng.randrange(len(gen._token_pool) - length + 1)
+        assert completion.token_ids == gen._token_pool[start : start + length]
+        assert completion.text == f"{request.request_id}:{rng.getrandbits(32)}"

@@ -14,7 +14,6 @@ from asyncgrpo.metric_names import COUNTER_NAMES
 from asyncgrpo.rollout import token_books
 from asyncgrpo.rollout.admission import group_capacity
 from asyncgrpo.rollout.buffer import ReplayBuffer
-from asyncgrpo.rollout.in_flight import InFlightGroup
 from asyncgrpo.rollout.stale_policy import STALE_POLICIES, StalePolicy, StepTargets, is_straggler, may_finish_early, patience_deadline, stale_policy
 from asyncgrpo.types import Completion, Group, Prompt, Rollout
 
@@ -74,7 +73,9 @@ def test_the_buffer_hands_a_step_its_own_groups_first_then_the_oldest():
         buffer.put(_group(seq, version, target))
     assert buffer.count_target(2) == 2
     assert [g.seq for g in buffer.take(3, prefer_target=2)] == [1, 5, 3]
+    assert (buffer.count_target(2), buffer.count_target(1), buffer.count_target(3)) == (0, 1, 1)
     assert [g.seq for g in buffer.take(5)] == [2, 4]
+    assert buffer.count_target(1) == buffer.count_target(3) == 0
 
 
 def test_the_token_books_put_each_token_in_one_place():
@@ -122,16 +123,30 @@ def test_only_wait_targets_steps_and_a_step_waits_for_its_own_groups():
     for name in ("patience", "requeue", "drop"):
         policy = _policy(name)
         assert policy.target(3, 5) is None and policy.prefer_target(3) is None
-        assert policy.ready(3, ReplayBuffer(max_staleness=2), [], LEFT) is False
+        assert policy.ready(3, ReplayBuffer(max_staleness=2), LEFT) is False
     wait = _policy("wait")
-    assert [wait.target(3, 5) for _ in range(3)] == [3, 3, 4] and wait.prefer_target(3) == 3
+    assert [wait.target(3, 5) for _ in range(4)] == [3, 3, 4, 4] and wait.prefer_target(3) == 3
     buffer = ReplayBuffer(max_staleness=2)
-    for seq, target in ((1, 4), (2, 4)):
+    for seq, target in ((1, 4), (2, 4), (3, 3)):
         buffer.put(_group(seq, 2, target))
-    coming = [InFlightGroup(key=1, prompt=Prompt(id=9, text="p", token_ids=(1,)), size=2, target_step=3)]
-    assert not wait.ready(3, buffer, coming, DONE)  # two buffered, but step 3's own group is still coming
-    assert not wait.ready(3, buffer, [], LEFT)  # more of its own may be admitted
-    assert wait.ready(3, buffer, [], DONE) and wait.ready(4, buffer, coming, LEFT)
-    wait.release(3)
+    assert not wait.ready(3, buffer, DONE)  # three buffered, but step 3's other group is still coming (in flight)
+    assert wait.ready(4, buffer, LEFT)  # step 4's own two are buffered
+    wait.release(3)  # step 3's other group was dropped: none of its own is coming
+    assert not wait.ready(3, buffer, LEFT)  # more of its own may be admitted
+    assert wait.ready(3, buffer, DONE)
     wait.release(None)  # a group without a target holds no room
     assert wait.target(3, 5) == 3
+
+
+def test_wait_readiness_costs_the_same_with_two_or_two_thousand_groups_buffered():
+    # read on every wake-up of the trainer (issue 22): counts kept as groups come and go, no scan of the buffer
+    from tests.unit.test_source import trace_events
+
+    def state(groups: int) -> tuple[StalePolicy, ReplayBuffer]:
+        wait, buffer = _policy("wait"), ReplayBuffer(max_staleness=2)
+        for seq in range(groups):
+            buffer.put(_group(seq, 2, wait.target(3, 3 + groups)))
+        return wait, buffer
+
+    (few, few_buffer), (many, many_buffer) = state(2), state(2000)
+    assert trace_events(lambda: many.ready(1003, many_buffer, DONE)) == trace_events(lambda: few.ready(4, few_buffer, DONE))

@@ -172,7 +172,8 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
             return result, asyncio.get_running_loop().time()
 
         wall_start = time.perf_counter()
-        with quiet_gc(collect=False):  # a full collection per simulation would cost more than a small one runs
+        # no full collection: per simulation it would cost more than a small one runs
+        with quiet_gc(collect=False, rollouts_in_flight=cfg.generation.max_inflight):
             result, virtual_time = run_virtual(main())
     simulation = Simulation(
         cfg, result, collector, generator, trainer, records, virtual_time, time.perf_counter() - wall_start, outcomes, env_hosts, evals,

@@ -264,7 +264,8 @@ class TrainingRun:
         a stop ends them. A stop cancels whichever stage is running: a long baseline evaluation does not hold it up."""
         stop = self.stop
         try:
-            with LoopWatchdog(asyncio.get_running_loop(), threshold_s=self.cfg.logging.blocked_loop_warn_s), quiet_gc():
+            with LoopWatchdog(asyncio.get_running_loop(), threshold_s=self.cfg.logging.blocked_loop_warn_s), \
+                    quiet_gc(rollouts_in_flight=self.cfg.generation.max_inflight):
                 stop.pipeline = asyncio.create_task(self._stages())  # from the engine's start on, nothing may block the loop
                 if stop.received:  # a signal arrived while loading
                     stop.pipeline.cancel()

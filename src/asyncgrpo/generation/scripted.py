@@ -3,7 +3,9 @@
 It reads time only through the event loop (so it runs on virtual time), uses no threads,
 and is deterministic for a seed: every attempt of every request draws from its own
 random stream, seeded by (run seed, request id, attempt number), so the outcome of a
-request does not depend on what else is in flight.
+request does not depend on what else is in flight. An attempt makes all its draws when it
+starts, before its first await, from one `Random` reseeded per attempt (a `Random` is 2.5 KB:
+one per attempt in flight was the largest allocation of a simulated rollout).
 
 Per attempt it first applies the configured faults, in order (each with its probability,
 inside its time window, for its prompts), then waits the sampled latency and returns a
@@ -85,6 +87,7 @@ class ScriptedGenerator:
         pool_size = max_new_tokens + TOKEN_POOL_SLACK
         self._token_pool = tuple(pool_rng.randrange(4, 64) for _ in range(pool_size))
         self._logprob_pool = tuple(-pool_rng.expovariate(1.0) for _ in range(pool_size))
+        self._rng = random.Random()  # reseeded by every attempt, which draws all it needs before its first await
 
     @property
     def serving_version(self) -> int:
@@ -110,72 +113,74 @@ class ScriptedGenerator:
 
     async def generate(self, request: GenerationRequest) -> Completion:
         self._attempts[request.request_id] += 1
-        rng = random.Random(_stream_seed(self.seed, request.request_id, self._attempts[request.request_id]))
+        rng = self._rng
+        rng.seed(_stream_seed(self.seed, request.request_id, self._attempts[request.request_id]))  # as a new Random(seed) would be
         dispatch_version = self._version
         loop = asyncio.get_running_loop()
         now = loop.time()
         model = self.cfg.token_model
         target = self._targets.get(request.request_id) if request.resumed_tokens else None
-        length = None  # the tokens this attempt generates
+        length = None  # the tokens this attempt generates, drawn at dispatch (token mode, or a resumed rollout's rest)
         if target is not None:
             length = max(0, target - request.resumed_tokens)
         elif model is not None:
             length = self._draw(request, self._prompt_length(request.prompt_id) * math.exp(model.rollout_sigma * rng.gauss(0.0, 1.0)))
-        decoding: tuple[float, float] | None = None  # (when decoding started, its duration)
-        self.in_progress += 1
-        try:
-            for fault in self.cfg.faults:
-                if _applies(fault, request.prompt_id, now) and rng.random() < fault.rate:
-                    await self._inject(fault, request)
+        fault = next((f for f in self.cfg.faults if _applies(f, request.prompt_id, now) and rng.random() < f.rate), None)
+        # Every later draw of the attempt, in its stream's order and before its first await: the one Random is every attempt's.
+        latency = 0.0
+        drawn = start = bits = 0  # the rollout's length, its offset in the token pool, the text's random bits
+        if fault is None:
             if model is None:
                 latency = sample(self.cfg.latency_s, rng)
                 if target is not None:
                     latency *= (length or 0) / max(1, target)
+            drawn = length if length is not None else self._clamp(request, sample(self.cfg.tokens, rng))
+            start = rng.randrange(len(self._token_pool) - drawn + 1)
+            bits = rng.getrandbits(32)
+        decoding: tuple[float, float] | None = None  # (when decoding started, its duration)
+        self.in_progress += 1
+        try:
+            if fault is not None:
+                await self._inject(fault, request)
+            if model is None:
                 decoding = (loop.time(), latency)
                 await asyncio.sleep(latency)
             else:
-                assert length is not None
                 slowdown = max(1.0, self.in_progress / model.batch_knee)
-                decoding = (loop.time() + model.prefill_s, length * model.decode_s_per_token * slowdown)
+                decoding = (loop.time() + model.prefill_s, drawn * model.decode_s_per_token * slowdown)
                 await asyncio.sleep(model.prefill_s + decoding[1])
         except asyncio.CancelledError:
             self.aborted += 1
             if request.sink is not None and decoding is not None:
-                self._keep_partial(request, rng, length, target, decoding, loop.time(), dispatch_version)
+                self._keep_partial(request, drawn, start, target, decoding, loop.time(), dispatch_version)
             raise
         finally:
             self.in_progress -= 1
-        if length is None:
-            length = self._draw(request, sample(self.cfg.tokens, rng))
-        elif target is not None and model is None:
-            self.drawn_lengths.setdefault(request.prompt_id, []).append(target)  # latency mode records finished rollouts
+        if model is None:  # latency mode records finished rollouts (their length does not depend on their latency)
+            self.drawn_lengths.setdefault(request.prompt_id, []).append(drawn if target is None else target)
         self._targets.pop(request.request_id, None)
         self.completed += 1
-        start = rng.randrange(len(self._token_pool) - length + 1)
         if request.sink is not None:
-            request.sink.extend(self._token_pool[start : start + length], self._logprob_pool[start : start + length], (dispatch_version,) * length)
+            request.sink.extend(self._token_pool[start : start + drawn], self._logprob_pool[start : start + drawn], (dispatch_version,) * drawn)
         return Completion(
-            token_ids=self._token_pool[start : start + length],
-            logprobs=self._logprob_pool[start : start + length],
-            versions=(dispatch_version,) * length,
-            finish_reason="length" if length >= request.sampling.max_new_tokens else "stop",
+            token_ids=self._token_pool[start : start + drawn],
+            logprobs=self._logprob_pool[start : start + drawn],
+            versions=(dispatch_version,) * drawn,
+            finish_reason="length" if drawn >= request.sampling.max_new_tokens else "stop",
             dispatch_version=dispatch_version,
-            text=f"{request.request_id}:{rng.getrandbits(32)}",
+            text=f"{request.request_id}:{bits}",
         )
 
-    def _keep_partial(self, request: GenerationRequest, rng: random.Random, length: int | None, target: int | None,
+    def _keep_partial(self, request: GenerationRequest, length: int, start: int, target: int | None,
                       decoding: tuple[float, float], now: float, version: int) -> None:
         """An interrupted attempt: put the tokens decoded by `now` in the request's sink (the same ids a finished attempt would
-        have returned: the pool offset is drawn as it would have been) and remember the rollout's target length."""
-        if length is None:  # latency mode draws the length after the latency: draw it as the attempt would have
-            length = max(1, min(self.max_new_tokens, request.sampling.max_new_tokens, round(sample(self.cfg.tokens, rng))))
+        have returned, from the same pool offset) and remember the rollout's target length."""
         started, duration = decoding
         share = 1.0 if duration <= 0 else max(0.0, min(1.0, (now - started) / duration))
         done = min(length, math.floor(share * length + 1e-9))
         if done == 0 and not request.resumed_tokens:
             return  # nothing generated: the rollout is not resumed yet, and draws its length again
         self._targets[request.request_id] = target if target is not None else length
-        start = rng.randrange(len(self._token_pool) - length + 1)
         assert request.sink is not None
         request.sink.extend(self._token_pool[start : start + done], self._logprob_pool[start : start + done], (version,) * done)
 
@@ -187,9 +192,12 @@ class ScriptedGenerator:
 
     def _draw(self, request: GenerationRequest, tokens: float) -> int:
         """A drawn length clamped to [1, max_new_tokens], recorded in `drawn_lengths`."""
-        length = max(1, min(self.max_new_tokens, request.sampling.max_new_tokens, round(tokens)))
+        length = self._clamp(request, tokens)
         self.drawn_lengths.setdefault(request.prompt_id, []).append(length)
         return length
+
+    def _clamp(self, request: GenerationRequest, tokens: float) -> int:
+        return max(1, min(self.max_new_tokens, request.sampling.max_new_tokens, round(tokens)))
 
     async def _inject(self, fault: FaultConfig, request: GenerationRequest) -> None:
         where = f"scripted fault for request {request.request_id}"

@@ -129,7 +129,7 @@ class Batches:
                 pass  # the loop re-checks: progress may have moved the deadline
 
     def _ready(self, step: int) -> bool:
-        return self._stale.ready(step, self.buffer, self._in_flight.values(), self._source)
+        return self._stale.ready(step, self.buffer, self._source)
 
     async def _hold_ready_batch(self, step: int) -> None:
         """What a ready batch waits for, as the staleness policy says: stragglers, up to its deadline; then, with

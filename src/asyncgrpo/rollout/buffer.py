@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 
 from asyncgrpo.rollout.admission import is_stale
 from asyncgrpo.types import Group
@@ -23,12 +24,14 @@ class ReplayBuffer:
     def __init__(self, max_staleness: int) -> None:
         self.max_staleness = max_staleness
         self._heap: list[tuple[int, int, Group]] = []
+        self._targets: Counter[int | None] = Counter()  # buffered groups by target step: `count_target` in O(1)
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def put(self, group: Group) -> None:
         heapq.heappush(self._heap, (group.generation_version, group.seq, group))
+        self._targets[group.target_step] += 1
 
     def remove_stale(self, step: int) -> list[Group]:
         """Remove and return the groups that are stale at `step` (and so at every later step)."""
@@ -36,7 +39,7 @@ class ReplayBuffer:
         if stale:
             self._heap = [entry for entry in self._heap if not self._stale(entry[2], step)]
             heapq.heapify(self._heap)
-        return stale
+        return self._forget(stale)
 
     def _stale(self, group: Group, step: int) -> bool:
         return is_stale(generation_version=group.generation_version, step=step, max_staleness=group.bound(self.max_staleness))
@@ -45,15 +48,22 @@ class ReplayBuffer:
         """Remove and return up to `n` groups, oldest generation version first; with `prefer_target`, the groups
         targeting that step (`Group.target_step`) before any other."""
         if prefer_target is None:
-            return [heapq.heappop(self._heap)[2] for _ in range(min(n, len(self._heap)))]
+            return self._forget([heapq.heappop(self._heap)[2] for _ in range(min(n, len(self._heap)))])
         ordered = sorted(self._heap, key=lambda entry: (entry[2].target_step != prefer_target, entry[:2]))
         self._heap = ordered[n:]
         heapq.heapify(self._heap)
-        return [entry[2] for entry in ordered[:n]]
+        return self._forget([entry[2] for entry in ordered[:n]])
+
+    def _forget(self, removed: list[Group]) -> list[Group]:
+        for group in removed:
+            self._targets[group.target_step] -= 1
+            if not self._targets[group.target_step]:
+                del self._targets[group.target_step]
+        return removed
 
     def count_target(self, step: int) -> int:
-        """Buffered groups that target `step`."""
-        return sum(entry[2].target_step == step for entry in self._heap)
+        """Buffered groups that target `step`: O(1), counted as groups come and go."""
+        return self._targets[step]
 
     def groups(self) -> list[Group]:
         return [g for _, _, g in sorted(self._heap)]

@@ -65,13 +65,6 @@ if TYPE_CHECKING:
 LeftBehind = Literal["requeue", "drop"]
 
 
-class Targeted(Protocol):
-    """An in-flight group as a policy sees it: the step it targets (None without one)."""
-
-    @property
-    def target_step(self) -> int | None: ...
-
-
 class Exhaustible(Protocol):
     """The prompt source as a policy sees it: will a new prompt still come?"""
 
@@ -80,7 +73,7 @@ class Exhaustible(Protocol):
 
 
 class Buffered(Sized, Protocol):
-    """The replay buffer as a policy sees it: its size, and how many of its groups target a step."""
+    """The replay buffer as a policy sees it: its size, and how many of its groups target a step (O(1))."""
 
     def count_target(self, step: int) -> int: ...
 
@@ -105,8 +98,9 @@ class StalePolicy:
     def release(self, target: int | None) -> None:
         """A group holding `target` was dropped or taken: its room is free again."""
 
-    def ready(self, step: int, buffer: Buffered, in_flight: Iterable[Targeted], source: Exhaustible) -> bool:
-        """Is step `step`'s batch buffered? `in_flight`: the groups still coming; `source`: where new ones come from."""
+    def ready(self, step: int, buffer: Buffered, source: Exhaustible) -> bool:
+        """Is step `step`'s batch buffered? `source`: where new groups come from. Read on every wake-up of the trainer:
+        O(1) in the groups in flight and buffered."""
         return len(buffer) >= self.groups_per_step
 
     def prefer_target(self, step: int) -> int | None:
@@ -169,10 +163,12 @@ class WaitPolicy(StalePolicy):
         if target is not None:
             self.targets.release(target)
 
-    def ready(self, step: int, buffer: Buffered, in_flight: Iterable[Targeted], source: Exhaustible) -> bool:
-        if buffer.count_target(step) >= self.groups_per_step:
+    def ready(self, step: int, buffer: Buffered, source: Exhaustible) -> bool:
+        buffered = buffer.count_target(step)
+        if buffered >= self.groups_per_step:
             return len(buffer) >= self.groups_per_step
-        own_coming = any(g.target_step == step for g in in_flight)
+        # Live targets are the groups in flight plus those buffered (released when dropped or taken): counts, no scan.
+        own_coming = self.targets.live(step) > buffered
         return source.exhausted and not own_coming and len(buffer) >= self.groups_per_step
 
     def prefer_target(self, step: int) -> int | None:
