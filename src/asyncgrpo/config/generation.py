@@ -19,6 +19,25 @@ class LocalEngineConfig(Section):
                          "for each generator actor, else cpu), cpu, cuda, cuda:N or mps.")
 
 
+class CollectiveConfig(Section):
+    """The collective weight path (generation.http.weight_sync: nccl): the trainer broadcasts each version to every server."""
+
+    host: str = Field(
+        "127.0.0.1",
+        description="The trainer's address as the servers reach it: each server's process group forms at a free port there.",
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="auto: nccl when the trainer's weights are on a CUDA device, else gloo (CPU).",
+    )
+    on_failure: Literal["disk", "skip"] = Field(
+        "disk",
+        description="A server whose collective sync fails (named with the phase in one warning and in the publisher's "
+        "diagnostics): disk: it gets that version and every later one from disk (as weight_sync: full), the run goes on; "
+        "skip: it takes no work until a later sync succeeds, and the run stops (weight_sync) when no server took a version.",
+    )
+    chunk_mib: float = Field(64.0, gt=0, description="Most MiB per broadcast; a version crosses in ceil(size / this) broadcasts.")
+
+
 class HttpConfig(Section):
     """OpenAI-compatible completion servers (vLLM, or `asyncgrpo serve`)."""
 
@@ -26,13 +45,18 @@ class HttpConfig(Section):
     model: str | None = Field(None, description="Model name the servers serve (default: the one /v1/models lists).")
     api_key: str | None = Field(None, description="Sent as a Bearer token when set.")
     weights_dir: str | None = Field(None, description="Directory the servers can read, where new weights are written (default <run dir>/weights).")
-    weight_sync: Literal["full", "delta"] = Field(
+    weight_sync: Literal["full", "delta", "nccl"] = Field(
         "full",
         description="full: every version is written whole and each server reloads it. delta: a version holds only the elements "
         "changed since the previous one (with a checksum of the result), applied in place by `asyncgrpo serve` and by vLLM "
         "started with --worker-extension-cls asyncgrpo.generation.vllm_weights.DeltaWorkerExtension; a server that holds "
-        "another version, refuses the delta or fails its checksum gets the full weights (counted: weight_sync_delta_fallbacks).",
+        "another version, refuses the delta or fails its checksum gets the full weights (counted: weight_sync_delta_fallbacks). "
+        "nccl: no disk; the trainer broadcasts each version to each server over a process group (NCCL on GPUs, gloo on CPU) "
+        "through vLLM's weight-transfer API, vLLM started with --worker-extension-cls "
+        "asyncgrpo.generation.collective_vllm.CollectiveWorkerExtension --weight-transfer-config '{\"backend\": \"asyncgrpo\"}'; "
+        "every phase under generation.weight_sync_timeout_s, failures as generation.http.collective.on_failure says.",
     )
+    collective: CollectiveConfig = Field(default_factory=CollectiveConfig)
     startup_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start for the servers to answer.")
     attempt_timeout_factor: float = Field(
         2.0, ge=1,
