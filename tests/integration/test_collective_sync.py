@@ -139,8 +139,14 @@ async def publish(gen: HttpGenerator, *versions: int) -> None:
 
 
 def run_generator(cfg, tmp_path: Path, body):
+    # The transport's own timeout far beyond the test: what bounds a hang here is the install's deadline and the
+    # abandoned collective thread, not gloo giving up.
+    collective = cfg.http.collective
+    publisher = CollectiveWeightPublisher(tmp_path / "weights", on_failure=collective.on_failure,
+                                          chunk_bytes=int(collective.chunk_mib * 2**20), collective_timeout_s=600.0)
+
     async def main():
-        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights")
+        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights", publisher=publisher)
         await gen.start()
         try:
             async with asyncio.timeout(60):  # far above any bound under test: only a hang reaches it
