@@ -66,6 +66,10 @@ from asyncgrpo.generation.weight_sync import (
 
 log = logging.getLogger("asyncgrpo")
 
+# A phase's HTTP calls may run this much past the phase's deadline, so that the deadline (the enclosing
+# asyncio.timeout) always ends a hung phase first: a server that does not answer within it is marked unhealthy.
+PAST_DEADLINE_S = 1.0
+
 SERVER_HINT = ("start vLLM with --worker-extension-cls asyncgrpo.generation.collective_vllm.CollectiveWorkerExtension "
                "--weight-transfer-config '{\"backend\": \"asyncgrpo\"}' (VLLM_SERVER_DEV_MODE=1, asyncgrpo importable)")
 
@@ -152,16 +156,17 @@ class CollectiveWeightPublisher(DiskWeightPublisher):
             async with asyncio.timeout(left()):
                 member = await self._group(server, staged.backend, left)
                 phase = "start"
-                await server.post("/start_weight_update", timeout_s=left())
+                await server.post("/start_weight_update", timeout_s=left() + PAST_DEADLINE_S)
                 phase = "broadcast"
                 info = update_info(flat, self.chunk_bytes, staged.version)
                 async with asyncio.TaskGroup() as tasks:
-                    tasks.create_task(server.post("/update_weights", json_body={"update_info": info}, timeout_s=left()))
+                    tasks.create_task(server.post("/update_weights", json_body={"update_info": info},
+                                                  timeout_s=left() + PAST_DEADLINE_S))
                     tasks.create_task(abandonable(lambda: send(member.group, flat, self.chunk_bytes),
                                                   name=f"asyncgrpo-broadcast-{server.url}"))
                 phase = "finish"
                 await server.post("/finish_weight_update", json_body={"weight_version": str(staged.version)},
-                                  timeout_s=left())
+                                  timeout_s=left() + PAST_DEADLINE_S)
         except BaseException as error:
             self._groups.pop(server.url, None)  # mid-collective or half formed: unusable; the next install forms a new one
             cause = _first(error)
@@ -188,7 +193,8 @@ class CollectiveWeightPublisher(DiskWeightPublisher):
         init = {"master_address": self.host, "master_port": store.port, "rank_offset": 1, "world_size": 2,
                 "backend": backend, "timeout_s": self.collective_timeout_s}
         async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(server.post("/init_weight_transfer_engine", json_body={"init_info": init}, timeout_s=left()))
+            tasks.create_task(server.post("/init_weight_transfer_engine", json_body={"init_info": init},
+                                          timeout_s=left() + PAST_DEADLINE_S))
             joined = tasks.create_task(abandonable(
                 lambda: open_group(self.host, store.port, 0, 2, backend, self.collective_timeout_s, store=store),
                 name=f"asyncgrpo-rendezvous-{server.url}"))
