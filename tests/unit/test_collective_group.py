@@ -3,10 +3,14 @@ metadata message that does not describe the data is refused with a message namin
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from asyncgrpo.generation.collective_group import ALIGN, chunks, flatten, parse_update_info, unflatten, update_info
+from asyncgrpo.generation.collective_publisher import CollectiveWeightPublisher
+from asyncgrpo.generation.weight_sync import WeightSyncError
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -44,3 +48,10 @@ def test_metadata_that_does_not_describe_the_data_is_refused_by_name(change, mes
     change(info)
     with pytest.raises(ValueError, match=message):
         parse_update_info(info)
+
+
+def test_nccl_asked_for_with_weights_off_the_gpu_is_a_misconfiguration_naming_the_key(tmp_path):
+    publisher = CollectiveWeightPublisher(tmp_path, backend="nccl")
+    with pytest.raises(WeightSyncError, match="generation.http.collective.backend is nccl") as caught:
+        asyncio.run(publisher.stage(state(), 1))
+    assert caught.value.kind == "misconfigured_backend"

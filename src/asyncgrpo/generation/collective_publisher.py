@@ -17,6 +17,8 @@ The server side is vLLM started with ``--worker-extension-cls asyncgrpo.generati
 CollectiveWorkerExtension --weight-transfer-config '{"backend": "asyncgrpo"}'`` (collective_vllm.py).
 
 Invariants:
+- A staged version holds one copy of the weights on the trainer's device (CUDA for NCCL), so training may go
+  on meanwhile; it is freed once it is not the latest and no server holds it (a copy per version servers hold).
 - One group per server (trainer rank 0, the server's worker rank 1): a server that hangs or dies breaks
   only its own group; the others are updated by their own installs, which the installer runs
   concurrently (http_weights.py). The price is one broadcast per server from the trainer.
@@ -58,6 +60,7 @@ from asyncgrpo.generation.weight_sync import (
     ControlClient,
     DiskWeightPublisher,
     StagedWeights,
+    WeightSyncError,
     WeightSyncStepError,
     tied_embeddings,
     version_dir,
@@ -121,8 +124,8 @@ class CollectiveWeightPublisher(DiskWeightPublisher):
         on_cuda = any(getattr(t, "is_cuda", False) for t in tensors.values())
         backend = self.backend if self.backend != "auto" else ("nccl" if on_cuda else "gloo")
         if backend == "nccl" and not on_cuda:
-            raise ValueError("generation.http.collective.backend is nccl but the trainer's weights are not on a CUDA "
-                             "device: set it to gloo (or auto), or train on a GPU.")
+            raise WeightSyncError("generation.http.collective.backend is nccl but the trainer's weights are not on a CUDA "
+                                  "device: set it to gloo (or auto), or train on a GPU.", backend="http", misconfigured=True)
         device = next(t.device for t in tensors.values() if t.is_cuda) if backend == "nccl" else "cpu"
         flat = flatten(tensors, device=device)
         return StagedTensors(version, version_dir(self.weights_dir, version), flat=flat, backend=backend)
