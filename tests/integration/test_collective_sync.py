@@ -196,6 +196,28 @@ def test_a_server_that_hangs_in_any_phase_is_bounded_marked_and_named_and_the_ot
     b.release()
 
 
+def test_after_a_failed_broadcast_the_next_version_forms_a_new_group(fresh, tmp_path):
+    """The group of a failed sync is mid-stream and must not carry the next version (it would hang or misalign)."""
+    import aiohttp
+
+    from asyncgrpo.generation.http_control import HttpControl
+    from asyncgrpo.generation.weight_sync import WeightSyncStepError
+
+    _, b = fresh
+    b.fault("broadcast", "error")  # the server refuses the data after the trainer began sending
+    publisher = CollectiveWeightPublisher(tmp_path / "weights", on_failure="skip", chunk_bytes=1024, collective_timeout_s=600.0)
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            control = HttpControl(session, b.url, quick_s=5.0)
+            with pytest.raises(WeightSyncStepError, match="phase 'broadcast'"):
+                await publisher.install(control, await publisher.stage(weights(7), 7), TIMEOUT_S)
+            await publisher.install(control, await publisher.stage(weights(8), 8), 30.0)
+
+    asyncio.run(main())
+    assert b.state()["checksum"] == checksum(weights(8)) and b.state()["version"] == "8"
+
+
 def test_on_failure_disk_loads_that_server_from_disk_from_then_on(fresh, tmp_path):
     a, b = fresh
     b.fault("group init", "error")
