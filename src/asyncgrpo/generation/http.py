@@ -33,7 +33,8 @@ Invariants:
   probe task, which `aclose()` cancels and awaits before it closes every connection.
 - Versions. A completion's `versions` are the version of its server when the request was dispatched
   (a request held by a paused server may finish under newer weights: the stamp is the conservative,
-  older one).
+  older one). With LoRA adapters (weight_sync: lora) a request names its server's adapter of that
+  version as its model, and runs on exactly that version.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class HttpGenerator:
     def stats(self) -> dict[str, Any]:
         return {
             **self.counters,
-            **getattr(self._weights.publisher, "counters", {}),  # the delta publisher's: deltas, full loads, fallbacks
+            **getattr(self._weights.publisher, "counters", {}),  # the delta or LoRA publisher's: full loads, fallbacks, ...
             "serving_version": self.serving_version,
             "published_version": self._pool.published_version,
             "servers": [{"url": s.url, "healthy": s.healthy, "excluded": s.excluded, "hung": s.hung, "version": s.version,
@@ -190,7 +191,8 @@ class HttpGenerator:
         assert self._session is not None
         loop = asyncio.get_running_loop()
         version = server.version
-        payload = self._probes.last_payload = completion_payload(request, model=self.model,
+        model = self._weights.model_for(server) or self.model  # the LoRA publisher's adapter of that version, if any
+        payload = self._probes.last_payload = completion_payload(request, model=model,
                                                           per_request_seed=self.http.seed == "per_request")
         timeouts = self._timeouts.get(request, 0)
         tokens = request.sampling.max_new_tokens
@@ -237,7 +239,7 @@ class HttpGenerator:
             server.quiet_since = loop.time()
         server.silence_reported = False
         completion = read_completion(status, text, url=server.url, request=request, version=version,
-                                     backend=self.name, model=self.model)
+                                     backend=self.name, model=model)
         self._latency.record(clock.active_s(), tokens)
         self._marks.answered(clock.mark)
         self._timeouts.pop(request, None)

@@ -1,7 +1,7 @@
 """`make_publisher`: the `WeightPublisher` that `generation.http.weight_sync` names, for `HttpGenerator`.
 
 Job: map the config to a publisher: full -> `DiskWeightPublisher`, delta -> `DeltaWeightPublisher`,
-nccl -> `CollectiveWeightPublisher` (with generation.http.collective's settings and
+lora -> `LoraWeightPublisher`, nccl -> `CollectiveWeightPublisher` (with generation.http.collective's settings and
 generation.weight_sync_timeout_s as the transport's own bound). Invariant: every value the config accepts
 maps to one publisher; the config's Literal refuses any other.
 """
@@ -15,6 +15,7 @@ from typing import Any
 from asyncgrpo.config import GenerationConfig
 from asyncgrpo.generation.collective_publisher import CollectiveWeightPublisher
 from asyncgrpo.generation.delta_publisher import DeltaWeightPublisher
+from asyncgrpo.generation.lora_publisher import LoraWeightPublisher
 from asyncgrpo.generation.weight_sync import DiskWeightPublisher, WeightPublisher
 
 
@@ -23,6 +24,8 @@ def make_publisher(cfg: GenerationConfig, weights_dir: str | Path,
     kind = cfg.http.weight_sync
     if kind == "delta":
         return DeltaWeightPublisher(weights_dir, model_config=model_config)
+    if kind == "lora":
+        return LoraWeightPublisher(weights_dir, model_config=model_config)
     if kind == "nccl":
         collective = cfg.http.collective
         return CollectiveWeightPublisher(weights_dir, model_config=model_config, host=collective.host,
