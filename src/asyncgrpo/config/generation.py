@@ -19,6 +19,25 @@ class LocalEngineConfig(Section):
                          "for each generator actor, else cpu), cpu, cuda, cuda:N or mps.")
 
 
+class CollectiveConfig(Section):
+    """The collective weight path (generation.http.weight_sync: nccl): the trainer broadcasts each version to every server."""
+
+    host: str = Field(
+        "127.0.0.1",
+        description="The trainer's address as the servers reach it: each server's process group forms at a free port there.",
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="auto: nccl when the trainer's weights are on a CUDA device, else gloo (CPU).",
+    )
+    on_failure: Literal["disk", "skip"] = Field(
+        "disk",
+        description="A server whose collective sync fails (named with the phase in one warning and in the publisher's "
+        "diagnostics): disk: it gets that version and every later one from disk (as weight_sync: full), the run goes on; "
+        "skip: it takes no work until a later sync succeeds, and the run stops (weight_sync) when no server took a version.",
+    )
+    chunk_mib: float = Field(64.0, gt=0, description="Most MiB per broadcast; a version crosses in ceil(size / this) broadcasts.")
+
+
 class HttpConfig(Section):
     """OpenAI-compatible completion servers (vLLM, or `asyncgrpo serve`)."""
 
@@ -26,7 +45,7 @@ class HttpConfig(Section):
     model: str | None = Field(None, description="Model name the servers serve (default: the one /v1/models lists).")
     api_key: str | None = Field(None, description="Sent as a Bearer token when set.")
     weights_dir: str | None = Field(None, description="Directory the servers can read, where new weights are written (default <run dir>/weights).")
-    weight_sync: Literal["full", "delta", "lora"] = Field(
+    weight_sync: Literal["full", "delta", "lora", "nccl"] = Field(
         "full",
         description="full: every version is written whole and each server reloads it. delta: a version holds only the elements "
         "changed since the previous one (with a checksum of the result), applied in place by `asyncgrpo serve` and by vLLM "
@@ -35,8 +54,13 @@ class HttpConfig(Section):
         "lora (needs train.lora): only the adapter is written, and each server loads it as a new adapter per version "
         "(policy-v<N>-<run id>, which requests then name; vLLM with --enable-lora --max-lora-rank >= train.lora.r and "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); a server that cannot load it gets the merged weights (counted: "
-        "weight_sync_lora_fallbacks).",
+        "weight_sync_lora_fallbacks). "
+        "nccl: no disk; the trainer broadcasts each version to each server over a process group (NCCL on GPUs, gloo on CPU) "
+        "through vLLM's weight-transfer API, vLLM started with --worker-extension-cls "
+        "asyncgrpo.generation.collective_vllm.CollectiveWorkerExtension --weight-transfer-config '{\"backend\": \"asyncgrpo\"}'; "
+        "every phase under generation.weight_sync_timeout_s, failures as generation.http.collective.on_failure says.",
     )
+    collective: CollectiveConfig = Field(default_factory=CollectiveConfig)
     startup_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start for the servers to answer.")
     attempt_timeout_factor: float = Field(
         2.0, ge=1,

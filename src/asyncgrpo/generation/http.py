@@ -57,15 +57,14 @@ from asyncgrpo.errors import (
 )
 from asyncgrpo.generation.attempt_clock import AnswerMarks, AttemptClock
 from asyncgrpo.generation.attempt_timeout import LatencyTracker
-from asyncgrpo.generation.delta_publisher import DeltaWeightPublisher
 from asyncgrpo.generation.http_client import completion_payload, read_completion
 from asyncgrpo.generation.http_discovery import discover
 from asyncgrpo.generation.http_probes import HealthProbes
 from asyncgrpo.generation.http_servers import PooledServer, ServerPool
 from asyncgrpo.generation.http_weights import WeightInstaller
-from asyncgrpo.generation.lora_publisher import LoraWeightPublisher
 from asyncgrpo.generation.pool_health import HUNG_AFTER
-from asyncgrpo.generation.weight_sync import DiskWeightPublisher, WeightPublisher
+from asyncgrpo.generation.publisher_choice import make_publisher
+from asyncgrpo.generation.weight_sync import WeightPublisher
 from asyncgrpo.types import Completion, GenerationRequest
 
 log = logging.getLogger("asyncgrpo")
@@ -90,8 +89,7 @@ class HttpGenerator:
         self.cfg = cfg
         self.http = cfg.http
         if publisher is None and weights_dir is not None:
-            kinds: dict[str, type[DiskWeightPublisher]] = {"delta": DeltaWeightPublisher, "lora": LoraWeightPublisher}
-            publisher = kinds.get(cfg.http.weight_sync, DiskWeightPublisher)(weights_dir, model_config=model_config)
+            publisher = make_publisher(cfg, weights_dir, model_config)
         self._pool = ServerPool(cfg, name, initial_version)
         self.counters = self._pool.counters
         self.model: str | None = cfg.http.model

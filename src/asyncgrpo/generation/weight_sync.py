@@ -28,12 +28,9 @@ the elements changed since the previous one, with a checksum of the result, and 
 weights per server. **LoRA** (`weight_sync: lora`, lora_publisher.py): a subclass that writes only the
 adapter and has servers with LoRA support load it under a version name, falling back to the merged weights.
 
-Not implemented: **NCCL** (vLLM's ``/init_weight_transfer_engine``, ``/update_weights``, the path
-TRL uses on GPUs). It slots in as another `WeightPublisher`: `stage` would keep references to
-the tensors (no disk), and `install` would pause the server, drive the transfer-engine endpoints
-while the trainer broadcasts the tensors over the process group, and resume. Since an NCCL
-broadcast is collective over all servers at once, such a publisher would run the broadcast once
-in `stage` (or on the first `install`) and have each `install` wait for its server's part.
+**Collective** (`generation.http.weight_sync: nccl`, collective_publisher.py): a subclass that keeps each
+version in memory and broadcasts it to each server over a process group of its own through vLLM's
+weight-transfer routes, with the disk path as its fallback.
 """
 
 from __future__ import annotations
