@@ -60,6 +60,7 @@ async def interrupt(gen: HttpGenerator, servers: list[ServeProcess], request: Ge
     sink = request.sink
     assert isinstance(sink, StreamedTokens)
     task = asyncio.ensure_future(attempts(gen, request))
+    task.add_done_callback(lambda _: sink.signal.notify())
     await sink.signal.wait_for(lambda: len(sink) >= after or task.done())
     assert not task.done(), "the request finished before it could be interrupted"
     server = holding(gen, servers)
@@ -104,6 +105,7 @@ def test_a_rollout_resumes_across_interruptions_and_dead_servers_without_losing_
             # the last server alive and starts over from the same prefix.
             request = resumed_request(REQUEST, prefix, sink)
             task = asyncio.ensure_future(attempts(gen, request))
+            task.add_done_callback(lambda _: sink.signal.notify())
             await sink.signal.wait_for(lambda: len(sink) >= 10 or task.done())
             assert not task.done()
             holding(gen, servers).kill()

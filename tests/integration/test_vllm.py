@@ -394,6 +394,7 @@ def test_a_rollout_interrupted_by_a_weight_update_resumes_under_the_new_weights(
         under `version` alone (None: it finished before the update, nothing to interrupt)."""
         await gen.load_weights(old.state_dict(), version)
         task = asyncio.create_task(gen.generate(resumed_request(request, None, sink)))
+        task.add_done_callback(lambda _: sink.signal.notify())
         await sink.signal.wait_for(lambda: len(sink) >= 8 or task.done())
         before_update = len(sink)
         await gen.load_weights(new.state_dict(), version + 1)
