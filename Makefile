@@ -23,12 +23,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/asyncgrpo train recipes/demo.yaml run.overwrite=true $(ARGS)
 
+# Two pytest-xdist workers (one per core): a test file is a unit of work, the Ray files one unit and the vLLM files
+# another, so two clusters or vLLM servers never run at once (tests/xdist_scheduling.py); `ARGS="-n 0"` runs serially.
+# The 20 slowest tests are listed at the end, so a CI log shows where the time goes.
 test: $(STAMP) vllm-venv-if-possible
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --durations=20 $(ARGS)
 
 # The inner loop: the fast tier, tests/unit and tests/sim: no child process, network socket, Ray or optimizer step
 # (tests/tier_guard.py fails a test there that has one). About 1.3 minutes on 2 cores, 64 s of CPU (README "Tests").
-# `make test` runs every tier: these, tests/component and tests/integration (`ARGS=-n 2`: two xdist workers, tests/xdist_scheduling.py).
+# `make test` runs every tier: these, tests/component and tests/integration.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit tests/sim $(ARGS)
 

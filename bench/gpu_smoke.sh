@@ -49,7 +49,8 @@ peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 trai
 
 # FSDP2 (train.sharding: fsdp, training/sharding.py) against DDP on the same two trainer ranks, one GPU each (NCCL),
 # a generator actor on a third GPU when there is one (else on the CPU); a checkpoint at the last step exercises the
-# gather of the full weights and AdamW state by rank 0. Needs at least 2 GPUs.
+# gather of the full weights and AdamW state by rank 0. Then FSDP2 with LoRA (the adapters merged on the shards and
+# gathered; the KL reference is the sharded model, adapters off) and with float16 (the loss scaler's inf check reduced over the ranks). Needs at least 2 GPUs.
 gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 2 ]; then
   generator_gpus=$([ "$gpus" -ge 3 ] && echo 1 || echo 0)
@@ -58,6 +59,12 @@ if [ "$gpus" -ge 2 ]; then
       runtime=ray train.world_size=2 train.sharding="$sharding" ray.trainer.num_gpus=1 ray.generators=1 \
       ray.generator.num_gpus="$generator_gpus" checkpoint.every_steps=5
   done
+  run smollm2-fsdp-lora-x2 recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16 \
+    train.lora.r=16 train.loss.kl_coef=0.05 runtime=ray train.world_size=2 train.sharding=fsdp ray.trainer.num_gpus=1 \
+    ray.generators=1 ray.generator.num_gpus="$generator_gpus" checkpoint.every_steps=5
+  run smollm2-fsdp-float16-x2 recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=float16 train.precision=float16 \
+    runtime=ray train.world_size=2 train.sharding=fsdp ray.trainer.num_gpus=1 ray.generators=1 \
+    ray.generator.num_gpus="$generator_gpus" checkpoint.every_steps=5
 else
   echo "fsdp: skipped: train.sharding=fsdp needs train.world_size >= 2 ranks of one GPU each; this machine has $gpus GPU(s)"
 fi

@@ -7,6 +7,7 @@ when sharded; DDP's gradient buckets and the activations are not counted). Then 
 1.5B / 7B / 32B models from the measured bytes per parameter (see docs/benchmarks.md for the formula).
 
     PYTHONPATH=src:. .venv/bin/python bench/sharding_memory.py   # src: the package; .: the tests' batch maker
+    PYTHONPATH=src:. .venv/bin/python bench/sharding_memory.py --lora 16 --moments float32   # LoRA: frozen base + adapters
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ def held(trainer: TorchTrainer) -> dict[str, int]:
             for name, tensors in (("params", params), ("grads", grads), ("optimizer", state))}
 
 
-def rank_main(rank: int, world: int, sharding: str, moments: str, port: int, out: str) -> None:
+def rank_main(rank: int, world: int, sharding: str, moments: str, port: int, out: str, lora: int) -> None:
     torch.set_num_threads(1)
     model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
     groups = make_groups(model, 4, seed=1)
     overrides = ["model.path=builtin:tiny", "train.device=cpu", "rollout.group_size=4", f"train.optimizer_state_dtype={moments}"]
+    overrides += [f"train.lora.r={lora}"] if lora else []
     if world > 1:
         overrides += ["runtime=ray", f"train.world_size={world}", f"train.sharding={sharding}"]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -55,7 +57,7 @@ def rank_main(rank: int, world: int, sharding: str, moments: str, port: int, out
     trainer.train_step(groups)
     ids = torch.tensor([[1, 5, 7, 9]])
     (trainer.model(input_ids=ids).logits.sum() * 0.0).backward()  # gradients exist (sharded: reduce-scattered)
-    count = sum(p.numel() for p in model.parameters()) if world == 1 else None
+    count = sum(p.numel() for p in trainer.model.parameters()) if world == 1 else None
     with open(os.path.join(out, f"{rank}.json"), "w") as handle:
         json.dump({"held": held(trainer), "count": count}, handle)
     if world > 1:
@@ -68,24 +70,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def measure(world: int, sharding: str, moments: str) -> list[dict]:
+def measure(world: int, sharding: str, moments: str, lora: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(rank_main, args=(world, sharding, moments, free_port(), out), nprocs=world, start_method="fork")
+        mp.start_processes(rank_main, args=(world, sharding, moments, free_port(), out, lora), nprocs=world, start_method="fork")
         return [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="1,2,4")
+    parser.add_argument("--lora", type=int, default=0, help="train.lora.r (0: no LoRA, every weight trains)")
+    parser.add_argument("--moments", default="float32,bfloat16")
     args = parser.parse_args()
     print("| sharding | ranks | AdamW moments | parameters | gradients | optimizer state | total, bytes/parameter per rank |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     per_param: dict[tuple[str, int, str], float] = {}
     count = None
-    for moments in ("float32", "bfloat16"):
+    for moments in args.moments.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
             for sharding in (("ddp", "fsdp") if world > 1 else ("none",)):
-                ranks = measure(world, sharding, moments)
+                ranks = measure(world, sharding, moments, args.lora)
                 count = count or ranks[0]["count"]
                 worst = max(ranks, key=lambda r: sum(r["held"].values()))["held"]  # the rank holding the most
                 parts = [worst[k] / count for k in ("params", "grads", "optimizer")]

@@ -120,7 +120,7 @@ async def stubborn(client: openai.AsyncOpenAI, row) -> float:
             messages += [{"role": "assistant", "content": response.choices[0].message.content}, {"role": "user", "content": "go"}]
         except asyncio.CancelledError:
             STUBBORN_CALLS.append("cancelled")
-        except openai.APIError as error:
+        except (openai.APIError, RuntimeError) as error:  # RuntimeError: its client was closed under it (it goes on regardless)
             STUBBORN_CALLS.append(type(error).__name__)
             await asyncio.sleep(0.05)
         if len(STUBBORN_CALLS) >= 4:

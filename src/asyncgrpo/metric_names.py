@@ -13,11 +13,14 @@ WASTE_REASONS = ("stale", "failed", "filtered")  # rollout/token_books.py: the b
 
 # Agent sessions (agents/): why a request was refused, and how an episode failed.
 AGENT_REFUSALS = ("malformed", "unsupported", "turn_limit", "context_limit", "after_close")
-AGENT_FAILURES = ("raised", "no_model_call", "bad_return", "timeout")
+# The command agents' own failures (agents/command.py) follow the first four.
+AGENT_FAILURES = ("raised", "no_model_call", "bad_return", "timeout", "not_found", "exit", "no_reward", "bad_output", "bad_row")
 AGENT_COUNTERS = (
     *(f"agent/refused/{reason}" for reason in AGENT_REFUSALS),
     *(f"agent/failed/{kind}" for kind in AGENT_FAILURES),
     "agent/unparsed_tool_calls_total",
+    "agent/killed_total",  # a command agent's process group SIGKILLed after env.cancel_grace_s
+    "agent/release_timeout_total",  # the gateway's server stop outlived its deadline (agents/gateway.py)
 )
 
 STEP_KEYS = ("step", "version")

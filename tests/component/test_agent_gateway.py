@@ -227,7 +227,8 @@ def test_a_stubborn_agent_is_abandoned_counted_and_its_calls_after_the_close_are
     assert asyncio.run(run())
     assert collector.counters["env/abandoned_total"] == 2 and collector.counters["rollout/failed_total"] == 0
     assert agents.STUBBORN_CALLS[:2] == ["cancelled", "cancelled"]
-    assert set(agents.STUBBORN_CALLS[2:]) <= {"APIStatusError", "APIConnectionError", "NotFoundError"} and len(agents.STUBBORN_CALLS) > 2
+    assert set(agents.STUBBORN_CALLS[2:]) <= {"APIStatusError", "APIConnectionError", "NotFoundError", "RuntimeError"}
+    assert len(agents.STUBBORN_CALLS) > 2
     logged = [r.getMessage() for r in caplog.records if "abandoned" in r.getMessage()]
     assert len(logged) == 1 and "agent:tests.agents:stubborn" in logged[0]
 
@@ -248,8 +249,38 @@ def test_the_gateway_binds_127_0_0_1_and_refuses_a_key_it_does_not_hold():
                 with pytest.raises(openai.NotFoundError, match="no session 'not-a-session'"):
                     await stranger.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
             finally:
-                await gateway.release(inbox)
+                assert await gateway.release(inbox, 5.0)
             with pytest.raises(openai.APIConnectionError):  # no session left: the port is closed
                 await client.models.list()
 
     asyncio.run(run())
+
+
+def test_a_server_stop_that_will_not_end_is_given_up_at_its_deadline_and_the_next_session_gets_a_fresh_server(monkeypatch):
+    import openai
+    from aiohttp import web
+
+    from asyncgrpo.agents.gateway import Gateway
+
+    async def run():
+        gateway = Gateway()
+        inbox = await gateway.open()
+        stuck = gateway._runner
+        never = asyncio.get_running_loop().create_future()
+        cleanup = web.AppRunner.cleanup
+
+        async def hang(runner):
+            await (never if runner is stuck else cleanup(runner))
+
+        monkeypatch.setattr(web.AppRunner, "cleanup", hang)  # the first server's stop never ends
+        assert not await gateway.release(inbox, 0.2)
+        assert inbox.closed
+        again = await gateway.open()  # not blocked behind the stuck stop: a server of its own
+        try:
+            async with openai.AsyncOpenAI(base_url=again.base_url, api_key="x", max_retries=0) as client:
+                assert [m.id for m in (await client.models.list()).data] == ["policy"]
+        finally:
+            assert await gateway.release(again, 5.0)
+            await cleanup(stuck)
+
+    asyncio.run(asyncio.wait_for(run(), 20))

@@ -130,6 +130,21 @@ def test_a_model_that_attends_across_packed_sequences_is_a_config_error():
     TorchTrainer(CumulativeLM(), None, make_cfg())  # padded micro-batches need no confinement
 
 
+class PositionlessLM(CumulativeLM):
+    """A causal LM whose forward takes no position ids: packing cannot restart its positions per sequence."""
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        return super().forward(input_ids, attention_mask=attention_mask, use_cache=use_cache)
+
+
+def test_a_model_whose_forward_takes_no_position_ids_is_a_config_error_not_a_type_error():
+    with pytest.raises(ConfigError) as info:
+        TorchTrainer(PositionlessLM(), None, make_cfg({"micro_batch_tokens": 64}))
+    message = str(info.value)
+    for part in ("train.micro_batch_tokens = 64", "PositionlessLM", "takes no position_ids", "Fix: unset train.micro_batch_tokens"):
+        assert part in message
+
+
 def train_as_rank(rank: int, init_file: str, out: str, model, groups, train: dict) -> None:
     """One of two data-parallel ranks (a forked child): one packed step; rank 0 saves its metrics and gradients."""
     import torch.distributed as dist

@@ -2,7 +2,9 @@
 of the two sharded ranks equals the single-process step on the same batch (loss, gradient norm, weights, AdamW's
 moments), each rank holds about half the parameters and optimizer state (measured: the bytes of its shards), and
 checkpoints cross world sizes both ways: the ranks resume a checkpoint one process wrote, and one process resumes
-the checkpoint the ranks wrote (the single-process layout: the gathered full weights and optimizer state).
+the checkpoint the ranks wrote (the single-process layout: the gathered full weights and optimizer state). The same
+holds with LoRA (frozen base weights and adapters sharded alike; the generators get the merged weights; the checkpoint
+holds the merged model and peft's adapter), with the KL term on, whose reference is the sharded model, adapters off.
 
 The batch makes the ranks unequal (as tests/integration/test_ray_trainer.py): 4 groups in 3 updates (2, 1 and 1
 groups), micro-batches of 3 sequences, so rank 1 has no sequence in two updates and fewer forward passes in each;
@@ -25,11 +27,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 from asyncgrpo.config import load_config
 from asyncgrpo.models.loading import load_model_and_tokenizer
 from asyncgrpo.training.bf16_adamw import local
 from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
+from asyncgrpo.training.lora import adapter_state
 from asyncgrpo.training.trainer import TorchTrainer
 from tests.component.test_trainer import TEMPERATURE, make_groups
 
@@ -37,6 +41,10 @@ pytestmark = pytest.mark.timeout(300)
 
 WORLD = 2
 LOW = ("train.precision=bfloat16", "train.optimizer_state_dtype=bfloat16")
+# The KL term: its reference is sharded too (a frozen copy; with LoRA the sharded model, adapters off).
+KL = "train.loss.kl_coef=0.1"
+LORA = ("train.lora.r=4", KL)
+HALF = "train.precision=float16"
 
 
 def config(*overrides: str):
@@ -46,15 +54,20 @@ def config(*overrides: str):
                               *overrides])
 
 
+def parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters `module` holds now (a rank's shards when sharded and not gathered)."""
+    return sum(local(p).numel() * p.element_size() for p in module.parameters())
+
+
 def held_bytes(trainer: TorchTrainer) -> int:
     """Bytes of this process's parameters and optimizer state tensors (a rank's shards when sharded)."""
-    params = sum(local(p).numel() * p.element_size() for p in trainer.model.parameters())
+    params = parameter_bytes(trainer.model)
     state = sum(local(t).numel() * t.element_size() for s in trainer.optimizer.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor) and t.dim() > 0)
     return params + state
 
 
-def rank_main(rank: int, port: int, directory: str, first_checkpoint: str) -> None:
+def rank_main(rank: int, port: int, directory: str, first_checkpoint: str, lora_checkpoint: str) -> None:
     torch.set_num_threads(1)  # forked: no OpenMP pool of the parent's in this process (and two ranks on two cores)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
@@ -63,13 +76,15 @@ def rank_main(rank: int, port: int, directory: str, first_checkpoint: str) -> No
         model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
         groups = make_groups(model, 4, seed=6, truncated_every=3)  # the log-probs of the initial model, as the test's
         initial = copy.deepcopy(model)
-        cfg = config("runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp")
+        cfg = config(KL, "runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp")
         trainer = TorchTrainer(model, tokenizer, cfg)
         load_checkpoint(first_checkpoint, trainer)  # as a Ray rank does: before joining, into the unsharded model
-        unsharded = held_bytes(trainer)
+        assert trainer.reference is not None
+        unsharded, reference = held_bytes(trainer), [parameter_bytes(trainer.reference)]
         trainer.join_data_parallel(rank, WORLD)
         sharded = held_bytes(trainer)
         metrics = trainer.train_step(groups)
+        reference.append(parameter_bytes(trainer.reference))  # after its forwards: resharded, the root group's too
         weights = trainer.generation_weights()  # every rank takes part; rank 0 gets them
         if rank == 0:
             save_checkpoint(directory, 2, trainer, cfg.model_dump_json(), {})
@@ -82,10 +97,58 @@ def rank_main(rank: int, port: int, directory: str, first_checkpoint: str) -> No
         low_metrics = low.train_step(groups)
         assert all(local(p).dtype == torch.float32 for p in low.model.parameters())  # the master weights
         low_state = low.state_dict()["optimizer"]
+        # float16 with its loss scaler; rank 1 alone sees an overflow (in one gradient shard) in the last update.
+        half = low_loss_scale(TorchTrainer(copy.deepcopy(initial), tokenizer,
+                                           config(HALF, "runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp")))
+        half.join_data_parallel(rank, WORLD)
+        if rank == 1:
+            overflow_at_unscale(half, 3)
+        half_metrics = half.train_step(groups)
+        assert half.scaler is not None
+        half_state = (half.scaler.get_scale(), max(int(s["step"]) for s in half.optimizer.state.values()))
+        # LoRA: frozen base weights and trainable adapters sharded alike, resumed from (and saved into) checkpoints.
+        lora_cfg = config(*LORA, "runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp")
+        adapted = TorchTrainer(copy.deepcopy(initial), tokenizer, lora_cfg)
+        load_checkpoint(lora_checkpoint, adapted)
+        lora_unsharded = held_bytes(adapted)
+        adapted.join_data_parallel(rank, WORLD)
+        lora_sharded = held_bytes(adapted)
+        lora_metrics = adapted.train_step(groups)
+        lora_weights = adapted.generation_weights()
+        if rank == 0:
+            save_checkpoint(os.path.join(directory, "lora"), 2, adapted, lora_cfg.model_dump_json(), {})
+        else:
+            adapted.save_pretrained(os.path.join(directory, "unused-lora"))
+            assert adapted.state_dict()["optimizer"] == {}
         torch.save({"metrics": metrics, "weights": weights, "unsharded": unsharded, "sharded": sharded,
-                    "low_metrics": low_metrics, "low_state": low_state}, os.path.join(directory, f"rank{rank}.pt"))
+                    "low_metrics": low_metrics, "low_state": low_state, "lora_metrics": lora_metrics,
+                    "lora_weights": lora_weights, "lora_held": (lora_unsharded, lora_sharded), "reference": reference,
+                    "half": (half_metrics, half_state)},
+                   os.path.join(directory, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def low_loss_scale(trainer: TorchTrainer) -> TorchTrainer:
+    """`trainer` with its float16 loss scale at 1024, not 65536: FSDP2's float16 gradients (of float16 weights) overflow
+    at 65536 in another update than autocast's (of float32 weights) do, and each skips its own; at 1024 neither does."""
+    assert trainer.scaler is not None
+    trainer.scaler.load_state_dict({**trainer.scaler.state_dict(), "scale": 1024.0})
+    return trainer
+
+
+def overflow_at_unscale(trainer: TorchTrainer, update: int) -> None:
+    """At the `update`-th update's unscaling, an inf in this rank's shard of one gradient: an overflow no other rank sees."""
+    assert trainer.scaler is not None
+    unscale, calls = trainer.scaler.unscale_, []
+
+    def unscale_(optimizer: torch.optim.Optimizer) -> None:
+        calls.append(optimizer)
+        if len(calls) == update:
+            local(next(p.grad for p in optimizer.param_groups[0]["params"] if p.grad is not None)).fill_(float("inf"))
+        unscale(optimizer)
+
+    trainer.scaler.unscale_ = unscale_  # type: ignore[method-assign]
 
 
 def free_port() -> int:
@@ -115,12 +178,15 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     first = single(model, tokenizer)
     first.train_step(make_groups(model, 4, seed=5, truncated_every=3))
     first_checkpoint = save_checkpoint(tmp_path, 1, first, "", {})
-    mp.start_processes(rank_main, args=(free_port(), str(tmp_path), str(first_checkpoint)), nprocs=WORLD, join=True,
-                       start_method="fork")
+    first_lora = single(model, tokenizer, *LORA)
+    first_lora.train_step(make_groups(model, 4, seed=5, truncated_every=3))
+    lora_checkpoint = save_checkpoint(tmp_path / "lora", 1, first_lora, "", {})
+    mp.start_processes(rank_main, args=(free_port(), str(tmp_path), str(first_checkpoint), str(lora_checkpoint)),
+                       nprocs=WORLD, join=True, start_method="fork")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
     groups = make_groups(model, 4, seed=6, truncated_every=3)
-    expected, regrouped = single(model, tokenizer), single(model, tokenizer, "train.micro_batch_size=1")
+    expected, regrouped = single(model, tokenizer, KL), single(model, tokenizer, KL, "train.micro_batch_size=1")
     for trainer in (expected, regrouped):
         load_checkpoint(first_checkpoint, trainer)
     expected_metrics = expected.train_step(groups)
@@ -139,6 +205,9 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     # Each rank holds its half (torch.chunk along the first dimension: a first dimension of odd length splits unevenly).
     assert sum(r["sharded"] for r in ranks) == ranks[0]["unsharded"] == held_bytes(expected)
     assert all(0.45 < r["sharded"] / r["unsharded"] < 0.55 for r in ranks), [r["sharded"] for r in ranks]
+    # So does the KL reference's frozen copy, after its forward passes as before them.
+    assert expected_metrics["kl"] > 0 and sum(r["reference"][1] for r in ranks) == ranks[0]["reference"][0]
+    assert all(0.45 < part / whole < 0.55 for r in ranks for whole, part in [r["reference"]]), [r["reference"] for r in ranks]
 
     # One process resumes the ranks' checkpoint: the full weights and AdamW state, in the single-process layout.
     resumed = single(model, tokenizer)
@@ -165,6 +234,42 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     assert 0 < bfloat16_noise < 0.2
     assert first_moment_distance(sharded_moments, moments(low)) <= 2 * bfloat16_noise
     low.load_state_dict({**low.state_dict(), "optimizer": ranks[0]["low_state"]})  # the single-process layout
+
+    # float16: the ranks compute the single process's losses; the overflow one rank saw in the last update made both skip
+    # it (one AdamW step fewer than the single process, every rank) and halve their loss scale alike.
+    half = low_loss_scale(single(model, tokenizer, HALF))
+    half_metrics = half.train_step(groups)
+    assert half.scaler is not None
+    steps = max(int(s["step"]) for s in half.optimizer.state.values())
+    assert ranks[0]["half"][0]["loss"] == pytest.approx(half_metrics["loss"], rel=2e-2)
+    assert [r["half"][1] for r in ranks] == [(half.scaler.get_scale() / 2, steps - 1)] * WORLD
+
+    # LoRA: the ranks' step is the single process's, the generators get the merged weights, each rank holds half of the
+    # (mostly frozen) parameters, and the checkpoint they wrote resumes in one process (the adapter in peft's layout,
+    # the merged model in save_pretrained's).
+    expected, regrouped = single(model, tokenizer, *LORA), single(model, tokenizer, *LORA, "train.micro_batch_size=1")
+    for trainer in (expected, regrouped):
+        load_checkpoint(lora_checkpoint, trainer)
+    expected_metrics = expected.train_step(groups)
+    regrouped.train_step(groups)
+    weight_noise = largest_difference(regrouped.generation_weights(), expected.generation_weights())
+    adapter_noise = largest_difference(adapter_state(regrouped.model), adapter_state(expected.model))
+    assert 0 < weight_noise < 1e-3 and 0 < adapter_noise < 1e-3
+    for key in ("loss", "grad_norm", "kl", "clip_frac", "is_ratio/mean", "entropy"):
+        assert ranks[0]["lora_metrics"][key] == pytest.approx(expected_metrics[key], rel=1e-5, abs=1e-9), key
+    assert expected_metrics["kl"] > 0
+    assert ranks[1]["lora_weights"] == {}
+    assert largest_difference(ranks[0]["lora_weights"], expected.generation_weights()) <= 4 * weight_noise
+    (unsharded, _), shards = ranks[0]["lora_held"], [r["lora_held"][1] for r in ranks]
+    assert sum(shards) == unsharded == held_bytes(expected) and all(0.45 < s / unsharded < 0.55 for s in shards), shards
+    written = tmp_path / "lora" / "checkpoints" / "step_000002"
+    saved = load_file(str(written / "model.safetensors"))
+    assert largest_difference(saved, {k: v for k, v in expected.generation_weights().items() if k in saved}) <= 4 * weight_noise
+    resumed = single(model, tokenizer, *LORA)
+    assert load_checkpoint(written, resumed)["step"] == 2
+    assert largest_difference(adapter_state(resumed.model), adapter_state(expected.model)) <= 4 * adapter_noise
+    assert largest_difference(resumed.generation_weights(), expected.generation_weights()) <= 4 * weight_noise
+    assert resumed.optimizer.state_dict()["param_groups"] == expected.optimizer.state_dict()["param_groups"]
 
 
 def first_moment_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -560,12 +560,13 @@ def test_requests_held_by_our_own_weight_install_are_not_abandoned(tmp_path):
     """The attempt clock stands still while its server is paused for a reload: a held request is not silent."""
     async def main():
         fake = await FakeServer().start()
-        fake.reload_delay_s = 1.0  # many times the adaptive timeout (answers take ~1 ms: its floor)
         gen = HttpGenerator(recipe([fake.url]).generation, weights_dir=tmp_path / "weights")
         await gen.start()
         try:
             await learn_latencies(gen)
-            assert gen._latency.timeout_s() < fake.reload_delay_s
+            # Hold the requests for several times the adaptive attempt timeout learnt just now (its floor when
+            # answers take ~1 ms; more on a loaded machine), so a running attempt clock would time them out.
+            fake.reload_delay_s = max(1.0, 3 * gen._latency.timeout_s())
             publish = asyncio.create_task(gen.load_weights({"w": torch.zeros(2)}, 1))
             await until(lambda: fake.paused, 10, "the server to be paused")
             held = await asyncio.gather(*(gen.generate(request(i)) for i in range(4)))  # dispatched during the pause

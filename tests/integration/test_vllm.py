@@ -19,6 +19,8 @@ cores), serving a `builtin:tiny` model saved to disk. The tests:
 - resume (`rollout.on_stale: resume`): a streamed rollout interrupted by a weight update keeps the
   tokens received and continues under the new weights; ids = prefix + continuation, each part's
   logprobs a teacher-forced forward's of its own version.
+- LoRA adapter sync (weight_sync: lora, last: it leaves adapters loaded): after two adapter versions the
+  server's logprobs under the version-named adapter are the trainer's merged model's.
 
 The server is an external process: every wait polls its /metrics with a deadline, and no fixed
 sleep decides an assertion. Skipped (with the harness's reason) only when a vLLM server cannot be
@@ -57,6 +59,8 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 TEMPERATURE = 0.7
 DELTA_EXTENSION = "asyncgrpo.generation.vllm_weights.DeltaWorkerExtension"
 LOGPROB_TOLERANCE = 1e-3
+LORA = {"r": 8, "alpha": 16, "target_modules": "all-linear"}
+LORA_ARGS = ("--enable-lora", "--max-lora-rank", str(LORA["r"]), "--max-loras", "2")
 EOS = 2
 
 
@@ -78,9 +82,10 @@ def vllm(tmp_path_factory):
         pytest.skip(f"no vLLM server can be started here: {reason}")
     model_dir = save_model(*build_tiny(0), tmp_path_factory.mktemp("vllm-model") / "tiny")
     log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
-    # --logprobs-mode processed_logprobs, dev mode (harness); the worker extension for delta weight sync (only adds methods)
-    server = start_vllm_server(model_dir, log_path=log_path, extra_args=("--worker-extension-cls", DELTA_EXTENSION),
-                               env={"PYTHONPATH": str(REPO_ROOT / "src")})
+    # --logprobs-mode processed_logprobs, dev mode (harness); the worker extension for delta weight sync (only adds methods);
+    # runtime LoRA adapters for weight_sync: lora (a request naming the base model runs no adapter)
+    server = start_vllm_server(model_dir, log_path=log_path, extra_args=("--worker-extension-cls", DELTA_EXTENSION, *LORA_ARGS),
+                               env={"PYTHONPATH": str(REPO_ROOT / "src"), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     print(f"\nvLLM server {server.base_url}: healthy after {server.startup_s:.1f} s, warm-up {server.warmup_s:.1f} s, "
           f"RSS {server.rss_bytes() / 2**30:.1f} GiB, log {log_path}")
     try:
@@ -317,8 +322,8 @@ def test_vllm_applies_weight_deltas_through_the_worker_extension_and_serves_the_
 
 def test_cancelled_requests_are_aborted_by_vllm(vllm, tmp_path):
     """Long generations through HttpGenerator.generate, cancelled: vLLM stops them at once."""
-    n, max_new_tokens = 16, 480
-    cfg = generation_cfg(vllm.url, max_new_tokens=max_new_tokens)
+    n, max_new_tokens = 128, 480
+    cfg = generation_cfg(vllm.url, max_new_tokens=max_new_tokens, max_inflight=n)
 
     async def main():
         gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights", model_config=vllm.model_dir)
@@ -528,3 +533,67 @@ def test_a_short_training_against_vllm_reloads_every_version(vllm, tmp_path, mon
     print(f"train over vLLM, max_staleness {staleness}: {max_steps} steps in {elapsed:.1f} s, {len(installs)} reloads, "
           f"weight sync {statistics.fmean(m['time/weight_sync_s'] for m in metrics):.3f} s/step, "
           f"is_ratio max {max(m['is_ratio/max'] for m in metrics):.6f}")
+
+
+# ----------------------------------------------------------------------------- (d) LoRA adapter sync
+
+
+def test_vllm_serves_the_trainers_lora_adapters_under_version_names_with_the_trainers_logprobs(vllm, tmp_path):
+    """generation.http.weight_sync = lora: the base is loaded whole once (weights that carry no adapter), then each
+    version is only the adapter, loaded as policy-v<N>-<run id> and named by the requests; after each of two adapter
+    versions the server's logprobs are a teacher-forced forward of the trainer's (merged) model."""
+    from asyncgrpo.training.trainer import TorchTrainer
+    from tests.component.test_trainer import make_cfg
+
+    pytest.importorskip("peft", reason="LoRA needs peft: pip install 'asyncgrpo[lora]'")
+    cfg = validate_config({"train": {"backend": "stub", "lora": LORA}, "generation": {
+        "backend": "http", "max_new_tokens": 24, "temperature": TEMPERATURE, "health_probe_interval_s": 1.0,
+        "http": {"base_urls": [vllm.url], "startup_timeout_s": 60.0, "weight_sync": "lora"}}}).generation
+    trainer = TorchTrainer(build_tiny(0)[0], None, make_cfg({"lora": LORA}))
+    prompts = demo_prompts(6)
+
+    async def main():
+        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights", model_config=vllm.model_dir)
+        await gen.start()
+        worst: dict[int, tuple[float, float]] = {}
+        names: list[str] = []
+        try:
+            # The shared server holds the previous test's weights: the base goes first, whole.
+            await gen.load_weights(dict(build_tiny(0)[0].state_dict()), 0)
+            for version in (1, 2):
+                previous = {k: v.clone() for k, v in trainer.generation_weights().items()}
+                g = torch.Generator().manual_seed(version)
+                with torch.no_grad():  # an adapter step (B starts at zero: the first one makes the adapter matter)
+                    for name, p in trainer.model.named_parameters():
+                        if ".lora_" in name:
+                            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+                started = time.monotonic()
+                await gen.load_weights(trainer.generation_weights(), version)
+                print(f"LoRA adapter sync v{version}: {time.monotonic() - started:.3f} s")
+                names.append(gen._weights.model_for(gen._pool.servers[0]) or "")
+                requests = [GenerationRequest(f"l{version}-{i}", i, p, sampling(), seed=i) for i, p in enumerate(prompts)]
+                completions = await asyncio.gather(*(gen.generate(r) for r in requests))
+                old = build_tiny(0)[0].eval()
+                old.load_state_dict(previous)
+                errors, against_previous = [0.0], [0.0]
+                for r, c in zip(requests, completions):
+                    assert c.versions == (version,) * len(c.token_ids) and c.token_ids
+                    ref = teacher_forced_logprobs(trainer.model.eval(), r.prompt_token_ids, c.token_ids, TEMPERATURE)
+                    errors += [abs(a - b) for a, b in zip(c.logprobs, ref)]
+                    stale = teacher_forced_logprobs(old, r.prompt_token_ids, c.token_ids, TEMPERATURE)
+                    against_previous += [abs(a - b) for a, b in zip(c.logprobs, stale)]
+                worst[version] = (max(errors), max(against_previous))
+            return gen.stats(), worst, names
+        finally:
+            await gen.aclose()
+
+    stats, worst, names = run(main())
+    print(f"LoRA sync on vLLM: max |logp_vllm - logp_torch| per version {worst}, adapters {names}, stats "
+          f"{ {k: v for k, v in stats.items() if k.startswith('weight_sync')} }")
+    assert stats["weight_sync_adapters"] == 2 and stats["weight_sync_full_loads"] == 1, stats
+    assert stats["weight_sync_lora_fallbacks"] == 0 and stats["weight_sync_failures"] == 0, stats
+    assert [n.split("-")[:2] for n in names] == [["policy", "v1"], ["policy", "v2"]], names
+    status, listed = http("GET", f"{vllm.url}/v1/models", timeout_s=10.0)
+    assert status == 200 and {m["id"] for m in listed["data"]} >= set(names), listed
+    assert all(err < LOGPROB_TOLERANCE for err, _ in worst.values()), worst
+    assert all(stale > 0.01 for _, stale in worst.values()), "the adapter did not change what the server serves"

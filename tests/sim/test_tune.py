@@ -25,15 +25,17 @@ TRUTH = [
     "rollout.max_staleness=1", "train.max_steps=30", "simulate.faults=[]", "simulate.token_time_s=0.0001",
     "simulate.tokens={dist: lognormal, median: 100, sigma: 0.3}",
     "simulate.token_model={rollout_sigma: 0.2, prefill_s: 0.01, decode_s_per_token: 0.002, batch_knee: 8}",
-    "simulate.weight_sync_s={dist: const, value: 0.05}",
+    "simulate.weight_sync_s={dist: const, value: 0.05}", "simulate.step_overhead_s=0.3", "eval.every_steps=5", "simulate.eval_s=0.4",
 ]
 
 
 def truth_run(run_dir: Path, *extra: str):
-    """Simulate the truth into `run_dir` and make it a run directory (config.yaml and the marker), as a training run leaves one."""
+    """Simulate the truth into `run_dir` and make it a run directory (config.yaml and the marker), as a training run leaves one:
+    its config has no simulate: section (calibration must fit every model, not inherit the truth's)."""
     cfg = load_config("recipes/simulate.yaml", [*TRUTH, *extra])
     sim = simulate(cfg, output_dir=run_dir)
-    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(mode="json")), encoding="utf-8")
+    recorded = {k: v for k, v in cfg.model_dump(mode="json").items() if k != "simulate"}
+    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(recorded), encoding="utf-8")
     (run_dir / MARKER).write_text("{}", encoding="utf-8")
     return cfg, sim
 
@@ -41,7 +43,8 @@ def truth_run(run_dir: Path, *extra: str):
 def test_calibration_recovers_the_truth_models(tmp_path):
     truth_run(tmp_path)
     c = calibrate(load_run(tmp_path))
-    assert c.trainer.token_time_s == pytest.approx(1e-4, rel=1e-6)
+    assert c.trainer.token_time_s == pytest.approx(1e-4, rel=1e-6) and c.trainer.overhead_s == pytest.approx(0.3, rel=1e-4)
+    assert c.eval_s == pytest.approx(0.4, rel=1e-6)
     assert c.weight_sync_s == pytest.approx(0.05, rel=1e-6)
     assert c.decode.batch_knee == 8
     assert c.decode.decode_s_per_token == pytest.approx(0.002, rel=0.1)  # dispatch order within an instant is not recorded
@@ -77,11 +80,23 @@ def test_a_replay_that_misses_the_run_refuses_to_advise(tmp_path, capsys):
 
 
 def test_tune_prints_one_json_object_with_the_frontier_and_dotted_overrides_and_draws_the_plot(tmp_path, capsys):
-    truth_run(tmp_path, "train.max_steps=6")
+    """...and what it predicts for its recommendation is what `asyncgrpo simulate RUN_DIR/tuned.yaml OVERRIDES` gives."""
+    truth_run(tmp_path, "train.max_steps=6", "rollout.max_staleness=0")
     assert main(["tune", str(tmp_path), "--json", "--plot", "--max-staleness", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["validation"]["ok"]
     assert 40 <= len(report["sweep"]) <= 70 and report["frontier"]
-    assert all(key in KEYS for key in report["recommendation"]["overrides"])
+    overrides = report["recommendation"]["overrides"]
+    assert overrides and all(key in (*KEYS, "eval.every_steps") for key in overrides)
     assert report["recommendation"]["predicted"]["overrides"]["rollout.max_staleness"] <= 2
     assert (tmp_path / "tune.png").stat().st_size > 0 and (tmp_path / "tuned.yaml").exists()
+    pasted = load_config(str(tmp_path / "tuned.yaml"), [f"{k}={v}" for k, v in overrides.items()])
+    assert observe_simulation(simulate(pasted)).tokens_per_s == report["recommendation"]["predicted"]["observed"]["tokens_per_s"]
+
+
+def test_a_run_with_episodes_that_does_not_replay_names_the_uncalibrated_environment_model(tmp_path, capsys):
+    truth_run(tmp_path, "train.max_steps=6", "env={factory: 'simulated:env', max_turns: 4, max_tokens: 4096}",
+              "simulate.env={call_s: {dist: const, value: 1.0}, done_prob: 0.0}")
+    assert main(["tune", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "MISS" in out and "plays episodes (env:)" in out and "simulate.env" in out

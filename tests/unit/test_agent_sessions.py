@@ -177,5 +177,6 @@ def test_an_agent_with_process_isolation_is_a_config_error_naming_the_fix():
     from asyncgrpo.errors import ConfigError
     from tests.sim.fakes import recipe
 
-    with pytest.raises(ConfigError, match="an agent runs as a task of the run's event loop.*env.isolation: thread"):
+    with pytest.raises(ConfigError, match="runs as a task of the run's event loop.*env.isolation: thread.*agent-command:python my_agent.py"):
         recipe(env={"factory": "agent:tests.agents:one_turn", "isolation": "process"})
+    assert recipe(env={"factory": "agent-command:sh agent.sh", "isolation": "process"}).env.isolation == "process"  # a process anyway

@@ -403,7 +403,8 @@ def test_a_sync_call_that_times_out_does_not_starve_later_calls_of_threads():
         return [1.0] * len(completions)
 
     async def main():
-        async with RewardScorer([("f", sometimes_stuck)], timeout_s=0.05, isolation="thread", workers=1) as scorer:
+        # The timeout bounds the second call too: 1 s, not a few ms, so a loaded machine cannot make it time out.
+        async with RewardScorer([("f", sometimes_stuck)], timeout_s=1.0, isolation="thread", workers=1) as scorer:
             with pytest.raises(RewardError, match="did not return within"):
                 await scorer.score(PROMPT, ["a"])
             scored = await scorer.score(PROMPT, ["a", "b"])  # one worker thread, and it is stuck: a new one runs this
@@ -430,8 +431,9 @@ def test_an_async_reward_that_blocks_its_loop_meets_reward_timeout_s_and_later_c
     _blocking_calls = itertools.count()
 
     async def main():
-        async with RewardScorer([("blocks", _blocks_its_loop_once)], timeout_s=0.5, isolation=isolation, specs=["x:y"]) as scorer:
-            with pytest.raises(RewardError, match=r"'blocks' did not return within reward.timeout_s = 0.5 s"):
+        # 1.5 s: the second call (a fresh loop, in a process for "process") must fit in it on a loaded machine too.
+        async with RewardScorer([("blocks", _blocks_its_loop_once)], timeout_s=1.5, isolation=isolation, specs=["x:y"]) as scorer:
+            with pytest.raises(RewardError, match=r"'blocks' did not return within reward.timeout_s = 1.5 s"):
                 await scorer.score(PROMPT, ["a"])
             # The blocked loop is written off: the next call does not queue behind it (it would time out too).
             return await scorer.score(PROMPT, ["a"])

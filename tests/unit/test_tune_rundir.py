@@ -93,3 +93,16 @@ def test_starting_over_removes_what_tune_wrote(tmp_path):
     cleared = clear_run(path)
     assert {"tuned.yaml", "tune.png"} <= set(cleared.removed)
     assert not (path / "tuned.yaml").exists() and not (path / "tune.png").exists()
+
+
+def test_only_evaluations_inside_the_training_loop_count_each_process_baseline_does_not(tmp_path):
+    """A process evaluates once before its loop (at step 0, or at the step a resume starts from): no step waits on it."""
+    from asyncgrpo.tuning.records import load_run
+
+    path = run_dir(tmp_path)
+    extra = [{"e": "eval", "step": 0, "span": [-2.0, -1.0]}, {"e": "eval", "step": 3, "span": [3.0, 3.5]},
+             {"e": "start", "server": "s", "max_inflight": 4, "group_size": 2, "max_rollout_spans": 10, "step": 4, "at": 4.0},
+             {"e": "eval", "step": 4, "span": [4.0, 4.2]}]
+    with (path / TIMELINE_FILE).open("a") as f:
+        f.write("".join(json.dumps(line) + "\n" for line in extra))
+    assert [e["step"] for e in load_run(path).evals] == [3]

@@ -88,6 +88,36 @@ def test_trainer_time_per_token_leaves_the_warm_up_step_out():
     assert fit.token_time_s == pytest.approx(0.001)
     assert fit.step_time_s == pytest.approx(1.5)
     assert fit.intercept_s == pytest.approx(0.0, abs=1e-12) and fit.slope_s == pytest.approx(0.001)
+    assert fit.overhead_s == 0.0
+
+
+def test_trainer_per_step_overhead_is_the_intercept_when_the_steps_show_one():
+    rng = random.Random(0)
+    steps = [(9.0, 100)] + [(0.5 + 0.001 * t + rng.gauss(0, 0.01), t) for t in (rng.randint(500, 2000) for _ in range(30))]
+    fit = fit_trainer(steps)
+    assert fit.overhead_s == pytest.approx(0.5, abs=0.05) and fit.token_time_s == pytest.approx(0.001, rel=0.05)
+    rows = steps[1:]  # either way the fit reproduces the run's trainer time at its own step sizes
+    assert sum(fit.overhead_s + fit.token_time_s * t for _, t in rows) == pytest.approx(sum(s for s, _ in rows))
+
+
+@pytest.mark.parametrize("spread", [0, 20])
+def test_trainer_time_stays_proportional_when_steps_of_about_one_size_cannot_show_an_overhead(spread):
+    """Equal steps (no spread) or a spread noise swamps: an intercept extrapolated from them would be a guess."""
+    rng = random.Random(1)
+    steps = [(0.3 + 0.001 * t + rng.gauss(0, 0.05), t) for t in (700 + rng.randint(0, spread) for _ in range(30))]
+    fit = fit_trainer(steps)
+    assert fit.overhead_s == 0.0
+    assert fit.token_time_s == pytest.approx(sum(s for s, _ in steps[1:]) / sum(t for _, t in steps[1:]))
+
+
+def test_decode_leaves_out_rollouts_that_overlap_an_evaluation():
+    """The servers decoded the evaluation's requests meanwhile: those rollouts are slow for a reason the simulator
+    models apart (simulate.eval_s), so fitting them would slow every simulated rollout."""
+    spans = _waves(prefill=0.05, per_token=0.002, knee=8)
+    end = max(s["end"] for s in spans)
+    slowed = [{"start": end + 1, "end": end + 31, "tokens": 100, "outcome": "finished"}]
+    assert fit_decode(spans + slowed, busy=[(end + 2, end + 7)]) == fit_decode(spans)
+    assert fit_decode(spans + slowed) != fit_decode(spans)
 
 
 def _observed(tps: float, wait: float = 0.1, bias: float | None = 1.0, staleness: dict[int, float] | None = None, waste: float = 0.0):
@@ -108,6 +138,14 @@ def test_only_policies_the_runs_backend_accepts_are_swept():
     assert policies_for(ray) == tuple(p for p in POLICIES if p != "resume")
     configs = candidates(1, "patience", 128, 8, policies_for(ray))
     assert "resume" not in {c["rollout.on_stale"] for c in configs} and len(configs) == 4 * 4 * 3 + 2 * 4
+
+
+def test_a_run_that_evaluates_keeps_its_evaluations_per_trained_group_when_the_step_size_changes():
+    """Else doubling groups_per_step would look faster only by evaluating half as often."""
+    configs = candidates(1, "patience", 128, 8, eval_every=10)
+    by_size = {c["rollout.groups_per_step"]: c.get("eval.every_steps") for c in configs}
+    assert by_size == {4: 20, 8: None, 16: 5}
+    assert all("eval.every_steps" not in c for c in candidates(1, "patience", 128, 8))
 
 
 def test_candidates_start_with_the_run_and_cover_every_policy_without_duplicates():
@@ -137,6 +175,13 @@ def test_recommend_respects_the_staleness_and_length_bias_constraints():
     assert recommend(points, max_staleness=None, min_length_bias=None).changes["rollout.max_staleness"] == 3
     nothing = recommend(points, max_staleness=0, min_length_bias=None)
     assert nothing.changes == {} and "constraints" in nothing.reason
+
+
+def test_a_run_outside_the_constraints_gets_the_fastest_config_inside_them_even_a_slower_one():
+    points = [_point(1, "patience", 100), _point(0, "requeue", 80), _point(0, "drop", 70)]
+    rec = recommend(points, max_staleness=0, min_length_bias=None)
+    assert rec.changes == {"rollout.max_staleness": 0, "rollout.on_stale": "requeue"}
+    assert "-20%" in rec.reason and "outside the constraints" in rec.reason
 
 
 def test_frontier_drops_dominated_points_and_keeps_one_of_each_tie():

@@ -5,4 +5,6 @@ session of the run's gateway (gateway.py), an OpenAI-compatible HTTP endpoint on
 of the run's generator, and runs the agent with an `openai.AsyncOpenAI` pointed at it
 (episode.py). The session (session.py) keeps the exact sampled ids of each assistant turn and
 builds the training sample from them; tool calls are parsed by toolcalls.py.
+`env.factory: agent-command:<command line>` runs a program per episode instead (command.py), its
+session's base URL and key in its environment, its reward the last line of its stdout.
 """

@@ -1,7 +1,8 @@
 """One agent episode: a gateway session, the agent run against it, and the training sample built from it.
 
 Job (`AgentEpisodes.play`): open a session (gateway.py), run `agent(client, row)` as a task of its
-own with an `openai.AsyncOpenAI` at the session's base URL, answer the session's calls in order
+own with an `openai.AsyncOpenAI` at the session's base URL (or, for `agent-command:`, the program
+as a process given the session's base URL and key: command.py, in a task of its own alike), answer the session's calls in order
 (each generated through the collector's retry policy, in this episode's task), and when the agent
 returns build the `Completion` from the session's conversation (session.py): the prompt of its first
 request, the model's ids as sampled, the agent's additions masked out of the loss.
@@ -17,10 +18,15 @@ Endings (counters are the collector's; the first of each is logged in full, nami
   calls the model nor returns within `env.step_timeout_s` (`agent/failed/timeout`): the rollout
   fails (an `EpisodeError`, also counted in `env/errors_total`); `TransientEnvironmentError` is retried
   as an episode's is.
+- a program's own failures (command.py: not found, a non-zero exit, no reward, output that is not
+  JSON) fail the rollout the same way, counted in `agent/failed/<kind>`;
 - cancelled (the group is stale, the run stops): the session closes (the call in flight and every
   later one refused with HTTP 410), the agent's task is cancelled and awaited up to
   `env.cancel_grace_s`; an agent still running then is abandoned, counted in `env/abandoned_total`
-  (it is kept referenced until it ends, and its client is closed under it).
+  (it is kept referenced until it ends, and its client is closed under it). A program's task ends
+  within the grace plus the reap: its process group is killed after the grace (`agent/killed_total`).
+- the gateway's server stop outliving its deadline (`env.cancel_grace_s`) is counted in
+  `agent/release_timeout_total`; the episode's ending stands.
 
 Invariants: the agent's task never outlives `play` unaccounted (ended, or abandoned and counted);
 the session is released on every ending; every wait has a deadline.
@@ -31,20 +37,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, MutableMapping
 from dataclasses import replace
 from typing import Any
 
+from asyncgrpo.agents.command import AgentProcessError, run_command
 from asyncgrpo.agents.gateway import NOT_JSON, Call, Gateway, Inbox
 from asyncgrpo.agents.session import Limits, Session
 from asyncgrpo.agents.wire import Refused, chat_request, chat_response, text_request, text_response
 from asyncgrpo.config import EnvConfig, GenerationConfig
-from asyncgrpo.environments.agent_spec import load_agent
+from asyncgrpo.environments.agent_spec import AgentCommand, load_agent
 from asyncgrpo.environments.conversation import Codec, as_row, transcript
 from asyncgrpo.environments.protocol import TransientEnvironmentError
 from asyncgrpo.errors import EpisodeError
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.types import Completion, Episode, GenerationRequest, Prompt
+from asyncgrpo.worker_process import REAP_TIMEOUT_S
 
 # A turn's generation under the collector's retry policy: (request, the oldest version of the episode's model tokens so far).
 Generate = Callable[[GenerationRequest, int | None], Awaitable[Completion]]
@@ -72,14 +80,11 @@ class AgentEpisodes:
         self._abandoned: set[asyncio.Task[Any]] = set()  # stubborn agents, referenced until they end
 
     async def play(self, prompt: Prompt, request: GenerationRequest, generate: Generate, on_progress: Callable[[], None]) -> Completion:
-        import openai  # the agents extra; imported by the runs that play agents only
-
         inbox = await self.gateway.open()
         session = Session(self.codec, Limits(self.env.max_turns, self.env.max_tokens, self.max_prompt_tokens,
                                              request.sampling.max_new_tokens), self.env.factory)
-        client = openai.AsyncOpenAI(base_url=inbox.base_url, api_key=inbox.key, max_retries=0,
-                                    timeout=self.generation.rollout_deadline_s + self.env.step_timeout_s)
-        task = asyncio.get_running_loop().create_task(self.agent(client, as_row(prompt, self.prompt_key)), name=f"agent-{prompt.id}")
+        client, work = self._launch(inbox, as_row(prompt, self.prompt_key), prompt)
+        task = asyncio.get_running_loop().create_task(work, name=f"agent-{prompt.id}")
         task.add_done_callback(lambda _: inbox.calls.put_nowait(Call("done", None)))
         try:
             dispatch = await self._serve(inbox, session, request, generate, on_progress, prompt)
@@ -92,9 +97,26 @@ class AgentEpisodes:
                 for _ in range(inbox.after_close):
                     self._refused(Refused("after_close", "a call after its session closed"), prompt)
                 try:
-                    await self.gateway.release(inbox)
+                    if not await self.gateway.release(inbox, self.env.cancel_grace_s):
+                        self._report("agent/release_timeout_total", f"the gateway did not stop its server within env.cancel_grace_s = "
+                                     f"{self.env.cancel_grace_s:g} s after the last session (prompt {prompt.id}) ended; it was "
+                                     "forgotten (the next session starts a fresh one)", "Fix: none needed; raise env.cancel_grace_s if it recurs.")
                 finally:
-                    await client.close()  # an abandoned agent's calls fail from here on
+                    if client is not None:
+                        await client.close()  # an abandoned agent's calls fail from here on
+
+    def _launch(self, inbox: Inbox, row: Mapping[str, Any], prompt: Prompt) -> tuple[Any, Coroutine[Any, Any, Any]]:
+        """The agent's client (None for a command, which makes its own) and the work of its episode."""
+        if isinstance(self.agent, AgentCommand):
+            return None, run_command(self.agent, inbox.base_url, inbox.key, row, grace_s=self.env.cancel_grace_s,
+                                     on_killed=lambda what: self._report(
+                                         "agent/killed_total", f"the agent process of prompt {prompt.id} {what}",
+                                         "Fix: let the agent exit on SIGTERM (its default), or lower what it does before exiting."))
+        import openai  # the agents extra; imported by the runs that play agents only
+
+        client = openai.AsyncOpenAI(base_url=inbox.base_url, api_key=inbox.key, max_retries=0,
+                                    timeout=self.generation.rollout_deadline_s + self.env.step_timeout_s)
+        return client, self.agent(client, row)
 
     async def _serve(self, inbox: Inbox, session: Session, request: GenerationRequest, generate: Generate,
                      on_progress: Callable[[], None], prompt: Prompt) -> int | None:
@@ -157,6 +179,8 @@ class AgentEpisodes:
         if task.cancelled():
             raise self._failed("raised", prompt, "cancelled itself (its task ended cancelled)", "let the agent return a reward")
         error = task.exception()
+        if isinstance(error, AgentProcessError):
+            raise self._failed(error.kind, prompt, error.what, error.fix)
         if error is not None:
             transient = isinstance(error, TransientEnvironmentError)
             raise self._failed("raised", prompt, f"raised {type(error).__name__}: {error}",
@@ -204,13 +228,15 @@ class AgentEpisodes:
         if task.done():
             return
         task.cancel()
+        # A command agent's process is killed after the grace and then reaped (bounded): it ends within both.
+        wait_s = self.env.cancel_grace_s + (REAP_TIMEOUT_S if isinstance(self.agent, AgentCommand) else 0.0)
         try:
-            done, _ = await asyncio.wait({task}, timeout=self.env.cancel_grace_s)
+            done, _ = await asyncio.wait({task}, timeout=wait_s)
         except asyncio.CancelledError:
             self._abandon(task, prompt, "was cancelled again while it was being stopped")
             raise
         if not done:
-            self._abandon(task, prompt, f"was still running {self.env.cancel_grace_s:g} s (env.cancel_grace_s) after its cancellation")
+            self._abandon(task, prompt, f"was still running {wait_s:g} s after its cancellation (env.cancel_grace_s = {self.env.cancel_grace_s:g})")
 
     def _abandon(self, task: asyncio.Task[Any], prompt: Prompt, what: str) -> None:
         self._abandoned.add(task)

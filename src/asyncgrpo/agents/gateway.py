@@ -7,7 +7,9 @@ generator in the episode's own task, so cancelling the episode aborts the reques
 
 - `open()` makes a session (a fresh random key, its base URL `http://127.0.0.1:<port>/s/<key>/v1`)
   and starts the server if none runs; `release()` forgets it and stops the server when no session
-  is left, so a gateway holds a port only while episodes run and leaves nothing behind.
+  is left, so a gateway holds a port only while episodes run and leaves nothing behind. The stop
+  (the wait for the lock included) has a deadline: one that outlives it is cancelled, its server
+  forgotten, and `release` says so (False): an episode's ending never waits on it unbounded.
 - An unknown key is refused (404). A closed session answers every call, the queued and the one in
   flight included, with HTTP 410 (the openai client raises `APIStatusError`), counted in
   `Inbox.after_close` until the session is released; after that its key is unknown.
@@ -89,13 +91,20 @@ class Gateway:
             inbox = self._inboxes[key] = Inbox(key, f"http://{HOST}:{self._port}/s/{key}/v1")
             return inbox
 
-    async def release(self, inbox: Inbox) -> None:
+    async def release(self, inbox: Inbox, deadline_s: float) -> bool:
+        """Close and forget the session; stop the server if it was the last. Whether that ended within `deadline_s` (if not,
+        the stop is cancelled and its server forgotten: the next `open` starts a fresh one)."""
         inbox.close()
-        async with self._lock:
-            self._inboxes.pop(inbox.key, None)
-            if not self._inboxes and self._runner is not None:
-                runner, self._runner = self._runner, None
-                await runner.cleanup()
+        self._inboxes.pop(inbox.key, None)
+        try:
+            async with asyncio.timeout(deadline_s):
+                async with self._lock:
+                    if not self._inboxes and self._runner is not None:
+                        runner, self._runner = self._runner, None
+                        await runner.cleanup()
+        except TimeoutError:
+            return False
+        return True
 
     async def _start(self) -> None:
         app = web.Application()

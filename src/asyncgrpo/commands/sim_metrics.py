@@ -46,8 +46,8 @@ def token_capacities(cfg: Config, length: float) -> tuple[float, float]:
     else:
         latency = model.prefill_s + length * model.decode_s_per_token * max(1.0, g.max_inflight / model.batch_knee)
     generation = g.max_inflight * length / latency if latency > 0 else math.inf
-    if cfg.simulate.token_time_s is not None:
-        training = 1 / cfg.simulate.token_time_s
+    if cfg.simulate.token_time_s is not None:  # a step: step_overhead_s + token_time_s x its tokens
+        training = 1 / (cfg.simulate.token_time_s + cfg.simulate.step_overhead_s / (r.groups_per_step * r.group_size * length))
     else:
         training = r.groups_per_step * r.group_size * length / cfg.simulate.step_time_s
     return generation, training

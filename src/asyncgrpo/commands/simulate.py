@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,7 @@ class Simulation:
     wall_time_s: float
     outcomes: list[dict[str, Any]]  # the ledger's records: how each take ended for good
     env_hosts: SimulatedHosts | None = None  # with an env: section, the simulated environments
+    evals: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each evaluation (simulate.eval_s)
 
     def report(self) -> dict[str, Any]:
         """The `simulate --json` object (format documented in the README)."""
@@ -132,7 +133,8 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     if generator is None:
         generator = ScriptedGenerator(cfg.simulate, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
     algorithm = algorithm_for(cfg)
-    trainer = trainer if trainer is not None else StubTrainer(cfg.simulate.step_time_s, cfg.simulate.token_time_s, algorithm=algorithm)
+    trainer = trainer if trainer is not None else StubTrainer(
+        cfg.simulate.step_time_s, cfg.simulate.token_time_s, algorithm=algorithm, step_overhead_s=cfg.simulate.step_overhead_s)
     # Episodes run on the simulator's model of an environment (simulate.env), not env.factory.
     env_hosts = SimulatedHosts(cfg.simulate.env, cfg.run.seed) if cfg.env is not None else None
     teacher = algorithm.simulated_scorer()  # None: the reward functions score
@@ -147,11 +149,20 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
             closing.callback(parts.timeline.close)  # before its file: the callbacks run last in, first out
         collector, scorer = parts.collector, parts.scorer
         records: list[StepRecord] = []
+        evals: list[tuple[float, float]] = []  # (start, end) of each simulated evaluation
 
         async def record(step: StepRecord) -> None:
             records.append(step)
             if report is not None:
                 report.step(step, parts, scorer.log.drain())
+            done = step.step + 1
+            if cfg.simulate.eval_s and cfg.eval.every_steps and done % cfg.eval.every_steps == 0:  # as commands/train.py evaluates
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                await asyncio.sleep(cfg.simulate.eval_s)
+                evals.append((started, loop.time()))
+                if parts.timeline is not None:
+                    parts.timeline.evaluation(done, started, loop.time())
 
         async def main() -> tuple[PipelineResult, float]:
             result = await run_pipeline(cfg, collector=collector, trainer=trainer, generator=generator, on_step=record)
@@ -164,7 +175,7 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
         with quiet_gc(collect=False):  # a full collection per simulation would cost more than a small one runs
             result, virtual_time = run_virtual(main())
     simulation = Simulation(
-        cfg, result, collector, generator, trainer, records, virtual_time, time.perf_counter() - wall_start, outcomes, env_hosts,
+        cfg, result, collector, generator, trainer, records, virtual_time, time.perf_counter() - wall_start, outcomes, env_hosts, evals,
     )
     check_invariants(simulation)
     return simulation

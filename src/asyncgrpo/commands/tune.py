@@ -27,6 +27,12 @@ from asyncgrpo.tuning.observe import Comparison, Observed, compare, observe, obs
 from asyncgrpo.tuning.records import load_run
 from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, Recommendation, candidates, frontier, policies_for, recommend, run_sweep
 
+ENV_NOT_FITTED = (
+    "this run plays episodes (env:), and calibration does not fit the simulator's model of an environment (simulate.env: "
+    "time per reset and step, the chance a step ends the episode): tuned.yaml has its defaults, and each turn's completion is "
+    "drawn from lengths fitted to whole episodes. Fix: set simulate.env in tuned.yaml to the run's (env/turns_mean in "
+    "metrics.jsonl gives the turns per episode) and check it with `asyncgrpo simulate`; tune does not advise for such runs yet."
+)
 SWEEP_STEPS = 60  # at most, per swept config: enough for the steady state, ~50 of them in well under a minute
 
 
@@ -58,7 +64,7 @@ def observe_simulation(sim: Simulation) -> Observed:
         ((r.wait_s, r.step_s, r.weight_sync_s) for r in sim.records), (s for r in sim.records for s in r.staleness),
         trained_tokens=counters["rollout/trained_tokens_total"], trained_completions=counters["rollout/trained_completions_total"],
         generated_tokens=counters["rollout/generated_tokens_total"], wasted_tokens=counters["rollout/wasted_tokens_total"],
-        population_length=population_length(getattr(sim.generator, "drawn_lengths", {})),
+        population_length=population_length(getattr(sim.generator, "drawn_lengths", {})), eval_s=sum(end - start for start, end in sim.evals),
     )
 
 
@@ -87,11 +93,13 @@ def tune(run_dir: Path, *, max_staleness: int | None = None, min_length_bias: fl
     comparison = compare(measured, replay)
     if problem is not None:
         comparison = Comparison(comparison.rows, False, [*comparison.reasons, f"the replay of the run's config did not complete: {problem}"])
+    if not comparison.ok and records.config.env is not None:
+        comparison = Comparison(comparison.rows, False, [*comparison.reasons, ENV_NOT_FITTED])
     if not comparison.ok:
         return TuneResult(calibration, tuned_path, comparison, [], [], None)
     cfg = records.config
     configs = candidates(cfg.rollout.max_staleness, cfg.rollout.on_stale, cfg.generation.max_inflight, cfg.rollout.groups_per_step,
-                         policies_for(cfg.model_dump()))
+                         policies_for(cfg.model_dump()), cfg.eval.every_steps)
     points = run_sweep(calibration.recipe, configs, min(sweep_steps, len(records.steps)), simulate_one)
     widest = min(calibration.decode.max_concurrency, cfg.generation.max_inflight)  # spans waiting to retry hold no request slot
     return TuneResult(calibration, tuned_path, comparison, points, frontier(points),
@@ -106,9 +114,9 @@ def format_result(result: TuneResult) -> str:
         f"{c.lengths.rollout_sigma:.2f}, mean {c.lengths.mean:.1f}, {c.lengths.truncated_share:.0%} cut at max_new_tokens",
         f"  decode: prefill {c.decode.prefill_s * 1e3:.1f} ms, {c.decode.decode_s_per_token * 1e3:.3f} ms/token at full speed, "
         f"full speed up to {c.decode.batch_knee} requests (most open: {c.decode.max_concurrency}; rms error {c.decode.rms_error_s:.3f} s)",
-        f"  trainer: {c.trainer.token_time_s * 1e6:.1f} us/token ({c.trainer.step_time_s:.3f} s/step; per-step line "
-        f"{c.trainer.intercept_s:.3f} s + {c.trainer.slope_s * 1e6:.1f} us/token), weight sync {c.weight_sync_s * 1e3:.1f} ms, "
-        f"evaluation {c.eval_s:.2f} s (not simulated)",
+        f"  trainer: {c.trainer.token_time_s * 1e6:.1f} us/token + {c.trainer.overhead_s:.3f} s/step ({c.trainer.step_time_s:.3f} s/step "
+        f"on average; per-step line {c.trainer.intercept_s:.3f} s +- {_cell(c.trainer.intercept_se_s)} + {c.trainer.slope_s * 1e6:.1f} "
+        f"us/token), weight sync {c.weight_sync_s * 1e3:.1f} ms, evaluation {c.eval_s:.2f} s each (between steps)",
         "  faults: " + (", ".join(f"{f['error']} {f['rate']:.2%}" for f in c.faults) or "none"),
         "validation (the run's config replayed on virtual time):",
         f"  {'':22} {'measured':>14} {'predicted':>14}  check",
@@ -119,7 +127,8 @@ def format_result(result: TuneResult) -> str:
     if not result.comparison.ok:
         lines.append("no recommendation: the simulator does not replay this run closely enough to advise from it:")
         lines += [f"  - {reason}" for reason in result.comparison.reasons]
-        lines.append("  Fix: calibrate from a longer run (more steps in its steady state), or read tuned.yaml to see which model is off.")
+        if ENV_NOT_FITTED not in result.comparison.reasons:  # that reason says its own fix
+            lines.append("  Fix: calibrate from a longer run (more steps in its steady state), or read tuned.yaml to see which model is off.")
         return "\n".join(lines)
     lines.append(f"frontier ({len(result.frontier)} of {len(result.points)} configs; none beats these on tokens/s, length bias, "
                  "waste and staleness):")

@@ -20,7 +20,9 @@ class EnvConfig(Section):
         ..., min_length=1,
         description="module:callable returning a new environment (reset/step/close); called with no arguments once per episode. "
         "agent:module:function: an async agent(client, row) written against the OpenAI client, played through the run's gateway "
-        "(docs/agents.md).",
+        "(docs/agents.md). agent-command:<command line>: an agent that is a program, run once per episode in a process group of its "
+        "own with OPENAI_BASE_URL/OPENAI_API_KEY set to its session and the row as JSON on stdin, printing its reward as the last "
+        "line of stdout (docs/agents.md).",
     )
     max_turns: int = Field(4, ge=1, description="Most model turns of one episode; the episode then ends (stop reason max_turns).")
     max_tokens: int = Field(
@@ -30,12 +32,13 @@ class EnvConfig(Section):
     cancel_grace_s: float = Field(
         5.0, gt=0,
         description="A cancelled episode's environment gets this long to stop (token set, close() called) before it is killed "
-        "(process) or counted in env/abandoned_total (thread).",
+        "(process) or counted in env/abandoned_total (thread). A command agent's process group gets it between SIGTERM and SIGKILL.",
     )
     isolation: Literal["thread", "process"] = Field(
         "thread",
         description="Where sync environment code runs: thread (a thread of its own per episode; one that will not stop is abandoned and "
-        "counted) or process (a worker process per episode slot, killed after the grace).",
+        "counted) or process (a worker process per episode slot, killed after the grace). Agents: agent:module:function runs as a "
+        "task of the run (thread only); agent-command: always runs as a process of its own, whatever this says.",
     )
     step_timeout_s: float = Field(
         60.0, gt=0,
@@ -50,8 +53,10 @@ class EnvConfig(Section):
     @model_validator(mode="after")
     def _agent_isolation(self) -> EnvConfig:
         if self.factory.startswith("agent:") and self.isolation != "thread":
-            raise ValueError(f"isolation = {self.isolation!r} with factory = {self.factory!r}: an agent runs as a task of the run's event loop "
-                             "(cancelled with its session), not in a worker process. Fix: set env.isolation: thread (or leave it out).")
+            raise ValueError(f"isolation = {self.isolation!r} with factory = {self.factory!r}: an agent:module:function runs as a task of "
+                             "the run's event loop (cancelled with its session), not in a worker process. Fix: set env.isolation: thread (or "
+                             "leave it out), or run the agent as a process: env.factory: agent-command:python my_agent.py (a script that "
+                             "prints its reward; docs/agents.md).")
         return self
 
 

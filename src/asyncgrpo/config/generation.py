@@ -26,12 +26,16 @@ class HttpConfig(Section):
     model: str | None = Field(None, description="Model name the servers serve (default: the one /v1/models lists).")
     api_key: str | None = Field(None, description="Sent as a Bearer token when set.")
     weights_dir: str | None = Field(None, description="Directory the servers can read, where new weights are written (default <run dir>/weights).")
-    weight_sync: Literal["full", "delta"] = Field(
+    weight_sync: Literal["full", "delta", "lora"] = Field(
         "full",
         description="full: every version is written whole and each server reloads it. delta: a version holds only the elements "
         "changed since the previous one (with a checksum of the result), applied in place by `asyncgrpo serve` and by vLLM "
         "started with --worker-extension-cls asyncgrpo.generation.vllm_weights.DeltaWorkerExtension; a server that holds "
-        "another version, refuses the delta or fails its checksum gets the full weights (counted: weight_sync_delta_fallbacks).",
+        "another version, refuses the delta or fails its checksum gets the full weights (counted: weight_sync_delta_fallbacks). "
+        "lora (needs train.lora): only the adapter is written, and each server loads it as a new adapter per version "
+        "(policy-v<N>-<run id>, which requests then name; vLLM with --enable-lora --max-lora-rank >= train.lora.r and "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); a server that cannot load it gets the merged weights (counted: "
+        "weight_sync_lora_fallbacks).",
     )
     startup_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start for the servers to answer.")
     attempt_timeout_factor: float = Field(

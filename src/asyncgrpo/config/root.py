@@ -99,6 +99,12 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"rollout.min_group_survivors = {r.min_group_survivors} exceeds rollout.group_size = {r.group_size}: "
             f"no group could ever succeed. Fix: set rollout.min_group_survivors to at most {r.group_size}."
         )
+    if g.http.weight_sync == "lora" and cfg.train.lora is None:
+        problems.append(
+            "generation.http.weight_sync = lora publishes LoRA adapters, but train.lora is not set: the trainer trains every "
+            "weight, so there is no adapter to send. Fix: set train.lora (e.g. train.lora: {r: 16}) to train adapters, or set "
+            "generation.http.weight_sync to full or delta."
+        )
     if g.weight_sync_every > r.max_staleness + 1:
         problems.append(
             f"generation.weight_sync_every = {g.weight_sync_every} exceeds rollout.max_staleness + 1 = {r.max_staleness + 1}: "

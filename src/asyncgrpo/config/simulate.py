@@ -139,6 +139,16 @@ class SimulateConfig(Section):
     token_time_s: float | None = Field(
         None, gt=0, description="A stub-trainer step takes this times its batch's completion tokens instead of step_time_s.",
     )
+    step_overhead_s: float = Field(
+        0.0, ge=0,
+        description="With token_time_s: virtual time a stub-trainer step takes besides its tokens (the optimizer step, bookkeeping), "
+        "added to token_time_s x its tokens.",
+    )
+    eval_s: float = Field(
+        0.0, ge=0,
+        description="Virtual time one evaluation takes, after every eval.every_steps steps (as a training run evaluates; generation "
+        "goes on meanwhile). 0: evaluation takes no time.",
+    )
     teacher_latency_s: Distribution = Field(
         default_factory=lambda: Distribution(dist="const", value=0.05),
         description="algorithm: distill: virtual time the simulated teacher takes per batch.",

@@ -72,7 +72,8 @@ class TrainConfig(Section):
     sharding: Literal["ddp", "fsdp"] = Field(
         "ddp", description="How the train.world_size ranks hold the model: ddp, a full copy of the weights, gradients and AdamW "
         "state on every rank; fsdp, each rank 1/world_size of them (FSDP2 fully_shard, one group per decoder layer; gathered "
-        "for rank 0 when the generators or a checkpoint need the full weights). Needs train.world_size > 1.")
+        "for rank 0 when the generators or a checkpoint need the full weights; with train.lora, the frozen base weights and "
+        "the adapters alike). Needs train.world_size > 1.")
     loss: LossConfig = Field(default_factory=LossConfig)
 
     @model_validator(mode="after")
@@ -82,14 +83,5 @@ class TrainConfig(Section):
         if self.world_size < 2:
             raise ValueError("train.sharding = fsdp shards the model across the trainer ranks, but train.world_size = 1: one "
                              "process has nothing to shard with. Fix: set train.world_size >= 2 (runtime: ray), or train.sharding: ddp.")
-        if self.precision == "float16":
-            raise ValueError("train.sharding = fsdp runs train.precision = float16 without the sharded gradient scaler it needs "
-                             "(not built: float16 gradients underflow without one). Fix: train.precision: bfloat16 (no scaler "
-                             "needed) or float32, or train.sharding: ddp.")
-        if self.lora is not None:
-            raise ValueError("train.sharding = fsdp with train.lora is not built: the generators and checkpoints get the adapters "
-                             "merged into the base weights, and merging sharded adapters into sharded weights is not. Fix: "
-                             "train.sharding: ddp (the adapters and their AdamW state are small: DDP's full copies cost little "
-                             "beyond the frozen base weights), or train without train.lora.")
         return self
 

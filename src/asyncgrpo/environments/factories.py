@@ -12,9 +12,10 @@ fix; loading imports the module but never calls the factory (a host calls it, on
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
+from asyncgrpo.environments.agent_spec import COMMAND_PREFIX, load_agent
 from asyncgrpo.environments.agent_spec import PREFIX as AGENT_PREFIX
-from asyncgrpo.environments.agent_spec import load_agent
 from asyncgrpo.environments.protocol import Environment
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.objects import lookup
@@ -31,10 +32,10 @@ def _openenv(target: str) -> Callable[[], Environment]:
     return openenv_factory(target)
 
 
-def _agent(target: str) -> Callable[[], Environment]:
-    """``agent:module:function``: an agent written against the OpenAI client, played through the run's gateway (agents/), never
-    made as an environment: loading it checks the spec, and returns the agent."""
-    return load_agent(AGENT_PREFIX + target)
+def _agent(spec: str) -> Callable[[], Environment]:
+    """``agent:module:function`` or ``agent-command:<command line>``: an agent written against the OpenAI client, played through
+    the run's gateway (agents/), never made as an environment: loading it checks the spec, and returns the agent as it is."""
+    return cast("Callable[[], Environment]", load_agent(spec))
 
 
 def _python_object(name: str) -> Callable[[], Environment]:
@@ -44,7 +45,10 @@ def _python_object(name: str) -> Callable[[], Environment]:
 
 
 # "<prefix>" -> loader of the rest of the spec (after "<prefix>:"); adapters register here.
-PREFIXES: dict[str, Callable[[str], Callable[[], Environment]]] = {"openenv": _openenv, "python": _python_object, "agent": _agent}
+PREFIXES: dict[str, Callable[[str], Callable[[], Environment]]] = {
+    "openenv": _openenv, "python": _python_object,
+    "agent": lambda target: _agent(AGENT_PREFIX + target), "agent-command": lambda target: _agent(COMMAND_PREFIX + target),
+}
 
 
 def load_factory(spec: str) -> Callable[[], Environment]:

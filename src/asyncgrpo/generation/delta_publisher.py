@@ -40,12 +40,12 @@ from asyncgrpo.generation.weight_sync import (
     DiskWeightPublisher,
     StagedWeights,
     WeightSyncStepError,
+    full_weights_at,
     plain_tensors,
     prune,
     tied_embeddings,
     version_dir,
     write_weights,
-    write_weights_at,
 )
 
 log = logging.getLogger("asyncgrpo")
@@ -120,12 +120,8 @@ class DeltaWeightPublisher(DiskWeightPublisher):
         assert staged.path is not None
         if staged.delta is None:
             return staged.path
-        async with staged.full_lock:
-            target = staged.path / FULL_SUBDIR
-            if not (target / VERSION_FILE).is_file():
-                await asyncio.to_thread(write_weights_at, staged.full, target, staged.version,
-                                        model_config=self.model_config, marker={"weights_id": staged.weights_id})
-            return target
+        return await full_weights_at(staged.path / FULL_SUBDIR, staged.full, staged.version, staged.full_lock,
+                                     model_config=self.model_config, marker={"weights_id": staged.weights_id})
 
     async def _load(self, server: ControlClient, staged: StagedWeights, left: Callable[[], float]) -> None:
         """The delta when the server can take it, else the full weights (see the module docstring)."""

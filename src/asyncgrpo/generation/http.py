@@ -37,8 +37,10 @@ Invariants:
   probe task, which `aclose()` cancels and awaits before it closes every connection.
 - Versions. A completion's `versions` (and a streamed request's sink entries) are the version of its
   server when the request was dispatched (a request held by a paused server may finish under newer
-  weights: the stamp is the conservative, older one). A resumed request whose budget is spent (0
-  tokens left) is answered at once with an empty completion, without a server.
+  weights: the stamp is the conservative, older one). With LoRA adapters (weight_sync: lora) a request
+  names its server's adapter of that version as its model, and runs on exactly that version. A resumed
+  request whose budget is spent (0 tokens left) is answered at once with an empty completion, without
+  a server.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from asyncgrpo.generation.http_probes import HealthProbes
 from asyncgrpo.generation.http_servers import PooledServer, ServerPool
 from asyncgrpo.generation.http_stream import CompletionStream
 from asyncgrpo.generation.http_weights import WeightInstaller
+from asyncgrpo.generation.lora_publisher import LoraWeightPublisher
 from asyncgrpo.generation.pool_health import HUNG_AFTER
 from asyncgrpo.generation.weight_sync import DiskWeightPublisher, WeightPublisher
 from asyncgrpo.types import Completion, GenerationRequest
@@ -94,8 +97,8 @@ class HttpGenerator:
         self.cfg = cfg
         self.http = cfg.http
         if publisher is None and weights_dir is not None:
-            kind = DeltaWeightPublisher if cfg.http.weight_sync == "delta" else DiskWeightPublisher
-            publisher = kind(weights_dir, model_config=model_config)
+            kinds: dict[str, type[DiskWeightPublisher]] = {"delta": DeltaWeightPublisher, "lora": LoraWeightPublisher}
+            publisher = kinds.get(cfg.http.weight_sync, DiskWeightPublisher)(weights_dir, model_config=model_config)
         self._pool = ServerPool(cfg, name, initial_version)
         self.counters = self._pool.counters
         self.model: str | None = cfg.http.model
@@ -123,7 +126,7 @@ class HttpGenerator:
     def stats(self) -> dict[str, Any]:
         return {
             **self.counters,
-            **getattr(self._weights.publisher, "counters", {}),  # the delta publisher's: deltas, full loads, fallbacks
+            **getattr(self._weights.publisher, "counters", {}),  # the delta or LoRA publisher's: full loads, fallbacks, ...
             "serving_version": self.serving_version,
             "published_version": self._pool.published_version,
             "servers": [{"url": s.url, "healthy": s.healthy, "excluded": s.excluded, "hung": s.hung, "version": s.version,
@@ -200,12 +203,13 @@ class HttpGenerator:
         assert self._session is not None
         loop = asyncio.get_running_loop()
         version = server.version
+        model = self._weights.model_for(server) or self.model  # the LoRA publisher's adapter of that version, if any
         sink = request.sink
-        payload = self._probes.last_payload = completion_payload(request, model=self.model,
+        payload = self._probes.last_payload = completion_payload(request, model=model,
                                                           per_request_seed=self.http.seed == "per_request",
                                                           stream=sink is not None)
         stream = None if sink is None else CompletionStream(request, sink, url=server.url, version=version,
-                                                             backend=self.name, model=self.model)
+                                                             backend=self.name, model=model)
         failure: GenerationError | None = None
         text = ""
         timeouts = self._timeouts.get(request, 0)
@@ -262,7 +266,7 @@ class HttpGenerator:
             completion = stream.completion()
         else:
             completion = read_completion(status, text, url=server.url, request=request, version=version,
-                                         backend=self.name, model=self.model)
+                                         backend=self.name, model=model)
         self._latency.record(clock.active_s(), tokens)
         self._marks.answered(clock.mark)
         self._timeouts.pop(request, None)

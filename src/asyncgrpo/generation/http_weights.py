@@ -92,6 +92,12 @@ class WeightInstaller:
             + f". The servers must read {staged.path} and accept /pause, /collective_rpc reload_weights and /resume "
             "(vLLM: VLLM_SERVER_DEV_MODE=1).", backend=self.pool.name, misconfigured=misconfigured)
 
+    def model_for(self, server: PooledServer) -> str | None:
+        """The model requests to `server` must name when its publisher decides it (the LoRA publisher's adapter
+        of the version it installed there), else None: the model the server serves."""
+        pick = getattr(self.publisher, "model_for", None)
+        return pick(server.url) if pick is not None else None
+
     async def sync_server(self, server: PooledServer, deadline: float) -> bool:
         """Install the latest staged weights on `server` by the loop time `deadline`; True on success.
 

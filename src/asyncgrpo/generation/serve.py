@@ -18,7 +18,9 @@ Endpoints:
   Logprobs are of the distribution actually sampled (sampling.py: repetition penalty, temperature,
   min-p, top-k, top-p, renormalised over the kept support), like vLLM with ``--logprobs-mode
   processed_logprobs``; T = 0 is greedy (after the penalty) with logprobs at T = 1.
-- ``GET /health``, ``GET /v1/models`` (``data[0].id`` and ``max_model_len``).
+- ``GET /health``, ``GET /v1/models`` (``data[0].id`` and ``max_model_len``; then the LoRA adapters loaded).
+- ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (vLLM's bodies): a peft adapter merged into the
+  base weights and served as a new version; requests may name any loaded adapter as their model (lora_serve.py).
 - ``POST /pause?mode=keep|wait|abort`` (vLLM's default is ``abort``): new requests wait until
   ``POST /resume``. ``keep``: requests already generating keep running (vLLM freezes them; the
   client sees no difference); ``wait``: returns once they have finished; ``abort``: they end at
@@ -63,7 +65,7 @@ import copy
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -71,6 +73,7 @@ from typing import Any
 from aiohttp import web
 
 from asyncgrpo.errors import GenerationError, PromptRejectedError
+from asyncgrpo.generation.lora_serve import AdapterState, add_lora_routes
 from asyncgrpo.generation.serve_protocol import BadRequest, abort_body, completion_body, error_response, parse_completion
 from asyncgrpo.generation.serve_stream import StreamedTokens, stream_answer
 from asyncgrpo.generation.serve_weights import read_bounded, read_delta_file, read_marker, read_weights_dir
@@ -118,9 +121,14 @@ class ServerState:
         self.generating: set[asyncio.Task] = set()  # engine calls in progress
         self.reload_lock = asyncio.Lock()
         self.weights_id: str | None = None  # the delta publisher's identity of the weights served (None: unknown)
+        self.adapters = AdapterState()  # LoRA adapters merged into the served weights (lora_serve.py)
         self.counters = {"requests_total": 0, "requests_completed": 0, "requests_aborted": 0, "requests_rejected": 0,
                          "requests_waiting": 0, "reloads": 0, "reload_failures": 0, "deltas_applied": 0,
-                         "delta_refusals": 0}
+                         "delta_refusals": 0, "adapters_loaded": 0}
+
+    @property
+    def adapter_names(self) -> Collection[str]:
+        return self.adapters.loaded.keys()
 
     def stats(self) -> dict[str, Any]:
         engine = self.engine.stats()
@@ -159,9 +167,12 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
         return web.Response(status=200)
 
     async def models(_: web.Request) -> web.Response:
+        created = int(time.time())
         return web.json_response({"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "asyncgrpo",
-            "root": model_dir or model_name, "parent": None, "max_model_len": max_model_len}]})
+            "id": model_name, "object": "model", "created": created, "owned_by": "asyncgrpo",
+            "root": model_dir or model_name, "parent": None, "max_model_len": max_model_len}] + [{
+            "id": name, "object": "model", "created": created, "owned_by": "asyncgrpo", "root": path, "parent": model_name,
+            "max_model_len": None} for name, path in state.adapters.loaded.items()]})
 
     async def stats(_: web.Request) -> web.Response:
         return web.json_response(state.stats())
@@ -221,6 +232,7 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
                 version = file_version if file_version is not None and file_version >= current else current + 1
                 state.weights_id = None  # until the install is complete: no delta may apply to half-loaded weights
                 await _install(state, weights, version)
+                state.adapters.reset()
                 state.weights_id = weights_id
             except DeltaError as exc:  # another base, a bad file or a failed checksum: the publisher sends the full weights
                 state.counters["delta_refusals"] += 1
@@ -298,6 +310,7 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
     app.router.add_get("/is_paused", is_paused)
     app.router.add_post("/collective_rpc", collective_rpc)
     app.router.add_post("/v1/completions", completions)
+    add_lora_routes(app, state, lambda weights, version: _install(state, {**state.engine.weights(), **weights}, version))
     return app
 
 

@@ -23,6 +23,7 @@ import math
 import random
 import time
 import uuid
+from collections.abc import Collection
 from typing import Any, NamedTuple, Protocol
 
 from aiohttp import web
@@ -34,6 +35,9 @@ class ServedModel(Protocol):
     """What the protocol needs to know of the model being served (serve.py's `ServerState` is one)."""
 
     model_name: str
+    @property
+    def adapter_names(self) -> Collection[str]: ...  # LoRA adapters a request may name as its model too
+
     max_model_len: int
     vocab_size: int
     eos_token_id: int | None
@@ -108,7 +112,7 @@ def parse_completion(state: ServedModel, body: dict[str, Any], prompt_ids: list[
         raise BadRequest(422, f"unsupported field {key!r}; asyncgrpo serve supports {', '.join(SUPPORTED)}", key)
 
     model = body.get("model")
-    if model is not None and model != state.model_name:
+    if model is not None and model != state.model_name and model not in state.adapter_names:
         raise BadRequest(404, f"The model `{model}` does not exist.", "model")
 
     prompt = body.get("prompt")

@@ -25,7 +25,8 @@ read `weights_dir` (same machine or a shared file system) and vLLM must run with
 
 **Delta** (`generation.http.weight_sync: delta`, delta_publisher.py): a subclass that writes per version only
 the elements changed since the previous one, with a checksum of the result, and falls back to the full
-weights per server.
+weights per server. **LoRA** (`weight_sync: lora`, lora_publisher.py): a subclass that writes only the
+adapter and has servers with LoRA support load it under a version name, falling back to the merged weights.
 
 Not implemented: **NCCL** (vLLM's ``/init_weight_transfer_engine``, ``/update_weights``, the path
 TRL uses on GPUs). It slots in as another `WeightPublisher`: `stage` would keep references to
@@ -197,6 +198,17 @@ def write_weights_at(state: Mapping[str, Any], final: Path, version: int, *,
         save_file(plain_tensors(state, tied_embeddings=tied), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / VERSION_FILE).write_text(json.dumps({"version": version, **(marker or {})}))
     return final
+
+
+async def full_weights_at(target: Path, weights: Mapping[str, Any], version: int, lock: asyncio.Lock, *,
+                          model_config: str | Path | Mapping[str, Any] | None = None,
+                          marker: Mapping[str, Any] | None = None) -> Path:
+    """`target` holding `weights` as a full version directory, written on first need (once, under `lock`): the
+    fallback of the publishers that send less (delta, LoRA adapters) to a server that cannot take it."""
+    async with lock:
+        if not (target / VERSION_FILE).is_file():
+            await asyncio.to_thread(write_weights_at, weights, target, version, model_config=model_config, marker=marker)
+        return target
 
 
 def plain_tensors(state: Mapping[str, Any], *, tied_embeddings: bool) -> dict[str, Any]:

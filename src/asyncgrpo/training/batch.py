@@ -120,6 +120,11 @@ class CompletionGrid:
     def width(self) -> int:
         return int(self.targets.shape[1])
 
+    def micro_batch_fields(self) -> dict[str, Any]:
+        """The grid's fields of a `MicroBatch` (every input layout shares them)."""
+        return {"targets": self.targets, "logp_gen": self.logp_gen, "logp_prox": self.logp_prox, "mask": self.mask,
+                "advantages": self.advantages, "completion_width": self.width, "staleness": self.staleness}
+
 
 def split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
     """Split into `parts` contiguous chunks whose sizes differ by at most one (larger first)."""
@@ -231,11 +236,5 @@ def collate(seqs: list[TrainSequence], *, pad_id: int, version: int, device: tor
         input_ids=torch.tensor(input_rows, dtype=torch.long, device=device),
         attention_mask=attention_mask,
         position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
-        targets=grid.targets,
-        logp_gen=grid.logp_gen,
-        logp_prox=grid.logp_prox,
-        mask=grid.mask,
-        advantages=grid.advantages,
-        completion_width=grid.width,
-        staleness=grid.staleness,
+        **grid.micro_batch_fields(),
     )

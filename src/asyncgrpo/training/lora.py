@@ -11,10 +11,11 @@ Invariants:
 - `merged_state` returns the base model's state-dict names and shapes (what a generator loaded
   from `model.path` expects): base weights as they are (no copy) and, for each adapted linear,
   W + (alpha / r) * B @ A computed fresh. The peft model is never merged in place, so the
-  base weights are never perturbed by a merge/unmerge round trip.
+  base weights are never perturbed by a merge/unmerge round trip. On a model sharded by FSDP2
+  (training/sharding.py) the same code merges the shards (DTensors; every rank must call it).
 - An embedding tied to the output layer (tie_word_embeddings, as in SmolLM2) is never adapted
   (ConfigError): a served or saved model has one matrix for both, so no merge could hold it.
-- `save_adapter` / `load_adapter` use peft's own adapter layout (adapter_config.json,
+- `save_adapter` (of `adapter_state`, gathered when sharded) / `load_adapter` use peft's own adapter layout (adapter_config.json,
   adapter_model.safetensors) in `ADAPTER_DIR` of a checkpoint; it loads with
   ``PeftModel.from_pretrained(base, path / ADAPTER_DIR)``.
 """
@@ -132,8 +133,14 @@ def merged_state(model: Any) -> dict[str, torch.Tensor]:
     return merged
 
 
-def save_adapter(model: Any, directory: Path) -> None:
-    model.save_pretrained(str(Path(directory) / ADAPTER_DIR))
+def adapter_state(model: Any) -> dict[str, torch.Tensor]:
+    """The adapters' tensors under the peft model's own state-dict names (sharded: this rank's shards)."""
+    return {name: tensor for name, tensor in model.state_dict().items() if ".lora_" in name}
+
+
+def save_adapter(model: Any, directory: Path, state: dict[str, torch.Tensor]) -> None:
+    """The adapter of `state` (`adapter_state`, gathered when sharded) in peft's layout in `directory` / ADAPTER_DIR."""
+    model.save_pretrained(str(Path(directory) / ADAPTER_DIR), state_dict=state)
 
 
 def load_adapter(model: torch.nn.Module, checkpoint: Path) -> None:

@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,22 +125,29 @@ def collate_packed(seqs: list[TrainSequence], *, pad_id: int, version: int, devi
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         attention_mask=None,
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-        targets=grid.targets,
-        logp_gen=grid.logp_gen,
-        logp_prox=grid.logp_prox,
-        mask=grid.mask,
-        advantages=grid.advantages,
-        completion_width=grid.width,
-        staleness=grid.staleness,
+        **grid.micro_batch_fields(),
         keep=torch.tensor(keep, dtype=torch.long, device=device),
         valid=valid,
         sequence_of=torch.tensor(owner, dtype=torch.long, device=device),
     )
 
 
+def accepts_position_ids(model: Any) -> bool:
+    """Whether `model`'s forward takes `position_ids` (by name, or through **kwargs as PEFT wrappers do)."""
+    parameters = inspect.signature(model.forward).parameters.values()
+    return any(p.name == "position_ids" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 def check_confinement(model: Any, *, budget: int, model_path: str, device: torch.device) -> None:
     """ConfigError unless `model` confines attention to each packed sequence: the logits of a sequence packed
     after another must equal its logits alone (a forward of 9 tokens, float32, no grad)."""
+    if not accepts_position_ids(model):
+        raise ConfigError(
+            f"{KEY} = {budget} packs several sequences into one row and gives each its own position ids, but the "
+            f"forward of model {type(model).__name__} (model.path = {model_path!r}) takes no position_ids argument, "
+            f"so its packed sequences could not restart their positions. Fix: unset {KEY} (padded micro-batches of "
+            f"train.micro_batch_size), or use a transformers causal LM (their forwards take position_ids)."
+        )
     vocab = int(getattr(model.config, "vocab_size", 2))
     first, second = [i % vocab for i in (1, 5, 2, 7, 3)], [i % vocab for i in (4, 6, 1, 3)]
     with torch.no_grad():  # the trainer's model is in eval mode (training/trainer.py), so no dropout here

@@ -16,13 +16,25 @@ Invariants:
   parameters, so the ranks make the same number of forward passes (`rounds`: the largest count
   over the ranks; a rank with fewer makes zero-loss passes), and every rank takes part in each
   gather (`full_weights`, `full_optimizer_state`), whose full tensors only rank 0 keeps.
-- The trainer's parameters stay float32 master weights (sharded); `train.precision: bfloat16`
-  runs forward and backward in bfloat16 through FSDP2's `MixedPrecisionPolicy` (gradients reduced
-  in float32).
+- The trainer's parameters stay float32 master weights (sharded); `train.precision: bfloat16` or
+  `float16` runs forward and backward in that dtype through FSDP2's `MixedPrecisionPolicy` (gradients
+  reduced in float32). float16's loss scaler is the trainer's own `torch.amp.GradScaler`: its inf/NaN
+  check on the sharded gradients (DTensors) is reduced over the ranks by DTensor itself (a MAX of
+  each rank's verdict), so every rank skips the same updates and keeps the same scale. FSDP2's float16
+  gradients are those of float16 weights (autocast's, of float32 ones), so at a high scale they can
+  overflow in an update where the single process's do not; the scaler then backs off once.
 - The optimizer is the trainer's own object, re-pointed at the sharded parameters, its state (the
   loaded checkpoint's, if any) sliced to each rank's shard without communication. Checkpoints hold
   the full state in the single-process layout, so any world size, sharded or not, resumes them.
-- The KL reference (`train.loss.kl_coef > 0` without LoRA) is not sharded: every rank holds a full copy.
+- LoRA (`train.lora`): the peft model is sharded as it is, the frozen base weights and the adapters
+  in the same groups (FSDP2 all-gathers both and reduce-scatters only the gradients that exist: the
+  adapters'). The generators get the merged weights: `lora.merged_state` computes W + scale * B @ A
+  on the shards (DTensor operations: every rank takes part) and `full_weights` gathers the result;
+  checkpoints hold that merged model and the gathered adapter in peft's layout.
+- The KL reference (`train.loss.kl_coef > 0`) is sharded too: without LoRA its frozen copy is sharded
+  like the model (its groups resharded after every forward: it has no backward); with LoRA it is the
+  sharded model with its adapters off. Either way its forward all-gathers, so a rank's zero-loss
+  filler pass makes that forward too (trainer.py `_backward_without_sequences`).
 """
 
 from __future__ import annotations
@@ -36,37 +48,39 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from asyncgrpo.config.train import TrainConfig
+from asyncgrpo.models.device import PRECISIONS
 from asyncgrpo.training.data_parallel import DataParallel, RankShare
 
 
 def join(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig, *, rank: int, world_size: int,
-         device: torch.device) -> DataParallel | FullySharded:
-    """This rank's place in the data-parallel trainer, as `train.sharding` asks: DDP's copies, or FSDP2's shards."""
+         device: torch.device, reference: torch.nn.Module | None) -> DataParallel | FullySharded:
+    """This rank's place in the data-parallel trainer, as `train.sharding` asks: DDP's copies, or FSDP2's shards (of
+    `model` and of the frozen KL `reference`, if any)."""
     if cfg.sharding == "fsdp":
-        return FullySharded(model, optimizer, rank=rank, world_size=world_size, device=device, precision=cfg.precision)
+        return FullySharded(model, optimizer, rank=rank, world_size=world_size, device=device, precision=cfg.precision,
+                            reference=reference)
     return DataParallel(model, rank=rank, world_size=world_size, device=device)
 
 
 class FullySharded(RankShare):
-    """FSDP2 on `model` (in place) for this rank; `optimizer` re-pointed at the sharded parameters. See the module docstring."""
+    """FSDP2 on `model` and the frozen KL `reference` (in place) for this rank; `optimizer` re-pointed at the sharded
+    parameters. See the module docstring."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, world_size: int,
-                 device: torch.device, precision: str) -> None:
+                 device: torch.device, precision: str, reference: torch.nn.Module | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
         super().__init__(rank=rank, world_size=world_size, device=device)
         names = {id(p): name for name, p in model.named_parameters()}
         groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
         saved = {names[id(p)]: state for p, state in optimizer.state.items()}
         mesh = init_device_mesh(device.type, (world_size,))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bfloat16" \
+        policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32) if precision != "float32" \
             else MixedPrecisionPolicy()
-        layers = set(getattr(_transformers_model(model), "_no_split_modules", None) or ())
-        for module in list(model.modules()):
-            if module is not model and type(module).__name__ in layers:
-                fully_shard(module, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        _shard(model, mesh, policy, reshard_root=None)  # None: the root group stays gathered from forward to backward
+        if reference is not None:  # no backward: every group, the root's too, is resharded after each forward
+            _shard(reference, mesh, policy, reshard_root=True)
         for sharded in model.modules():
             if isinstance(sharded, FSDPModule):  # SUM over the ranks: the single-process gradient, not the mean
                 sharded.set_gradient_divide_factor(1.0)
@@ -94,12 +108,6 @@ class FullySharded(RankShare):
         """The full tensors of `tensors` (a state dict), gathered one at a time: rank 0's, on the CPU; {} on the others."""
         return {name: value for name, value in ((name, self._gather(t)) for name, t in tensors.items()) if value is not None}
 
-    def save_pretrained(self, base_model: Any, tensors: dict[str, Tensor], directory: Any) -> None:
-        """`base_model.save_pretrained` of the full `tensors` (the model's state dict), written by rank 0."""
-        weights = self.full_weights(tensors)
-        if self.rank == 0:
-            base_model.save_pretrained(directory, state_dict=weights)
-
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """`optimizer.state_dict()` with each sharded tensor gathered: the single-process layout on rank 0; {} on the others."""
         state = optimizer.state_dict()
@@ -112,6 +120,17 @@ class FullySharded(RankShare):
             return tensor.detach().cpu() if self.rank == 0 else None
         full = tensor.full_tensor()  # a collective: every rank, the same tensors in the same order
         return full.detach().cpu() if self.rank == 0 else None
+
+
+def _shard(model: torch.nn.Module, mesh: Any, policy: Any, *, reshard_root: bool | None) -> None:
+    """FSDP2 on `model` in place: each decoder layer (the model's `_no_split_modules`) one group, the rest the root's."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = set(getattr(_transformers_model(model), "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if module is not model and type(module).__name__ in layers:
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_root)
 
 
 def _shard_like(value: Any, param: Tensor) -> Any:

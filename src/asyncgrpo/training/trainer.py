@@ -52,7 +52,7 @@ Invariants:
   or per token (distillation's -(log pi_gen - log pi_teacher)), with the same importance correction against pi_gen.
 
 Split by job: sequences and their collation in training/batch.py, packed micro-batches in training/packing.py,
-the LR schedule in training/schedule.py.
+the LR schedule in training/schedule.py, gradient checkpointing in training/checkpointing.py.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ from torch import Tensor
 
 from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.config import Config
-from asyncgrpo.errors import AsyncGRPOError, ConfigError
+from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.generation.lora_adapter import with_adapter
 from asyncgrpo.metric_names import TRAIN_KEYS
 from asyncgrpo.models.device import autocast, check_precision, resolve_device
 from asyncgrpo.sampling import Processing, sampled_logprobs, token_logprobs
@@ -78,6 +79,7 @@ from asyncgrpo.training import heap, packing
 from asyncgrpo.training import lora as lora_adapters
 from asyncgrpo.training.batch import MicroBatch, TrainSequence, by_length, chunks, collate, filler, pad_id_of, sequences, split_even
 from asyncgrpo.training.bf16_adamw import Bf16StateAdamW
+from asyncgrpo.training.checkpointing import enable_gradient_checkpointing
 from asyncgrpo.training.loss import LossStats, grpo_loss
 from asyncgrpo.training.losses.aggregation import update_normalizer
 from asyncgrpo.training.losses.plugin import resolve_loss_plugin
@@ -126,7 +128,7 @@ class TorchTrainer:
         self.model.eval()
         self._adapter_dropout = t.lora is not None and t.lora.dropout > 0
         if t.gradient_checkpointing:
-            self._enable_gradient_checkpointing(model)
+            enable_gradient_checkpointing(model)
         if t.micro_batch_tokens is not None:
             packing.check_confinement(self.base_model, budget=t.micro_batch_tokens, model_path=cfg.model.path, device=self._device)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
@@ -149,24 +151,6 @@ class TorchTrainer:
         self.processing = Processing(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
                                      repetition_penalty=g.repetition_penalty)
         self._loss_plugin = resolve_loss_plugin(t.loss.type) if t.loss.plugin else None
-
-    @staticmethod
-    def _enable_gradient_checkpointing(model: Any) -> None:
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            raise ConfigError(
-                f"train.gradient_checkpointing = true, but {type(model).__name__} (model.path) does not support it. Fix: set "
-                f"train.gradient_checkpointing: false, or lower train.micro_batch_size to save memory instead."
-            )
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # transformers checkpoints a layer only while layer.training is set; setting that flag alone
-        # (not .train(), which recurses) keeps every dropout inside the layers off.
-        for module in model.modules():
-            if getattr(module, "gradient_checkpointing", False):
-                module.training = True
 
     # ---------------------------------------------------------------------------------
     # Public API
@@ -191,7 +175,8 @@ class TorchTrainer:
         from asyncgrpo.training.sharding import FullySharded, join
 
         with self.lock:
-            self._parallel = join(self.model, self.optimizer, self.cfg.train, rank=rank, world_size=world_size, device=self._device)
+            self._parallel = join(self.model, self.optimizer, self.cfg.train, rank=rank, world_size=world_size, device=self._device,
+                                  reference=self.reference)
             self._sharded = self._parallel if isinstance(self._parallel, FullySharded) else None
             self._params = [p for p in self.model.parameters() if p.requires_grad]  # sharded: the sharded ones now
 
@@ -220,22 +205,29 @@ class TorchTrainer:
         them into its own weights, in its serving dtype). With LoRA, adapted linears are merged
         into fresh tensors and every other weight is still the live one (training/lora.py)."""
         with self.lock, torch.no_grad():
+            weights = lora_adapters.merged_state(self.model) if self.lora else self.model.state_dict()
             if self._sharded is not None:  # gathered: rank 0 gets full copies, the other ranks {}
-                return self._sharded.full_weights(self.model.state_dict())
-            if self.lora:
-                return lora_adapters.merged_state(self.model)
-            return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+                return self._sharded.full_weights(weights)
+            if self.lora:  # the merged weights, carrying the adapter for weight_sync: lora (lora_adapter.py)
+                return with_adapter(weights, self.model)
+            return {name: tensor.detach() for name, tensor in weights.items()}
 
     def save_pretrained(self, directory: Any) -> None:
-        """The model in the save_pretrained layout (merged, with LoRA: plus the adapter in lora.ADAPTER_DIR)."""
+        """The model in the save_pretrained layout (merged, with LoRA: plus the adapter in lora.ADAPTER_DIR). Sharded,
+        every rank takes part in the gathers and rank 0 writes."""
         with self.lock:
-            if self._sharded is not None:  # every rank takes part in the gather; rank 0 writes
-                self._sharded.save_pretrained(self.base_model, self.model.state_dict(), directory)
-            elif self.lora:
-                self.base_model.save_pretrained(directory, state_dict=lora_adapters.merged_state(self.model))
-                lora_adapters.save_adapter(self.model, directory)
-            else:
+            if self._sharded is None and not self.lora:
                 self.base_model.save_pretrained(directory)
+                return
+            with torch.no_grad():
+                weights = self.generation_weights()
+                adapter = lora_adapters.adapter_state(self.model) if self.lora else {}
+                if self._sharded is not None:
+                    adapter = self._sharded.full_weights(adapter)
+            if self._sharded is None or self._sharded.rank == 0:
+                self.base_model.save_pretrained(directory, state_dict=weights)
+                if self.lora:
+                    lora_adapters.save_adapter(self.model, directory, adapter)
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer, scheduler, version and torch RNG state (not the weights: those go through save_pretrained)."""
@@ -440,8 +432,14 @@ class TorchTrainer:
 
     def _backward_without_sequences(self) -> None:
         """A zero-loss forward and backward over one pad token: this rank's part of the gradient sum when it has no
-        sequence in an update (every rank must make the same collectives). Adds exactly 0 to every gradient."""
-        (self._logits(self._training_model, self._collate([filler(self.pad_id)])).sum() * 0.0).backward()
+        sequence in an update (every rank must make the same collectives). Adds exactly 0 to every gradient. With the KL
+        term it makes the KL reference's forward too, in a micro-batch's order (sharded, that forward all-gathers)."""
+        batch = self._collate([filler(self.pad_id)])
+        logits = self._logits(self._training_model, batch)
+        if self.cfg.train.loss.kl_coef > 0:
+            with torch.no_grad(), self._reference_model() as reference:
+                self._logits(reference, batch)
+        (logits.sum() * 0.0).backward()
 
     # ---------------------------------------------------------------------------------
     # Helpers

@@ -6,8 +6,9 @@ its simulate: section (generation.backend: scripted, train.backend: stub, train.
 steps); `write_tuned` writes it as RUN_DIR/tuned.yaml. `with_overrides` makes a variant of a recipe.
 
 Invariants: the recipe validates as a Config (ConfigError otherwise: a bug here); every number comes
-from the run's records, none is assumed. What the simulator does not model is reported, not hidden:
-evaluation time (`eval_s`) and the per-step part of trainer time (`trainer.intercept_s`).
+from the run's records, none is assumed. The trainer's per-step overhead (`simulate.step_overhead_s`) is
+simulated only when the steps show one (fit.py); evaluation time (`simulate.eval_s`) is the mean of the
+evaluations inside the training loop (the baseline, before it, is not the loop's time).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Calibration:
     trainer: TrainerFit
     faults: list[dict[str, Any]]
     weight_sync_s: float
-    eval_s: float  # mean evaluation time (not simulated: validation leaves it out of the run's time too)
+    eval_s: float  # mean time of an evaluation inside the training loop (simulate.eval_s)
     recipe: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
@@ -47,7 +48,7 @@ def calibrate(records: RunRecords) -> Calibration:
     cfg = records.config
     finished = [r for r in records.rollouts if r["outcome"] == "finished"]
     lengths = fit_lengths(((r["prompt"], r["tokens"]) for r in finished), cfg.generation.max_new_tokens)
-    decode = fit_decode(records.rollouts)
+    decode = fit_decode(records.rollouts, [(e["span"][0], e["span"][1]) for e in records.evals])
     trainer = fit_trainer([(s["train"][1] - s["train"][0], t) for s, t in zip(records.steps, records.trained_tokens)])
     outcomes = Counter(r["outcome"] for r in records.rollouts)
     for key in ("finished", "failed", "cancelled"):
@@ -66,6 +67,8 @@ def calibrate(records: RunRecords) -> Calibration:
         "weight_sync_s": {"dist": "const", "value": round(weight_sync_s, 9)},
         "step_time_s": round(trainer.step_time_s, 9),
         "token_time_s": round(trainer.token_time_s, 12),
+        "step_overhead_s": round(trainer.overhead_s, 9),
+        "eval_s": round(eval_s, 9),
     }
     data = cfg.model_dump(mode="json")
     data["simulate"] = {**data.get("simulate", {}), **simulate}

@@ -7,8 +7,8 @@ model of the simulator (config/simulate.py, generation/scripted.py, training/stu
 - `fit_decode`: `prefill_s`, `decode_s_per_token` and `batch_knee` of the token model, from rollout
   spans (duration, tokens, and the rollouts open at each one's start, counted here);
 - `fit_faults`: the injected faults that reproduce the run's retry, failure and invalid-prompt rates;
-- `fit_trainer`: seconds per trained token (and per step, with the per-step line's intercept);
-- `mean_or_zero`: weight-sync and evaluation time.
+- `fit_trainer`: seconds per trained token and per step (the per-step line's intercept, when the steps show one);
+- `mean_or_zero`: weight-sync and evaluation time (per evaluation inside the training loop).
 
 Invariants: every function is deterministic and returns finite, non-negative parameters the config
 accepts (decode time > 0, knee >= 1); a model with nothing to fit from gets a neutral value (no spread,
@@ -88,18 +88,21 @@ def concurrency_at_start(spans: Sequence[tuple[float, float]], order: Sequence[f
     return result
 
 
-def fit_decode(spans: Sequence[dict[str, Any]]) -> DecodeFit:
+def fit_decode(spans: Sequence[dict[str, Any]], busy: Sequence[tuple[float, float]] = ()) -> DecodeFit:
     """The token model's timing from rollout spans ({start, end, tokens, outcome}): duration = prefill_s +
     tokens * decode_s_per_token * max(1, n / batch_knee), n the rollouts open at the span's start.
 
-    Every span counts towards n (a failed or cancelled rollout held a slot); only finished ones are fitted.
+    Every span counts towards n (a failed or cancelled rollout held a slot); only finished ones are fitted, and
+    not those overlapping a `busy` (start, end) window: evaluations, whose requests the same servers decoded
+    meanwhile (the simulator gives an evaluation its time apart, simulate.eval_s, not a slower decode).
     The knee is chosen among powers of two up to the most rollouts seen open (and that most itself: no
     slowdown observed), each with its least-squares (prefill, decode) line; the smallest squared error wins."""
     counts = concurrency_at_start([(s["start"], s["end"]) for s in spans],
                                   [(s["end"] - s["start"]) / s["tokens"] if s["tokens"] > 0 else math.inf for s in spans])
-    rows = [(s["end"] - s["start"], s["tokens"], n) for s, n in zip(spans, counts) if s["outcome"] == "finished" and s["tokens"] > 0]
+    rows = [(s["end"] - s["start"], s["tokens"], n) for s, n in zip(spans, counts)
+            if s["outcome"] == "finished" and s["tokens"] > 0 and not any(s["start"] < end and start < s["end"] for start, end in busy)]
     if not rows:
-        raise ValueError("no finished rollout spans to fit decode time from")
+        raise ValueError("no finished rollout spans outside evaluations to fit decode time from")
     most = max(counts)
     knees = sorted({2**i for i in range(most.bit_length()) if 2**i <= most} | {most})
     best: tuple[float, float, float, int] | None = None
@@ -144,22 +147,47 @@ def fit_faults(*, finished: int, failed: int, cancelled: int, retries: int, take
 
 @dataclass(frozen=True)
 class TrainerFit:
-    token_time_s: float  # seconds per trained token: total train time / total trained tokens
+    token_time_s: float  # seconds per trained token (simulate.token_time_s)
+    overhead_s: float  # seconds per step besides its tokens (simulate.step_overhead_s): the line's intercept when the data shows one
     step_time_s: float  # mean seconds per step
-    intercept_s: float  # of the per-step line train_s = intercept + slope * tokens (reported, not simulated)
+    intercept_s: float  # of the free per-step line train_s = intercept + slope * tokens, and its standard error
+    intercept_se_s: float | None  # None: fewer than 3 steps or all of one size, nothing to tell an intercept by
     slope_s: float
 
 
 def fit_trainer(steps: Sequence[tuple[float, int]]) -> TrainerFit:
-    """Trainer time from (train seconds, trained tokens) per step; the first step (warm-up) is left out when more remain."""
+    """Trainer time from (train seconds, trained tokens) per step; the first step (warm-up) is left out when more remain.
+
+    A step costs overhead + tokens x time per token. The overhead is the least-squares line's intercept when the steps
+    show one: positive, with a positive slope, and more than INTERCEPT_SIGNIFICANCE standard errors from 0. Otherwise
+    (steps of about equal size say nothing about it, or noise hides it) time is proportional to tokens, total over total.
+    Either way the fit reproduces the run's total trainer time at its own step sizes (a line passes through the means)."""
     rows = [(s, t) for s, t in steps if t > 0]
     if len(rows) > 1:
         rows = rows[1:]
     if not rows:
         raise ValueError("no step trained any token")
     total_s, total_tokens = sum(s for s, _ in rows), sum(t for _, t in rows)
-    intercept, slope = _line([float(t) for _, t in rows], [s for s, _ in rows])
-    return TrainerFit(total_s / total_tokens, total_s / len(rows), intercept, slope)
+    xs, ys = [float(t) for _, t in rows], [s for s, _ in rows]
+    intercept, slope = _line(xs, ys)
+    se = _intercept_se(xs, ys, intercept, slope)
+    if intercept > 0 and se is not None and intercept > INTERCEPT_SIGNIFICANCE * se:
+        return TrainerFit(slope, intercept, total_s / len(rows), intercept, se, slope)
+    return TrainerFit(total_s / total_tokens, 0.0, total_s / len(rows), intercept, se, slope)
+
+
+INTERCEPT_SIGNIFICANCE = 3.0  # standard errors: an intercept nearer 0 than this is noise, not a per-step cost
+
+
+def _intercept_se(xs: Sequence[float], ys: Sequence[float], intercept: float, slope: float) -> float | None:
+    """Standard error of the line's intercept (None with fewer than 3 points or no spread in x: nothing to tell it by)."""
+    n = len(xs)
+    mx = statistics.fmean(xs)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if n < 3 or sxx <= 0:
+        return None
+    residual_var = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys)) / (n - 2)
+    return math.sqrt(residual_var * (1 / n + mx * mx / sxx))
 
 
 def mean_or_zero(values: Iterable[float]) -> float:

@@ -5,8 +5,9 @@ records) each give an `Observed`: trained tokens/s, trainer wait share, stalenes
 bias; `compare` says whether a prediction is close enough to advise from.
 
 Definitions (the same on both sides):
-- time is the training loop's: per step its wait, train and weight-sync spans, summed. Reporting
-  between steps (evaluation, checkpoints, metrics) is left out: the simulator does not model it.
+- time is the training loop's: per step its wait, train and weight-sync spans, summed, plus the
+  evaluations between steps (simulate.eval_s). The rest of the reporting between steps (checkpoints,
+  metrics) and the baseline evaluation before the first step are left out: the simulator does not model them.
 - tokens/s = trained tokens / that time; wait share = wait / that time.
 - staleness: share of trained groups per staleness (step - the group's oldest generating version).
 - waste = wasted tokens (stale, failed, filtered) / generated tokens.
@@ -60,10 +61,12 @@ def _loop_time(spans: Iterable[tuple[float, float, float]]) -> tuple[float, floa
 
 
 def observe(steps: Iterable[tuple[float, float, float]], staleness: Iterable[int], *, trained_tokens: int, trained_completions: int,
-            generated_tokens: int, wasted_tokens: int, population_length: float | None) -> Observed:
-    """An Observed from plain numbers: per step its (wait, train, sync) seconds, per trained group its staleness, the token counts."""
+            generated_tokens: int, wasted_tokens: int, population_length: float | None, eval_s: float = 0.0) -> Observed:
+    """An Observed from plain numbers: per step its (wait, train, sync) seconds, per trained group its staleness, the token
+    counts, and the seconds spent evaluating between steps."""
     spans = list(steps)
     wait, total = _loop_time(spans)
+    total += eval_s
     waste = wasted_tokens / generated_tokens if generated_tokens else 0.0
     bias = trained_tokens / trained_completions / population_length if trained_completions and population_length else None
     return Observed(round(trained_tokens / total, 3) if total > 0 else 0.0, round(wait / total, 4) if total > 0 else 0.0,
@@ -85,6 +88,7 @@ def observe_run(records: RunRecords) -> Observed:
         staleness, trained_tokens=sum(records.trained_tokens), trained_completions=int(m.get("rollout/trained_completions_total") or 0),
         generated_tokens=int(m.get("rollout/generated_tokens_total") or 0), wasted_tokens=int(m.get("rollout/wasted_tokens_total") or 0),
         population_length=fit_lengths(finished, records.config.generation.max_new_tokens).mean if finished else None,
+        eval_s=sum(e["span"][1] - e["span"][0] for e in records.evals),
     )
 
 

@@ -39,7 +39,7 @@ class RunRecords:
     takes: list[dict[str, Any]]
     buffered: list[dict[str, Any]]
     steps: list[dict[str, Any]]
-    evals: list[dict[str, Any]]
+    evals: list[dict[str, Any]]  # inside the training loop: a process's baseline evaluation, before its first step, left out
     trained_tokens: list[int]  # per step
     last_metrics: dict[str, Any]
     unrecorded: dict[str, int] = field(default_factory=dict)  # rollout spans the timeline only counted
@@ -102,7 +102,9 @@ def _split_timeline(run_dir: Path, config: Config, timeline: list[dict[str, Any]
         total = totals.get(s["step"], previous)
         trained.append(total - previous)
         previous = total
-    return RunRecords(run_dir, config, rollouts, by_kind.get("take", []), by_kind.get("buffered", []), steps, by_kind.get("eval", []),
+    baselines = {0} | {line["step"] for line in by_kind.get("start", [])}  # each process evaluates once before its loop
+    evals = [e for e in by_kind.get("eval", []) if e["step"] not in baselines]
+    return RunRecords(run_dir, config, rollouts, by_kind.get("take", []), by_kind.get("buffered", []), steps, evals,
                       trained, metrics[-1] if metrics else {}, unrecorded)
 
 

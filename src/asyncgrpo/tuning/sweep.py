@@ -2,7 +2,8 @@
 
 Job: `candidates` lists the configs to try (dotted overrides of the calibrated recipe): every staleness
 bound in {K-1 .. K+2} with every staleness policy and generation.max_inflight in {M/2, M, 2M}, plus
-rollout.groups_per_step at G/2 and 2G for every policy at the run's K and M: 56 with the four policies every backend
+rollout.groups_per_step at G/2 and 2G for every policy at the run's K and M (with eval.every_steps scaled to
+evaluate as often per trained group): 56 with the four policies every backend
 has, 70 where `resume` is possible too (`policies_for`: only the policies the run's own config accepts, so advice can
 always be applied to it), the run's own first. `run_sweep` simulates each; `frontier` keeps the ones no other beats on every axis (tokens/s,
 length bias, waste, staleness); `recommend` picks the fastest within the user's constraints.
@@ -42,8 +43,13 @@ def policies_for(run_config: dict[str, Any]) -> tuple[str, ...]:
     return tuple(valid)
 
 
-def candidates(k: int, policy: str, inflight: int, groups: int, policies: tuple[str, ...] = POLICIES) -> list[dict[str, Any]]:
-    """The sweep's configs as full override sets over KEYS, the run's own first, without duplicates."""
+def candidates(k: int, policy: str, inflight: int, groups: int, policies: tuple[str, ...] = POLICIES,
+               eval_every: int = 0) -> list[dict[str, Any]]:
+    """The sweep's configs as full override sets over KEYS, the run's own first, without duplicates.
+
+    A run that evaluates (`eval_every` = eval.every_steps > 0) keeps its evaluations per trained group: a config
+    with another groups_per_step also sets eval.every_steps (scaled, rounded, at least 1), else fewer, larger
+    steps would look faster only by evaluating less often."""
     own = dict(zip(KEYS, (k, policy, inflight, groups)))
     found = [own]
     for staleness in range(max(0, k - 1), k + 3):
@@ -52,7 +58,8 @@ def candidates(k: int, policy: str, inflight: int, groups: int, policies: tuple[
                 found.append(dict(zip(KEYS, (staleness, on_stale, width, groups))))
     for on_stale in policies:
         for size in sorted({max(1, groups // 2), groups * 2} - {groups}):
-            found.append(dict(zip(KEYS, (k, on_stale, inflight, size))))
+            cadence = {"eval.every_steps": max(1, round(eval_every * groups / size))} if eval_every else {}
+            found.append({**dict(zip(KEYS, (k, on_stale, inflight, size))), **cadence})
     unique: dict[tuple[Any, ...], dict[str, Any]] = {}
     for overrides in found:
         unique.setdefault(tuple(overrides.values()), overrides)
@@ -114,7 +121,8 @@ class Recommendation:
 
 def recommend(points: list[Point], *, max_staleness: int | None, min_length_bias: float | None,
               widest: int | None = None) -> Recommendation:
-    """The fastest point within the constraints, or the run's own (points[0]) when none beats it by more than the tolerance.
+    """The fastest point within the constraints, or the run's own (points[0]) when it meets them and none beats it by more
+    than the tolerance (a run's config outside the user's constraints is never the advice, even when it is the fastest).
 
     `widest`: the most rollouts the run had open at once. A config with a wider generation.max_inflight is shown but
     never recommended: the decode model has no data there (a server may time out or slow down beyond what was seen)."""
@@ -143,12 +151,14 @@ def recommend(points: list[Point], *, max_staleness: int | None, min_length_bias
     best = fits[0]
     assert best.observed is not None
     gain = best.observed.tokens_per_s / b.tokens_per_s - 1 if b.tokens_per_s > 0 else 0.0
-    if best is base or gain <= TOKENS_PER_S_TOLERANCE:
+    base_fits = allowed(base)
+    if best is base or (base_fits and gain <= TOKENS_PER_S_TOLERANCE):
         return Recommendation(base, {}, f"no config{within} is predicted more than {TOKENS_PER_S_TOLERANCE:.0%} faster than the run's "
                               f"({b.tokens_per_s:g} trained tokens/s, the best is {gain:+.0%}), which is inside the prediction's error: keep it.")
-    changes = {k: v for k, v in best.overrides.items() if v != base.overrides[k]}
+    changes = {k: v for k, v in best.overrides.items() if v != base.overrides.get(k)}
     o = best.observed
-    reason = (f"predicted {o.tokens_per_s:g} trained tokens/s ({gain:+.0%} over the run's config, whose trainer waits for batches "
-              f"{b.wait_share:.0%} of its time) with length bias {o.length_bias}, mean staleness {mean_staleness(o.staleness):.2f} "
-              f"and {o.waste_share:.0%} of generated tokens wasted{within}.")
+    versus = (f"{gain:+.0%} over the run's config, whose trainer waits for batches {b.wait_share:.0%} of its time" if base_fits else
+              f"{gain:+.0%} against the run's config, which is outside the constraints: the fastest config inside them")
+    reason = (f"predicted {o.tokens_per_s:g} trained tokens/s ({versus}) with length bias {o.length_bias}, mean staleness "
+              f"{mean_staleness(o.staleness):.2f} and {o.waste_share:.0%} of generated tokens wasted{within}.")
     return Recommendation(best, changes, reason)

@@ -1,0 +1,140 @@
+"""Agents that are programs (env.factory: agent-command:..., agents/command.py) in the collector, through the real gateway.
+
+The generator is test_agent_gateway's fake (it answers at once with a scripted text, or never); the agents are real processes:
+tests/command_agents.py (standard library only) and the example recipes/agent_command_calculator.py (the real openai client).
+Each test agent records its pid (its process group's id) in a folder, so a test can check that nothing of it is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.component.test_agent_gateway import CODEC, TextGenerator, first_batch
+from tests.sim.fakes import make_collector, recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def command_recipe(command: str, *, rollout: dict | None = None, data: dict | None = None, inflight: int = 2, **env: object):
+    return recipe(
+        env={"factory": f"agent-command:{command}", "cancel_grace_s": 2.0, "max_turns": 3, "step_timeout_s": 60.0, **env},
+        data=data or {},
+        reward={"functions": []},
+        generation={"max_inflight": inflight, "request_timeout_s": 60.0, "rollout_deadline_s": 60.0},  # hung, not retried
+        rollout={"group_size": 2, "groups_per_step": 1, "min_group_survivors": 2, **(rollout or {})},
+    )
+
+
+def program(mode: str, record: Path) -> str:
+    return shlex.join([sys.executable, str(ROOT / "tests" / "command_agents.py"), mode, str(record)])
+
+
+def alive_in_group(pgid: int) -> list[int]:
+    """The processes of process group `pgid` that are not zombies (a zombie has stopped; its reaping is its parent's)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            state, _ppid, group = stat.rpartition(")")[2].split()[:3]
+            if int(group) == pgid and state != "Z":
+                alive.append(int(entry.name))
+    return alive
+
+
+def recorded(record: Path) -> dict[int, str]:
+    return {int(path.name): path.read_text() for path in record.iterdir()}
+
+
+def test_the_example_program_plays_its_episode_through_its_session_with_the_real_openai_client():
+    # The calculator's first turn "=" computes the question's own expression (the tool-use term, 0.2); "0" is a wrong answer.
+    generator = TextGenerator(lambda request: "=" if request.request_id.endswith("-t0") else "0")
+    command = shlex.join([sys.executable, str(ROOT / "recipes" / "agent_command_calculator.py")])
+    collector, batch = asyncio.run(first_batch(command_recipe(command, data={"source": "builtin:calculator"}), generator))
+    completion = batch[0].rollouts[0].completion
+    episode = completion.episode
+    assert episode is not None and episode.turns == 2 and episode.env_reward == pytest.approx(0.2)
+    assert episode.info[0]["tool_use"] == 1.0 and episode.info[0]["correct"] == 0.0
+    # The model's ids as sampled, the agent's tool message as the template's delta, masked out.
+    observation = [dict(m) for m in episode.messages][1]
+    assert observation["role"] == "tool" and observation["content"].startswith("= ")
+    delta = CODEC.encode(f"tool: {observation['content']}\nassistant: ")
+    assert completion.token_ids == CODEC.encode("=") + delta + CODEC.encode("0")
+    assert completion.loss_mask == (True,) + (False,) * len(delta) + (True,)
+    assert collector.counters["env/errors_total"] == 0
+
+
+@pytest.mark.parametrize(("command", "counter", "words"), [
+    ("sh -c 'exec no-such-agent-program'", "agent/failed/not_found", "could not be started (exit status 127, command not found)"),
+    ("sh -c 'echo my own bug >&2; exit 3'", "agent/failed/exit", "exited with exit code 3; the end of its stderr: 'my own bug'"),
+    ("sh -c 'cat >/dev/null; echo 1.0'", "agent/failed/no_model_call", "returned 1.0 without a model call answered"),
+    ("no_reward", "agent/failed/no_reward", "exited 0 with nothing on stdout"),
+    ("garbage", "agent/failed/bad_output", "printed 'done!' as the last line of stdout, which is not JSON"),
+])
+def test_a_programs_bad_endings_fail_the_rollout_counted_and_named(command, counter, words, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="asyncgrpo")
+    command = program(command, tmp_path) if " " not in command else command
+    collector = make_collector(command_recipe(command), TextGenerator())
+
+    async def run():
+        async with asyncio.timeout(60):
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(collector.run())
+                await collector._signal.wait_for(lambda: collector.counters[counter] >= 2)
+                collector.stop()
+
+    asyncio.run(run())
+    assert collector.counters["env/errors_total"] >= 2 and collector.counters["rollout/failed_total"] >= 2
+    logged = [r.getMessage() for r in caplog.records if counter in r.getMessage()]
+    assert len(logged) == 1 and f"agent-command:{command}" in logged[0] and words in logged[0], logged
+    assert all(not alive_in_group(pgid) for pgid in recorded(tmp_path))
+
+
+def test_a_stale_groups_programs_are_killed_with_their_process_groups_and_nothing_of_any_agent_keeps_running(tmp_path, caplog):
+    # Prompt 1's agents reach their second call, whose generation never answers; steps go on until the group is stale.
+    # They ignore SIGTERM, and so does the sleep each started in its group: only SIGKILL after the grace ends them.
+    caplog.set_level(logging.WARNING, logger="asyncgrpo")
+    generator = TextGenerator(hang=lambda request: request.prompt_id == 1 and request.request_id.endswith("-t1"))
+    cfg = command_recipe(program("stubborn", tmp_path), rollout={"max_requeues": 0}, inflight=4, cancel_grace_s=0.3)
+    collector = make_collector(cfg, generator)
+
+    async def run():
+        async with asyncio.timeout(60):
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(collector.run())
+                step = 0
+                while collector.counters["rollout/stale_groups_total"] == 0:
+                    await collector.next_batch(step, 60.0)
+                    step += 1
+                    generator.version = step
+                    collector.step_trained()
+                    collector.weights_published()
+                collector.stop()
+
+    asyncio.run(run())
+    hung = [r for r in generator.requests if r.prompt_id == 1 and r.request_id.endswith("-t1")]
+    assert len(hung) == 2 and generator.aborted >= 2  # the stale group's requests in flight were aborted
+    agents = recorded(tmp_path)
+    stale = [pgid for pgid, question in agents.items() if question == "say d: "]
+    assert len(stale) == 2 and len(agents) > 2
+    assert {pgid: alive_in_group(pgid) for pgid in agents} == {pgid: [] for pgid in agents}  # no agent, no sleep of one
+    assert collector.counters["agent/killed_total"] == 2 and collector.counters["env/abandoned_total"] == 0
+    assert collector.counters["rollout/failed_total"] == 0 and collector.counters["env/errors_total"] == 0  # cancellation is no failure
+    logged = [r.getMessage() for r in caplog.records if "agent/killed_total" in r.getMessage()]
+    assert len(logged) == 1 and "SIGKILL" in logged[0] and "agent-command:" in logged[0], logged
+
+
+def test_the_session_and_row_reach_the_program_in_its_environment_and_stdin(tmp_path):
+    collector, batch = asyncio.run(first_batch(command_recipe(program("two_turns", tmp_path)), TextGenerator(lambda r: "abc")))
+    episode = batch[0].rollouts[0].completion.episode
+    assert episode.env_reward == 1.0 and episode.info == ({"turns": 2},) and episode.turns == 2
+    assert batch[0].prompt.text in set(recorded(tmp_path).values())  # the row's prompt, read from stdin
+    assert all(not alive_in_group(pgid) for pgid in recorded(tmp_path))  # each agent's sleep died with it
