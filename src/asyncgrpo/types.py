@@ -94,26 +94,31 @@ class SamplingParams:
 class TokenSink:
     """Where a backend records a request's tokens as it generates them (`rollout.on_stale: resume`), so an interrupted
     request loses none: the collector reads what the current attempt generated. The collector empties it before each
-    attempt (a failed attempt's tokens are not the prefix of its retry); the backend only appends."""
+    attempt (a failed attempt's tokens are not the prefix of its retry); the backend only appends. `text` is the text of
+    those tokens as far as the backend decoded it (an HTTP server streams it; a backend without text leaves it empty)."""
 
-    __slots__ = ("token_ids", "logprobs", "versions")
+    __slots__ = ("token_ids", "logprobs", "versions", "text")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.text: list[str] = []
 
-    def extend(self, token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
+    def extend(self, token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], text: str = "") -> None:
         if not (len(token_ids) == len(logprobs) == len(versions)):
             raise ValueError(f"TokenSink.extend got {len(token_ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
         self.token_ids.extend(token_ids)
         self.logprobs.extend(logprobs)
         self.versions.extend(versions)
+        if text:
+            self.text.append(text)
 
     def empty(self) -> None:
         self.token_ids.clear()
         self.logprobs.clear()
         self.versions.clear()
+        self.text.clear()
 
     def __len__(self) -> int:
         return len(self.token_ids)

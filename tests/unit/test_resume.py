@@ -71,16 +71,22 @@ def test_the_resume_policy_refuses_a_group_resumed_too_often_or_with_a_finished_
     assert policy.may_resume([old, None], [0], step=1)
 
 
-@pytest.mark.parametrize("key, value", [("generation.backend", "http"), ("rollout.partial_groups", True), ("algorithm", "distill")])
+@pytest.mark.parametrize("key, value", [("runtime", "ray"), ("rollout.partial_groups", True), ("algorithm", "distill")])
 def test_resume_refuses_what_it_is_not_built_for(key: str, value: object) -> None:
     from asyncgrpo.config import load_config
     from asyncgrpo.errors import ConfigError
 
     overrides = ["rollout.on_stale=resume", f"{key}={str(value).lower()}"]
-    if key == "generation.backend":
-        overrides.append("generation.http.base_urls=[http://localhost:1]")
     with pytest.raises(ConfigError, match=rf"rollout.on_stale = 'resume' with {key}"):
         load_config("recipes/simulate_nemo.yaml", overrides)
+
+
+def test_resume_is_accepted_on_the_http_backend() -> None:
+    from asyncgrpo.config import load_config
+
+    cfg = load_config("recipes/simulate_nemo.yaml", ["rollout.on_stale=resume", "generation.backend=http",
+                                                      "generation.http.base_urls=[http://localhost:1]"])
+    assert cfg.rollout.on_stale == "resume" and cfg.generation.backend == "http"
 
 
 @pytest.mark.parametrize("overrides", [["rollout.on_stale=resume", "rollout.max_staleness=2", "rollout.max_prefix_staleness=1"],

@@ -133,10 +133,10 @@ def test_compare_refuses_beyond_ten_percent_of_tokens_per_s_or_five_points_of_wa
 
 def test_only_policies_the_runs_backend_accepts_are_swept():
     local = validate_config({}, "test").model_dump()
-    http = validate_config({"generation": {"backend": "http", "http": {"base_urls": ["http://127.0.0.1:1"]}}}, "test").model_dump()
+    ray = validate_config({"runtime": "ray"}, "test").model_dump()
     assert policies_for(local) == POLICIES
-    assert policies_for(http) == tuple(p for p in POLICIES if p != "resume")
-    configs = candidates(1, "patience", 128, 8, policies_for(http))
+    assert policies_for(ray) == tuple(p for p in POLICIES if p != "resume")
+    configs = candidates(1, "patience", 128, 8, policies_for(ray))
     assert "resume" not in {c["rollout.on_stale"] for c in configs} and len(configs) == 4 * 4 * 3 + 2 * 4
 
 

@@ -265,15 +265,14 @@ def resume_problems(cfg: Config) -> list[str]:
         )
     if r.on_stale != "resume":
         return problems
-    unsupported = {"generation.backend": cfg.generation.backend if cfg.generation.backend == "http" else None,
-                   "runtime": cfg.runtime if cfg.runtime == "ray" else None,
+    unsupported = {"runtime": cfg.runtime if cfg.runtime == "ray" else None,
                    "algorithm": cfg.algorithm if cfg.algorithm != "grpo" else None, "env": "set" if cfg.env is not None else None,
                    "rollout.partial_groups": "true" if r.partial_groups else None}
     for key, value in unsupported.items():
         if value is not None:
             problems.append(
                 f"rollout.on_stale = 'resume' with {key} = {value}: resumable rollouts are built for plain GRPO rollouts on the "
-                f"scripted and local backends (runtime: local, no env:, no partial groups) so far. Fix: choose another "
+                f"scripted, local and http backends (runtime: local, no env:, no partial groups) so far. Fix: choose another "
                 f"rollout.on_stale (patience is the default), or drop {key}."
             )
     return problems

@@ -15,7 +15,8 @@ Contract:
 - `rollout.on_stale: resume` (rollout/resume.py): a backend appends each token it generates to the
   request's `sink` (when it has one), so a cancelled (interrupted) request loses none; a resumed
   request's context ends with the rollout's own earlier tokens (`resumed_tokens`), its budget may be
-  0 (answer with an empty continuation), and its `text` is the whole rollout's. A backend whose
+  0 (answer with an empty continuation), and its completion (ids and `text`) is the continuation only; a
+  backend that decodes text puts each token's text in the sink too (the HTTP backend streams it). A backend whose
   weights change between decoding steps declares `continues_in_flight = True` (the local engine): its
   rollouts are never interrupted, each token already carries its version.
 """

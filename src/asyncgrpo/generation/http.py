@@ -2,6 +2,10 @@
 
 Job: send each rollout as one ``POST /v1/completions`` (body and answer: generation/http_client.py)
 to the usable server with the least work, book how each attempt ended, and own the pool's lifecycle.
+A request with a `TokenSink` (`rollout.on_stale: resume`) is streamed (generation/http_stream.py): each
+chunk's tokens go to the sink as they arrive, so cancelling it (an interruption) keeps every token
+received; its resumption (prompt + those ids, the budget left; rollout/resume.py) is an ordinary request
+to whichever server is usable then, also when the first one died. Without a sink nothing is streamed.
 Its parts: what is known of the servers and waiting for a usable one (http_servers.py), the start-up
 checks (http_discovery.py), the health probes, recoveries and hung servers' return (http_probes.py),
 and publishing weights to every server (http_weights.py).
@@ -31,10 +35,12 @@ Invariants:
   answers again.
 - Lifecycle. `start()` checks ``/v1/models`` on every server (model name present), then starts the
   probe task, which `aclose()` cancels and awaits before it closes every connection.
-- Versions. A completion's `versions` are the version of its server when the request was dispatched
-  (a request held by a paused server may finish under newer weights: the stamp is the conservative,
-  older one). With LoRA adapters (weight_sync: lora) a request names its server's adapter of that
-  version as its model, and runs on exactly that version.
+- Versions. A completion's `versions` (and a streamed request's sink entries) are the version of its
+  server when the request was dispatched (a request held by a paused server may finish under newer
+  weights: the stamp is the conservative, older one). With LoRA adapters (weight_sync: lora) a request
+  names its server's adapter of that version as its model, and runs on exactly that version. A resumed
+  request whose budget is spent (0 tokens left) is answered at once with an empty completion, without
+  a server.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from asyncgrpo.generation.http_client import completion_payload, read_completion
 from asyncgrpo.generation.http_discovery import discover
 from asyncgrpo.generation.http_probes import HealthProbes
 from asyncgrpo.generation.http_servers import PooledServer, ServerPool
+from asyncgrpo.generation.http_stream import CompletionStream
 from asyncgrpo.generation.http_weights import WeightInstaller
 from asyncgrpo.generation.pool_health import HUNG_AFTER
 from asyncgrpo.generation.publisher_choice import make_publisher
@@ -174,6 +181,9 @@ class HttpGenerator:
     # ------------------------------------------------------------------ generation
 
     async def generate(self, request: GenerationRequest) -> Completion:
+        if request.sampling.max_new_tokens == 0 and request.resumed_tokens:
+            # a resumed rollout whose prefix spent the budget: nothing to ask a server (base.py's contract)
+            return Completion((), (), (), "length", self.serving_version)
         server = await self._pool.acquire("generate")
         try:
             completion = await self._attempt(server, request)
@@ -192,8 +202,14 @@ class HttpGenerator:
         loop = asyncio.get_running_loop()
         version = server.version
         model = self._weights.model_for(server) or self.model  # the LoRA publisher's adapter of that version, if any
+        sink = request.sink
         payload = self._probes.last_payload = completion_payload(request, model=model,
-                                                          per_request_seed=self.http.seed == "per_request")
+                                                          per_request_seed=self.http.seed == "per_request",
+                                                          stream=sink is not None)
+        stream = None if sink is None else CompletionStream(request, sink, url=server.url, version=version,
+                                                             backend=self.name, model=model)
+        failure: GenerationError | None = None
+        text = ""
         timeouts = self._timeouts.get(request, 0)
         tokens = request.sampling.max_new_tokens
         budget = self._latency.timeout_s(timeouts, tokens)
@@ -209,7 +225,11 @@ class HttpGenerator:
                                      limit_s=self._latency.overdue_limit_s(budget), frozen=server.installing)
                 server.attempts.add(clock)
                 async with self._session.post(f"{server.url}/v1/completions", json=payload) as resp:
-                    status, text = resp.status, await resp.text()
+                    status = resp.status
+                    if stream is None or status != 200:
+                        text = await resp.text()
+                    else:
+                        failure = await self._read_stream(resp, stream)
         except aiohttp.ClientConnectionError as exc:  # refused, reset, closed, connect timeout (before TimeoutError: aiohttp's is both)
             self._pool.mark_unhealthy(server, f"request {request.request_id}: {type(exc).__name__}: {exc}")
             raise TransientGenerationError(
@@ -238,12 +258,28 @@ class HttpGenerator:
         if server.outstanding:
             server.quiet_since = loop.time()
         server.silence_reported = False
-        completion = read_completion(status, text, url=server.url, request=request, version=version,
-                                     backend=self.name, model=model)
+        if stream is not None and status == 200:
+            if failure is not None:
+                raise failure
+            completion = stream.completion()
+        else:
+            completion = read_completion(status, text, url=server.url, request=request, version=version,
+                                         backend=self.name, model=model)
         self._latency.record(clock.active_s(), tokens)
         self._marks.answered(clock.mark)
         self._timeouts.pop(request, None)
         return completion
+
+    @staticmethod
+    async def _read_stream(resp: aiohttp.ClientResponse, stream: CompletionStream) -> GenerationError | None:
+        """Feed a streamed answer to `stream` (which appends each chunk's tokens to the request's sink) until it ends; a
+        chunk that is an error ends the read (closing the connection: the server aborts the request) and is returned."""
+        async for data in resp.content.iter_any():
+            try:
+                stream.feed(data)
+            except GenerationError as exc:
+                return exc
+        return None
 
     def _attempt_failed(self, server: PooledServer, exc: GenerationError) -> None:
         """Book a failed attempt: the server's last error, the hung-server rule, and the dead-backend clock."""

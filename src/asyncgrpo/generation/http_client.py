@@ -12,7 +12,9 @@ Wire format, per request (what vLLM >= 0.10.2 and `asyncgrpo serve` accept)::
     (+ "top_k", "min_p", "repetition_penalty" when they are not off)
 
 read back: ``choices[0].token_ids``, ``choices[0].logprobs.token_logprobs``, ``choices[0].text``,
-``choices[0].finish_reason``. For logprobs of the distribution actually sampled, start vLLM with
+``choices[0].finish_reason``. With ``"stream": true`` (a request whose tokens must survive an interruption,
+`rollout.on_stale: resume`) the answer is server-sent events, one such choice per event holding the new
+tokens only (generation/http_stream.py reads them). For logprobs of the distribution actually sampled, start vLLM with
 ``--logprobs-mode processed_logprobs`` (its default returns the raw model's logprobs, before
 temperature, penalty and truncation): vLLM then returns log q renormalised over the support its
 min-p / top-k / top-p kept, in sampling.py's order, which is what the trainer scores.
@@ -32,10 +34,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Any, cast
 
 from asyncgrpo.errors import GenerationError, MisconfiguredBackendError, PromptRejectedError, TransientGenerationError
-from asyncgrpo.types import Completion, GenerationRequest
+from asyncgrpo.types import Completion, FinishReason, GenerationRequest
 
 # vLLM: "This model's maximum context length is N tokens. However, your prompt contains M input tokens...",
 # "The decoder prompt (length N) is longer than the maximum model length of M"; others: "prompt is too long",
@@ -66,8 +68,10 @@ def server_message(text: str) -> str:
     return text.strip()[:500]
 
 
-def completion_payload(request: GenerationRequest, *, model: str | None, per_request_seed: bool) -> dict[str, Any]:
-    """The JSON body of ``POST /v1/completions`` for `request` (the wire format above)."""
+def completion_payload(request: GenerationRequest, *, model: str | None, per_request_seed: bool,
+                       stream: bool = False) -> dict[str, Any]:
+    """The JSON body of ``POST /v1/completions`` for `request` (the wire format above; `stream`: answered as server-sent
+    events, generation/http_stream.py)."""
     s = request.sampling
     payload: dict[str, Any] = {
         "model": model,
@@ -88,6 +92,8 @@ def completion_payload(request: GenerationRequest, *, model: str | None, per_req
         payload["repetition_penalty"] = s.repetition_penalty
     if per_request_seed:
         payload["seed"] = request.seed
+    if stream:
+        payload["stream"] = True
     return payload
 
 
@@ -99,10 +105,29 @@ def read_completion(status: int, text: str, *, url: str, request: GenerationRequ
     where = f"{url} (request {request.request_id})"
     try:
         choice = json.loads(text)["choices"][0]
-        finish = choice.get("finish_reason")
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise GenerationError(f"{where} answered 200 with a body that is not a completion: {text[:300]!r}",
                               backend=backend) from None
+    token_ids, logprobs, finish = read_choice(choice, where=where, backend=backend, text=text)
+    if finish is None:
+        raise GenerationError(f"{where} finished with finish_reason None; expected 'stop' or 'length'.", backend=backend)
+    return Completion(
+        token_ids=tuple(token_ids),
+        logprobs=tuple(logprobs),
+        versions=(version,) * len(token_ids),
+        finish_reason=finish,
+        dispatch_version=version,
+        text=str(choice.get("text") or ""),
+    )
+
+
+def read_choice(choice: Any, *, where: str, backend: str, text: str) -> tuple[list[int], list[float], FinishReason | None]:
+    """A completion choice's token ids, their logprobs and its finish reason (None: a streamed chunk of a completion still
+    running), or the classified error. `text`: the answer (or the streamed event) it is from, quoted in errors."""
+    if not isinstance(choice, dict):
+        raise GenerationError(f"{where} answered 200 with a body that is not a completion: {text[:300]!r}",
+                              backend=backend)
+    finish = choice.get("finish_reason")
     if finish == "abort":
         raise TransientGenerationError(f"{where} aborted the request (finish_reason 'abort': the server was paused "
                                        f"with mode=abort, or is shutting down)", backend=backend)
@@ -113,23 +138,19 @@ def read_completion(status: int, text: str, *, url: str, request: GenerationRequ
             f"{where} returned no choices[0].token_ids: the server must support return_token_ids "
             f"(vLLM >= 0.10.2, or asyncgrpo serve).", backend=backend)
     logprobs = choice["logprobs"].get("token_logprobs") if isinstance(choice.get("logprobs"), dict) else None
+    if not token_ids and logprobs is None:
+        logprobs = []  # a streamed chunk without tokens (vLLM's last one may carry only the finish reason)
     if (not isinstance(logprobs, list) or len(logprobs) != len(token_ids)
             or not set(map(type, logprobs)) <= _JSON_NUMBERS or any(map(math.isnan, logprobs))):
         raise MisconfiguredBackendError(
             f"{where} returned no usable choices[0].logprobs.token_logprobs ({len(token_ids)} tokens, logprobs "
             f"{str(logprobs)[:120]}): the server must return the sampled tokens' logprobs for logprobs=0.",
             backend=backend)
-    if finish not in ("stop", "length"):
+    if finish not in ("stop", "length", None):
         raise GenerationError(f"{where} finished with finish_reason {finish!r}; expected 'stop' or 'length'.",
                               backend=backend)
-    return Completion(
-        token_ids=tuple(token_ids),
-        logprobs=tuple(map(float, logprobs)),
-        versions=(version,) * len(token_ids),
-        finish_reason=finish,
-        dispatch_version=version,
-        text=str(choice.get("text") or ""),
-    )
+    return token_ids, list(map(float, logprobs)), cast("FinishReason | None", finish)
+
 
 def http_error(status: int, text: str, *, url: str, request: GenerationRequest, backend: str,
                model: str | None) -> GenerationError:

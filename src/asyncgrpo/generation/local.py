@@ -26,6 +26,9 @@ Design and invariants:
   renormalised over the kept support, the one the trainer scores; `temperature == 0` is greedy (after
   the repetition penalty) with logprobs at T = 1. A sampled stop token ends the row and is kept in
   `token_ids`; `text` drops it.
+- **Sinks.** A request with a `TokenSink` gets each decoding step's token appended to it on its own
+  loop (one callback per step, posted before any result of that step: a caller sees every token in
+  its sink before its completion; `asyncgrpo serve` streams them), and none once it has ended.
 - **Errors.** An exception on the engine thread fails every queued and active request (and any
   queued weight load) with a fresh, non-transient `GenerationError` chained to it; the engine is
   then closed and every later call raises at once, naming the cause. Bad prompts (empty, unknown
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import copy
 import inspect
 import math
@@ -98,6 +102,13 @@ def _post(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any =
         loop.call_soon_threadsafe(_resolve, future, result, error)
     except RuntimeError:  # the loop is closed: nobody can await this future any more
         pass
+
+
+def _deliver(tokens: list[tuple[_Job, int, float]], version: int) -> None:
+    """Append one decoding step's tokens to their requests' sinks (on their loop); an ended request's sink takes none."""
+    for job, token, logprob in tokens:
+        if not job.cancelled and job.request.sink is not None:  # ended: its sink may already be the next attempt's
+            job.request.sink.extend((token,), (logprob,), (version,))
 
 
 @dataclass(eq=False)
@@ -454,6 +465,10 @@ class LocalEngine:
                 self._counters["tokens_generated"] += len(rows)
                 self._active = len(keep)
                 snapshot = {"active": len(keep), "queued": len(self._queue), **self._counters}
+            streamed = [(job, token, logprob) for job, token, logprob in zip(rows, tokens, logprobs) if job.request.sink is not None]
+            for loop in {job.loop for job, _, _ in streamed}:  # before the results: every token is in its sink first
+                with contextlib.suppress(RuntimeError):  # a closed loop: nobody reads its sinks
+                    loop.call_soon_threadsafe(_deliver, [t for t in streamed if t[0].loop is loop], version)
             for job, reason in done:
                 _post(job.loop, job.future, (job.tokens, job.logprobs, job.versions, reason))
             if self._step_hook is not None:

@@ -11,8 +11,9 @@ Endpoints:
   ``max_tokens`` (default: the rest of the context, as vLLM), ``temperature``, ``top_p``, ``top_k``
   (-1 or 0: off), ``min_p``, ``repetition_penalty``, ``seed``,
   ``logprobs`` (0 or null: the sampled tokens' logprobs), ``return_token_ids``,
-  ``stop_token_ids``, ``ignore_eos``, ``n`` (1 only). Fields this server does not implement are
-  accepted only at their neutral value (``stream: false``, ``presence_penalty: 0``, ...); any other
+  ``stop_token_ids``, ``ignore_eos``, ``n`` (1 only), ``stream`` (server-sent events, one chunk per
+  decoding step: serve_stream.py). Fields this server does not implement are
+  accepted only at their neutral value (``echo: false``, ``presence_penalty: 0``, ...); any other
   value is a 422 naming the field, since silently ignoring a sampling setting would change results.
   Logprobs are of the distribution actually sampled (sampling.py: repetition penalty, temperature,
   min-p, top-k, top-p, renormalised over the kept support), like vLLM with ``--logprobs-mode
@@ -65,6 +66,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,7 @@ from aiohttp import web
 from asyncgrpo.errors import GenerationError, PromptRejectedError
 from asyncgrpo.generation.lora_serve import AdapterState, add_lora_routes
 from asyncgrpo.generation.serve_protocol import BadRequest, abort_body, completion_body, error_response, parse_completion
+from asyncgrpo.generation.serve_stream import StreamedTokens, stream_answer
 from asyncgrpo.generation.serve_weights import read_bounded, read_delta_file, read_marker, read_weights_dir
 from asyncgrpo.generation.weight_delta import DeltaError, merge_delta
 from asyncgrpo.sync import StateSignal
@@ -252,12 +255,14 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
             return web.json_response({"results": [None]})
         return web.json_response({"results": [{"applied": True, "weights_id": weights_id, "version": version}]})
 
-    async def completions(request: web.Request) -> web.Response:
+    async def completions(request: web.Request) -> web.StreamResponse:
         state.counters["requests_total"] += 1
         try:
             body = await _read_json(state, request)
             prompt_ids = await _tokenize_prompt(state, body.get("prompt"))
-            gen_request, want_ids, want_logprobs = parse_completion(state, body, prompt_ids)
+            gen_request, want_ids, want_logprobs, stream = parse_completion(state, body, prompt_ids)
+            if stream:
+                gen_request = replace(gen_request, sink=StreamedTokens())
         except BadRequest as exc:
             state.counters["requests_rejected"] += 1
             return error_response(exc.status, str(exc), exc.param)
@@ -273,6 +278,10 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
             state.generating.add(task)
             state.signal.notify()
             try:
+                if stream and (streamed := await stream_answer(state, request, gen_request, task, want_ids, want_logprobs)):
+                    state.counters["requests_aborted" if task.cancelled() else "requests_completed" if task.exception() is None
+                                   else "requests_rejected"] += 1
+                    return streamed
                 completion = await task
             finally:
                 state.generating.discard(task)

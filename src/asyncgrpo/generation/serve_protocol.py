@@ -1,8 +1,8 @@
 """The subset of vLLM's HTTP protocol that `asyncgrpo serve` speaks (serve.py), in vLLM's shapes.
 
 Job: validate a ``POST /v1/completions`` body into a `GenerationRequest` (`parse_completion`), write the
-answer's body for a completed or an aborted request (`completion_body`, `abort_body`), and vLLM's error
-body (`error_response`). No I/O and no state: what it needs of the server is the `ServedModel` it is given.
+answer's body for a completed or an aborted request (`completion_body`, `abort_body`) or one streamed chunk
+of it (`chunk_body`), and vLLM's error body (`error_response`). No I/O and no state: what it needs of the server is the `ServedModel` it is given.
 
 Invariants:
 - A body is accepted only when every field is one this server implements (`SUPPORTED`), one it ignores
@@ -12,6 +12,7 @@ Invariants:
 - Every refused body is a `BadRequest` with vLLM's status and wording (400 malformed or too long for the
   model, 404 unknown model, 422 unsupported); a request that passes fits the model's context
   (prompt tokens + max_tokens <= max_model_len) and its token ids are in the vocabulary.
+- ``"stream": true`` answers in server-sent events of `chunk_body` (serve_stream.py), as vLLM does.
 - Without ``ignore_eos`` the tokenizer's end-of-sequence token stops generation, as vLLM's does; a request
   without ``seed`` gets a random one (the engine is seeded per request).
 """
@@ -23,7 +24,7 @@ import random
 import time
 import uuid
 from collections.abc import Collection
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from aiohttp import web
 
@@ -45,7 +46,6 @@ class ServedModel(Protocol):
 
 # Fields a client may send only at these neutral values (what vLLM would do by default).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "stream": (False, None),
     "echo": (False, None),
     "best_of": (1, None),
     "presence_penalty": (0, 0.0, None),
@@ -60,7 +60,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 IGNORED = ("user", "request_id", "priority")
 SUPPORTED = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-              "logprobs", "return_token_ids", "stop_token_ids", "ignore_eos", "n")
+              "logprobs", "return_token_ids", "stop_token_ids", "ignore_eos", "n", "stream")
 
 
 class BadRequest(Exception):
@@ -90,8 +90,16 @@ def is_number(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
 
 
-def parse_completion(state: ServedModel, body: dict[str, Any],
-                      prompt_ids: list[int] | None = None) -> tuple[GenerationRequest, bool, bool]:
+class ParsedCompletion(NamedTuple):
+    """A valid completion body: the request, and whether the answer holds token ids and logprobs and is streamed."""
+
+    request: GenerationRequest
+    want_ids: bool
+    want_logprobs: bool
+    stream: bool
+
+
+def parse_completion(state: ServedModel, body: dict[str, Any], prompt_ids: list[int] | None = None) -> ParsedCompletion:
     """Validate a /v1/completions body like vLLM does (the subset we serve); raise BadRequest. `prompt_ids`:
     the string prompt's tokens (serve.py tokenizes them off the event loop)."""
     for key, value in body.items():
@@ -185,6 +193,9 @@ def parse_completion(state: ServedModel, body: dict[str, Any],
     return_ids = body.get("return_token_ids", False)
     if not isinstance(return_ids, bool) and return_ids is not None:
         raise BadRequest(400, f"return_token_ids must be a boolean, got {return_ids!r}", "return_token_ids")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise BadRequest(400, f"stream must be a boolean, got {stream!r}", "stream")
     stops = list(stop_ids)
     if not ignore_eos and state.eos_token_id is not None:
         stops.append(state.eos_token_id)
@@ -193,7 +204,7 @@ def parse_completion(state: ServedModel, body: dict[str, Any],
                               repetition_penalty=float(penalty))
     request = GenerationRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_id=-1, prompt_token_ids=tuple(prompt_ids),
                                 sampling=sampling, seed=seed & 0x7FFF_FFFF_FFFF_FFFF)
-    return request, bool(return_ids), logprobs is not None
+    return ParsedCompletion(request, bool(return_ids), logprobs is not None, bool(stream))
 
 
 def completion_body(state: ServedModel, request: GenerationRequest, completion: Any, want_ids: bool, want_logprobs: bool) -> dict[str, Any]:
@@ -227,6 +238,23 @@ def completion_body(state: ServedModel, request: GenerationRequest, completion: 
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
+
+
+def chunk_body(state: ServedModel, request: GenerationRequest, token_ids: list[int], logprobs: list[float], text: str,
+               finish_reason: str | None, *, first: bool, want_ids: bool, want_logprobs: bool) -> dict[str, Any]:
+    """vLLM's streamed chunk (``"stream": true``): the tokens generated since the previous chunk, their logprobs and text
+    (asked for), the prompt's token ids on the first chunk, and the finish reason on the last."""
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                              "stop_reason": token_ids[-1] if finish_reason == "stop" and token_ids else None}
+    if want_logprobs:
+        tokens = state.tokenizer.convert_ids_to_tokens(token_ids) if state.tokenizer is not None else [str(t) for t in token_ids]
+        choice["logprobs"] = {"text_offset": [], "token_logprobs": logprobs, "tokens": tokens,
+                              "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, logprobs)]}
+    if want_ids:
+        choice["prompt_token_ids"] = list(request.prompt_token_ids) if first else None
+        choice["token_ids"] = token_ids
+    return {"id": request.request_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
+            "choices": [choice]}
 
 
 def abort_body(state: ServedModel, request: GenerationRequest) -> dict[str, Any]:

@@ -236,7 +236,7 @@ class Collector:
                         group.prompt, request, lambda turn, floor: self._generate_with_retries(turn, group, member, slot, floor),
                         on_retry=self._retried, between_attempts=slot.released_for, on_progress=self.batches.progressed,
                     )  # an episode's turn is progress: the stall bound need not cover env.max_turns turns
-                elif self.stale.resumes:
+                elif self.stale.resumes and not self._in_place:  # in place: never interrupted, no sink to fill
                     result = await self._generate_resumable(request, group, member, slot)
                 else:
                     result = await self._generate_with_retries(request, group, member, slot)

@@ -3,7 +3,7 @@
 A rollout the next step would leave behind is interrupted, not thrown away: the tokens its attempt
 had generated (read from the request's `TokenSink`) become its prefix, and a resumed request continues it
 under the newest weights with the budget left (`resumed_request`). Its completion is the prefix followed
-by every continuation (`join`): ids, behaviour logprobs and per-token versions, nothing lost or
+by every continuation (`join`): ids, behaviour logprobs, per-token versions and text, nothing lost or
 duplicated at a seam.
 
 The staleness bound then holds per token, not per group (`mask_stale`): when a group is buffered, and
@@ -27,12 +27,13 @@ from asyncgrpo.types import Completion, GenerationRequest, Group, TokenSink
 def partial(sink: TokenSink, dispatch_version: int) -> Completion:
     """The tokens an interrupted attempt generated, as a completion (its budget not spent: `stop` is never claimed)."""
     return Completion(token_ids=tuple(sink.token_ids), logprobs=tuple(sink.logprobs), versions=tuple(sink.versions),
-                      finish_reason="length", dispatch_version=dispatch_version)
+                      finish_reason="length", dispatch_version=dispatch_version, text="".join(sink.text))
 
 
 def join(prefix: Completion | None, continuation: Completion) -> Completion:
     """A rollout's completion: its prefix (None: it was never interrupted) followed by the continuation, whose finish
-    reason, dispatch version and text (a resumed request's text is the whole rollout's) it keeps."""
+    reason and dispatch version it keeps; its text is the prefix's (the text its backend put in the sink) followed by
+    the continuation's."""
     if prefix is None or not prefix.token_ids:
         return continuation
     return Completion(
@@ -41,7 +42,7 @@ def join(prefix: Completion | None, continuation: Completion) -> Completion:
         versions=prefix.versions + continuation.versions,
         finish_reason=continuation.finish_reason,
         dispatch_version=continuation.dispatch_version,
-        text=continuation.text,
+        text=prefix.text + continuation.text,
     )
 
 
