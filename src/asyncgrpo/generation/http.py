@@ -106,7 +106,7 @@ class HttpGenerator:
                                        floor_s=cfg.http.attempt_timeout_min_s)
         self._marks = AnswerMarks()
         self._weights = WeightInstaller(self._pool, publisher)
-        self._probes = HealthProbes(self._pool, self._weights, self._latency)
+        self._probes = HealthProbes(self._pool, self._weights, self._latency, model_for=self._model_for)
         # Per request (the collector reuses one request object for all of a rollout's attempts): how many
         # of its attempts timed out here. Entries go with the request.
         self._timeouts: weakref.WeakKeyDictionary[GenerationRequest, int] = weakref.WeakKeyDictionary()
@@ -196,12 +196,16 @@ class HttpGenerator:
         server.flapping = False
         return completion
 
+    def _model_for(self, server: PooledServer) -> str | None:
+        """The model a request to `server` names: the LoRA publisher's adapter of the version it holds, if any."""
+        return self._weights.model_for(server) or self.model
+
     async def _attempt(self, server: PooledServer, request: GenerationRequest) -> Completion:
         """One completion request to `server` under its attempt clock (attempt_clock.py)."""
         assert self._session is not None
         loop = asyncio.get_running_loop()
         version = server.version
-        model = self._weights.model_for(server) or self.model  # the LoRA publisher's adapter of that version, if any
+        model = self._model_for(server)
         sink = request.sink
         payload = self._probes.last_payload = completion_payload(request, model=model,
                                                           per_request_seed=self.http.seed == "per_request",

@@ -12,8 +12,8 @@ Invariants:
   weights (its recovery, a task beside its probe loop, which keeps probing and so can cancel it); a
   server back after an outage is a new process, no longer hung.
 - A server out of rotation for hanging is sent a one-token completion (the newest request's prompt,
-  `last_payload`) every probe interval; once one is answered within the probe's deadline it is back
-  in rotation (logged).
+  `last_payload`, not streamed, naming the model that server serves) every probe interval; once one is
+  answered within the probe's deadline it is back in rotation (logged).
 - A server holding open requests that answers none for `LatencyTracker.silence_s` is logged once by
   name, until it answers again.
 - If a probe loop fails, `run` records why in the pool and every later call raises `BackendDeadError`
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -41,10 +42,12 @@ class HealthProbes:
     """Probes the servers of `pool`; recoveries install weights through `weights`; `latency` is the generator's
     (the hung server's probe and the silence warning read it)."""
 
-    def __init__(self, pool: ServerPool, weights: WeightInstaller, latency: LatencyTracker) -> None:
+    def __init__(self, pool: ServerPool, weights: WeightInstaller, latency: LatencyTracker, *,
+                 model_for: Callable[[PooledServer], str | None]) -> None:
         self.pool = pool
         self.weights = weights
         self.latency = latency
+        self.model_for = model_for  # the model a request to a server names (its own LoRA adapter, if any)
         self.last_payload: dict[str, Any] | None = None  # the newest request's body (set by the generator)
 
     async def run(self) -> None:
@@ -117,8 +120,7 @@ class HealthProbes:
         timeout_s = max(self.pool.probe_timeout_s(), self.latency.timeout_s(0, 1))
         try:
             async with asyncio.timeout(timeout_s):
-                async with self.pool.control_session.post(f"{server.url}/v1/completions",
-                                                      json={**self.last_payload, "max_tokens": 1}) as resp:
+                async with self.pool.control_session.post(f"{server.url}/v1/completions", json=self._probe_body(server)) as resp:
                     status, text = resp.status, await resp.text()
             if status != 200:
                 raise GenerationError(f"probe completion answered HTTP {status}: {server_message(text)}")
@@ -135,6 +137,13 @@ class HealthProbes:
         self.pool.counters["hung_returns"] += 1
         log.warning("%s: server %s answered a probe completion and is back in rotation", self.pool.name, server.url)
         self.pool.changed()
+
+    def _probe_body(self, server: PooledServer) -> dict[str, Any]:
+        """The newest request's prompt as a plain one-token completion that names the model `server` itself serves
+        (the newest request may have been streamed, or have named another server's adapter)."""
+        assert self.last_payload is not None
+        body = {key: value for key, value in self.last_payload.items() if key != "stream"}
+        return {**body, "max_tokens": 1, "model": self.model_for(server)}
 
     async def _probe(self, server: PooledServer) -> str | None:
         """None if GET /health answered 200 in time, else what went wrong."""
