@@ -30,7 +30,7 @@ test: $(STAMP) vllm-venv-if-possible
 	$(BIN)/python -m pytest -q -n 2 --durations=20 $(ARGS)
 
 # The inner loop: the fast tier, tests/unit and tests/sim: no child process, network socket, Ray or optimizer step
-# (tests/tier_guard.py fails a test there that has one). About 1.3 minutes on 2 cores, 64 s of CPU (README "Tests").
+# (tests/tier_guard.py fails a test there that has one). About 1.5 minutes on 2 idle cores, 79 s of CPU (README "Tests").
 # `make test` runs every tier: these, tests/component and tests/integration.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit tests/sim $(ARGS)

@@ -166,11 +166,12 @@ def train_as_rank(rank: int, init_file: str, out: str, model, groups, train: dic
         dist.destroy_process_group()
 
 
-def test_two_packed_data_parallel_ranks_equal_one_padded_process(model_and_groups, tmp_path):
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])  # sequence and token normalisation
+def test_two_packed_data_parallel_ranks_equal_one_padded_process(model_and_groups, tmp_path, loss_type):
     # The ranks are forked (gloo on CPU, no re-import): each packs its share of the groups; their summed gradient is
     # the single padded process's.
     model, groups = model_and_groups
-    train = {"micro_batch_tokens": BUDGET, "loss": {"type": "grpo"}}
+    train = {"micro_batch_tokens": BUDGET, "loss": {"type": loss_type}}
     context = multiprocessing.get_context("fork")
     out = tmp_path / "rank0.pt"
     ranks = [context.Process(target=train_as_rank, args=(rank, str(tmp_path / "init"), str(out), model, groups, train))
@@ -187,7 +188,7 @@ def test_two_packed_data_parallel_ranks_equal_one_padded_process(model_and_group
                 process.kill()
                 process.join(timeout=10)
     parallel = torch.load(out)
-    single, single_grads = run_step(model, config({"max_grad_norm": 1e9, "micro_batch_size": 5, "loss": {"type": "grpo"}}, {}), groups)
+    single, single_grads = run_step(model, config({"max_grad_norm": 1e9, "micro_batch_size": 5, "loss": {"type": loss_type}}, {}), groups)
     for key in ("loss", "grad_norm", "entropy", "clip_frac"):
         assert parallel["metrics"][key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
     for a, b in zip(parallel["grads"][0], single_grads[0], strict=True):

@@ -1,9 +1,13 @@
 """training/packing.py's pure parts: the token-budget packer and the packed row layout (positions, scored
-positions, the completion grid, the repetition penalty's context) against the padded collation."""
+positions, the completion grid, the repetition penalty's context) against the padded collation; the choice of
+varlen flash attention."""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import random
+import types
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.config import Config
 from asyncgrpo.sampling import seen_before
 from asyncgrpo.training.batch import TrainSequence, collate
-from asyncgrpo.training.packing import collate_packed, input_length, pack, pack_sequences
+from asyncgrpo.training.packing import collate_packed, input_length, pack, pack_sequences, prefer_varlen_flash
 
 ALGORITHM = algorithm_for(Config())
 
@@ -93,3 +97,45 @@ def test_packed_repetition_context_is_each_sequences_own():
     expected = seen_before(padded.input_ids, padded.attention_mask, 9, positions)[packed.valid]
     assert torch.equal(packed.seen(9)[0], expected)
     assert torch.equal(padded.seen(9), seen_before(padded.input_ids, padded.attention_mask, 9, positions))
+
+
+class FlashCapableModel:
+    """What `prefer_varlen_flash` reads of a transformers model: its support flag, its config, the switch."""
+
+    _supports_flash_attn = True
+
+    def __init__(self, refuse: Exception | None = None) -> None:
+        self.config = types.SimpleNamespace(_attn_implementation="sdpa")
+        self.refuse = refuse
+
+    def set_attn_implementation(self, name: str) -> None:
+        if self.refuse is not None:
+            raise self.refuse
+        self.config._attn_implementation = name
+
+
+@pytest.fixture
+def flash_attn_installed(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
+
+
+def test_packing_on_cuda_with_flash_attn_installed_switches_to_varlen_flash(flash_attn_installed):
+    model = FlashCapableModel()
+    assert prefer_varlen_flash(model, torch.device("cuda")) == "flash_attention_2"
+    assert model.config._attn_implementation == "flash_attention_2"
+
+
+def test_packing_keeps_the_models_attention_on_cpu_without_flash_attn_or_when_the_switch_fails(flash_attn_installed, caplog):
+    cpu = FlashCapableModel()
+    assert prefer_varlen_flash(cpu, torch.device("cpu")) is None and cpu.config._attn_implementation == "sdpa"
+    refused = FlashCapableModel(refuse=ImportError("FlashAttention2 needs compute capability 8.0"))
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo"):
+        assert prefer_varlen_flash(refused, torch.device("cuda")) is None
+    assert refused.config._attn_implementation == "sdpa" and "compute capability" in caplog.text
+
+
+def test_packing_without_flash_attn_installed_keeps_sdpa(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    model = FlashCapableModel()
+    assert prefer_varlen_flash(model, torch.device("cuda")) is None and model.config._attn_implementation == "sdpa"

@@ -3,7 +3,8 @@
 Job: `pack` cuts a list of sequence lengths into micro-batches by a token budget (a pure function); `collate_packed`
 lays one micro-batch out as a single row `[1, T]` with no padding, each sequence with its own position ids
 0, 1, ... and no attention mask, which transformers turns into attention confined to each sequence (varlen
-flash attention, or a block-diagonal mask for sdpa / eager / flex); `check_confinement` proves that the model
+flash attention, or a block-diagonal mask for sdpa / eager / flex); `prefer_varlen_flash` switches the trainer's
+model to `flash_attention_2` where `flash_attn` is installed on CUDA; `check_confinement` proves that the model
 does so before the first step, and refuses it (a `ConfigError`) otherwise.
 
 Invariants:
@@ -18,7 +19,9 @@ Invariants:
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +32,8 @@ from torch import Tensor
 from asyncgrpo.algorithms.base import Algorithm
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.training.batch import MicroBatch, TrainSequence, completion_grid
+
+log = logging.getLogger("asyncgrpo")
 
 KEY = "train.micro_batch_tokens"
 # Logits of a sequence packed after another must equal its logits alone to this (float32 forward).
@@ -130,6 +135,25 @@ def collate_packed(seqs: list[TrainSequence], *, pad_id: int, version: int, devi
         valid=valid,
         sequence_of=torch.tensor(owner, dtype=torch.long, device=device),
     )
+
+
+def prefer_varlen_flash(model: Any, device: torch.device) -> str | None:
+    """Switch `model` to transformers' `flash_attention_2` (varlen kernels over packed rows: no T^2 work across a row's
+    sequences) when the `flash_attn` package is installed, the device is CUDA and the model supports it; returns the
+    implementation chosen, None when it keeps its own (sdpa/eager confine a packed row by a block-diagonal mask)."""
+    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None or not getattr(model, "_supports_flash_attn", False):
+        return None
+    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if current == "flash_attention_2":
+        return current
+    try:
+        model.set_attn_implementation("flash_attention_2")
+    except (ImportError, ValueError) as exc:  # an installed flash_attn this GPU or dtype cannot use: keep the current one
+        log.warning("packing: flash_attention_2 is installed but cannot serve %s (%s); packed rows use %s attention",
+                    type(model).__name__, exc, current)
+        return None
+    log.info("packing: %s uses flash_attention_2 (varlen) for packed rows, was %s", type(model).__name__, current)
+    return "flash_attention_2"
 
 
 def accepts_position_ids(model: Any) -> bool:

@@ -144,6 +144,10 @@ class RayTrainer:
     a fresh start); `version` that checkpoint's version (0 for a fresh start)."""
 
     def __init__(self, cfg: Config, tokenizer: Any, *, checkpoint: Path | None, version: int) -> None:
+        if cfg.train.sharding == "fsdp":
+            from asyncgrpo.training.sharding import check_torch_supports_fsdp
+
+            check_torch_supports_fsdp()  # before a cluster or a rank starts
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.version = version

@@ -48,8 +48,23 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from asyncgrpo.config.train import TrainConfig
+from asyncgrpo.errors import ConfigError
 from asyncgrpo.models.device import PRECISIONS
 from asyncgrpo.training.data_parallel import DataParallel, RankShare
+
+
+def check_torch_supports_fsdp() -> None:
+    """ConfigError unless this torch has what FSDPModule sharding here needs (FSDP2's `fully_shard` and a plain-SUM
+    gradient reduction, `set_force_sum_reduction_for_comms`: torch 2.8 and later), checked before any rank starts."""
+    import torch.distributed.fsdp as fsdp
+
+    module_class = getattr(fsdp, "FSDPModule", None)
+    if module_class is None or not hasattr(module_class, "set_force_sum_reduction_for_comms"):
+        raise ConfigError(
+            f"train.sharding = fsdp needs FSDP2 with a plain-SUM gradient reduction "
+            f"(torch.distributed.fsdp.FSDPModule.set_force_sum_reduction_for_comms), which torch {torch.__version__} "
+            f"does not have. Fix: install torch >= 2.8, or set train.sharding: ddp."
+        )
 
 
 def join(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig, *, rank: int, world_size: int,
