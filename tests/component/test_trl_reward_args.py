@@ -56,8 +56,8 @@ def score(module, names, completions, isolation, state=STATE):
     specs = [f"{module}:{name}" for name in names]
 
     async def go():
-        async with RewardScorer(resolve_rewards(specs), isolation=isolation, specs=specs, workers=1) as scorer:
-            scorer.trainer_state = lambda: state
+        async with RewardScorer(resolve_rewards(specs), isolation=isolation, specs=specs, workers=1,
+                                trainer_state=lambda: state) as scorer:
             first = await scorer.score(PROMPT, completions)
             second = await scorer.score(PROMPT, completions[:1])
             return first, second, scorer.log.drain(), scorer.log.drain()

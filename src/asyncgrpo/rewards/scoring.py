@@ -115,9 +115,11 @@ class RewardScorer:
         isolation: Isolation = "thread",
         specs: Sequence[str] | None = None,
         workers: int = 4,
+        trainer_state: Callable[[], TrainerState] = TrainerState,
     ) -> None:
         """`specs` (the ``reward.functions`` entries `functions` were resolved from) is used by
-        ``isolation="process"`` only; `workers` is the most worker processes or threads (process, thread).
+        ``isolation="process"`` only; `workers` is the most worker processes or threads (process, thread);
+        `trainer_state` gives TRL's argument when a group is scored (the run's steps; a fresh TrainerState alone).
         With no function (an environment gives the reward) every completion scores None with no terms."""
         if weights is None:
             weights = [1.0] * len(functions)
@@ -139,7 +141,7 @@ class RewardScorer:
         self._entries: tuple[_Entry, ...] = tuple(entries)
         self.timeout_s = float(timeout_s)
         self.log = RewardLog()  # what the functions' log_metric calls logged (drained once per step)
-        self.trainer_state: Callable[[], TrainerState] = TrainerState  # the owner sets it to the run's step
+        self.trainer_state = trainer_state
         self.isolation = isolation
         self._pool: RewardWorkerPool | None = None
         self._threads: DaemonThreadPool | None = None
@@ -152,7 +154,8 @@ class RewardScorer:
             self._threads = DaemonThreadPool(workers, name="asyncgrpo-reward")
 
     @classmethod
-    def from_config(cls, reward: RewardConfig, *, isolation: Isolation | None = None) -> RewardScorer:
+    def from_config(cls, reward: RewardConfig, *, isolation: Isolation | None = None,
+                    trainer_state: Callable[[], TrainerState] = TrainerState) -> RewardScorer:
         """The scorer of a ``reward`` config section; `isolation` overrides ``reward.isolation`` (the simulator's inline)."""
         return cls(
             resolve_rewards(reward.functions),
@@ -161,6 +164,7 @@ class RewardScorer:
             isolation=isolation or reward.isolation,
             specs=reward.functions,
             workers=reward.workers,
+            trainer_state=trainer_state,
         )
 
     async def aclose(self) -> None:

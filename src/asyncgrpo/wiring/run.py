@@ -1,15 +1,16 @@
 """`wire_run`: the parts every run is made of, built in one order; `train` and `simulate` both call it.
 
 The order (each part is built from those before it):
-1. the reward scorer of `reward:` (the simulator's scores inline, on virtual time);
+1. the reward scorer of `reward:` (the simulator's scores inline, on virtual time), whose TRL `trainer_state`
+   reads the collector's trained steps when a group is scored (the collector, built in 4, exists by then);
 2. the ledger: how each take of a prompt ended for good, continuing a checkpoint's, its records sent to `outcomes`;
 3. the timeline (telemetry/timeline.py), when the run writes one, continuing a checkpoint's;
 4. the collector (wiring/collector.py) over the prompts, on the backends' generator, scored by the algorithm's
    own scorer (distillation's teacher) or else the reward scorer, told each rollout's life by the timeline (or,
    without one, by the caller's observer), continuing a checkpoint's accounting and counters from `start_step`;
-5. the scorer's `trainer_state` (TRL's argument): the collector's trained steps. Set after 4, since the
-   collector is given the scorer;
-6. the reward terms the metrics report per step.
+5. the reward terms the metrics report per step.
+
+Nothing is patched after it is built.
 
 What differs between a training run and a simulation comes in as `Backends`: the real engine and tokenizer,
 or the scripted generator with the simulated environments and teacher. The caller owns what needs closing
@@ -78,7 +79,9 @@ def wire_run(
     and `observer`, if any, is told each rollout's life instead);
     `start_step` and `saved` (a checkpoint's extra: its ledger, accounting, counters and timeline) continue a run."""
     saved = saved or {}
-    scorer = RewardScorer.from_config(cfg.reward, isolation=backends.isolation)
+    collector: Collector  # built in step 4; the scorer reads its trained steps only when it scores a group (TRL's trainer_state)
+    scorer = RewardScorer.from_config(cfg.reward, isolation=backends.isolation, trainer_state=functools.partial(
+        run_trainer_state, cfg, len(prompts), lambda: collector.steps_trained))
     ledger = PromptLedger(saved.get("done"), sink=outcomes)
     timeline = None if timeline_file is None else Timeline(
         timeline_file, server=backends.generator.name, max_inflight=cfg.generation.max_inflight,
@@ -90,5 +93,4 @@ def wire_run(
         ledger=ledger, start_step=start_step, resumed=dict(saved), observer=timeline if timeline is not None else observer,
         tokenizer=backends.tokenizer, host_factory=backends.host_factory,
     )
-    scorer.trainer_state = functools.partial(run_trainer_state, cfg, len(prompts), lambda: collector.steps_trained)
     return RunParts(scorer, ledger, timeline, collector, term_names(scorer.names, cfg.env))
