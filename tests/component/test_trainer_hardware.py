@@ -171,6 +171,27 @@ def test_under_lora_dropout_pi_prox_and_the_reference_are_taken_without_it():
     assert metrics["kl"] > 0
 
 
+def test_the_adapters_start_from_run_seed_whatever_drew_random_numbers_before():
+    pytest.importorskip("peft", reason="LoRA needs peft: pip install 'asyncgrpo[lora]'")
+
+    def adapters(seed: int, draws_before: int) -> dict[str, torch.Tensor]:
+        model = tiny_llama(0)  # (seeds the global RNG itself)
+        torch.rand(draws_before)  # what loading a model, a KL copy or a Ray rank's set-up may draw
+        cfg = make_cfg({"lora": LORA})
+        trainer = TorchTrainer(model, None, cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": seed})}))
+        return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+    first = adapters(0, draws_before=0)
+    assert all(torch.equal(first[n], p) for n, p in adapters(0, draws_before=7).items())
+    assert any(not torch.equal(first[n], p) for n, p in adapters(1, draws_before=0).items())
+    model = tiny_llama(0)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    TorchTrainer(model, None, make_cfg({"lora": LORA}))
+    assert torch.equal(torch.rand(3), expected)  # the global RNG goes on as if no adapter had been drawn
+
+
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # peft's own hint of the same
 @pytest.mark.parametrize("targets", [["lm_head"], ["embed_tokens", "q_proj"]])
 def test_lora_on_a_tied_embedding_is_refused_since_no_merged_model_could_serve_it(targets):

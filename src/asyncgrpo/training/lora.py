@@ -4,7 +4,9 @@ Job: everything the trainer and checkpoints need to know about adapters, so the 
 code sees plain state dicts under the base model's own parameter names.
 
 Invariants:
-- `wrap` freezes the base weights; only the adapters (float32) train.
+- `wrap` freezes the base weights; only the adapters (float32) train. Their initial values depend only on
+  `run.seed` (drawn from a generator seeded with it, the global RNG left as it was), not on what drew
+  random numbers before: loading the model, building the KL reference, a Ray rank's own set-up.
 - Adapter dropout (`train.lora.dropout`) applies only inside `adapter_dropout`: its dropout modules
   alone are put in train mode there (the model's own dropouts stay off), and back in eval mode on
   exit, so every other forward pass (pi_prox, the KL reference, evaluation) is deterministic.
@@ -49,8 +51,10 @@ def _no_peft(why: str) -> str:
             f"peft), or remove train.lora to fine-tune every weight.")
 
 
-def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
-    """`model` with LoRA adapters of `lora` (a `LoraConfig` section) on its target modules."""
+def wrap(model: torch.nn.Module, lora: Any, seed: int) -> torch.nn.Module:
+    """`model` with LoRA adapters of `lora` (a `LoraConfig` section) on its target modules, initialised from `seed`."""
+    import torch
+
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
@@ -64,7 +68,10 @@ def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
                             target_modules=targets if isinstance(targets, str) else list(targets))
         with warnings.catch_warnings():  # peft reads transformers' deprecated name; nothing a user can act on
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-            wrapped = get_peft_model(model, config)
+            device = next(model.parameters()).device
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                wrapped = get_peft_model(model, config)
     except ValueError as exc:
         raise ConfigError(
             f"train.lora.target_modules = {targets!r} does not fit this model ({exc}). Fix: name linear modules of the "

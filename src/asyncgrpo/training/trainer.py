@@ -124,7 +124,7 @@ class TorchTrainer:
         if t.loss.kl_coef > 0 and t.lora is None:
             self.reference = copy.deepcopy(model).eval()
             self.reference.requires_grad_(False)
-        self.model = lora_adapters.wrap(model, t.lora) if t.lora is not None else model
+        self.model = lora_adapters.wrap(model, t.lora, cfg.run.seed) if t.lora is not None else model
         self.model.eval()
         self._adapter_dropout = t.lora is not None and t.lora.dropout > 0
         if t.gradient_checkpointing:
