@@ -295,6 +295,24 @@ def test_a_failed_trackio_call_is_named_and_its_process_ends(trackio_env, monkey
     assert process.returncode is not None
 
 
+
+def test_a_trackio_process_that_stops_reading_cannot_block_the_run_on_a_full_pipe(tmp_path, monkeypatch):
+    """The request's write is under the call's deadline too: a stuck process that no longer reads fills the pipe, and
+    a log larger than the pipe's buffer must end in a named TrackioError, not a write that never returns."""
+    import types
+
+    stuck = tmp_path / "stuck_trackio.py"  # answers init, then neither reads nor exits
+    stuck.write_text("import sys, time\nsys.stdin.readline()\nprint('null', flush=True)\ntime.sleep(600)\n")
+    monkeypatch.setattr(sinks, "trackio_worker", types.SimpleNamespace(__file__=str(stuck)))
+    monkeypatch.setattr(sinks, "TRACKIO_LOG_S", 1.0)
+    monkeypatch.setattr(sinks, "TRACKIO_EXIT_S", 1.0)
+    cfg = Config.model_validate({"run": {"name": "sinktest"}, "logging": {"project": "asyncgrpo-test"}})
+    tracker = sinks.TrackioTracker(cfg, tmp_path, None)
+    with pytest.raises(sinks.TrackioError, match=r"trackio's process \(PID \d+\) did not read log within 1 s"):
+        tracker.log({f"metric_{i}": float(i) for i in range(20_000)}, 1)  # ~400 kB, over any pipe's buffer
+    tracker.stop()
+    assert tracker.process.returncode is not None  # killed after TRACKIO_EXIT_S
+
 KILLED_RUN_SCRIPT = """
 import pathlib, sys
 from asyncgrpo.config import Config

@@ -242,6 +242,9 @@ class TrackioTracker:
         self.process = subprocess.Popen([sys.executable, trackio_worker.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         env={**os.environ, "TRACKIO_DIR": store}, start_new_session=True)
         self.pending = b""
+        assert self.process.stdin is not None
+        # Written without blocking, under each call's deadline: a process stuck without reading fills the pipe.
+        os.set_blocking(self.process.stdin.fileno(), False)
         try:
             self.call(TRACKIO_START_S, "init", {"project": cfg.logging.project, "name": cfg.run.name,
                                                 "config": cfg.model_dump(mode="json"), "resume": "must" if resume == self.ref else "never"})
@@ -259,14 +262,20 @@ class TrackioTracker:
             self.stop()
 
     def call(self, seconds: float, *request: Any) -> None:
-        """Send one request; wait for its answer at most `seconds`. Raises TrackioError."""
+        """Send one request and wait for its answer, both within `seconds`. Raises TrackioError."""
         assert self.process.stdin is not None and self.process.stdout is not None
-        try:
-            self.process.stdin.write(json.dumps(request).encode() + b"\n")
-            self.process.stdin.flush()
-        except BrokenPipeError:
-            raise self.exited() from None
         deadline = time.monotonic() + seconds
+        unsent = memoryview(json.dumps(request).encode() + b"\n")
+        while unsent:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([], [self.process.stdin], [], remaining)[1]:
+                raise TrackioError(f"trackio's process (PID {self.process.pid}) did not read {request[0]} within {seconds:.0f} s")
+            try:
+                unsent = unsent[os.write(self.process.stdin.fileno(), unsent):]
+            except BlockingIOError:
+                continue  # the room select saw was smaller than a write can take at once: wait for more
+            except BrokenPipeError:
+                raise self.exited() from None
         while b"\n" not in self.pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([self.process.stdout], [], [], remaining)[0]:
