@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,9 @@ LINES = [
 # Every key with a value, per step (the x axis is `step` itself).
 EXPECTED = {0: {"version": 1.0, "loss": 0.5, "reward/mean": 0.25, "rollout/failed_total": 0.0},
             1: {"version": 2.0, "loss": 0.25, "reward/mean": 0.5, "eval/reward_mean": 0.75, "rollout/failed_total": 3.0}}
+
+
+RUN_DIR = Path("/runs/demo")
 
 
 def needs(module: str):
@@ -103,6 +107,18 @@ def test_mlflow_writes_a_sqlite_store_in_the_run_directory_that_mlflow_reads_wit
     assert len(run.data.params) > 50
     assert run.info.artifact_uri.startswith((mlflow_env / "mlartifacts").as_uri() + "/")
     assert sorted(p.name for p in mlflow_env.iterdir()) == ["mlflow.db", "trackers.json"]
+
+
+def test_a_run_directory_mlflows_sqlite_uri_cannot_name_is_a_config_problem_naming_the_fix(monkeypatch):
+    """SQLAlchemy ends the file name at '?' and decodes '%xx', and MLflow makes the URI text's parent folder as it is:
+    the store would land outside the run directory."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    [problem] = sink_problems(["mlflow"], Path("/runs/lr 50%?a=1"))
+    assert problem.startswith("logging.sinks names mlflow, whose store would be /runs/lr 50%?a=1/mlflow.db, but that "
+                              "path holds '%' and '?'") and "Fix: choose a run.directory without" in problem
+    assert sink_problems(["jsonl"], Path("/runs/lr 50%?a=1")) == []
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert sink_problems(["mlflow"], Path("/runs/lr 50%?a=1")) == []
 
 
 @needs("mlflow")
@@ -193,7 +209,7 @@ def wandb_history(data: bytes) -> list[dict[str, float]]:
 def test_a_tracker_whose_package_is_missing_fails_check_with_the_pip_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    [problem] = sink_problems(["jsonl", "tensorboard", "wandb"]) if real("tensorboard") else sink_problems(["wandb"])
+    [problem] = sink_problems(["jsonl", "tensorboard", "wandb"], RUN_DIR) if real("tensorboard") else sink_problems(["wandb"], RUN_DIR)
     assert "logging.sinks names wandb" in problem and "pip install wandb" in problem and "remove wandb from logging.sinks" in problem
     from asyncgrpo.commands.train import preflight
 
@@ -206,11 +222,11 @@ def test_mlflows_store_in_the_run_directory_needs_sqlalchemy_and_alembic_a_track
     real = importlib.util.find_spec
     monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda name, *a: None if name in ("sqlalchemy", "alembic") else real(name, *a))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    [problem] = sink_problems(["mlflow"])
+    [problem] = sink_problems(["mlflow"], RUN_DIR)
     assert "logging.sinks names mlflow, but sqlalchemy and alembic are not installed" in problem
     assert "`pip install sqlalchemy alembic`" in problem
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
-    assert sink_problems(["mlflow"]) == []
+    assert sink_problems(["mlflow"], RUN_DIR) == []
 
 
 def test_an_unknown_sink_is_a_config_error_naming_the_choices():

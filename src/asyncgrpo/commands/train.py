@@ -100,7 +100,7 @@ def preflight(cfg: Config) -> ResumePlan:
     if cfg.train.loss.plugin:
         resolve_loss_plugin(cfg.train.loss.type)
     check_env(cfg.env)
-    if problems := sink_problems(cfg.logging.sinks):
+    if problems := sink_problems(cfg.logging.sinks, Path(cfg.run.directory)):
         raise ConfigError("\n".join(problems))
     check_run_directory(cfg.run.directory)
     return plan_resume(cfg)

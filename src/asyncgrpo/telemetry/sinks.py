@@ -70,10 +70,19 @@ TRACKERS: dict[str, list[tuple[str, str]]] = {
 MLFLOW_STORE_PACKAGES = [("sqlalchemy", "sqlalchemy"), ("alembic", "alembic")]
 
 
-def sink_problems(sinks: Iterable[str]) -> list[str]:
-    """One paragraph per tracker in `sinks` with a package this Python cannot import."""
+def sink_problems(sinks: Iterable[str], run_dir: Path) -> list[str]:
+    """One paragraph per tracker in `sinks` with a package this Python cannot import, or whose store in `run_dir`
+    it cannot name."""
     problems = []
     for sink in sinks:
+        if sink == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI") and (odd := sorted(set("?%") & set(str(run_dir.resolve())))):
+            # SQLAlchemy's sqlite URI ends the file name at '?' and decodes '%xx'; MLflow makes the parent folder of
+            # the URI's text as it is, so no escaping puts the store, and nothing else, where it belongs.
+            problems.append(
+                f"logging.sinks names mlflow, whose store would be {run_dir.resolve() / MLFLOW_STORE}, but that path holds "
+                f"{' and '.join(repr(c) for c in odd)}, which MLflow's sqlite URI cannot name (it would write somewhere "
+                f"else). Fix: choose a run.directory without '?' or '%', or set MLFLOW_TRACKING_URI to a store of your own."
+            )
         if sink not in TRACKERS:
             continue
         needed = TRACKERS[sink] + (MLFLOW_STORE_PACKAGES if sink == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI") else [])
