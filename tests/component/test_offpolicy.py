@@ -89,3 +89,17 @@ def test_trainer_tells_staleness_drift_from_engine_mismatch():
     third = trainer.train_step(off)
     assert third["offpolicy/s0/tokens"] > 0 and third["engine_mismatch/logp_abs_mean"] > 0.05
     assert third["engine_mismatch/kl"] > 0
+
+
+def test_under_resume_tokens_older_than_max_staleness_but_within_the_prefix_bound_have_their_own_rows():
+    """on_stale: resume keeps a resumed group's tokens up to max_prefix_staleness steps old in the loss: their
+    diagnostics go to rows s2 and s3, not nowhere."""
+    model = tiny_model()
+    cfg = make_cfg(rollout={"max_staleness": 1, "on_stale": "resume", "max_prefix_staleness": 3})
+    trainer = TorchTrainer(model, None, cfg)
+    groups = make_groups(model, 4)
+    for _ in range(3):
+        trainer.train_step(_stale(groups, trainer.version))
+    old = trainer.train_step(_stale(groups, 0))  # version 3 trains version-0 tokens
+    assert set(old) == {*TRAIN_KEYS, *offpolicy_keys(3)}
+    assert old["offpolicy/s3/tokens"] == sum(len(r.completion.token_ids) for g in groups for r in g.rollouts) > 0

@@ -200,7 +200,7 @@ class _Report:
         parts.timeline.step(record, now)
         collector, reward_names = parts.collector, parts.reward_terms
         if self.writer is None:
-            self.writer = MetricsWriter(self.file, metric_keys(reward_names, max_staleness=self.cfg.rollout.max_staleness,
+            self.writer = MetricsWriter(self.file, metric_keys(reward_names, max_staleness=self.cfg.rollout.trained_staleness_bound,
                                                                   algorithm_keys=algorithm_for(self.cfg).metric_keys))
         values = step_metrics(
             record, collector.metric_values(), reward_names=reward_names, elapsed_s=now,

@@ -207,7 +207,8 @@ class TrainingRun:
             assert self.parts.timeline is not None  # given its file, wire_run always builds it
             self.timeline = self.parts.timeline
             self.eval_codec = episode_codec(cfg, tokenizer)  # evaluation plays episodes tokenized as the collector's
-            keys = metric_keys(self.parts.reward_terms, max_staleness=cfg.rollout.max_staleness, algorithm_keys=algorithm_for(cfg).metric_keys)
+            keys = metric_keys(self.parts.reward_terms, max_staleness=cfg.rollout.trained_staleness_bound,
+                               algorithm_keys=algorithm_for(cfg).metric_keys)
             self.metrics = MetricsWriter(self.metrics_file, keys)
             self.progress = Progress(cfg, plan.step)
             self.eval_state: dict[str, float | None] = dict.fromkeys([*EVAL_KEYS, *(f"eval/reward/{name}" for name in self.parts.reward_terms)])

@@ -84,3 +84,7 @@ class RolloutConfig(Section):
         "(distill: distill.timeout_s) + probe interval + 60 s; `asyncgrpo check` prints it).",
     )
 
+    @property
+    def trained_staleness_bound(self) -> int:
+        """The oldest a trained token may be, in steps: max_prefix_staleness under resume when set, else max_staleness."""
+        return self.max_staleness if self.max_prefix_staleness is None else self.max_prefix_staleness

@@ -39,7 +39,7 @@ log = logging.getLogger("asyncgrpo")
 
 def metric_keys(reward_names: Iterable[str], *, max_staleness: int, algorithm_keys: Iterable[str] = ()) -> tuple[str, ...]:
     """Every key of a run's metrics lines; `algorithm_keys`: the algorithm's own (algorithms/, `metric_keys`); the off-policy
-    diagnostics cover staleness 0..`max_staleness` (rollout.max_staleness)."""
+    diagnostics cover staleness 0..`max_staleness` (rollout.trained_staleness_bound)."""
     return (
         *STEP_KEYS,
         *PIPELINE_KEYS,

@@ -4,7 +4,7 @@ Job: collect, for every loss token of a step, the behaviour importance ratio r =
 weights at the start of the step against the generator's logprob, the token's staleness (the step's
 version minus the version that generated it) and its advantage's sign; turn them into per-step metrics:
 
-- per staleness value s in 0..K (`offpolicy/s{s}/...`): `tokens`, `clip_frac` (r outside
+- per staleness value s in 0..K (`offpolicy/s{s}/...`; K: rollout.trained_staleness_bound): `tokens`, `clip_frac` (r outside
   [1 - clip_low, 1 + clip_high] on the side PPO clips: above with A > 0, below with A < 0; the loss's own
   clip_frac under objective behaviour), `is_ratio/mean`, `is_ratio/p1`, `is_ratio/p99`, `masked_frac`
   (tokens that get no weight: outside the current policy's sampling support, or masked by `masked`), and

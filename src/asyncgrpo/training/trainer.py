@@ -46,7 +46,7 @@ Invariants:
 - A non-finite loss or gradient norm raises `NonFiniteLossError` before the optimizer
   applies it; weights are never updated with NaN/inf.
 - Every metric key in `TRAIN_KEYS` and in the algorithm's `metric_keys` is returned every
-  step, as a finite float; so is every key of `offpolicy_keys(rollout.max_staleness)` (training/offpolicy.py),
+  step, as a finite float; so is every key of `offpolicy_keys(rollout.trained_staleness_bound)` (training/offpolicy.py),
   except NaN for a staleness value the step has no token of.
 - The algorithm (algorithms/, from `algorithm:`) gives the advantages: per sequence (GRPO's `Rollout.advantage`)
   or per token (distillation's -(log pi_gen - log pi_teacher)), with the same importance correction against pi_gen.
@@ -147,7 +147,7 @@ class TorchTrainer:
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.base_model.forward).parameters
         self._parallel: DataParallel | FullySharded | None = None
         self._sharded: FullySharded | None = None  # the same object, when it shards (train.sharding: fsdp)
-        self._offpolicy = OffPolicyStats(cfg.rollout.max_staleness, clip_low=t.loss.clip_low, clip_high=t.loss.clip_high)
+        self._offpolicy = OffPolicyStats(cfg.rollout.trained_staleness_bound, clip_low=t.loss.clip_low, clip_high=t.loss.clip_high)
         g = cfg.generation  # the distribution the generators sample from (sampling.py); pi_theta is scored under it
         self.processing = Processing(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
                                      repetition_penalty=g.repetition_penalty)
@@ -281,7 +281,7 @@ class TorchTrainer:
                 self._fill_proximal([s for seqs in self._share(update_groups) for s in seqs if s.loss_tokens])
 
         lr = self.lr
-        self._offpolicy = OffPolicyStats(self.cfg.rollout.max_staleness, clip_low=cfg_l.clip_low, clip_high=cfg_l.clip_high)
+        self._offpolicy = OffPolicyStats(self.cfg.rollout.trained_staleness_bound, clip_low=cfg_l.clip_low, clip_high=cfg_l.clip_high)
         stats = LossStats.zeros(self.device)
         losses: list[float] = []
         grad_norms: list[float] = []
