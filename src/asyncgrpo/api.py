@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.api_config import Prepared, build_config, dotted_tree
 from asyncgrpo.commands.run_training import STOP_CALL, RunControl, run_training
 from asyncgrpo.commands.train_summary import RunSummary
@@ -109,6 +110,7 @@ class Trainer:
             train_dataset=train_dataset, eval_dataset=eval_dataset, environment_factory=environment_factory,
             overrides=overrides,
         )
+        algorithm_for(self._prepared.config)  # the algorithm's own rules on the recipe (algorithms/registry.py)
         self._control: RunControl | None = None
         self.result: Result | None = None
 

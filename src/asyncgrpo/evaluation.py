@@ -1,4 +1,6 @@
-"""Evaluation on held-out prompts: mean reward (total and per function), pass@k, and how many samples could not be had.
+"""Evaluation on held-out prompts: samples scored with the reward functions, reported as the algorithm says
+(algorithms/ `eval_metrics`; GRPO's and distillation's: mean reward, total and per function, and pass@k), and
+how many samples could not be had.
 
 A client of the same failure machinery as rollouts: every request goes through the retry policy
 of rollout/retry.py (transient errors retried under `request_timeout_s` and the rollout
@@ -24,10 +26,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import statistics
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
+from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.config import Config, episode_limit_s
 from asyncgrpo.environments.conversation import Codec
 from asyncgrpo.errors import Diagnostic, EpisodeError, FatalBackendError, GenerationError, RewardError
@@ -52,8 +54,9 @@ async def evaluate(
     codec: Codec | None = None,
 ) -> dict[str, float | None]:
     """Sample `eval.samples_per_prompt` completions (episodes, with an `env:` section; `codec` tokenizes them) per
-    held-out prompt; report mean reward, each reward term's mean (`eval/reward/<function>`, and `eval/reward/env`
-    with an environment, as `reward/<function>` in training), pass@k and failures.
+    held-out prompt, score them with `scorer` (and an environment's reward), and report what the algorithm makes of
+    the scores (`eval_metrics`; GRPO's: mean reward, each reward term's mean as `eval/reward/<function>`, and
+    `eval/reward/env` with an environment, as `reward/<function>` in training, and pass@k) and the failures.
 
     Requests go through the same retry policy as rollouts (rollout/retry.py), those of one prompt
     concurrently. A request or episode that still fails, or a reward that raises, leaves that sample out:
@@ -111,14 +114,8 @@ async def evaluate(
             "warning: the evaluation after step %d is incomplete: %d of %d samples failed and are left out "
             "(first error: %s: %s)", step, len(failures), len(prompts) * k, type(failures[0]).__name__, failures[0],
         )
-    samples = [s for scored in per_prompt for s in scored]
-    passed = [any(s.reward is not None and s.reward >= cfg.eval.success_threshold for s in scored) for scored in per_prompt if scored]
-    return {
-        "eval/reward_mean": _mean([s.reward for s in samples]),
-        "eval/pass_rate": sum(passed) / len(passed) if passed else None,
-        "eval/failed_requests": len(failures),
-        **{f"eval/reward/{name}": _mean([s.terms.get(name) for s in samples]) for name in term_names(scorer.names, cfg.env)},
-    }
+    report = algorithm_for(cfg).eval_metrics([scored for scored in per_prompt if scored], term_names(scorer.names, cfg.env))
+    return {**report, "eval/failed_requests": len(failures)}
 
 
 Sampler = Callable[[Prompt, GenerationRequest], Awaitable[Completion]]
@@ -157,11 +154,6 @@ def _sampler(cfg: Config, engine: Generator, codec: Codec | None, jitter: random
                 ) from exc
 
     return play
-
-
-def _mean(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.fmean(present) if present else None
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

@@ -1,5 +1,5 @@
-"""The algorithm seam (algorithms/): one registry reads `algorithm:`, every implementation has every hook,
-and no other module branches on the algorithm's name."""
+"""The algorithm seam (algorithms/): one registry (its table names.py and registry.py) reads `algorithm:`, every
+implementation has every hook, and no other module, the config included, branches on the algorithm's name."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ import pytest
 import torch
 
 from asyncgrpo.algorithms.base import Algorithm
-from asyncgrpo.algorithms.registry import ALGORITHMS, algorithm_for
+from asyncgrpo.algorithms.names import ALGORITHMS
+from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.config import Config, load_config
 from asyncgrpo.distill.loss import distill_advantages
+from asyncgrpo.errors import ConfigError
 from asyncgrpo.types import Completion, Rollout
 from tests.unit.test_layers import package_modules
 
-# Where the name may be read: the registry, and the recipe's own validation (which settings each algorithm needs).
-READERS = ("algorithms.registry", "config")
+# Where the name may be read: the registry and its table. Anywhere, the name may index the table (`ALGORITHMS[cfg.algorithm]`).
+READERS = ("algorithms.registry", "algorithms.names")
 
 
 def hooks() -> set[str]:
@@ -30,21 +32,40 @@ def distill_config() -> Config:
 
 
 def test_every_algorithm_the_recipe_accepts_has_an_implementation_with_every_hook():
-    accepted = typing.get_args(Config.model_fields["algorithm"].annotation)
-    assert set(accepted) == set(ALGORITHMS)
-    assert {"per_sample", "judge", "token_advantages", "build_scorer", "preflight", "describe_scoring"} <= hooks()
-    for name in accepted:
+    assert {"per_sample", "judge", "token_advantages", "build_scorer", "preflight", "describe_scoring", "config_problems",
+            "eval_metrics"} <= hooks()
+    for name, entry in ALGORITHMS.items():
         cfg = load_config(None, [f"algorithm={name}"]) if name == "grpo" else distill_config()
         implementation = algorithm_for(cfg)
         missing = [hook for hook in hooks() if not hasattr(implementation, hook)]
         assert not missing, f"{type(implementation).__name__} lacks {missing}"
+        # The table's one fact about the algorithm agrees with it: a bound for its scorer exactly when it has one of its own.
+        assert (entry.scorer_timeout is None) == (implementation.simulated_scorer() is None), name
+
+
+def test_an_unknown_algorithm_names_the_key_the_value_and_the_algorithms():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["algorithm=ppo"])
+    assert "algorithm: 'ppo' is not an algorithm; the algorithms are grpo, distill. Fix: set algorithm to one of them" in str(info.value)
+
+
+def test_the_recipe_is_checked_against_its_algorithms_rules_when_the_algorithm_is_built():
+    """Config cannot import the algorithms (they are built from a Config), so their rules on the recipe are checked by
+    the registry: no algorithm exists for a recipe it refuses."""
+    cfg = load_config(None, ["algorithm=distill"])
+    with pytest.raises(ConfigError) as info:
+        algorithm_for(cfg)
+    assert str(info.value).startswith("the recipe for algorithm = 'distill': 1 config problem:\n  - algorithm = 'distill' makes each")
 
 
 def names_read(tree: ast.AST) -> list[int]:
-    """The lines that read a recipe's `algorithm` (`cfg.algorithm`, `self.cfg.algorithm`) or compare with an algorithm's name."""
+    """The lines that read a recipe's `algorithm` (`cfg.algorithm`, `self.cfg.algorithm`) other than to look it up in the
+    registry's table (`ALGORITHMS[cfg.algorithm]`), or compare with an algorithm's name."""
     lines = []
+    lookups = {id(node.slice) for node in ast.walk(tree) if isinstance(node, ast.Subscript)
+               and isinstance(node.value, ast.Name) and node.value.id == "ALGORITHMS"}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr == "algorithm":
+        if isinstance(node, ast.Attribute) and node.attr == "algorithm" and id(node) not in lookups:
             owner = node.value
             if (isinstance(owner, ast.Name) and owner.id == "cfg") or (isinstance(owner, ast.Attribute) and owner.attr == "cfg"):
                 lines.append(node.lineno)
@@ -65,9 +86,14 @@ def test_no_module_outside_the_registry_branches_on_the_algorithm_name():
     assert not found, f"the algorithm is read by name outside algorithms/registry.py (call its hooks instead): {found}"
 
 
-@pytest.mark.parametrize("code", ['if cfg.algorithm == "x": pass', 'y = "distill" if self.cfg.algorithm else 0', 'z = a != "grpo"'])
+@pytest.mark.parametrize("code", ['if cfg.algorithm == "x": pass', 'y = "distill" if self.cfg.algorithm else 0', 'z = a != "grpo"',
+                                  'w = OTHER[cfg.algorithm]'])
 def test_the_check_sees_a_branch_on_the_name(code):
     assert names_read(ast.parse(code)) == [1]
+
+
+def test_a_lookup_in_the_registrys_table_is_not_a_branch():
+    assert names_read(ast.parse("t = ALGORITHMS[cfg.algorithm].scorer_timeout")) == []
 
 
 def test_a_filler_row_has_zero_distillation_advantages_and_a_rollout_without_teacher_logprobs_is_a_bug():

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.config import MOVED, Config, at_new_places, load_config, parse_overrides, tolerance_warnings
 from asyncgrpo.errors import ConfigError
 
@@ -47,13 +48,20 @@ def test_an_out_of_range_value_names_key_value_and_limit():
     assert "rollout.groups_per_step = 0" in message and "greater than or equal to 1" in message and "Fix:" in message
 
 
+def algorithm_error_of(*overrides: str) -> str:
+    """The error of building the recipe's algorithm, which checks the recipe against the algorithm's own rules."""
+    with pytest.raises(ConfigError) as info:
+        algorithm_for(load_config(None, list(overrides)))
+    return str(info.value)
+
+
 def test_group_size_one_is_for_distillation_only():
-    message = error_of("rollout.group_size=1", "rollout.min_group_survivors=1")
+    message = algorithm_error_of("rollout.group_size=1", "rollout.min_group_survivors=1")
     assert "rollout.group_size = 1: GRPO compares the completions of a group" in message
     assert "rollout.min_group_survivors = 1" in message and "algorithm: distill" in message
     cfg = load_config(None, ["algorithm=distill", "rollout.group_size=1", "rollout.min_group_survivors=1"])
     assert cfg.algorithm == "distill" and cfg.stall_timeout_s > cfg.distill.timeout_s
-    message = error_of("algorithm=distill")
+    message = algorithm_error_of("algorithm=distill")
     assert "algorithm = 'distill' makes each sample its own unit, but rollout.group_size = 8, rollout.min_group_survivors = 2" in message
     assert "Fix: set rollout.group_size: 1 and rollout.min_group_survivors: 1" in message
 

@@ -46,7 +46,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "sync", "sampling"),  # words every module speaks: exceptions, the wait primitive, the sampling rule
     ("types", "objects", "user_modules", "tasks"),  # what flows: carriers, `python:` objects, the user's modules, built-in tasks
     ("threads", "atomic", "worker_process"),  # the machine: daemon-thread calls, atomic files, worker processes
-    ("loss_config", "trl_names"),  # the recipe's parts: the train.loss section, TRL's names for our keys
+    # the recipe's parts: the train.loss section, TRL's names for our keys, the algorithms' names (the registry's table)
+    ("loss_config", "trl_names", "algorithms.names"),
     ("config", "trl_convert"),  # the recipe; a TRL GRPOConfig converted to one
     # what a run shares: metric names, its directory, a Config from Python, draws from the simulator's distributions
     ("metric_names", "rundir", "api_config", "distributions"),

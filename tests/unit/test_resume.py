@@ -73,12 +73,13 @@ def test_the_resume_policy_refuses_a_group_resumed_too_often_or_with_a_finished_
 
 @pytest.mark.parametrize("key, value", [("runtime", "ray"), ("rollout.partial_groups", True), ("algorithm", "distill")])
 def test_resume_refuses_what_it_is_not_built_for(key: str, value: object) -> None:
+    from asyncgrpo.algorithms.registry import algorithm_for
     from asyncgrpo.config import load_config
     from asyncgrpo.errors import ConfigError
 
     overrides = ["rollout.on_stale=resume", f"{key}={str(value).lower()}"]
     with pytest.raises(ConfigError, match=rf"rollout.on_stale = 'resume' with {key}"):
-        load_config("recipes/simulate_nemo.yaml", overrides)
+        algorithm_for(load_config("recipes/simulate_nemo.yaml", overrides))  # an algorithm's refusal: when it is built
 
 
 def test_resume_is_accepted_on_the_http_backend() -> None:

@@ -131,7 +131,9 @@ def test_convert_trl_cli_refuses_a_recipe_that_would_not_validate(tmp_path, caps
     source = tmp_path / "grpo.json"
     source.write_text('{"num_generations": 1}')
     assert main(["convert-trl", str(source)]) == 3
-    assert "rollout.group_size = 1: GRPO compares the completions of a group" in capsys.readouterr().err
+    # A group of 1 cannot keep the default 2 survivors (config's rule; GRPO's own, groups of 2 or more, is checked when
+    # the algorithm is built, and a TRL recipe cannot break it once this holds).
+    assert "rollout.min_group_survivors = 2 exceeds rollout.group_size = 1" in capsys.readouterr().err
 
 
 def test_trls_vllm_importance_sampling_correction_converts_to_the_decoupled_objective_and_its_mismatch_mode():

@@ -1,7 +1,9 @@
 """The algorithm seam: what one training algorithm decides, as the protocol its module implements.
 
-An algorithm (the recipe's `algorithm:`, mapped to its implementation by algorithms/registry.py, the one
-place that reads the name; DESIGN.md §3 "Algorithms") decides:
+An algorithm (the recipe's `algorithm:`, one of algorithms/names.py's names, built by algorithms/registry.py;
+those two are the only places that read the name; DESIGN.md §3 "Algorithms") decides:
+- **what it asks of the recipe** (`config_problems`): the rules its settings must keep (the registry checks
+  them whenever it builds the algorithm, so no run starts on a recipe its algorithm refuses);
 - **the unit** (`per_sample`): a group of `rollout.group_size` samples compared with each other, or each
   sample its own unit of admission, staleness, cancellation and accounting;
 - **what scores it**: the recipe's reward functions, or a scorer of its own that the run builds, starts
@@ -13,9 +15,11 @@ place that reads the name; DESIGN.md §3 "Algorithms") decides:
   describe (`advantage_values`), and the metrics its trainers add to every step (`metric_keys`,
   `step_metrics`);
 - **what is checked before a model is loaded** (`preflight`, `devices`: `asyncgrpo check` and `train`)
-  and `check`'s line about the scoring (`describe_scoring`).
-Evaluation does not depend on the algorithm: it scores held-out samples with the reward functions
-(evaluation.py).
+  and `check`'s line about the scoring (`describe_scoring`);
+- **what evaluation reports** (`eval_metrics`): evaluation.py samples the held-out prompts and scores them
+  with the reward functions (and an environment's reward) for every algorithm; the algorithm turns those
+  scores into the `eval/*` values (GRPO's: the mean reward, each term's mean and pass@k; distillation
+  reports the same for now).
 
 Invariants: an implementation is built from the recipe alone (`Algorithm(cfg)`) and holds no run state;
 it imports torch and the teacher only inside the hooks that need them, so the collector, `check` and the
@@ -33,6 +37,8 @@ from asyncgrpo.types import Completion, Drop, Group, Prompt, Rollout
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from asyncgrpo.rewards.scoring import ScoredCompletion
+
 
 class Algorithm(Protocol):
     per_sample: bool
@@ -44,6 +50,11 @@ class Algorithm(Protocol):
     """The keys `step_metrics` adds to every training step's metrics (metric_names.py)."""
 
     def __init__(self, cfg: Config) -> None: ...
+
+    # -- the recipe
+    def config_problems(self) -> list[str]:
+        """What is wrong with the recipe for this algorithm, one message per broken rule naming the dotted keys, their
+        values and the fix (as config's own rules do); [] when it suits. Pure: reads the recipe only."""
 
     # -- the scoring stage
     def build_scorer(self, tokenizer: Any) -> Any | None:
@@ -81,3 +92,9 @@ class Algorithm(Protocol):
 
     def describe_scoring(self) -> str:
         """`asyncgrpo check`'s line about what scores the samples."""
+
+    # -- evaluation
+    def eval_metrics(self, per_prompt: Sequence[Sequence[ScoredCompletion]], terms: Sequence[str]) -> dict[str, float | None]:
+        """The `eval/*` values (`eval/failed_requests` aside, which evaluation counts) of held-out samples: `per_prompt`
+        holds each prompt's scored samples (its failed ones left out; a prompt none of whose samples was scored is
+        absent), `terms` the reward terms (`eval/reward/<term>`). None: a value there is nothing to compute from."""

@@ -1,6 +1,8 @@
 """On-policy distillation (`algorithm: distill`): a teacher scores each sample's tokens (DESIGN.md §3 "Distillation").
 
-- The unit is one sample (`rollout.group_size: 1`): a stale sample counts whether it finished or not.
+- The unit is one sample (`rollout.group_size: 1` and `rollout.min_group_survivors: 1`, no zero-variance
+  filter): a stale sample counts whether it finished or not. Not yet with an env: section (the teacher
+  does not score episodes) nor with `rollout.on_stale: resume` (`config_problems`).
 - The scorer is the teacher, built and started by the run in place of the reward functions
   (distill/teacher.py; distill/simulated.py on virtual time), its device and path checked before any
   model is loaded (distill/teacher_path.py).
@@ -8,6 +10,8 @@
   no group advantages, no zero-variance filter, no no-signal watch.
 - The trainer's advantage is per token, -(log pi_gen - log pi_teacher) (distill/loss.py); `advantage/*`
   describe those values, and every step reports `distill/kl_mean` (DISTILL_KEYS).
+- Evaluation reports what GRPO's does (algorithms/grpo.py `reward_report`): the reward functions' scores of
+  the held-out samples. (The teacher's KL on held-out prompts would be distillation's own measure; not built.)
 
 Invariants: implements algorithms/base.py `Algorithm`; torch and the teacher's model code are imported only
 inside `build_scorer` and `token_advantages`; a rollout without teacher log-probs reaching the trainer is a
@@ -20,7 +24,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from asyncgrpo.config import Config
+from asyncgrpo.algorithms.grpo import reward_report
+from asyncgrpo.config import Config, resume_unsupported
 from asyncgrpo.distill.judge import kl_mean, taught_rollouts
 from asyncgrpo.distill.simulated import SimulatedTeacher
 from asyncgrpo.distill.teacher_path import check_teacher_path, teacher_seed
@@ -29,6 +34,8 @@ from asyncgrpo.types import Completion, Drop, Group, Prompt, Rollout
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+    from asyncgrpo.rewards.scoring import ScoredCompletion
 
 log = logging.getLogger("asyncgrpo")
 
@@ -40,6 +47,26 @@ class Distill:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+
+    def config_problems(self) -> list[str]:
+        r, problems = self.cfg.rollout, list[str]()
+        wrong = [f"rollout.{key} = {getattr(r, key)}" for key in ("group_size", "min_group_survivors") if getattr(r, key) != 1]
+        if r.filter_zero_variance:
+            wrong.append("rollout.filter_zero_variance = true")
+        if wrong:
+            problems.append(
+                f"algorithm = 'distill' makes each sample its own unit, but {', '.join(wrong)}. Fix: set "
+                f"rollout.group_size: 1 and rollout.min_group_survivors: 1 (rollout.groups_per_step is then the samples per "
+                f"step), and leave rollout.filter_zero_variance off (there are no rewards to compare)."
+            )
+        if self.cfg.env is not None:
+            problems.append(
+                "algorithm = 'distill' with an env: section: the teacher scores single completions, it does not score "
+                "episodes yet (their environment tokens and per-turn prompts). Fix: remove the env: section, or use algorithm: grpo."
+            )
+        if r.on_stale == "resume":
+            problems.append(resume_unsupported("algorithm", "distill"))
+        return problems
 
     def build_scorer(self, tokenizer: Any) -> Any | None:
         from asyncgrpo.distill.teacher import build_teacher
@@ -89,3 +116,6 @@ class Distill:
         d = self.cfg.distill
         seed = f" (seed {teacher_seed(self.cfg)})" if d.teacher.startswith("builtin:") else ""
         return f"distill from teacher {d.teacher}{seed}, batches of {d.batch_size}, timeout {d.timeout_s:g} s (on error: {d.on_error})"
+
+    def eval_metrics(self, per_prompt: Sequence[Sequence[ScoredCompletion]], terms: Sequence[str]) -> dict[str, float | None]:
+        return reward_report(per_prompt, terms, success_threshold=self.cfg.eval.success_threshold)

@@ -1,22 +1,26 @@
 """GRPO (`algorithm: grpo`, the default): reward functions score a group, advantages compare its members.
 
-- The unit is a group of `rollout.group_size` completions of one prompt; the recipe's reward functions
-  (and an environment's reward) score it.
+- The unit is a group of `rollout.group_size` completions of one prompt (at least 2, and as many survivors:
+  its advantages compare them); the recipe's reward functions (and an environment's reward) score it.
 - Judging (rollout/judge.py `scored_rollouts`): the members that got a reward, each with its
   group-relative advantage (rollout/advantages.py), or the drop (`too_few_survivors`, `filtered`).
 - The trainer's advantage is per sequence: every loss token of a rollout carries `Rollout.advantage`.
 - A run of groups whose rewards are all equal is warned about (rollout/no_signal.py) unless
   `rollout.filter_zero_variance` drops them.
+- Evaluation reports the held-out samples' mean reward, each reward term's mean and pass@k (`reward_report`,
+  which distillation reports too).
 
 Invariants: implements algorithms/base.py `Algorithm`; pure apart from the trainer's tensor; adds no metric keys.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncgrpo.config import Config
+from asyncgrpo.rewards.scoring import ScoredCompletion
 from asyncgrpo.rollout.judge import scored_rollouts
 from asyncgrpo.types import Completion, Drop, Group, Prompt, Rollout
 
@@ -31,6 +35,15 @@ class Grpo:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+
+    def config_problems(self) -> list[str]:
+        r = self.cfg.rollout
+        return [
+            f"rollout.{key} = {getattr(r, key)}: GRPO compares the completions of a group, so it needs at least 2. Fix: set "
+            f"rollout.{key} to 2 or more (a group size of 1 is for algorithm: distill)."
+            for key in ("group_size", "min_group_survivors")
+            if getattr(r, key) < 2
+        ]
 
     def build_scorer(self, tokenizer: Any) -> Any | None:
         return None
@@ -68,3 +81,23 @@ class Grpo:
         cfg = self.cfg
         terms = [*cfg.reward.functions, *([f"the environment's x {cfg.env.reward_weight:g}"] if cfg.env is not None else [])]
         return f"reward: {', '.join(terms)} (on error: {cfg.reward.on_error})"
+
+    def eval_metrics(self, per_prompt: Sequence[Sequence[ScoredCompletion]], terms: Sequence[str]) -> dict[str, float | None]:
+        return reward_report(per_prompt, terms, success_threshold=self.cfg.eval.success_threshold)
+
+
+def reward_report(per_prompt: Sequence[Sequence[ScoredCompletion]], terms: Sequence[str], *, success_threshold: float) -> dict[str, float | None]:
+    """`eval/reward_mean` (the samples' mean reward), `eval/pass_rate` (the share of prompts with a sample reaching
+    `success_threshold`: pass@k) and `eval/reward/<term>` (each term's mean)."""
+    samples = [s for scored in per_prompt for s in scored]
+    passed = [any(s.reward is not None and s.reward >= success_threshold for s in scored) for scored in per_prompt if scored]
+    return {
+        "eval/reward_mean": _mean([s.reward for s in samples]),
+        "eval/pass_rate": sum(passed) / len(passed) if passed else None,
+        **{f"eval/reward/{name}": _mean([s.terms.get(name) for s in samples]) for name in terms},
+    }
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None

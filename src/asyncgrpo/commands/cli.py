@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.api_config import Prepared, build_config
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
 
@@ -160,6 +161,7 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.command == "convert-trl":
         return _convert_trl(args.trl_config, args.out)
     prepared = build_config(args.recipe, cli_overrides=args.overrides)  # the Python API's config, from a recipe
+    algorithm_for(prepared.config)  # the algorithm's own rules on the recipe, before anything starts
     if args.command == "simulate":
         return _simulate(prepared, as_json=args.json, output_dir=args.output_dir)
     if args.command == "check":

@@ -11,8 +11,10 @@ every duration has its unit in its name.
 
 Invariants:
 - Imports no torch: a config mistake is reported in well under a second.
-- `load_config` either returns a fully consistent `Config` or raises `ConfigError` whose message lists every
-  problem, each naming the dotted key, the value, the limit and the fix.
+- `load_config` either returns a `Config` consistent in every rule of its sections or raises `ConfigError` whose
+  message lists every problem, each naming the dotted key, the value, the limit and the fix. The rules an
+  algorithm sets on the recipe are its own, checked the same way when the registry builds it
+  (algorithms/registry.py, which every run goes through; algorithms/names.py says why not here).
 - A production recipe needs no simulator key: those live in the simulate: section alone.
 """
 
@@ -24,14 +26,23 @@ from asyncgrpo.config.distill import DistillConfig
 from asyncgrpo.config.env import EnvConfig, episode_limit_s
 from asyncgrpo.config.eval import EvalConfig
 from asyncgrpo.config.generation import GenerationConfig, HttpConfig, LocalEngineConfig
-from asyncgrpo.config.loading import describe_error, load_config, merge, parse_overrides, read_recipe, section_model, validate_config
+from asyncgrpo.config.loading import (
+    describe_error,
+    load_config,
+    merge,
+    parse_overrides,
+    problems_error,
+    read_recipe,
+    section_model,
+    validate_config,
+)
 from asyncgrpo.config.logs import LoggingConfig, Sink
 from asyncgrpo.config.model import ModelConfig
 from asyncgrpo.config.moved import MOVED, at_new_places
 from asyncgrpo.config.ray import RayConfig, RayRole
 from asyncgrpo.config.reward import RewardConfig
 from asyncgrpo.config.rollout import RolloutConfig
-from asyncgrpo.config.root import Config, algorithm_problems, consistency_problems, tolerance_warnings
+from asyncgrpo.config.root import Config, consistency_problems, resume_unsupported, tolerance_warnings
 from asyncgrpo.config.run import RunConfig
 from asyncgrpo.config.section import Device, Section
 from asyncgrpo.config.simulate import (
@@ -77,7 +88,6 @@ __all__ = [
     "TokenModelConfig",
     "TrainConfig",
     "WeightSyncFaultConfig",
-    "algorithm_problems",
     "at_new_places",
     "consistency_problems",
     "describe_error",
@@ -85,7 +95,9 @@ __all__ = [
     "load_config",
     "merge",
     "parse_overrides",
+    "problems_error",
     "read_recipe",
+    "resume_unsupported",
     "section_model",
     "tolerance_warnings",
     "validate_config",

@@ -114,9 +114,13 @@ def validate_config(data: dict[str, Any], source: str = "config") -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        lines = [describe_error(err) for err in exc.errors(include_url=False)]
-        noun = "problem" if len(lines) == 1 else "problems"
-        raise ConfigError(f"{source}: {len(lines)} config {noun}:\n" + "\n".join(f"  - {line}" for line in lines)) from None
+        raise problems_error(source, [describe_error(err) for err in exc.errors(include_url=False)]) from None
+
+
+def problems_error(source: str, problems: list[str]) -> ConfigError:
+    """One ConfigError headed by `source` listing every problem (at least one), one line each."""
+    noun = "problem" if len(problems) == 1 else "problems"
+    return ConfigError(f"{source}: {len(problems)} config {noun}:\n" + "\n".join(f"  - {line}" for line in problems))
 
 
 def describe_error(err: Mapping[str, Any]) -> str:

@@ -1,19 +1,25 @@
 """The whole recipe (`Config`, one field per section) and the rules that span sections.
 
 Invariants:
-- A `Config` is consistent: every cross-section rule (`consistency_problems`, `algorithm_problems`) holds, or
-  validation fails with one message per broken rule, each naming the dotted keys, their values and the fix.
+- A `Config` is consistent: every cross-section rule (`consistency_problems`) holds, or validation fails with
+  one message per broken rule, each naming the dotted keys, their values and the fix.
+- No rule branches on the algorithm's name: `algorithm:` is one of algorithms/names.py's names, and what the
+  config needs of the algorithm (what bounds its scoring) is read from that table. The rules each algorithm
+  sets on the recipe are its own (`config_problems`, algorithms/), checked when the registry builds it
+  (algorithms/registry.py; names.py says why there and not here).
 - `tolerance_warnings` lists settings that are valid but will not do what they suggest; they never fail a run.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from asyncgrpo.algorithms.names import ALGORITHMS
 from asyncgrpo.config.checkpoint import CheckpointConfig
 from asyncgrpo.config.data import DataConfig
 from asyncgrpo.config.distill import DistillConfig
@@ -48,11 +54,19 @@ class Config(Section):
     runtime: Literal["local", "ray"] = Field("local", description="local: all in this process; ray: generators as Ray actors (see the ray: section).")
     ray: RayConfig = Field(default_factory=RayConfig)
     env: EnvConfig | None = Field(None, description="Multi-turn environments (the env: section); null: single-turn rollouts.")
-    algorithm: Literal["grpo", "distill"] = Field(
-        "grpo", description="grpo: rewards and group-relative advantages; distill: per-token reverse KL to distill.teacher, one sample per unit.",
-    )
+    algorithm: str = Field("grpo", description="; ".join(f"{name}: {a.description}" for name, a in ALGORITHMS.items()) + ".")
     distill: DistillConfig = Field(default_factory=DistillConfig)
     simulate: SimulateConfig = Field(default_factory=SimulateConfig)
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, name: str) -> str:
+        if name not in ALGORITHMS:
+            raise ValueError(
+                f"{name!r} is not an algorithm; the algorithms are {', '.join(ALGORITHMS)}. Fix: set algorithm to one of them "
+                f"(grpo, the default, trains on rewards)."
+            )
+        return name
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -77,13 +91,18 @@ class Config(Section):
         parts = [(g.rollout_deadline_s, "generation.rollout_deadline_s")]
         if env is not None:
             parts += [(2 * env.step_timeout_s, "2 x env.step_timeout_s"), (env.cancel_grace_s, "env.cancel_grace_s")]
-        if self.algorithm == "distill":
-            parts.append((self.distill.timeout_s, "distill.timeout_s"))
+        if (scorer := ALGORITHMS[self.algorithm].scorer_timeout) is not None:  # the algorithm's own scorer, e.g. distillation's teacher
+            parts.append((self.value_at(scorer), scorer))
         elif self.reward.functions:
             parts.append((self.reward.timeout_s * len(self.reward.functions), f"{len(self.reward.functions)} x reward.timeout_s"))
         parts += [(g.health_probe_interval_s, "generation.health_probe_interval_s"), (60.0, "margin")]
         how = " + ".join(f"{value:g} s {name}" for value, name in parts)
         return sum(value for value, _ in parts), f"derived: {how}"
+
+    def value_at(self, key: str) -> float:
+        """The value of the dotted `key` (`distill.timeout_s`)."""
+        value: Any = functools.reduce(getattr, key.split("."), self)
+        return float(value)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -93,7 +112,6 @@ def consistency_problems(cfg: Config) -> list[str]:
     """Cross-field rules; each message names the dotted keys, their values and the fix."""
     problems: list[str] = []
     r, g = cfg.rollout, cfg.generation
-    problems += algorithm_problems(cfg)
     if r.min_group_survivors > r.group_size:
         problems.append(
             f"rollout.min_group_survivors = {r.min_group_survivors} exceeds rollout.group_size = {r.group_size}: "
@@ -158,7 +176,7 @@ def consistency_problems(cfg: Config) -> list[str]:
             + f" need {needed:g} CPUs, more than the local cluster's ray.num_cpus = {ray.num_cpus}: Ray would never place "
             f"them all. Fix: lower the per-actor num_cpus, ray.generators or train.world_size, or raise ray.num_cpus."
         )
-    if cfg.algorithm == "grpo" and not cfg.reward.functions and (cfg.env is None or cfg.env.reward_weight == 0):
+    if ALGORITHMS[cfg.algorithm].scorer_timeout is None and not cfg.reward.functions and (cfg.env is None or cfg.env.reward_weight == 0):
         where = "no env: section" if cfg.env is None else "env.reward_weight = 0"
         problems.append(
             f"reward.functions is empty and {where}: no rollout could get a reward. Fix: list at least one reward "
@@ -170,11 +188,6 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"a shutdown waits for cancelled episodes up to their grace, so it could not end cleanly in time. Fix: lower "
             f"env.cancel_grace_s or raise run.shutdown_timeout_s."
         )
-    if cfg.env is not None and cfg.algorithm == "distill":
-        problems.append(
-            "algorithm = 'distill' with an env: section: the teacher scores single completions, it does not score "
-            "episodes yet (their environment tokens and per-turn prompts). Fix: remove the env: section, or use algorithm: grpo."
-        )
     weights = cfg.reward.weights
     if weights is not None and len(weights) != len(cfg.reward.functions):
         problems.append(
@@ -182,29 +195,6 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"give one weight per function, or drop reward.weights to weigh each 1.0."
         )
     return problems
-
-
-def algorithm_problems(cfg: Config) -> list[str]:
-    """GRPO needs groups of at least 2 (advantages compare completions within a group); distillation
-    makes each sample its own unit (group size 1), so staleness and cancellation are per sample."""
-    r = cfg.rollout
-    if cfg.algorithm == "distill":
-        wrong = [f"rollout.{key} = {getattr(r, key)}" for key in ("group_size", "min_group_survivors") if getattr(r, key) != 1]
-        if r.filter_zero_variance:
-            wrong.append("rollout.filter_zero_variance = true")
-        if wrong:
-            return [
-                f"algorithm = 'distill' makes each sample its own unit, but {', '.join(wrong)}. Fix: set "
-                f"rollout.group_size: 1 and rollout.min_group_survivors: 1 (rollout.groups_per_step is then the samples per "
-                f"step), and leave rollout.filter_zero_variance off (there are no rewards to compare)."
-            ]
-        return []
-    return [
-        f"rollout.{key} = {getattr(r, key)}: GRPO compares the completions of a group, so it needs at least 2. Fix: set "
-        f"rollout.{key} to 2 or more (a group size of 1 is for algorithm: distill)."
-        for key in ("group_size", "min_group_survivors")
-        if getattr(r, key) < 2
-    ]
 
 
 def tolerance_warnings(cfg: Config) -> list[str]:
@@ -265,14 +255,16 @@ def resume_problems(cfg: Config) -> list[str]:
         )
     if r.on_stale != "resume":
         return problems
-    unsupported = {"runtime": cfg.runtime if cfg.runtime == "ray" else None,
-                   "algorithm": cfg.algorithm if cfg.algorithm != "grpo" else None, "env": "set" if cfg.env is not None else None,
+    unsupported = {"runtime": cfg.runtime if cfg.runtime == "ray" else None, "env": "set" if cfg.env is not None else None,
                    "rollout.partial_groups": "true" if r.partial_groups else None}
-    for key, value in unsupported.items():
-        if value is not None:
-            problems.append(
-                f"rollout.on_stale = 'resume' with {key} = {value}: resumable rollouts are built for plain GRPO rollouts on the "
-                f"scripted, local and http backends (runtime: local, no env:, no partial groups) so far. Fix: choose another "
-                f"rollout.on_stale (patience is the default), or drop {key}."
-            )
-    return problems
+    return problems + [resume_unsupported(key, value) for key, value in unsupported.items() if value is not None]
+
+
+def resume_unsupported(key: str, value: str) -> str:
+    """The problem of `rollout.on_stale: resume` with `key` = `value`; an algorithm whose rollouts cannot be resumed
+    reports it with key `algorithm` (its `config_problems`)."""
+    return (
+        f"rollout.on_stale = 'resume' with {key} = {value}: resumable rollouts are built for plain GRPO rollouts on the "
+        f"scripted, local and http backends (runtime: local, no env:, no partial groups) so far. Fix: choose another "
+        f"rollout.on_stale (patience is the default), or drop {key}."
+    )
