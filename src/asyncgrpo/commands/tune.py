@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from asyncgrpo.config import Config
 from asyncgrpo.rundir import TUNE_PLOT_FILE
 from asyncgrpo.tuning.calibrate import Calibration, calibrate, recipe_config, write_tuned
 from asyncgrpo.tuning.observe import Comparison, Observed, compare, observe, observe_run
-from asyncgrpo.tuning.records import load_run
+from asyncgrpo.tuning.records import check_poolable, load_run
 from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, Recommendation, candidates, frontier, policies_for, recommend, run_sweep
 
 ENV_NOT_FITTED = (
@@ -83,10 +84,14 @@ def simulate_one(cfg: Config) -> tuple[Observed, float | None, str | None]:
 
 
 def tune(run_dir: Path, *, max_staleness: int | None = None, min_length_bias: float | None = None,
-         sweep_steps: int = SWEEP_STEPS) -> TuneResult:
-    """Calibrate, validate and (when the replay is close enough) sweep and recommend."""
+         sweep_steps: int = SWEEP_STEPS, pool: Sequence[Path] = ()) -> TuneResult:
+    """Calibrate (decode and trainer time also from the `pool` runs' timelines), validate and (when the replay is close
+    enough) sweep and recommend."""
     records = load_run(run_dir)
-    calibration = calibrate(records)
+    pooled = [load_run(other) for other in pool]
+    for other in pooled:
+        check_poolable(records, other)
+    calibration = calibrate(records, pooled)
     tuned_path = write_tuned(run_dir, calibration)
     measured = observe_run(records)
     replay, _, problem = simulate_one(recipe_config(calibration.recipe))
@@ -117,6 +122,8 @@ def format_result(result: TuneResult) -> str:
         f"  trainer: {c.trainer.token_time_s * 1e6:.1f} us/token + {c.trainer.overhead_s:.3f} s/step ({c.trainer.step_time_s:.3f} s/step "
         f"on average; per-step line {c.trainer.intercept_s:.3f} s +- {_cell(c.trainer.intercept_se_s)} + {c.trainer.slope_s * 1e6:.1f} "
         f"us/token), weight sync {c.weight_sync_s * 1e3:.1f} ms, evaluation {c.eval_s:.2f} s each (between steps)",
+        f"  contention (generation and training on shared hardware): decode {_slowdown(c.decode.contention, c.decode.contention_se)} "
+        f"while training, training {_slowdown(c.trainer.contention, c.trainer.contention_se)} while decoding",
         "  faults: " + (", ".join(f"{f['error']} {f['rate']:.2%}" for f in c.faults) or "none"),
         "validation (the run's config replayed on virtual time):",
         f"  {'':22} {'measured':>14} {'predicted':>14}  check",
@@ -146,6 +153,10 @@ def format_result(result: TuneResult) -> str:
     lines.append("recommended: " + (_overrides(rec.changes) if rec.changes else "keep the run's config"))
     lines.append(f"  why: {rec.reason}")
     return "\n".join(lines)
+
+
+def _slowdown(factor: float, se: float | None) -> str:
+    return f"x{factor:.2f} +- {se:.2f}" if se is not None else "x1 (none shown)"
 
 
 def _overrides(overrides: dict[str, Any]) -> str:
@@ -185,8 +196,9 @@ def plot_frontier(result: TuneResult, path: Path) -> Path:
     return path
 
 
-def tune_cli(run_dir: Path, *, as_json: bool, plot: bool, max_staleness: int | None, min_length_bias: float | None) -> int:
-    result = tune(run_dir, max_staleness=max_staleness, min_length_bias=min_length_bias)
+def tune_cli(run_dir: Path, *, as_json: bool, plot: bool, max_staleness: int | None, min_length_bias: float | None,
+             pool: Sequence[Path] = ()) -> int:
+    result = tune(run_dir, max_staleness=max_staleness, min_length_bias=min_length_bias, pool=pool)
     plotted = plot_frontier(result, run_dir / TUNE_PLOT_FILE) if plot and result.points else None
     if as_json:
         print(json.dumps({**result.to_json(), "plot": None if plotted is None else str(plotted)}))
