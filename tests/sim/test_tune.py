@@ -123,3 +123,21 @@ def test_contention_is_recovered_from_pooled_runs_and_predicts_the_synchronous_c
     assert abs(predicted.wait_share - truth.wait_share) <= WAIT_SHARE_TOLERANCE, (predicted, truth)
     independent = observe_simulation(simulate(with_overrides(alone.recipe, synchronous)))
     assert independent.tokens_per_s / truth.tokens_per_s - 1 < -TOKENS_PER_S_TOLERANCE  # what pooling fixes
+
+
+def test_a_pooled_run_that_does_not_replay_stops_the_advice(tmp_path, capsys):
+    """The pooled run's times join the fits, so it is replayed too: one at another load (here: a trainer 3x slower) does not
+    replay, and tune says which run missed instead of advising from the blend."""
+    truth_run(tmp_path / "k1", "train.max_steps=10")
+    truth_run(tmp_path / "other", "train.max_steps=10", "simulate.token_time_s=0.0003", "simulate.step_overhead_s=0.9")
+    assert main(["tune", str(tmp_path / "k1"), "--pool", str(tmp_path / "other")]) == 1
+    out = capsys.readouterr().out
+    assert "other: trained tokens/s" in out and "pooled run other: trained tokens/s" in out and "recommended" not in out
+
+
+def test_a_run_of_another_model_is_not_pooled(tmp_path, capsys):
+    truth_run(tmp_path / "k1", "train.max_steps=6")
+    truth_run(tmp_path / "other", "train.max_steps=6", "model.path=builtin:tiny-other")
+    assert main(["tune", str(tmp_path / "k1"), "--pool", str(tmp_path / "other")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot be pooled" in err and "model.path" in err and "--pool" in err

@@ -2,7 +2,8 @@
 
 Job: the command's flow and its output. It loads the run (tuning/records.py), fits the simulator and
 writes RUN_DIR/tuned.yaml (tuning/calibrate.py), replays the run's own config on virtual time and prints
-predicted against measured (tuning/observe.py); only when the replay is within tolerance does it sweep
+predicted against measured (tuning/observe.py), and so each run pooled into the decode and trainer fits (--pool),
+with its own settings of the swept keys; only when the replay is within tolerance does it sweep
 (tuning/sweep.py) and print the frontier and a recommended config as dotted overrides with its reason.
 `--json` prints one object instead; `--plot` draws the frontier to RUN_DIR/tune.png.
 
@@ -23,9 +24,9 @@ from asyncgrpo.commands.sim_metrics import population_length
 from asyncgrpo.commands.simulate import Simulation, simulate
 from asyncgrpo.config import Config
 from asyncgrpo.rundir import TUNE_PLOT_FILE
-from asyncgrpo.tuning.calibrate import Calibration, calibrate, recipe_config, write_tuned
+from asyncgrpo.tuning.calibrate import Calibration, calibrate, recipe_config, with_overrides, write_tuned
 from asyncgrpo.tuning.observe import Comparison, Observed, compare, observe, observe_run
-from asyncgrpo.tuning.records import check_poolable, load_run
+from asyncgrpo.tuning.records import RunRecords, check_poolable, load_run
 from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, Recommendation, candidates, frontier, policies_for, recommend, run_sweep
 
 ENV_NOT_FITTED = (
@@ -96,6 +97,8 @@ def tune(run_dir: Path, *, max_staleness: int | None = None, min_length_bias: fl
     measured = observe_run(records)
     replay, _, problem = simulate_one(recipe_config(calibration.recipe))
     comparison = compare(measured, replay)
+    for other in pooled:
+        comparison = _joined(comparison, _replay_pooled(calibration, other), other.run_dir.name)
     if problem is not None:
         comparison = Comparison(comparison.rows, False, [*comparison.reasons, f"the replay of the run's config did not complete: {problem}"])
     if not comparison.ok and records.config.env is not None:
@@ -109,6 +112,25 @@ def tune(run_dir: Path, *, max_staleness: int | None = None, min_length_bias: fl
     widest = min(calibration.decode.max_concurrency, cfg.generation.max_inflight)  # spans waiting to retry hold no request slot
     return TuneResult(calibration, tuned_path, comparison, points, frontier(points),
                       recommend(points, max_staleness=max_staleness, min_length_bias=min_length_bias, widest=widest))
+
+
+def _replay_pooled(calibration: Calibration, other: RunRecords) -> Comparison:
+    """A pooled run replayed by the calibrated recipe with that run's settings of the swept keys (and its evaluation cadence
+    and step count): its decode and trainer times went into the fits, so it must replay too (runs at different loads do not)."""
+    cfg = other.config
+    settings = dict(zip(KEYS, (cfg.rollout.max_staleness, cfg.rollout.on_stale, cfg.generation.max_inflight, cfg.rollout.groups_per_step)))
+    replay, _, problem = simulate_one(with_overrides(calibration.recipe, {
+        **settings, "eval.every_steps": cfg.eval.every_steps, "train.max_steps": len(other.steps)}))
+    comparison = compare(observe_run(other), replay)
+    if problem is not None:
+        return Comparison(comparison.rows, False, [*comparison.reasons, f"the replay did not complete: {problem}"])
+    return comparison
+
+
+def _joined(ours: Comparison, pooled: Comparison, name: str) -> Comparison:
+    """`pooled`'s rows and reasons after `ours`, each named with the pooled run's directory."""
+    rows = [{**row, "name": f"{name}: {row['name']}"} for row in pooled.rows]
+    return Comparison([*ours.rows, *rows], ours.ok and pooled.ok, [*ours.reasons, *(f"pooled run {name}: {r}" for r in pooled.reasons)])
 
 
 def format_result(result: TuneResult) -> str:
@@ -126,11 +148,11 @@ def format_result(result: TuneResult) -> str:
         f"while training, training {_slowdown(c.trainer.contention, c.trainer.contention_se)} while decoding",
         "  faults: " + (", ".join(f"{f['error']} {f['rate']:.2%}" for f in c.faults) or "none"),
         "validation (the run's config replayed on virtual time):",
-        f"  {'':22} {'measured':>14} {'predicted':>14}  check",
+        f"  {'':28} {'measured':>14} {'predicted':>14}  check",
     ]
     for row in result.comparison.rows:
         check = "-" if row["ok"] is None else ("ok" if row["ok"] else "MISS")
-        lines.append(f"  {row['name']:22} {_cell(row['measured']):>14} {_cell(row['predicted']):>14}  {check}")
+        lines.append(f"  {row['name']:28} {_cell(row['measured']):>14} {_cell(row['predicted']):>14}  {check}")
     if not result.comparison.ok:
         lines.append("no recommendation: the simulator does not replay this run closely enough to advise from it:")
         lines += [f"  - {reason}" for reason in result.comparison.reasons]
