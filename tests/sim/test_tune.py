@@ -133,6 +133,7 @@ def test_a_pooled_run_that_does_not_replay_stops_the_advice(tmp_path, capsys):
     assert main(["tune", str(tmp_path / "k1"), "--pool", str(tmp_path / "other")]) == 1
     out = capsys.readouterr().out
     assert "other: trained tokens/s" in out and "pooled run other: trained tokens/s" in out and "recommended" not in out
+    assert "Fix: pool only runs made on this machine at the same load" in out
 
 
 def test_a_run_of_another_model_is_not_pooled(tmp_path, capsys):

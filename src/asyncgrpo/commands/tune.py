@@ -156,7 +156,10 @@ def format_result(result: TuneResult) -> str:
     if not result.comparison.ok:
         lines.append("no recommendation: the simulator does not replay this run closely enough to advise from it:")
         lines += [f"  - {reason}" for reason in result.comparison.reasons]
-        if ENV_NOT_FITTED not in result.comparison.reasons:  # that reason says its own fix
+        if any(reason.startswith("pooled run ") for reason in result.comparison.reasons):
+            lines.append("  Fix: pool only runs made on this machine at the same load (one just before or after the other, not side by side: "
+                         "two runs slow each other), or leave --pool out.")
+        elif ENV_NOT_FITTED not in result.comparison.reasons:  # that reason says its own fix
             lines.append("  Fix: calibrate from a longer run (more steps in its steady state), or read tuned.yaml to see which model is off.")
         return "\n".join(lines)
     lines.append(f"frontier ({len(result.frontier)} of {len(result.points)} configs; none beats these on tokens/s, length bias, "
