@@ -115,6 +115,7 @@ def test_contention_is_recovered_from_pooled_runs_and_predicts_the_synchronous_c
     assert alone.trainer.contention == pytest.approx(2.5, rel=1e-6) and alone.decode.contention == 1.0
     pooled = calibrate(load_run(tmp_path / "k1"), [load_run(tmp_path / "k0")])
     assert pooled.decode.contention == pytest.approx(1.8, rel=0.02) and pooled.trainer.contention == pytest.approx(2.5, rel=1e-6)
+    assert pooled.trainer.token_time_s == pytest.approx(1e-4, rel=1e-6) and pooled.trainer.overhead_s == pytest.approx(0.3, rel=1e-4)
     assert pooled.recipe["simulate"]["contention"] == {"decode": round(pooled.decode.contention, 4), "train": 2.5}
     synchronous = {"rollout.max_staleness": 0}
     truth = observe_simulation(simulate(with_overrides(cfg.model_dump(mode="json"), synchronous)))
