@@ -100,3 +100,46 @@ def test_a_run_with_episodes_that_does_not_replay_names_the_uncalibrated_environ
     assert main(["tune", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "MISS" in out and "plays episodes (env:)" in out and "simulate.env" in out
+
+
+CONTENDED = "simulate.contention={decode: 1.8, train: 2.5}"  # the local engine and the trainer on shared cores
+
+
+def test_contention_is_recovered_from_pooled_runs_and_predicts_the_synchronous_config(tmp_path):
+    """A K=1 run alone shows the trainer's slowdown (its steps overlapped generation by different amounts) but not decode's
+    (nearly every rollout overlapped training); pooled with the K=0 run (no rollout did), both are recovered, and the K=0
+    config's prediction holds on the truth, where independent resources would predict it far too slow."""
+    cfg, _ = truth_run(tmp_path / "k1", CONTENDED)
+    truth_run(tmp_path / "k0", CONTENDED, "rollout.max_staleness=0")
+    alone = calibrate(load_run(tmp_path / "k1"))
+    assert alone.trainer.contention == pytest.approx(2.5, rel=1e-6) and alone.decode.contention == 1.0
+    pooled = calibrate(load_run(tmp_path / "k1"), [load_run(tmp_path / "k0")])
+    assert pooled.decode.contention == pytest.approx(1.8, rel=0.02) and pooled.trainer.contention == pytest.approx(2.5, rel=1e-6)
+    assert pooled.trainer.token_time_s == pytest.approx(1e-4, rel=1e-6) and pooled.trainer.overhead_s == pytest.approx(0.3, rel=1e-4)
+    assert pooled.recipe["simulate"]["contention"] == {"decode": round(pooled.decode.contention, 4), "train": 2.5}
+    synchronous = {"rollout.max_staleness": 0}
+    truth = observe_simulation(simulate(with_overrides(cfg.model_dump(mode="json"), synchronous)))
+    predicted = observe_simulation(simulate(with_overrides(pooled.recipe, synchronous)))
+    assert abs(predicted.tokens_per_s / truth.tokens_per_s - 1) <= TOKENS_PER_S_TOLERANCE, (predicted, truth)
+    assert abs(predicted.wait_share - truth.wait_share) <= WAIT_SHARE_TOLERANCE, (predicted, truth)
+    independent = observe_simulation(simulate(with_overrides(alone.recipe, synchronous)))
+    assert independent.tokens_per_s / truth.tokens_per_s - 1 < -TOKENS_PER_S_TOLERANCE  # what pooling fixes
+
+
+def test_a_pooled_run_that_does_not_replay_stops_the_advice(tmp_path, capsys):
+    """The pooled run's times join the fits, so it is replayed too: one at another load (here: a trainer 3x slower) does not
+    replay, and tune says which run missed instead of advising from the blend."""
+    truth_run(tmp_path / "k1", "train.max_steps=10")
+    truth_run(tmp_path / "other", "train.max_steps=10", "simulate.token_time_s=0.0003", "simulate.step_overhead_s=0.9")
+    assert main(["tune", str(tmp_path / "k1"), "--pool", str(tmp_path / "other")]) == 1
+    out = capsys.readouterr().out
+    assert "other: trained tokens/s" in out and "pooled run other: trained tokens/s" in out and "recommended" not in out
+    assert "Fix: pool only runs made on this machine at the same load" in out
+
+
+def test_a_run_of_another_model_is_not_pooled(tmp_path, capsys):
+    truth_run(tmp_path / "k1", "train.max_steps=6")
+    truth_run(tmp_path / "other", "train.max_steps=6", "model.path=builtin:tiny-other")
+    assert main(["tune", str(tmp_path / "k1"), "--pool", str(tmp_path / "other")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot be pooled" in err and "model.path" in err and "--pool" in err

@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="recommend only configs with rollout.max_staleness <= K")
     tune.add_argument("--min-length-bias", type=_positive_float, default=None, metavar="B",
                       help="recommend only configs whose predicted length bias is at least B (e.g. 0.95)")
+    tune.add_argument("--pool", type=Path, action="append", default=[], metavar="OTHER_RUN_DIR",
+                      help="fit decode and trainer time to this run's timeline too (same model and backend, same machine; e.g. the "
+                           "recipe at rollout.max_staleness=0 beside it): shows how much generation and training slow each other")
     tune.add_argument("--debug", action="store_true", help="show tracebacks")
     convert = sub.add_parser(
         "convert-trl",
@@ -157,7 +160,7 @@ def _run_command(args: argparse.Namespace) -> int:
         from asyncgrpo.commands.tune import tune_cli
 
         return tune_cli(args.run_dir, as_json=args.json, plot=args.plot, max_staleness=args.max_staleness,
-                        min_length_bias=args.min_length_bias)
+                        min_length_bias=args.min_length_bias, pool=args.pool)
     if args.command == "convert-trl":
         return _convert_trl(args.trl_config, args.out)
     prepared = build_config(args.recipe, cli_overrides=args.overrides)  # the Python API's config, from a recipe

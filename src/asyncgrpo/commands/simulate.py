@@ -33,6 +33,7 @@ from asyncgrpo.distributions import mean_of
 from asyncgrpo.environments.simulated import SimulatedHosts
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.generation.base import Generator
+from asyncgrpo.generation.contention import SharedHardware
 from asyncgrpo.generation.scripted import ScriptedGenerator
 from asyncgrpo.pipeline import PipelineResult, run_pipeline
 from asyncgrpo.rewards.resolve import resolve_rewards
@@ -130,11 +131,15 @@ def simulate(cfg: Config, generator: Generator | None = None, trainer: StubTrain
     prompts, warnings = simulation_prompts(cfg)
     for warning in warnings:
         log.warning("warning: %s", warning)
+    contention = cfg.simulate.contention
+    hardware = None if contention.decode == contention.train == 1.0 else SharedHardware(
+        decode_slowdown=contention.decode, train_slowdown=contention.train)  # the scripted backend's and the stub trainer's
     if generator is None:
-        generator = ScriptedGenerator(cfg.simulate, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens)
+        generator = ScriptedGenerator(cfg.simulate, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens, hardware=hardware)
     algorithm = algorithm_for(cfg)
     trainer = trainer if trainer is not None else StubTrainer(
-        cfg.simulate.step_time_s, cfg.simulate.token_time_s, algorithm=algorithm, step_overhead_s=cfg.simulate.step_overhead_s)
+        cfg.simulate.step_time_s, cfg.simulate.token_time_s, algorithm=algorithm, step_overhead_s=cfg.simulate.step_overhead_s,
+        hardware=hardware)
     # Episodes run on the simulator's model of an environment (simulate.env), not env.factory.
     env_hosts = SimulatedHosts(cfg.simulate.env, cfg.run.seed) if cfg.env is not None else None
     teacher = algorithm.simulated_scorer()  # None: the reward functions score

@@ -2,7 +2,8 @@
 
 Job: the command's flow and its output. It loads the run (tuning/records.py), fits the simulator and
 writes RUN_DIR/tuned.yaml (tuning/calibrate.py), replays the run's own config on virtual time and prints
-predicted against measured (tuning/observe.py); only when the replay is within tolerance does it sweep
+predicted against measured (tuning/observe.py), and so each run pooled into the decode and trainer fits (--pool),
+with its own settings of the swept keys; only when the replay is within tolerance does it sweep
 (tuning/sweep.py) and print the frontier and a recommended config as dotted overrides with its reason.
 `--json` prints one object instead; `--plot` draws the frontier to RUN_DIR/tune.png.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +24,9 @@ from asyncgrpo.commands.sim_metrics import population_length
 from asyncgrpo.commands.simulate import Simulation, simulate
 from asyncgrpo.config import Config
 from asyncgrpo.rundir import TUNE_PLOT_FILE
-from asyncgrpo.tuning.calibrate import Calibration, calibrate, recipe_config, write_tuned
+from asyncgrpo.tuning.calibrate import Calibration, calibrate, recipe_config, with_overrides, write_tuned
 from asyncgrpo.tuning.observe import Comparison, Observed, compare, observe, observe_run
-from asyncgrpo.tuning.records import load_run
+from asyncgrpo.tuning.records import RunRecords, check_poolable, load_run
 from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, Recommendation, candidates, frontier, policies_for, recommend, run_sweep
 
 ENV_NOT_FITTED = (
@@ -83,14 +85,20 @@ def simulate_one(cfg: Config) -> tuple[Observed, float | None, str | None]:
 
 
 def tune(run_dir: Path, *, max_staleness: int | None = None, min_length_bias: float | None = None,
-         sweep_steps: int = SWEEP_STEPS) -> TuneResult:
-    """Calibrate, validate and (when the replay is close enough) sweep and recommend."""
+         sweep_steps: int = SWEEP_STEPS, pool: Sequence[Path] = ()) -> TuneResult:
+    """Calibrate (decode and trainer time also from the `pool` runs' timelines), validate and (when the replay is close
+    enough) sweep and recommend."""
     records = load_run(run_dir)
-    calibration = calibrate(records)
+    pooled = [load_run(other) for other in pool]
+    for other in pooled:
+        check_poolable(records, other)
+    calibration = calibrate(records, pooled)
     tuned_path = write_tuned(run_dir, calibration)
     measured = observe_run(records)
     replay, _, problem = simulate_one(recipe_config(calibration.recipe))
     comparison = compare(measured, replay)
+    for other in pooled:
+        comparison = _joined(comparison, _replay_pooled(calibration, other), other.run_dir.name)
     if problem is not None:
         comparison = Comparison(comparison.rows, False, [*comparison.reasons, f"the replay of the run's config did not complete: {problem}"])
     if not comparison.ok and records.config.env is not None:
@@ -106,6 +114,25 @@ def tune(run_dir: Path, *, max_staleness: int | None = None, min_length_bias: fl
                       recommend(points, max_staleness=max_staleness, min_length_bias=min_length_bias, widest=widest))
 
 
+def _replay_pooled(calibration: Calibration, other: RunRecords) -> Comparison:
+    """A pooled run replayed by the calibrated recipe with that run's settings of the swept keys (and its evaluation cadence
+    and step count): its decode and trainer times went into the fits, so it must replay too (runs at different loads do not)."""
+    cfg = other.config
+    settings = dict(zip(KEYS, (cfg.rollout.max_staleness, cfg.rollout.on_stale, cfg.generation.max_inflight, cfg.rollout.groups_per_step)))
+    replay, _, problem = simulate_one(with_overrides(calibration.recipe, {
+        **settings, "eval.every_steps": cfg.eval.every_steps, "train.max_steps": len(other.steps)}))
+    comparison = compare(observe_run(other), replay)
+    if problem is not None:
+        return Comparison(comparison.rows, False, [*comparison.reasons, f"the replay did not complete: {problem}"])
+    return comparison
+
+
+def _joined(ours: Comparison, pooled: Comparison, name: str) -> Comparison:
+    """`pooled`'s rows and reasons after `ours`, each named with the pooled run's directory."""
+    rows = [{**row, "name": f"{name}: {row['name']}"} for row in pooled.rows]
+    return Comparison([*ours.rows, *rows], ours.ok and pooled.ok, [*ours.reasons, *(f"pooled run {name}: {r}" for r in pooled.reasons)])
+
+
 def format_result(result: TuneResult) -> str:
     c = result.calibration
     lines = [
@@ -117,17 +144,22 @@ def format_result(result: TuneResult) -> str:
         f"  trainer: {c.trainer.token_time_s * 1e6:.1f} us/token + {c.trainer.overhead_s:.3f} s/step ({c.trainer.step_time_s:.3f} s/step "
         f"on average; per-step line {c.trainer.intercept_s:.3f} s +- {_cell(c.trainer.intercept_se_s)} + {c.trainer.slope_s * 1e6:.1f} "
         f"us/token), weight sync {c.weight_sync_s * 1e3:.1f} ms, evaluation {c.eval_s:.2f} s each (between steps)",
+        f"  contention (generation and training on shared hardware): decode {_slowdown(c.decode.contention, c.decode.contention_se)} "
+        f"while training, training {_slowdown(c.trainer.contention, c.trainer.contention_se)} while decoding",
         "  faults: " + (", ".join(f"{f['error']} {f['rate']:.2%}" for f in c.faults) or "none"),
         "validation (the run's config replayed on virtual time):",
-        f"  {'':22} {'measured':>14} {'predicted':>14}  check",
+        f"  {'':28} {'measured':>14} {'predicted':>14}  check",
     ]
     for row in result.comparison.rows:
         check = "-" if row["ok"] is None else ("ok" if row["ok"] else "MISS")
-        lines.append(f"  {row['name']:22} {_cell(row['measured']):>14} {_cell(row['predicted']):>14}  {check}")
+        lines.append(f"  {row['name']:28} {_cell(row['measured']):>14} {_cell(row['predicted']):>14}  {check}")
     if not result.comparison.ok:
         lines.append("no recommendation: the simulator does not replay this run closely enough to advise from it:")
         lines += [f"  - {reason}" for reason in result.comparison.reasons]
-        if ENV_NOT_FITTED not in result.comparison.reasons:  # that reason says its own fix
+        if any(reason.startswith("pooled run ") for reason in result.comparison.reasons):
+            lines.append("  Fix: pool only runs made on this machine at the same load (one just before or after the other, not side by side: "
+                         "two runs slow each other), or leave --pool out.")
+        elif ENV_NOT_FITTED not in result.comparison.reasons:  # that reason says its own fix
             lines.append("  Fix: calibrate from a longer run (more steps in its steady state), or read tuned.yaml to see which model is off.")
         return "\n".join(lines)
     lines.append(f"frontier ({len(result.frontier)} of {len(result.points)} configs; none beats these on tokens/s, length bias, "
@@ -146,6 +178,10 @@ def format_result(result: TuneResult) -> str:
     lines.append("recommended: " + (_overrides(rec.changes) if rec.changes else "keep the run's config"))
     lines.append(f"  why: {rec.reason}")
     return "\n".join(lines)
+
+
+def _slowdown(factor: float, se: float | None) -> str:
+    return f"x{factor:.2f} +- {se:.2f}" if se is not None else "x1 (none shown)"
 
 
 def _overrides(overrides: dict[str, Any]) -> str:
@@ -185,8 +221,9 @@ def plot_frontier(result: TuneResult, path: Path) -> Path:
     return path
 
 
-def tune_cli(run_dir: Path, *, as_json: bool, plot: bool, max_staleness: int | None, min_length_bias: float | None) -> int:
-    result = tune(run_dir, max_staleness=max_staleness, min_length_bias=min_length_bias)
+def tune_cli(run_dir: Path, *, as_json: bool, plot: bool, max_staleness: int | None, min_length_bias: float | None,
+             pool: Sequence[Path] = ()) -> int:
+    result = tune(run_dir, max_staleness=max_staleness, min_length_bias=min_length_bias, pool=pool)
     plotted = plot_frontier(result, run_dir / TUNE_PLOT_FILE) if plot and result.points else None
     if as_json:
         print(json.dumps({**result.to_json(), "plot": None if plotted is None else str(plotted)}))

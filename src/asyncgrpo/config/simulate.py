@@ -101,6 +101,22 @@ class TokenModelConfig(Section):
     )
 
 
+class ContentionConfig(Section):
+    """Generation and training sharing hardware (the local engine and the trainer on the same cores, one GPU for both):
+    each side runs this many times slower while the other is busy (generation/contention.py). 1.0: independent resources."""
+
+    decode: float = Field(
+        1.0, ge=1,
+        description="Factor on the scripted backend's decode time (prefill and tokens) while the stub trainer trains a step. "
+        "asyncgrpo tune fits it from a run's rollouts that overlapped training and those that did not.",
+    )
+    train: float = Field(
+        1.0, ge=1,
+        description="Factor on the stub trainer's step time while at least one request decodes. asyncgrpo tune fits it from "
+        "the run's train spans, split into the time generation was busy and the time it was not.",
+    )
+
+
 class SimulateConfig(Section):
     """The simulator's models (asyncgrpo simulate): the scripted backend's latency, lengths and faults
     (generation.backend: scripted), the stub trainer's step time (train.backend: stub), the simulated teacher
@@ -148,6 +164,11 @@ class SimulateConfig(Section):
         0.0, ge=0,
         description="Virtual time one evaluation takes, after every eval.every_steps steps (as a training run evaluates; generation "
         "goes on meanwhile). 0: evaluation takes no time.",
+    )
+    contention: ContentionConfig = Field(
+        default_factory=ContentionConfig,
+        description="Generation and training sharing hardware: {decode, train}, each side's slowdown while the other is busy "
+        "(1.0, the default: independent resources).",
     )
     teacher_latency_s: Distribution = Field(
         default_factory=lambda: Distribution(dist="const", value=0.05),

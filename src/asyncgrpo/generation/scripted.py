@@ -30,6 +30,9 @@ keeps the length it was drawn with (its *target*). A resumed request (`resumed_t
 rollout: it draws no new length and generates the target's remaining tokens (none, when the interruption
 raced the last one), in `prefill_s` plus their decode time (latency mode: its latency's share of them).
 
+With `hardware` (simulate.contention: generation and training on the same hardware), an attempt's prefill and
+decode time is work on it, slower while the stub trainer trains (generation/contention.py).
+
 `drawn_lengths` keeps, per prompt id, the length of every attempt the policy asked for (token
 mode: drawn at dispatch, whether it finished or was cancelled; latency mode: the finished ones,
 whose length does not depend on their latency) - the population a length bias is measured against.
@@ -63,6 +66,7 @@ from typing import Any
 from asyncgrpo.config import FaultConfig, SimulateConfig, WeightSyncFaultConfig
 from asyncgrpo.distributions import sample
 from asyncgrpo.errors import GenerationError, MisconfiguredBackendError, PromptRejectedError, TransientGenerationError
+from asyncgrpo.generation.contention import SharedHardware, Work
 from asyncgrpo.generation.weight_sync import WeightSyncError
 from asyncgrpo.types import Completion, GenerationRequest
 
@@ -70,8 +74,10 @@ TOKEN_POOL_SLACK = 4096  # pool positions beyond max_new_tokens: the offsets a c
 
 
 class ScriptedGenerator:
-    def __init__(self, cfg: SimulateConfig, *, seed: int, max_new_tokens: int, name: str = "scripted") -> None:
+    def __init__(self, cfg: SimulateConfig, *, seed: int, max_new_tokens: int, name: str = "scripted",
+                 hardware: SharedHardware | None = None) -> None:
         self.name = name
+        self.hardware = hardware  # shared with the stub trainer (simulate.contention); None: independent
         self.cfg = cfg
         self.seed = seed
         self.max_new_tokens = max_new_tokens
@@ -137,22 +143,23 @@ class ScriptedGenerator:
             drawn = length if length is not None else self._clamp(request, sample(self.cfg.tokens, rng))
             start = rng.randrange(len(self._token_pool) - drawn + 1)
             bits = rng.getrandbits(32)
-        decoding: tuple[float, float] | None = None  # (when decoding started, its duration)
+        decoding: tuple[float, float] | None = None  # (when decoding started, its duration), in seconds of the attempt's work
+        work: Work | None = None
         self.in_progress += 1
         try:
             if fault is not None:
                 await self._inject(fault, request)
             if model is None:
-                decoding = (loop.time(), latency)
-                await asyncio.sleep(latency)
+                decoding = (0.0, latency)
             else:
                 slowdown = max(1.0, self.in_progress / model.batch_knee)
-                decoding = (loop.time() + model.prefill_s, drawn * model.decode_s_per_token * slowdown)
-                await asyncio.sleep(model.prefill_s + decoding[1])
+                decoding = (model.prefill_s, drawn * model.decode_s_per_token * slowdown)
+            work = Work(decoding[0] + decoding[1])
+            await self._decode(work)
         except asyncio.CancelledError:
             self.aborted += 1
-            if request.sink is not None and decoding is not None:
-                self._keep_partial(request, drawn, start, target, decoding, loop.time(), dispatch_version)
+            if request.sink is not None and decoding is not None and work is not None:
+                self._keep_partial(request, drawn, start, target, decoding, work.done_s, dispatch_version)
             raise
         finally:
             self.in_progress -= 1
@@ -171,12 +178,24 @@ class ScriptedGenerator:
             text=f"{request.request_id}:{bits}",
         )
 
+    async def _decode(self, work: Work) -> None:
+        """Take `work`'s time: on the shared hardware (simulate.contention), else a plain sleep; `work.done_s` says how far it got."""
+        if self.hardware is not None:
+            await self.hardware.perform("decode", work)
+            return
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            await asyncio.sleep(work.seconds)
+        finally:
+            work.done_s = min(work.seconds, loop.time() - started)
+
     def _keep_partial(self, request: GenerationRequest, length: int, start: int, target: int | None,
-                      decoding: tuple[float, float], now: float, version: int) -> None:
-        """An interrupted attempt: put the tokens decoded by `now` in the request's sink (the same ids a finished attempt would
-        have returned, from the same pool offset) and remember the rollout's target length."""
+                      decoding: tuple[float, float], done_s: float, version: int) -> None:
+        """An interrupted attempt: put the tokens decoded after `done_s` seconds of its work in the request's sink (the same ids a
+        finished attempt would have returned, from the same pool offset) and remember the rollout's target length."""
         started, duration = decoding
-        share = 1.0 if duration <= 0 else max(0.0, min(1.0, (now - started) / duration))
+        share = 1.0 if duration <= 0 else max(0.0, min(1.0, (done_s - started) / duration))
         done = min(length, math.floor(share * length + 1e-9))
         if done == 0 and not request.resumed_tokens:
             return  # nothing generated: the rollout is not resumed yet, and draws its length again

@@ -1,20 +1,24 @@
 """Calibrate the simulator from a run: fit every model (fit.py) and write the recipe `asyncgrpo simulate` runs.
 
-Job: `calibrate(records)` gives a `Calibration`: the fits and `recipe`, the run's own config with the
+Job: `calibrate(records, pool)` gives a `Calibration`: the fits and `recipe`, the run's own config with the
 scripted backend's token model, faults and weight-sync time and the stub trainer's time per token in
 its simulate: section (generation.backend: scripted, train.backend: stub, train.max_steps: the run's
-steps); `write_tuned` writes it as RUN_DIR/tuned.yaml. `with_overrides` makes a variant of a recipe.
+steps), decode and trainer time fitted to the pooled runs' spans too (`timing`); `write_tuned` writes it as
+RUN_DIR/tuned.yaml. `with_overrides` makes a variant of a recipe.
 
 Invariants: the recipe validates as a Config (ConfigError otherwise: a bug here); every number comes
 from the run's records, none is assumed. The trainer's per-step overhead (`simulate.step_overhead_s`) is
 simulated only when the steps show one (fit.py); evaluation time (`simulate.eval_s`) is the mean of the
-evaluations inside the training loop (the baseline, before it, is not the loop's time).
+evaluations inside the training loop (the baseline, before it, is not the loop's time). Where the run shows that
+generation and training slowed each other (the local engine and the trainer on shared cores), `simulate.contention`
+has each side's slowdown and the fitted times are those at full speed; else it is 1.0 (independent).
 """
 
 from __future__ import annotations
 
 import copy
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ import yaml
 from asyncgrpo.config import Config
 from asyncgrpo.config.loading import validate_config
 from asyncgrpo.rundir import TUNED_FILE
+from asyncgrpo.tuning.contention import Overlap, busy_windows
 from asyncgrpo.tuning.fit import DecodeFit, LengthFit, TrainerFit, fit_decode, fit_faults, fit_lengths, fit_trainer, mean_or_zero
 from asyncgrpo.tuning.records import RunRecords
 
@@ -43,13 +48,48 @@ class Calibration:
                 "faults": self.faults, "weight_sync_s": self.weight_sync_s, "eval_s": self.eval_s}
 
 
-def calibrate(records: RunRecords) -> Calibration:
-    """Every model of the simulator fitted to `records`, and the recipe that runs them."""
+@dataclass(frozen=True)
+class Timing:
+    """The spans the decode and trainer fits read, of one run or of several laid end to end on one clock."""
+
+    rollouts: list[dict[str, Any]]
+    evals: list[tuple[float, float]]
+    training: list[tuple[float, float]]  # train spans
+    trained_tokens: list[int]  # per train span
+
+
+def timing(runs: Sequence[RunRecords]) -> Timing:
+    """The runs' spans, each run after the one before (its times shifted past the other's last), so that no span of one run
+    counts as open, training or decoding during another's; each run's first step (a warm-up) is left out but the first run's
+    (fit_trainer leaves that one out itself)."""
+    pooled = Timing([], [], [], [])
+    offset = 0.0
+    for index, run in enumerate(runs):
+        pooled.rollouts.extend({**r, "start": r["start"] + offset, "end": r["end"] + offset} for r in run.rollouts)
+        pooled.evals.extend((e["span"][0] + offset, e["span"][1] + offset) for e in run.evals)
+        steps = list(zip(run.steps, run.trained_tokens))[0 if index == 0 else 1:]
+        pooled.training.extend((s["train"][0] + offset, s["train"][1] + offset) for s, _ in steps)
+        pooled.trained_tokens.extend(t for _, t in steps)
+        ends = [r["end"] for r in run.rollouts] + [s["sync"][1] for s in run.steps] + [e["span"][1] for e in run.evals]
+        offset += max(ends) + POOL_GAP_S
+    return pooled
+
+
+POOL_GAP_S = 1.0  # between pooled runs on the one clock: no span reaches into the next run's
+
+
+def calibrate(records: RunRecords, pool: Sequence[RunRecords] = ()) -> Calibration:
+    """Every model of the simulator fitted to `records`, and the recipe that runs them. Decode and trainer time are fitted
+    to `pool`'s spans too (runs of the same model and backend on the same machine: check_poolable), which can show
+    contention one run cannot (tuning/contention.py); everything else is `records`' own."""
     cfg = records.config
     finished = [r for r in records.rollouts if r["outcome"] == "finished"]
     lengths = fit_lengths(((r["prompt"], r["tokens"]) for r in finished), cfg.generation.max_new_tokens)
-    decode = fit_decode(records.rollouts, [(e["span"][0], e["span"][1]) for e in records.evals])
-    trainer = fit_trainer([(s["train"][1] - s["train"][0], t) for s, t in zip(records.steps, records.trained_tokens)])
+    spans = timing([records, *pool])
+    decode = fit_decode(spans.rollouts, spans.evals, spans.training)
+    decoding = Overlap(busy_windows((r["start"], r["end"]) for r in spans.rollouts))
+    trainer = fit_trainer([(end - start, t) for (start, end), t in zip(spans.training, spans.trained_tokens)],
+                          [decoding(start, end) for start, end in spans.training])
     outcomes = Counter(r["outcome"] for r in records.rollouts)
     for key in ("finished", "failed", "cancelled"):
         outcomes[key] += records.unrecorded.get(key, 0)
@@ -69,6 +109,7 @@ def calibrate(records: RunRecords) -> Calibration:
         "token_time_s": round(trainer.token_time_s, 12),
         "step_overhead_s": round(trainer.overhead_s, 9),
         "eval_s": round(eval_s, 9),
+        "contention": {"decode": round(decode.contention, 4), "train": round(trainer.contention, 4)},
     }
     data = cfg.model_dump(mode="json")
     data["simulate"] = {**data.get("simulate", {}), **simulate}

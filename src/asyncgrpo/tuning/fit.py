@@ -8,6 +8,7 @@ model of the simulator (config/simulate.py, generation/scripted.py, training/stu
   spans (duration, tokens, and the rollouts open at each one's start, counted here);
 - `fit_faults`: the injected faults that reproduce the run's retry, failure and invalid-prompt rates;
 - `fit_trainer`: seconds per trained token and per step (the per-step line's intercept, when the steps show one);
+- both, given when the other side was busy, fit the slowdown it caused (simulate.contention, tuning/contention.py);
 - `mean_or_zero`: weight-sync and evaluation time (per evaluation inside the training loop).
 
 Invariants: every function is deterministic and returns finite, non-negative parameters the config
@@ -22,6 +23,8 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from asyncgrpo.tuning.contention import Overlap, busy_windows, fit_contended
 
 MIN_DECODE_S_PER_TOKEN = 1e-9  # the config needs > 0
 
@@ -68,6 +71,8 @@ class DecodeFit:
     batch_knee: int
     rms_error_s: float  # of a rollout's duration under the fitted model
     max_concurrency: int  # most rollouts open at once in the records
+    contention: float = 1.0  # decode's slowdown while the trainer trains (simulate.contention.decode; 1.0: none shown)
+    contention_se: float | None = None
 
 
 def concurrency_at_start(spans: Sequence[tuple[float, float]], order: Sequence[float] | None = None) -> list[int]:
@@ -88,9 +93,15 @@ def concurrency_at_start(spans: Sequence[tuple[float, float]], order: Sequence[f
     return result
 
 
-def fit_decode(spans: Sequence[dict[str, Any]], busy: Sequence[tuple[float, float]] = ()) -> DecodeFit:
+def fit_decode(spans: Sequence[dict[str, Any]], busy: Sequence[tuple[float, float]] = (),
+               training: Sequence[tuple[float, float]] = ()) -> DecodeFit:
     """The token model's timing from rollout spans ({start, end, tokens, outcome}): duration = prefill_s +
     tokens * decode_s_per_token * max(1, n / batch_knee), n the rollouts open at the span's start.
+
+    With `training` (the train spans, (start, end)), that is the span's work, done `contention` times slower
+    while the trainer trained (tuning/contention.py), when the spans that overlapped training show a slowdown at
+    the knee chosen without it (chosen with it, a knee can trade batch slowdown for contention in records
+    where both rise together, and a few uncontended rollouts then show a slowdown the run never had).
 
     Every span counts towards n (a failed or cancelled rollout held a slot); only finished ones are fitted, and
     not those overlapping a `busy` (start, end) window: evaluations, whose requests the same servers decoded
@@ -99,22 +110,31 @@ def fit_decode(spans: Sequence[dict[str, Any]], busy: Sequence[tuple[float, floa
     slowdown observed), each with its least-squares (prefill, decode) line; the smallest squared error wins."""
     counts = concurrency_at_start([(s["start"], s["end"]) for s in spans],
                                   [(s["end"] - s["start"]) / s["tokens"] if s["tokens"] > 0 else math.inf for s in spans])
-    rows = [(s["end"] - s["start"], s["tokens"], n) for s, n in zip(spans, counts)
+    kept = [(s, n) for s, n in zip(spans, counts)
             if s["outcome"] == "finished" and s["tokens"] > 0 and not any(s["start"] < end and start < s["end"] for start, end in busy)]
-    if not rows:
+    if not kept:
         raise ValueError("no finished rollout spans outside evaluations to fit decode time from")
+    trained = Overlap(busy_windows(training))
+    rows = [(s["end"] - s["start"], s["tokens"], n) for s, n in kept]
+    contended = [trained(s["start"], s["end"]) for s, _ in kept]
     most = max(counts)
     knees = sorted({2**i for i in range(most.bit_length()) if 2**i <= most} | {most})
+    durations = [duration for duration, _, _ in rows]
     best: tuple[float, float, float, int] | None = None
     for knee in knees:
         xs = [tokens * max(1.0, n / knee) for _, tokens, n in rows]
-        prefill, per_token = _line(xs, [duration for duration, _, _ in rows])
-        sse = sum((duration - prefill - per_token * x) ** 2 for (duration, _, _), x in zip(rows, xs))
+        prefill, per_token = _line(xs, durations)
+        sse = sum((duration - prefill - per_token * x) ** 2 for duration, x in zip(durations, xs))
         if best is None or sse < best[0] * (1 - 1e-9):
             best = (sse, prefill, per_token, knee)
     assert best is not None
     sse, prefill, per_token, knee = best
-    return DecodeFit(prefill, per_token, knee, math.sqrt(sse / len(rows)), most)
+    xs = [tokens * max(1.0, n / knee) for _, tokens, n in rows]
+    slowed = fit_contended([(1.0, x) for x in xs], durations, contended) if any(contended) else None
+    if slowed is None or slowed.coefficients[1] <= 0:
+        return DecodeFit(prefill, per_token, knee, math.sqrt(sse / len(rows)), most)
+    prefill, per_token = slowed.coefficients
+    return DecodeFit(prefill, per_token, knee, math.sqrt(slowed.sse / len(rows)), most, slowed.factor, slowed.factor_se)
 
 
 def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -153,25 +173,39 @@ class TrainerFit:
     intercept_s: float  # of the free per-step line train_s = intercept + slope * tokens, and its standard error
     intercept_se_s: float | None  # None: fewer than 3 steps or all of one size, nothing to tell an intercept by
     slope_s: float
+    contention: float = 1.0  # the trainer's slowdown while generation decodes (simulate.contention.train; 1.0: none shown)
+    contention_se: float | None = None
 
 
-def fit_trainer(steps: Sequence[tuple[float, int]]) -> TrainerFit:
+def fit_trainer(steps: Sequence[tuple[float, int]], contended_s: Sequence[float] | None = None) -> TrainerFit:
     """Trainer time from (train seconds, trained tokens) per step; the first step (warm-up) is left out when more remain.
+
+    With `contended_s` (per step, the seconds of its train span during which generation decoded), the time per token and
+    overhead are those at full speed and `contention` the slowdown while generation decoded, when the steps show one
+    (tuning/contention.py); else as below, over the steps' whole time.
 
     A step costs overhead + tokens x time per token. The overhead is the least-squares line's intercept when the steps
     show one: positive, with a positive slope, and more than INTERCEPT_SIGNIFICANCE standard errors from 0. Otherwise
     (steps of about equal size say nothing about it, or noise hides it) time is proportional to tokens, total over total.
     Either way the fit reproduces the run's total trainer time at its own step sizes (a line passes through the means)."""
-    rows = [(s, t) for s, t in steps if t > 0]
-    if len(rows) > 1:
-        rows = rows[1:]
-    if not rows:
+    overlaps = list(contended_s) if contended_s is not None else [0.0] * len(steps)
+    kept = [(s, t, c) for (s, t), c in zip(steps, overlaps) if t > 0]
+    if len(kept) > 1:
+        kept = kept[1:]
+    if not kept:
         raise ValueError("no step trained any token")
+    rows = [(s, t) for s, t, _ in kept]
     total_s, total_tokens = sum(s for s, _ in rows), sum(t for _, t in rows)
     xs, ys = [float(t) for _, t in rows], [s for s, _ in rows]
     intercept, slope = _line(xs, ys)
     se = _intercept_se(xs, ys, intercept, slope)
-    if intercept > 0 and se is not None and intercept > INTERCEPT_SIGNIFICANCE * se:
+    overhead = intercept > 0 and se is not None and intercept > INTERCEPT_SIGNIFICANCE * se
+    contended = [c for _, _, c in kept]
+    slowed = fit_contended([(float(t), 1.0) if overhead else (float(t),) for t in xs], ys, contended) if any(contended) else None
+    if slowed is not None and slowed.coefficients[0] > 0:
+        per_token, *rest = slowed.coefficients
+        return TrainerFit(per_token, rest[0] if rest else 0.0, total_s / len(rows), intercept, se, slope, slowed.factor, slowed.factor_se)
+    if overhead:
         return TrainerFit(slope, intercept, total_s / len(rows), intercept, se, slope)
     return TrainerFit(total_s / total_tokens, 0.0, total_s / len(rows), intercept, se, slope)
 

@@ -2,7 +2,8 @@
 
 Job: turn RUN_DIR/config.yaml, timeline.jsonl and metrics.jsonl into a `RunRecords`, or raise
 `CalibrationError` naming what is missing and how to produce it (a foreign directory, no timeline,
-no rollout spans, too few steps). Nothing here fits or simulates.
+no rollout spans, too few steps); `check_poolable` refuses a run that cannot join another's fits (another model
+or backend). Nothing here fits or simulates.
 
 Invariants: every rollout span carries its prompt (from its take's line); steps are in step order;
 `trained_tokens[i]` is the tokens trained by `steps[i]` (from metrics.jsonl's running total).
@@ -125,4 +126,20 @@ def _check_enough(records: RunRecords) -> None:
         raise CalibrationError(
             f"{where / METRICS_FILE} counts no trained tokens (rollout/trained_tokens_total), so the trainer's time per token "
             f"cannot be fitted. Fix: tune the directory of a run that trained (asyncgrpo train RECIPE)."
+        )
+
+
+def check_poolable(records: RunRecords, other: RunRecords) -> None:
+    """`other` may join `records`' decode and trainer fits: the same model on the same generation backend (else its times
+    are another system's). The machine cannot be checked: runs side by side, or one after the other, pool best."""
+    ours, theirs = records.config, other.config
+    mismatches = [f"{key} is {a!r} there and {b!r} here" for key, a, b in (
+        ("model.path", theirs.model.path, ours.model.path),
+        ("generation.backend", theirs.generation.backend, ours.generation.backend),
+    ) if a != b]
+    if mismatches:
+        raise CalibrationError(
+            f"{other.run_dir} cannot be pooled with {records.run_dir}: {'; '.join(mismatches)}, so its decode and trainer times "
+            f"are another system's. Fix: pool runs of the same model and backend (e.g. the same recipe at rollout.max_staleness=0), "
+            f"or leave --pool out."
         )
