@@ -121,6 +121,16 @@ class StalePolicy:
         the group as it is (the buffer's and the take's checks hold it to the bound)."""
         return group, 0
 
+    def trainable(self, group: Group, step: int) -> tuple[Group | None, int]:
+        """A finished group as step `step` may train it (`mask`), None when it is stale at `step`, and the tokens `mask`
+        masked anew (to be counted even when the group is then stale)."""
+        masked = self.mask(group, step)
+        if masked is None:
+            return None, 0
+        group, added = masked
+        stale = is_stale(generation_version=group.generation_version, step=step, max_staleness=group.bound(self.max_staleness))
+        return (None if stale else group), added
+
     def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int) -> bool:
         """`resume`: may a group whose finished rollouts are `finished` resume its rollouts resumed `resumptions` times so far,
         once the steps reached `step`? (No policy but `resume` resumes.)"""
