@@ -38,9 +38,7 @@ def test_every_policy_but_resume_cancels_a_group_left_behind_and_resume_on_an_in
     in_place, books = runner("resume", in_place=True)
     assert isinstance(in_place, Resuming)
     g = InFlightGroup(key=1, prompt=Prompt(id=0, text="p", token_ids=(1,)), size=1)
-    generated = in_place.generate(REQUEST, g, 0, _answer)
-    assert generated.cr_code is _answer.__code__  # the attempts' coroutine itself: no sink, no resumption loop
-    generated.close()
+    assert in_place.rollouts(_answer) is _answer and plain.rollouts(_answer) is _answer  # a request is the rollout: no wrapper
     g.member_tasks[0] = _Running()  # type: ignore[assignment]
     g.dispatch_versions[0] = 0
     in_place.weights_published([g], version=3, step=3)
@@ -58,7 +56,7 @@ class _Running:
         raise AssertionError("an in-place rollout was interrupted")
 
 
-async def _answer(request: GenerationRequest) -> Completion:
+async def _answer(request: GenerationRequest, group: InFlightGroup, member: int, slot: object) -> Completion:
     return completion((9,), (0,))
 
 
@@ -66,7 +64,7 @@ def test_an_interrupted_rollout_continues_from_its_tokens_and_a_cancellation_fro
     resuming, books = runner("resume", max_resumptions=1)
     seen: list[GenerationRequest] = []
 
-    async def attempts(request: GenerationRequest) -> Completion:
+    async def attempts(request: GenerationRequest, group: InFlightGroup, member: int, slot: object) -> Completion:
         seen.append(request)
         assert request.sink is not None
         if len(seen) == 1:  # the first attempt generates two tokens at version 0, then waits until interrupted
@@ -76,7 +74,7 @@ def test_an_interrupted_rollout_continues_from_its_tokens_and_a_cancellation_fro
 
     async def main() -> None:
         g = InFlightGroup(key=1, prompt=Prompt(id=0, text="p", token_ids=(1, 2)), size=2)
-        task = asyncio.create_task(resuming.generate(REQUEST, g, 0, attempts))
+        task = asyncio.create_task(resuming.rollouts(attempts)(REQUEST, g, 0, None))
         g.member_tasks[0], g.dispatch_versions[0] = task, 0
         await asyncio.sleep(0)
         resuming.weights_published([g], version=1, step=1)
@@ -86,10 +84,10 @@ def test_an_interrupted_rollout_continues_from_its_tokens_and_a_cancellation_fro
         assert g.resumptions[0] == 1 and g.interrupts[0] == 0 and books.counters["rollout/resumed_rollouts_total"] == 1
         assert resuming.bound_of(g) is None  # no rollout.max_prefix_staleness: the run's K
 
-        async def hangs(request: GenerationRequest) -> Completion:
+        async def hangs(request: GenerationRequest, *rest: object) -> Completion:
             return await asyncio.get_running_loop().create_future()
 
-        again = asyncio.create_task(resuming.generate(REQUEST, g, 1, hangs))
+        again = asyncio.create_task(resuming.rollouts(hangs)(REQUEST, g, 1, None))
         g.member_tasks[1], g.dispatch_versions[1] = again, 0
         await asyncio.sleep(0)
         assert resuming.resume(g, step=2)  # member 1 (version 0) is past K = 1 at step 2: interrupted, the group goes on

@@ -116,6 +116,7 @@ class Collector:
         self._jitter = random.Random(cfg.run.seed)
         self._task_group: asyncio.TaskGroup | None = None
         self._episodes = EpisodeRunner.of_run(cfg, codec, self.counters, self._jitter, host_factory)  # env: a rollout is an episode
+        self._generate = self._left_behind.rollouts(self._generate_with_retries)  # a rollout: one request, or a resumed chain
 
     # ------------------------------------------------------------------ views
 
@@ -227,9 +228,8 @@ class Collector:
                         group.prompt, request, lambda turn, floor: self._generate_with_retries(turn, group, member, slot, floor),
                         on_retry=self._retried, between_attempts=slot.released_for, on_progress=self.batches.progressed,
                     )  # an episode's turn is progress: the stall bound need not cover env.max_turns turns
-                else:  # a request, or a chain of them resumed from each other's tokens (rollout/resumption.py)
-                    result = await self._left_behind.generate(
-                        request, group, member, lambda attempt: self._generate_with_retries(attempt, group, member, slot))
+                else:  # one request, or under rollout.on_stale: resume a chain of them (rollout/resumption.py)
+                    result = await self._generate(request, group, member, slot)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():

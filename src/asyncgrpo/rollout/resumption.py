@@ -23,24 +23,28 @@ reaches the books (`Books.resumed`).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Coroutine, Iterable
 
 from asyncgrpo.rollout.books import Books
 from asyncgrpo.rollout.in_flight import InFlightGroup
 from asyncgrpo.rollout.resume import join, partial, resumed_request
+from asyncgrpo.rollout.slots import Slot
 from asyncgrpo.rollout.stale_policy import StalePolicy
 from asyncgrpo.types import Completion, GenerationRequest, TokenSink
 
-Attempts = Callable[[GenerationRequest], Coroutine[object, object, Completion]]  # one request under the retry policy
+# Member `member` of a group generating `request` while holding `slot`: one request under the retry policy (the
+# collector's), or a rollout made of such requests.
+Attempts = Callable[[GenerationRequest, InFlightGroup, int, Slot], Coroutine[object, object, Completion]]
 
 
 class Cancelling:
     """Every policy but `resume`: one request per rollout, and a group the steps leave behind is cancelled as stale."""
 
-    def generate(self, request: GenerationRequest, group: InFlightGroup, member: int, attempts: Attempts) -> Coroutine[object, object, Completion]:
-        """Member `member`'s rollout of `group`, `attempts` generating each of its requests. Returns the retry loop's
-        coroutine itself, not a coroutine wrapping it: one coroutine fewer per rollout in flight."""
-        return attempts(request)
+    def rollouts(self, attempts: Attempts) -> Attempts:
+        """How a rollout is generated, given how each of its requests is: here `attempts` itself (no wrapper: not one call
+        or coroutine more per rollout)."""
+        return attempts
 
     def resume(self, group: InFlightGroup, step: int) -> bool:
         """`group`'s oldest version is stale at `step`: does it go on (True), or is it cancelled as stale (False)?"""
@@ -63,17 +67,17 @@ class Resuming(Cancelling):
         self.books = books
         self.in_place = in_place
 
-    def generate(self, request: GenerationRequest, group: InFlightGroup, member: int, attempts: Attempts) -> Coroutine[object, object, Completion]:
-        return attempts(request) if self.in_place else self._resumable(request, group, member, attempts)  # in place: no sink to fill
+    def rollouts(self, attempts: Attempts) -> Attempts:
+        return attempts if self.in_place else functools.partial(self._resumable, attempts)  # in place: no sink to fill
 
-    async def _resumable(self, request: GenerationRequest, group: InFlightGroup, member: int, attempts: Attempts) -> Completion:
+    async def _resumable(self, attempts: Attempts, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot) -> Completion:
         """The rollout's requests, each continuing from the tokens of those interrupted before it (`_interrupt` interrupts:
         a cancellation this task takes back); its completion is their concatenation."""
         sink = TokenSink()
         prefix: Completion | None = None
         while True:
             try:
-                continuation = await attempts(resumed_request(request, prefix, sink))
+                continuation = await attempts(resumed_request(request, prefix, sink), group, member, slot)
             except asyncio.CancelledError:
                 task, pending = asyncio.current_task(), group.interrupts[member]
                 if not pending or task is None or task.cancelling() != pending:
