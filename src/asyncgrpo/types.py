@@ -93,8 +93,9 @@ class SamplingParams:
 
 class TokenSink:
     """Where a backend records a request's tokens as it generates them (`rollout.on_stale: resume`), so an interrupted
-    request loses none: the collector reads what the current attempt generated. The collector empties it before each
-    attempt (a failed attempt's tokens are not the prefix of its retry); the backend only appends. `text` is the text of
+    request loses none: the resumption runner (rollout/resumption.py) reads what the current attempt generated. The retry
+    loop (rollout/retry.py) empties it before each attempt and after a failed one (a failed attempt's tokens are not the
+    prefix of its retry); the backend only appends. `text` is the text of
     those tokens as far as the backend decoded it (an HTTP server streams it; a backend without text leaves it empty)."""
 
     __slots__ = ("token_ids", "logprobs", "versions", "text")

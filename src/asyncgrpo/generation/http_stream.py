@@ -46,7 +46,7 @@ class CompletionStream:
         self._backend, self._model = backend, model
         self._where = f"{url} (request {request.request_id})"
         self._buffer = bytearray()
-        self._start = len(sink)  # the tokens the sink held before this attempt (the collector empties it: 0)
+        self._start = len(sink)  # the tokens the sink held before this attempt (the retry loop empties it: 0)
         self._text: list[str] = []
         self.finish: FinishReason | None = None
         self.done = False  # `data: [DONE]` received

@@ -2,9 +2,11 @@
 
 One `Collector` owns, for one run: the admission loop, a task per in-flight group (and under it a
 task per rollout), the request slots and the run's first fatal error. It asks the staleness policy
-(rollout/stale_policy.py) which step a new group targets and what becomes of a group left behind,
-hands every ending to the books (rollout/books.py; it updates none of their records itself) and every
-finished group to the trainer's side (rollout/batches.py: the buffer and each step's batch). Its
+(rollout/stale_policy.py) which step a new group targets and whether a finished group is trainable,
+leaves what becomes of the rollouts the steps leave behind to the policy's runner (rollout/resumption.py:
+cancel the group, or interrupt and resume its rollouts), hands every ending to the books
+(rollout/books.py; it updates none of their records itself) and every finished group to the trainer's
+side (rollout/batches.py: the buffer and each step's batch). It has no mode switch on the policy. Its
 state lives on one event loop and changes only in synchronous code, each change followed by
 `StateSignal.notify()`.
 
@@ -14,9 +16,7 @@ Invariants (DESIGN.md §2):
   it first removes it from `_in_flight`, and only a group still there can be ended. Each ending
   reaches the books in one call.
 - A group no remaining step can train is cancelled as soon as the steps move past it
-  (`_cancel_stale`), or when it is dispatched, or finishes, after that; under `rollout.on_stale: resume`
-  its rollouts the next step cannot train are interrupted instead and continue from their tokens
-  (`_resume`; rollout/resume.py), all of a group's at once, and it is cancelled only when the policy says so.
+  (`_cancel_stale`), unless the runner resumes it, or when it is dispatched, or finishes, after that.
 - Errors are never swallowed: a rollout error is retried (transient) or fails the rollout; judged
   groups feed the failure policy; a broken budget, a misconfigured backend or a fatal reward error
   becomes the run's sticky diagnostic (`raise_if_failed()`). Cancellation is never a failure.
@@ -55,12 +55,12 @@ from asyncgrpo.rollout.judge import survivors
 from asyncgrpo.rollout.ledger import PromptLedger
 from asyncgrpo.rollout.no_signal import NoSignalWatch
 from asyncgrpo.rollout.ports import PromptSourceLike, ScorerLike
-from asyncgrpo.rollout.resume import join, partial, resumed_request
+from asyncgrpo.rollout.resumption import runner_for
 from asyncgrpo.rollout.retry import generate_with_retries
 from asyncgrpo.rollout.slots import RequestSlots, Slot
 from asyncgrpo.rollout.stale_policy import stale_policy
 from asyncgrpo.sync import SharedTimeout, StateSignal
-from asyncgrpo.types import Completion, Drop, GenerationRequest, Group, Prompt, SamplingParams, TokenSink
+from asyncgrpo.types import Completion, Drop, GenerationRequest, Group, Prompt, SamplingParams
 
 log = logging.getLogger("asyncgrpo")
 STALE: Literal["stale"] = "stale"  # the ending of a group that no remaining step can train
@@ -94,15 +94,11 @@ class Collector:
         self.algorithm = algorithm  # the unit, judging a scored unit (algorithms/)
         self.sampling = sampling
         r = cfg.rollout
-        self.group_size = r.group_size
-        self.groups_per_step = r.groups_per_step
         self.max_staleness = r.max_staleness
         self.books = Books(FailurePolicy.from_rollout(r), accounting=accounting, ledger=ledger, counters=counters,
                            observer=observer)
-        self.stale = stale_policy(r)  # rollout.on_stale
-        # resume: a backend that installs weights between decoding steps (the local engine) continues every rollout in place,
-        # each token stamped with its version: nothing to interrupt, the per-token mask still applies
-        self._in_place = bool(getattr(generator, "continues_in_flight", False))
+        self.stale = stale_policy(r)  # rollout.on_stale: the policy decides, its runner acts on rollouts left behind
+        self._left_behind = runner_for(self.stale, self.books, continues_in_flight=getattr(generator, "continues_in_flight", False))
         self.first_failure = FirstFailure()
         self._no_signal = NoSignalWatch(r.drop_window) if algorithm.watches_no_signal and not r.filter_zero_variance else None
         self.failure_log = FailureLog(cfg.logging.failure_summary_s)
@@ -119,8 +115,8 @@ class Collector:
         self._stopping = False
         self._jitter = random.Random(cfg.run.seed)
         self._task_group: asyncio.TaskGroup | None = None
-        # env: each rollout is an episode, its slot held for the whole episode
-        self._episodes = EpisodeRunner.of_run(cfg, codec, self.counters, self._jitter, host_factory)
+        self._episodes = EpisodeRunner.of_run(cfg, codec, self.counters, self._jitter, host_factory)  # env: a rollout is an episode
+        self._generate = self._left_behind.rollouts(self._generate_with_retries)  # a rollout: one request, or a resumed chain
 
     # ------------------------------------------------------------------ views
 
@@ -150,10 +146,6 @@ class Collector:
         return {"rollout/inflight": self._slots.open, "buffer/size": len(self.batches.buffer),
                 "rollout/trained_version_span": self.batches.version_span, **self.counters}
 
-    def occupancy(self) -> int:
-        """Groups admitted and not yet taken for a step (the step in training is the lag term of admission)."""
-        return len(self._in_flight) + len(self.batches.buffer)
-
     def raise_if_failed(self) -> None:
         """Raise the run's first fatal error, if there is one (see rollout/first_failure.py)."""
         self.first_failure.check()
@@ -167,12 +159,12 @@ class Collector:
         return self._undispatched
 
     def _may_admit(self) -> bool:
-        # Evaluated on every wake-up of the dispatcher, O(1): counts only, no scan of the groups in flight.
+        # Evaluated on every wake-up of the dispatcher, O(1): counts only, no scan of the groups in flight. The occupancy is the
+        # groups admitted and not yet taken for a step (the step in training is the lag term of admission, rollout/admission.py).
         return self._slots.free > 0 and not self.source.exhausted and may_admit_group(
-            occupancy=self.occupancy(), max_staleness=self.max_staleness, groups_per_step=self.groups_per_step,
-            next_step=self.next_step, serving_version=self.generator.serving_version, free_request_slots=self._slots.free,
-            undispatched_rollouts=self._undispatched,
-            over_admit_groups=self.cfg.rollout.over_admit_groups,
+            occupancy=len(self._in_flight) + len(self.batches.buffer), max_staleness=self.max_staleness, next_step=self.next_step,
+            groups_per_step=self.cfg.rollout.groups_per_step, serving_version=self.generator.serving_version,
+            free_request_slots=self._slots.free, undispatched_rollouts=self._undispatched, over_admit_groups=self.cfg.rollout.over_admit_groups,
         )
 
     # ------------------------------------------------------------------ dispatcher
@@ -197,7 +189,7 @@ class Collector:
 
     def _admit(self, prompt: Prompt) -> None:
         assert self._task_group is not None
-        group = InFlightGroup(key=self.books.take(), prompt=prompt, size=self.group_size)
+        group = InFlightGroup(key=self.books.take(), prompt=prompt, size=self.cfg.rollout.group_size)
         group.target_step = self.stale.target(self.next_step, self.generator.serving_version + self.max_staleness)
         self._in_flight[group.key] = group
         self._undispatched += group.size
@@ -236,10 +228,8 @@ class Collector:
                         group.prompt, request, lambda turn, floor: self._generate_with_retries(turn, group, member, slot, floor),
                         on_retry=self._retried, between_attempts=slot.released_for, on_progress=self.batches.progressed,
                     )  # an episode's turn is progress: the stall bound need not cover env.max_turns turns
-                elif self.stale.resumes and not self._in_place:  # in place: never interrupted, no sink to fill
-                    result = await self._generate_resumable(request, group, member, slot)
-                else:
-                    result = await self._generate_with_retries(request, group, member, slot)
+                else:  # one request, or under rollout.on_stale: resume a chain of them (rollout/resumption.py)
+                    result = await self._generate(request, group, member, slot)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -260,14 +250,11 @@ class Collector:
     def _generate_with_retries(
         self, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot, floor: int | None = None
     ) -> Coroutine[object, object, Completion]:
-        """One rollout under the retry policy (rollout/retry.py); a rollout waiting to retry holds no request slot.
-        `floor`: the oldest version of an episode's earlier turns, kept as the member's dispatch version.
-        Returns the retry loop's coroutine itself, not a coroutine wrapping it: one coroutine fewer per rollout in
-        flight, and one frame fewer on every resumption."""
+        """A rollout's request under the retry policy (rollout/retry.py); a rollout waiting to retry holds no request slot.
+        `floor`: the oldest version of an episode's earlier turns, kept as the member's dispatch version. Returns the retry
+        loop's coroutine itself, not a coroutine wrapping it: one coroutine fewer per rollout in flight."""
 
         def record_dispatch() -> None:
-            if request.sink is not None:
-                request.sink.empty()  # the sink holds the current attempt's tokens only
             version = self.generator.serving_version
             group.dispatch_versions[member] = version = version if floor is None else min(version, floor)
             if group.key in self._in_flight and is_stale(generation_version=version, step=self.next_step, max_staleness=self.max_staleness):
@@ -275,37 +262,11 @@ class Collector:
                 # in vain. It ends now as stale; its cancellation reaches this request at its first await, as any stale one.
                 self._end(group, STALE)
 
-        def retried(error: Exception) -> None:
-            if request.sink is not None:
-                request.sink.empty()  # a failed attempt's tokens are no prefix: an interruption while its retry waits keeps none
-            self._retried(error)
-
         return generate_with_retries(
             self.generator, request, self.cfg.generation, jitter=self._jitter,
-            before_attempt=record_dispatch, on_retry=retried, between_attempts=slot.released_for,
+            before_attempt=record_dispatch, on_retry=self._retried, between_attempts=slot.released_for,
             timeouts=self._attempt_timeouts,
         )
-
-    async def _generate_resumable(self, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot) -> Completion:
-        """`rollout.on_stale: resume`: the rollout's requests, each continuing from the tokens of those interrupted before it
-        (`_resume` interrupts: a cancellation this task takes back); its completion is their concatenation."""
-        sink = TokenSink()
-        prefix: Completion | None = None
-        while True:
-            try:
-                continuation = await self._generate_with_retries(resumed_request(request, prefix, sink), group, member, slot)
-            except asyncio.CancelledError:
-                task, pending = asyncio.current_task(), group.interrupts[member]
-                if not pending or task is None or task.cancelling() != pending:
-                    raise  # cancelled (stale, shutdown), not (only) interrupted
-                for _ in range(pending):
-                    task.uncancel()
-                group.interrupts[member] = 0
-                version = group.dispatch_versions[member]
-                assert version is not None  # an interrupted member was dispatched
-                prefix = join(prefix, partial(sink, version))
-                continue
-            return join(prefix, continuation)
 
     def _retried(self, error: Exception) -> None:
         self.books.retried()
@@ -313,8 +274,7 @@ class Collector:
 
     async def _finish_group(self, group: InFlightGroup) -> None:
         """Judge the finished group (rollout/judge.py) around the scoring of its survivors, and end it."""
-        r = self.cfg.rollout
-        completions = survivors(*group.kept(), min_survivors=r.min_group_survivors)
+        completions = survivors(*group.kept(), min_survivors=self.cfg.rollout.min_group_survivors)
         if isinstance(completions, Drop):
             self._end(group, completions)
             return
@@ -345,17 +305,10 @@ class Collector:
         self.books.unscored(group.finished_tokens() - sum(c.model_tokens for c in kept))
         finished = Group(prompt=group.prompt, rollouts=rollouts, seq=self._seq, failed_rollouts=sum(e is not None for e in group.errors),
                          generation_ms=group.ms_of(kept), target_step=group.target_step,
-                         max_staleness=self.stale.bound_of_resumed if any(group.resumptions) else None)
-        masked = self.stale.mask(finished, self.next_step)  # resume: tokens older than the bound masked out of the loss
-        if masked is None:
-            self._end(group, STALE)
-            return
-        finished, added = masked
-        self.books.masked(added)
-        if is_stale(generation_version=finished.generation_version, step=self.next_step, max_staleness=finished.bound(self.max_staleness)):
-            self._end(group, STALE)
-        else:
-            self._end(group, finished)
+                         max_staleness=self._left_behind.bound_of(group))
+        trainable, masked = self.stale.trainable(finished, self.next_step)  # resume: tokens older than the bound masked out
+        self.books.masked(masked)
+        self._end(group, STALE if trainable is None else trainable)
 
     # ------------------------------------------------------------------ endings
 
@@ -397,32 +350,9 @@ class Collector:
     def _cancel_stale(self) -> None:
         for group in list(self._in_flight.values()):
             floor = group.version_floor()
-            if floor is not None and is_stale(generation_version=floor, step=self.next_step, max_staleness=self.max_staleness):
-                if self.stale.resumes:
-                    self._resume(group)
-                else:
-                    self._end(group, STALE)
-
-    def _resume(self, group: InFlightGroup) -> None:
-        """`rollout.on_stale: resume`, once the steps moved past a group's oldest version: interrupt, all at once, its running
-        rollouts whose attempt no remaining step can train, to continue under the newest weights; or, when the policy says
-        so (a finished rollout masked past the limit, a rollout resumed too often), cancel the group as stale."""
-        self._interrupt(group, older_than=self.next_step - self.max_staleness, may_end=True)
-
-    def _interrupt(self, group: InFlightGroup, *, older_than: int, may_end: bool) -> None:
-        """Interrupt the group's running rollouts whose attempt is of a version below `older_than`, all at once, if the policy
-        lets it resume them; if not, cancel the group as stale (`may_end`: they would be stale) or leave it as it is."""
-        behind = [m for m in range(group.size) if not self._in_place and group.running(m) and not group.interrupts[m]
-                  and (v := group.dispatch_versions[m]) is not None and v < older_than]
-        if not behind and not may_end:
-            return
-        if not self.stale.may_resume(group.kept()[0], [group.resumptions[m] for m in behind], self.next_step):
-            if may_end:
+            stale = floor is not None and is_stale(generation_version=floor, step=self.next_step, max_staleness=self.max_staleness)
+            if stale and not self._left_behind.resume(group, self.next_step):  # resume: its rollouts behind interrupted instead
                 self._end(group, STALE)
-            return
-        for member in behind:
-            group.interrupt(member)
-        self.books.resumed(len(behind))
 
     # ------------------------------------------------------------------ the trainer's side (rollout/batches.py)
 
@@ -441,15 +371,10 @@ class Collector:
     def weights_published(self) -> None:
         """A generator's serving version changed: admission may open; under `rollout.on_stale: resume` every running rollout of
         an older version (with resumptions left) is interrupted, all of a group's together, to continue under the new one."""
-        if self.stale.resumes and not self._in_place:
-            for group in self._in_flight.values():
-                self._interrupt(group, older_than=self.generator.serving_version, may_end=False)
+        self._left_behind.weights_published(self._in_flight.values(), self.generator.serving_version, self.next_step)
         self._signal.notify()
 
     def _stalled(self, step: int, stall_timeout_s: float) -> Diagnostic:
-        scoring = f"{self._scoring} being scored" + self.algorithm.scoring_state(self.scorer)
-        state = (f"{len(self.batches.buffer)} buffered, {len(self._in_flight)} groups in flight with {self._slots.open} requests "
-                 f"open and {scoring}, source exhausted: {self.source.exhausted}")
-        bound, source = self.cfg.stall_bound()
-        source = source if bound == stall_timeout_s else "as the caller set it"
-        return stalled(step, stall_timeout_s, source, self.groups_per_step, state, self.generator.name, self.generator.serving_version)
+        return stalled(step, stall_timeout_s, self.cfg, buffered=len(self.batches.buffer), in_flight=len(self._in_flight),
+                       open_requests=self._slots.open, scoring=self._scoring, scoring_state=self.algorithm.scoring_state(self.scorer),
+                       exhausted=self.source.exhausted, backend=self.generator.name, serving_version=self.generator.serving_version)

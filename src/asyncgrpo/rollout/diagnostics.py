@@ -77,15 +77,21 @@ def policy_broken(verdict: Verdict, backend: str, version: int | None, step: int
 
 
 def stalled(
-    step: int, stall_timeout_s: float, source: str, groups_per_step: int, state: str, backend: str, serving_version: int,
+    step: int, stall_timeout_s: float, cfg: Config, *, buffered: int, in_flight: int, open_requests: int, scoring: int,
+    scoring_state: str, exhausted: bool, backend: str, serving_version: int,
 ) -> Diagnostic:
-    """`source`: where the bound comes from (`Config.stall_bound`); `state`: the collector's counts at the stall
-    (buffered, in flight, open requests, scoring, source)."""
+    """Step `step` waited `stall_timeout_s` with no progress. The collector's counts at the stall: groups `buffered` and
+    `in_flight`, requests open, groups being `scoring` and the scorer's `scoring_state` (algorithms/), and whether the source is
+    `exhausted`; the bound's source is `Config.stall_bound`'s unless the caller set another."""
+    bound, source = cfg.stall_bound()
+    source = source if bound == stall_timeout_s else "as the caller set it"
+    state = (f"{buffered} buffered, {in_flight} groups in flight with {open_requests} requests open and {scoring} being scored{scoring_state}, "
+             f"source exhausted: {exhausted}")
     return Diagnostic(
         kind="stall",
         message=(
             f"The pipeline stalled: no rollout or episode turn finished and no step trained for {stall_timeout_s:g} s "
-            f"(rollout.stall_timeout_s, {source}) while step {step} waited for {groups_per_step} groups. "
+            f"(rollout.stall_timeout_s, {source}) while step {step} waited for {cfg.rollout.groups_per_step} groups. "
             f"State: {state}, serving version {serving_version}. Check that the generation backend answers."
         ),
         backend=backend,

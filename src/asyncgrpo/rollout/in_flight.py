@@ -51,7 +51,7 @@ class InFlightGroup:
 
     def interrupt(self, member: int) -> None:
         """rollout.on_stale: resume: stop the member's attempt; its rollout keeps the tokens and continues (a cancellation
-        its task takes back, rollout/collector.py)."""
+        its task takes back, rollout/resumption.py)."""
         task = self.member_tasks[member]
         assert task is not None
         self.interrupts[member] += 1

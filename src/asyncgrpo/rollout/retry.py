@@ -11,7 +11,9 @@ Used by the collector for rollouts and by evaluation, so both treat a backend th
   that, by an `asyncio.timeout` of its own once it is nearer (or without a shared one).
 
 The caller decides what happens between attempts (`between_attempts(delay)`: the collector frees
-its request slot while it waits) and is told of each retry (`on_retry(error)`).
+its request slot while it waits) and is told of each retry (`on_retry(error)`). A request's `TokenSink`
+(`rollout.on_stale: resume`, rollout/resumption.py) holds its current attempt's tokens only: it is emptied
+before each attempt and after a failed one (a failed attempt's tokens are no prefix).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ async def generate_with_retries(
     deadline = loop.time() + g.rollout_deadline_s
     attempt = 0
     while True:
+        if request.sink is not None:
+            request.sink.empty()
         if before_attempt is not None:
             before_attempt()
         limit = min(g.request_timeout_s, deadline - loop.time())
@@ -79,6 +83,8 @@ async def generate_with_retries(
                 f"generation.rollout_deadline_s = {g.rollout_deadline_s:g} ran out; last error: {error}",
                 backend=generator.name,
             ) from error
+        if request.sink is not None:
+            request.sink.empty()  # an interruption while the retry waits keeps none of the failed attempt's tokens
         if on_retry is not None:
             on_retry(error)
         if between_attempts is not None:

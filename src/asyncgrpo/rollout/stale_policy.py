@@ -1,13 +1,16 @@
 """The staleness policies (`rollout.on_stale`) as objects behind one interface. Pure: no tasks, no I/O, no clock.
 
-A policy answers the collector's three questions about staleness; the collector asks and acts:
+A policy answers the collector's three questions about staleness; the collector, the trainer's side of it
+(rollout/batches.py) and the policy's runner (rollout/resumption.py, picked by `resumes`) ask and act:
 
 - What to admit: `target` names the step a newly admitted group must train in (None: any step),
   `release` frees that room when the group is dropped or taken, `ready` says whether a step's batch
   is there, and `prefer_target` which buffered groups the step takes first.
 - What to do with a group the next step would leave behind (`left_behind`): it is cancelled, and
-  its prompt requeued or dropped; `finish_early` (`rollout.partial_groups`) says whether a
-  straggler with enough finished members ends with them instead, to be trained now.
+  its prompt requeued or dropped (under `resume` only once `may_resume` says no; until then its
+  runner interrupts and resumes its rollouts); `finish_early` (`rollout.partial_groups`) says whether
+  a straggler with enough finished members ends with them instead, to be trained now. Whether a
+  finished group is trainable at a step, masked as the policy masks it, is `trainable`.
 - How long a ready batch may wait for stragglers (`wait_until`, given the loop time `now`).
 
 Every policy keeps the hard bound (no group trained past K steps of staleness; the buffer's
@@ -89,7 +92,7 @@ class StalePolicy:
         self.max_staleness = r.max_staleness
         self.bound_of_resumed: int | None = None  # `resume`: rollout.max_prefix_staleness, the bound of a resumed group's tokens
 
-    resumes = False  # `resume`: a rollout left behind is interrupted and continued (rollout/resume.py), not cancelled
+    resumes = False  # `resume`: a rollout left behind is interrupted and continued (rollout/resumption.py), not cancelled
 
     def target(self, next_step: int, last_step: int) -> int | None:
         """The step a group admitted now trains in, within [next_step, last_step]; None: whichever takes it."""
@@ -120,6 +123,16 @@ class StalePolicy:
         """`group` as step `step` may train it, and the tokens masked anew; None: it is stale. Here the bound is on groups:
         the group as it is (the buffer's and the take's checks hold it to the bound)."""
         return group, 0
+
+    def trainable(self, group: Group, step: int) -> tuple[Group | None, int]:
+        """A finished group as step `step` may train it (`mask`), None when it is stale at `step`, and the tokens `mask`
+        masked anew (to be counted even when the group is then stale)."""
+        masked = self.mask(group, step)
+        if masked is None:
+            return None, 0
+        group, added = masked
+        stale = is_stale(generation_version=group.generation_version, step=step, max_staleness=group.bound(self.max_staleness))
+        return (None if stale else group), added
 
     def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int) -> bool:
         """`resume`: may a group whose finished rollouts are `finished` resume its rollouts resumed `resumptions` times so far,

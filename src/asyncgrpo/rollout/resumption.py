@@ -1,0 +1,127 @@
+"""What becomes of the rollouts the steps leave behind, as the staleness policy says: the policy decides, a runner acts.
+
+The collector (rollout/collector.py) generates every rollout through its run's runner and hands it each group
+that no remaining step can train at the group's oldest version, and each weight publication; it has no mode
+switch of its own. `runner_for` picks the runner from the policy (rollout/stale_policy.py) and the backend:
+
+- `Cancelling` (every policy but `resume`): a rollout is one request under the retry policy; a group left
+  behind is cancelled as stale (the collector ends it); a publication changes nothing.
+- `Resuming` (`rollout.on_stale: resume`): a rollout is a chain of requests, each continuing from the tokens
+  of those interrupted before it (rollout/resume.py: `resumed_request`, `join`). When the steps leave a group
+  behind, or weights are published, its running rollouts whose attempt is of an older version are interrupted,
+  all of the group's at once, if the policy's `may_resume` allows it; a group left behind that it does not
+  allow is cancelled as stale. On a backend that installs weights between decoding steps
+  (`continues_in_flight`: the local engine) every rollout continues in place, each token stamped with its
+  version: nothing is interrupted, the policy still decides whether a group left behind is cancelled.
+
+Invariants: an interruption is a cancellation of the member's task that the task takes back (`Task.uncancel`),
+counted in `group.interrupts` until taken, so a cancellation the task did not get from here (stale, shutdown)
+always propagates; a rollout's completion keeps every token of its requests in order; every interruption
+reaches the books (`Books.resumed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Coroutine, Iterable
+
+from asyncgrpo.rollout.books import Books
+from asyncgrpo.rollout.in_flight import InFlightGroup
+from asyncgrpo.rollout.resume import join, partial, resumed_request
+from asyncgrpo.rollout.slots import Slot
+from asyncgrpo.rollout.stale_policy import StalePolicy
+from asyncgrpo.types import Completion, GenerationRequest, TokenSink
+
+# Member `member` of a group generating `request` while holding `slot`: one request under the retry policy (the
+# collector's), or a rollout made of such requests.
+Attempts = Callable[[GenerationRequest, InFlightGroup, int, Slot], Coroutine[object, object, Completion]]
+
+
+class Cancelling:
+    """Every policy but `resume`: one request per rollout, and a group the steps leave behind is cancelled as stale."""
+
+    def rollouts(self, attempts: Attempts) -> Attempts:
+        """How a rollout is generated, given how each of its requests is: here `attempts` itself (no wrapper: not one call
+        or coroutine more per rollout)."""
+        return attempts
+
+    def resume(self, group: InFlightGroup, step: int) -> bool:
+        """`group`'s oldest version is stale at `step`: does it go on (True), or is it cancelled as stale (False)?"""
+        return False
+
+    def weights_published(self, groups: Iterable[InFlightGroup], version: int, step: int) -> None:
+        """The generator now serves `version` and `step` is the next step to take a batch."""
+
+    def bound_of(self, group: InFlightGroup) -> int | None:
+        """The staleness bound of `group`'s finished `Group` (None: the run's K)."""
+        return None
+
+
+class Resuming(Cancelling):
+    """`rollout.on_stale: resume`: rollouts left behind are interrupted and continued under the newest weights."""
+
+    def __init__(self, policy: StalePolicy, books: Books, *, in_place: bool) -> None:
+        """`in_place`: the backend continues every rollout in place (`continues_in_flight`): nothing to interrupt."""
+        self.policy = policy
+        self.books = books
+        self.in_place = in_place
+
+    def rollouts(self, attempts: Attempts) -> Attempts:
+        return attempts if self.in_place else functools.partial(self._resumable, attempts)  # in place: no sink to fill
+
+    async def _resumable(self, attempts: Attempts, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot) -> Completion:
+        """The rollout's requests, each continuing from the tokens of those interrupted before it (`_interrupt` interrupts:
+        a cancellation this task takes back); its completion is their concatenation."""
+        sink = TokenSink()
+        prefix: Completion | None = None
+        while True:
+            try:
+                continuation = await attempts(resumed_request(request, prefix, sink), group, member, slot)
+            except asyncio.CancelledError:
+                task, pending = asyncio.current_task(), group.interrupts[member]
+                if not pending or task is None or task.cancelling() != pending:
+                    raise  # cancelled (stale, shutdown), not (only) interrupted
+                for _ in range(pending):
+                    task.uncancel()
+                group.interrupts[member] = 0
+                version = group.dispatch_versions[member]
+                assert version is not None  # an interrupted member was dispatched
+                prefix = join(prefix, partial(sink, version))
+                continue
+            return join(prefix, continuation)
+
+    def resume(self, group: InFlightGroup, step: int) -> bool:
+        """Interrupt, all at once, the group's running rollouts whose attempt no remaining step can train, to continue under
+        the newest weights; or, when the policy says so (a finished rollout masked past the limit, a rollout resumed too
+        often), let the group be cancelled as stale."""
+        return self._interrupt(group, older_than=step - self.policy.max_staleness, step=step, may_end=True)
+
+    def weights_published(self, groups: Iterable[InFlightGroup], version: int, step: int) -> None:
+        """Every running rollout of an older version (with resumptions left) is interrupted, all of a group's together."""
+        if not self.in_place:
+            for group in groups:
+                self._interrupt(group, older_than=version, step=step, may_end=False)
+
+    def bound_of(self, group: InFlightGroup) -> int | None:
+        return self.policy.bound_of_resumed if any(group.resumptions) else None
+
+    def _interrupt(self, group: InFlightGroup, *, older_than: int, step: int, may_end: bool) -> bool:
+        """Interrupt the group's running rollouts whose attempt is of a version below `older_than`, all at once, if the policy
+        lets it resume them at `step`. False: it does not, and the group is to be cancelled as stale (`may_end`: they would
+        be stale) or left as it is."""
+        behind = [m for m in range(group.size) if not self.in_place and group.running(m) and not group.interrupts[m]
+                  and (v := group.dispatch_versions[m]) is not None and v < older_than]
+        if not behind and not may_end:
+            return True
+        if not self.policy.may_resume(group.kept()[0], [group.resumptions[m] for m in behind], step):
+            return False
+        for member in behind:
+            group.interrupt(member)
+        self.books.resumed(len(behind))
+        return True
+
+
+def runner_for(policy: StalePolicy, books: Books, *, continues_in_flight: bool) -> Cancelling:
+    """The runner of `policy` (`rollout.on_stale`) on a backend that does (or does not) continue rollouts in place."""
+    return Resuming(policy, books, in_place=continues_in_flight) if policy.resumes else Cancelling()
