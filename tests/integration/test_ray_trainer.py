@@ -1,7 +1,7 @@
 """`RayTrainer` on a local Ray cluster (2 CPUs, one per module): 2 data-parallel ranks make the step one process
 makes on the same batch (loss, metrics, updated weights) and publish rank 0's weights by reference, which a
 generator actor installs with the usual version protocol; a rank killed between steps fails the next step naming
-it, with every rank stopped.
+it, with every rank stopped; so does a rank that hangs while the weights are gathered outside a step (a start's cold sync).
 
 Tolerance of the comparison: the ranks compute the same sums as one process, grouped differently (each rank adds
 its sequences' gradients, then the two partial sums are added; the micro-batches, and so the padded shapes of
@@ -165,6 +165,34 @@ def test_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(c
     assert f"trainer rank 1 of 2 (pid {pids[1]} on " in message and "died" in message and "during training step 1" in message
     assert "rank 0" not in message and "resumes from the newest checkpoint" in message and "\n" not in message
     assert version == 1
+    assert not still_running(pids), "a rank outlived the failure"
+
+
+def test_a_rank_that_hangs_while_the_weights_are_gathered_outside_a_step_is_named_in_bounded_time(cluster):
+    """A start's cold sync asks for the weights at a version no step published: the ranks are asked as a step asks
+    them (bounded by ray.trainer_timeout_s, the rank responsible named, every rank stopped), not left to a generator's
+    fetch from the store. Rank 0 answers for the weights, and is stopped (SIGSTOP: alive, silent). A rank that dies
+    there takes the same path (`_call`), as a rank killed between steps does (the test above)."""
+    _, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
+    cfg = config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=1", "ray.trainer_timeout_s=3")
+
+    async def scenario():
+        trainer = RayTrainer(cfg, tokenizer, checkpoint=None, version=0)
+        await trainer.start()
+        try:
+            pids = trainer.rank_pids
+            os.kill(pids[0], signal.SIGSTOP)
+            with pytest.raises(TrainerRankError) as failed:
+                await asyncio.to_thread(trainer.generation_weights)
+            return str(failed.value), pids
+        finally:
+            await trainer.aclose()
+
+    message, pids = run(scenario(), timeout_s=90)
+    assert f"trainer rank 0 of 2 (pid {pids[0]} on " in message, message
+    assert "did not answer within ray.trainer_timeout_s = 3 s" in message
+    assert "rank 1" not in message and "during gathering the weights of version 0" in message
+    assert "resumes from the newest checkpoint" in message and "\n" not in message
     assert not still_running(pids), "a rank outlived the failure"
 
 

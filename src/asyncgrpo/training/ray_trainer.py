@@ -13,13 +13,15 @@ Design and invariants:
   each update; the normaliser is the whole update's and the gradients are summed over the ranks
   (training/data_parallel.py). So a step equals the single-process step on the same batch, and
   the ranks' weights stay identical. Rank 0 answers for all: its metrics, its weights.
-- **Weights.** `generation_weights()` returns at once a `StoredWeights`: the reference of rank
-  0's weights in the object store, which the generator actors read themselves (the driver never
-  holds them). A step whose version is due to be published returns them with its metrics (a
-  second return of rank 0's task), so they are in the store, stored by the driver's own
-  reference, before the step counts as done: a rank that dies before they exist fails the step
-  and is named, never a generator's weight install. The version protocol is unchanged: version
-  = steps trained.
+- **Weights.** `generation_weights()` returns a `StoredWeights`: the reference of rank 0's
+  weights in the object store, which the generator actors read themselves (the driver never
+  holds them). They are always in the store before it returns, stored by the driver's own
+  reference, so a rank that dies before they exist fails a trainer call and is named, never a
+  generator's weight install: a step whose version is due to be published returns them with its
+  metrics (a second return of rank 0's task; then `generation_weights()` returns at once); at any
+  other version (a start's cold sync) `generation_weights()` asks for them through the same
+  bounded, naming call as a step (every rank when sharded: the gather is a collective). The
+  version protocol is unchanged: version = steps trained.
 - **Checkpoints.** Rank 0 writes the weights (`save_pretrained`, into the run directory); its
   optimizer state comes through the object store to the driver, which writes the rest
   (training/checkpoint.py, unchanged).
@@ -115,8 +117,11 @@ class TrainerRank:
         weights = self.trainer.generation_weights() if with_weights else None
         return metrics, weights if self.rank == 0 else None
 
-    def generation_weights(self) -> dict[str, Any]:
-        return self.trainer.generation_weights()
+    def generation_weights(self) -> tuple[int, dict[str, Any] | None]:
+        """This rank's version (the driver waits on it) and (rank 0) its weights: two returns, so the weights stay in the
+        store. Sharded, every rank must be called (the weights are gathered from the shards)."""
+        weights = self.trainer.generation_weights()
+        return self.trainer.version, weights if self.rank == 0 else None
 
     def save_pretrained(self, directory: str) -> None:
         self.trainer.save_pretrained(directory)
@@ -248,19 +253,39 @@ class RayTrainer:
                 return metrics_ref
 
             metrics = self._call(self._ranks, submit, f"training step {self.version}")
+            if publish:  # before the version: `generation_weights` reads both without the lock
+                self._weights = (self.version + 1, weights[0])
             self.version += 1
-            if publish:
-                self._weights = (self.version, weights[0])
             return metrics[0]
 
     def generation_weights(self) -> StoredWeights:
-        """Rank 0's weights, by reference (returns at once; the generators read them from the object store). After a
-        step due to be published they are already there (they came with the step, so a rank's death shows there)."""
+        """Rank 0's weights, by reference (the generators read them from the object store). After a step due to be
+        published they are already there and this returns at once (they came with the step, so a rank's death shows
+        there). At any other version (a start's cold sync) the ranks are asked as a step asks them: blocking (call it
+        off the event loop), bounded by ray.trainer_timeout_s, a rank that dies, raises or hangs named; the weights
+        are in the store when it returns."""
         self._raise_if_lost()
         version, ref = self._weights
-        if version != self.version:  # sharded: every rank takes part in the gather (bounded by the process group's timeout)
-            ref = [rank.handle.generation_weights.remote() for rank in self._answering][0]
-        return StoredWeights(ref, timeout_s=self.cfg.ray.trainer_timeout_s)
+        if version == self.version:  # the step's own: no lock, so a checkpoint being written never blocks it
+            return StoredWeights(ref, timeout_s=self.cfg.ray.trainer_timeout_s)
+        with self.lock:
+            if self._weights[0] != self.version:
+                self._weights = (self.version, self._gather_weights())
+            return StoredWeights(self._weights[1], timeout_s=self.cfg.ray.trainer_timeout_s)
+
+    def _gather_weights(self) -> Any:
+        """The reference of rank 0's weights at the current version, put into the store by the ranks that answer for them
+        (rank 0; sharded, every rank: the gather is a collective)."""
+        stored: list[Any] = []
+
+        def submit(rank: _Rank) -> Any:
+            version_ref, weights_ref = rank.handle.generation_weights.options(num_returns=2).remote()
+            if rank.index == 0:
+                stored.append(weights_ref)
+            return version_ref
+
+        self._call(self._answering, submit, f"gathering the weights of version {self.version} for the generators")
+        return stored[0]
 
     def save_pretrained(self, directory: Any) -> None:
         with self.lock:
