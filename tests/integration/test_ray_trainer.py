@@ -214,3 +214,39 @@ def test_ranks_the_cluster_cannot_place_fail_the_start_in_bounded_time_naming_wh
 
     message = run(scenario(), timeout_s=60)
     assert all(fragment in message for fragment in said), message
+
+
+def test_a_run_with_ranks_holds_no_trainer_in_its_driver_and_its_generators_start_from_the_checkpoint(tmp_path, monkeypatch):
+    """train.world_size > 1: the driver builds no `TorchTrainer` (no float32 weights, KL reference or optimizer state:
+    the ranks hold them); it resumes the run's records from the checkpoint, at its version, and the generators' first
+    copy holds the checkpoint's weights in model.dtype (read as the ranks read them). No Ray is started."""
+    from safetensors.torch import load_file
+
+    from asyncgrpo.commands.train import Stop, TrainingRun, train
+    from asyncgrpo.rundir import claim
+    from asyncgrpo.training.resume import plan_resume
+
+    recipe = ["model.path=builtin:tiny", f"run.output_dir={tmp_path}", "run.name=run", "train.max_steps=2",
+              "rollout.groups_per_step=2", "rollout.group_size=2", "eval.every_steps=0", "logging.progress=false",
+              "model.dtype=bfloat16"]
+    run(train(load_config(None, recipe)))  # one process: a checkpoint at step 2
+    cfg = load_config(None, [*recipe, "train.max_steps=4", "runtime=ray", "train.world_size=2"])
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the driver built a TorchTrainer")
+
+    monkeypatch.setattr(TorchTrainer, "__init__", refused)
+    with claim(cfg.run.directory) as run_dir:
+        plan = plan_resume(cfg)
+        prepared = TrainingRun.prepare(cfg, plan, run_dir, Stop())
+        try:
+            assert isinstance(prepared.trainer, RayTrainer) and prepared.ranks is prepared.trainer
+            assert prepared.trainer.version == 2 and prepared.trainer.checkpoint == plan.checkpoint
+            served = prepared.engine._model.state_dict()
+            saved = load_file(str(plan.checkpoint / "model.safetensors"))
+            assert all(served[name].dtype == torch.bfloat16 and torch.equal(served[name], saved[name].to(torch.bfloat16))
+                       for name in saved)
+        finally:
+            run(prepared._close_parts())
+            for record in prepared._records():
+                record.close()

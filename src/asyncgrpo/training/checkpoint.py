@@ -116,7 +116,7 @@ def load_checkpoint(path: Path, trainer: TorchTrainer) -> dict[str, Any]:
 
             load_adapter(trainer.model, path)
         else:
-            _load_weights(path, trainer.model)
+            load_weights(path, trainer.model)
         trainer.load_state_dict(trainer_state)
     return state
 
@@ -182,8 +182,9 @@ def _read_state(path: Path) -> dict[str, Any] | None:
     return state if isinstance(state, dict) and "step" in state else None
 
 
-def _load_weights(path: Path, model: torch.nn.Module) -> None:
-    """Load safetensors weights (single file or sharded index) written by save_pretrained."""
+def load_weights(path: Path, model: torch.nn.Module) -> None:
+    """Load the safetensors weights (single file or sharded index) save_pretrained wrote into `path` (with LoRA: the
+    merged model) into `model`."""
     import torch
     from safetensors.torch import load_file
 

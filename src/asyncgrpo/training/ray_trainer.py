@@ -8,7 +8,9 @@ GPU) and present them to the run as the in-process `TorchTrainer` is presented: 
 Design and invariants:
 - **Ranks.** Each rank builds its `TorchTrainer` as a single-process run does: from `model.path`
   (seeded by `run.seed`), then, on resume, from the checkpoint (so the KL reference and LoRA's base
-  weights are the initial model's). The run directory must be visible to every rank's node.
+  weights are the initial model's). The run directory must be visible to every rank's node. The
+  driver builds no trainer of its own (commands/train.py): the ranks are the only holders of the
+  float32 weights, the KL reference and the optimizer state.
 - **A step.** Every rank gets the whole batch (one object in the store) and trains its share of
   each update; the normaliser is the whole update's and the gradients are summed over the ranks
   (training/data_parallel.py). So a step equals the single-process step on the same batch, and
@@ -158,7 +160,7 @@ class RayTrainer:
         self.version = version
         self.lock = threading.RLock()  # held by each call, so a checkpoint's parts come from one moment
         self.lost: str | None = None  # the paragraph of the failure that stopped every rank
-        self._checkpoint = checkpoint
+        self.checkpoint = checkpoint
         self._cluster = RayCluster(cfg.ray, timeout_s=cfg.run.shutdown_timeout_s)
         self._placement = RolePlacement(cfg.ray.trainer, cfg.train.world_size, key="ray.trainer")
         self._ranks: list[_Rank] = []
@@ -181,7 +183,7 @@ class RayTrainer:
         ray = import_ray()
         rc = self.cfg.ray
         actor_class = ray.remote(TrainerRank)
-        checkpoint = str(self._checkpoint) if self._checkpoint is not None else None
+        checkpoint = str(self.checkpoint) if self.checkpoint is not None else None
         try:
             try:
                 await self._placement.reserve(rc.startup_timeout_s)
@@ -212,7 +214,7 @@ class RayTrainer:
             rank.pid, rank.node = pid, node
             if version != self.version:
                 raise TrainerRankError(f"{rank.describe(self.world_size)} loaded version {version}, the run expects {self.version}: "
-                                       f"the checkpoint {self._checkpoint} changed while the run started. Run the command again.")
+                                       f"the checkpoint {self.checkpoint} changed while the run started. Run the command again.")
 
     async def aclose(self) -> None:
         """Kill the ranks and let go of Ray. Bounded and idempotent."""
