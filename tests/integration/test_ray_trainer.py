@@ -149,6 +149,7 @@ def test_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(c
         await trainer.start()
         try:
             await asyncio.to_thread(trainer.train_step, groups)
+            assert await asyncio.to_thread(trainer.peak_memory_bytes) == [None, None]  # CPU ranks: no GPU peak
             pids = trainer.rank_pids
             ranks = {pid for pid, cmd in processes_of(cluster).items() if cmd.startswith("ray::TrainerRank")}
             assert set(pids) == ranks and len(ranks) == 2

@@ -125,6 +125,13 @@ class TrainerRank:
         weights = self.trainer.generation_weights()
         return self.trainer.version, weights if self.rank == 0 else None
 
+    def peak_memory_bytes(self) -> int | None:
+        """torch.cuda.max_memory_allocated of this rank's device since it started; None on a CPU rank."""
+        import torch
+
+        device = self.trainer.device
+        return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
     def save_pretrained(self, directory: str) -> None:
         self.trainer.save_pretrained(directory)
 
@@ -296,6 +303,12 @@ class RayTrainer:
     def state_dict(self) -> dict[str, Any]:
         with self.lock:
             return self._call(self._answering, lambda r: r.handle.state_dict.remote(), "reading its optimizer state")[0]
+
+    def peak_memory_bytes(self) -> list[int | None]:
+        """Each rank's peak GPU memory (torch.cuda.max_memory_allocated; None on a CPU rank), in rank order; bounded
+        and naming a failed rank as any call (bench/gpu_smoke.sh's per-rank column)."""
+        with self.lock:
+            return self._call(self._ranks, lambda r: r.handle.peak_memory_bytes.remote(), "reading its peak GPU memory")
 
     @property
     def _sharded(self) -> bool:
