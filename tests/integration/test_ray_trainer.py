@@ -32,7 +32,7 @@ from asyncgrpo.generation.ray_pool import RayGenerator
 from asyncgrpo.generation.ray_weights import StoredWeights
 from asyncgrpo.metric_names import TRAIN_KEYS, offpolicy_keys
 from asyncgrpo.models.loading import load_model_and_tokenizer
-from asyncgrpo.training.checkpoint import save_checkpoint
+from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.trainer import TorchTrainer
 from asyncgrpo.types import GenerationRequest, SamplingParams
@@ -139,9 +139,16 @@ def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max(float((a[name] - b[name]).abs().max()) for name in a)
 
 
-def test_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(cluster, tmp_path):
+def test_rank_0_writes_the_checkpoint_and_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(
+        cluster, tmp_path, monkeypatch):
+    """Rank 0 writes a checkpoint's weights and optimizer state itself: this process never saves a tensor (torch.save
+    refuses here), and one process resumes the checkpoint with the ranks' version and AdamW state."""
     model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
     groups = make_groups(model, 2, seed=1)
+    resumed = TorchTrainer(copy.deepcopy(model), tokenizer, config())
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the driver wrote a checkpoint's tensors")
 
     async def scenario():
         trainer = RayTrainer(config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=1", "ray.trainer_timeout_s=60"),
@@ -150,6 +157,11 @@ def test_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(c
         try:
             await asyncio.to_thread(trainer.train_step, groups)
             assert await asyncio.to_thread(trainer.peak_memory_bytes) == [None, None]  # CPU ranks: no GPU peak
+            with monkeypatch.context() as driver:
+                driver.setattr(torch, "save", refused)
+                checkpoint = await asyncio.to_thread(save_checkpoint, tmp_path, 1, trainer, "", {})
+            load_checkpoint(checkpoint, resumed)
+            assert resumed.version == 1 and len(resumed.optimizer.state) == len(list(model.parameters()))
             pids = trainer.rank_pids
             ranks = {pid for pid, cmd in processes_of(cluster).items() if cmd.startswith("ray::TrainerRank")}
             assert set(pids) == ranks and len(ranks) == 2

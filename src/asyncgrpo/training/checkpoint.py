@@ -72,8 +72,6 @@ def save_checkpoint(
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    import torch
-
     keep = trainer.cfg.checkpoint.keep_last if keep_last is None else keep_last
     if keep < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep}")
@@ -82,7 +80,7 @@ def save_checkpoint(
         with trainer.lock:  # weights, optimizer and version from the same moment
             with _quiet_transformers(), library_write_errors_as_os_errors(final):
                 trainer.save_pretrained(tmp)
-                torch.save(trainer.state_dict(), tmp / TRAINER_STATE_FILE)
+                trainer.save_trainer_state(tmp / TRAINER_STATE_FILE)  # ranks on Ray write their own (no trip to the driver)
             version = trainer.version
         if trainer.tokenizer is not None and hasattr(trainer.tokenizer, "save_pretrained"):
             trainer.tokenizer.save_pretrained(tmp)

@@ -3,7 +3,7 @@
 Job: start the ranks, join them into one `torch.distributed` process group (gloo on CPU, NCCL on
 GPU) and present them to the run as the in-process `TorchTrainer` is presented: `train_step`
 (blocking; the run calls it on its trainer thread), `version`, `generation_weights()`, and what
-`save_checkpoint` reads (`lock`, `save_pretrained`, `state_dict`, `cfg`, `tokenizer`).
+`save_checkpoint` calls (`lock`, `save_pretrained`, `save_trainer_state`, `cfg`, `tokenizer`).
 
 Design and invariants:
 - **Ranks.** Each rank builds its `TorchTrainer` as a single-process run does: from `model.path`
@@ -24,12 +24,13 @@ Design and invariants:
   other version (a start's cold sync) `generation_weights()` asks for them through the same
   bounded, naming call as a step (every rank when sharded: the gather is a collective). The
   version protocol is unchanged: version = steps trained.
-- **Checkpoints.** Rank 0 writes the weights (`save_pretrained`, into the run directory); its
-  optimizer state comes through the object store to the driver, which writes the rest
-  (training/checkpoint.py, unchanged).
-- **Sharded** (`train.sharding: fsdp`, training/sharding.py): rank 0 answers with the full weights
-  and optimizer state as before, gathered from every rank's shards; so every rank is called for
-  them (a gather is a collective) and only rank 0's answer is kept. A checkpoint holds the full
+- **Checkpoints.** Rank 0 writes the weights (`save_pretrained`) and the optimizer, scheduler and
+  RNG state (`save_trainer_state`) into the checkpoint's temporary directory in the run directory
+  itself: neither goes through the object store or the driver, which writes the rest
+  (training/checkpoint.py: the tokenizer, config, records and state.json; the same layout).
+- **Sharded** (`train.sharding: fsdp`, training/sharding.py): rank 0 answers with (or writes) the
+  full weights and optimizer state as before, gathered from every rank's shards; so every rank is
+  called for them (a gather is a collective) and only rank 0's answer is kept. A checkpoint holds the full
   state in the single-process layout, so a run resumes it at any world size, sharded or not.
 - **Faults.** Ranks are not restarted (a new process cannot rejoin the group mid-run). Every wait
   on a rank is bounded: `ray.startup_timeout_s` for the start, `ray.trainer_timeout_s` for any
@@ -135,8 +136,14 @@ class TrainerRank:
     def save_pretrained(self, directory: str) -> None:
         self.trainer.save_pretrained(directory)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.trainer.state_dict()
+    def save_trainer_state(self, path: str) -> None:
+        """Rank 0 writes the optimizer, scheduler, version and RNG state to `path`; sharded, every rank is called (the
+        optimizer state is gathered from the shards) and only rank 0 writes."""
+        import torch
+
+        state = self.trainer.state_dict()
+        if self.rank == 0:
+            torch.save(state, path)
 
 
 @dataclass(eq=False)
@@ -300,9 +307,11 @@ class RayTrainer:
         with self.lock:
             self._call(self._answering, lambda r: r.handle.save_pretrained.remote(str(directory)), "writing a checkpoint's weights")
 
-    def state_dict(self) -> dict[str, Any]:
+    def save_trainer_state(self, path: Any) -> None:
+        """Rank 0 writes the checkpoint's trainer state to `path` itself: the optimizer state never goes through the
+        object store or this process."""
         with self.lock:
-            return self._call(self._answering, lambda r: r.handle.state_dict.remote(), "reading its optimizer state")[0]
+            self._call(self._answering, lambda r: r.handle.save_trainer_state.remote(str(path)), "writing a checkpoint's optimizer state")
 
     def peak_memory_bytes(self) -> list[int | None]:
         """Each rank's peak GPU memory (torch.cuda.max_memory_allocated; None on a CPU rank), in rank order; bounded
