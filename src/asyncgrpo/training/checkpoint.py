@@ -72,8 +72,6 @@ def save_checkpoint(
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    import torch
-
     keep = trainer.cfg.checkpoint.keep_last if keep_last is None else keep_last
     if keep < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep}")
@@ -82,7 +80,7 @@ def save_checkpoint(
         with trainer.lock:  # weights, optimizer and version from the same moment
             with _quiet_transformers(), library_write_errors_as_os_errors(final):
                 trainer.save_pretrained(tmp)
-                torch.save(trainer.state_dict(), tmp / TRAINER_STATE_FILE)
+                trainer.save_trainer_state(tmp / TRAINER_STATE_FILE)  # ranks on Ray write their own (no trip to the driver)
             version = trainer.version
         if trainer.tokenizer is not None and hasattr(trainer.tokenizer, "save_pretrained"):
             trainer.tokenizer.save_pretrained(tmp)
@@ -116,7 +114,7 @@ def load_checkpoint(path: Path, trainer: TorchTrainer) -> dict[str, Any]:
 
             load_adapter(trainer.model, path)
         else:
-            _load_weights(path, trainer.model)
+            load_weights(path, trainer.model)
         trainer.load_state_dict(trainer_state)
     return state
 
@@ -182,8 +180,9 @@ def _read_state(path: Path) -> dict[str, Any] | None:
     return state if isinstance(state, dict) and "step" in state else None
 
 
-def _load_weights(path: Path, model: torch.nn.Module) -> None:
-    """Load safetensors weights (single file or sharded index) written by save_pretrained."""
+def load_weights(path: Path, model: torch.nn.Module) -> None:
+    """Load the safetensors weights (single file or sharded index) save_pretrained wrote into `path` (with LoRA: the
+    merged model) into `model`."""
     import torch
     from safetensors.torch import load_file
 

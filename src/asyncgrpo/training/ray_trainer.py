@@ -3,29 +3,34 @@
 Job: start the ranks, join them into one `torch.distributed` process group (gloo on CPU, NCCL on
 GPU) and present them to the run as the in-process `TorchTrainer` is presented: `train_step`
 (blocking; the run calls it on its trainer thread), `version`, `generation_weights()`, and what
-`save_checkpoint` reads (`lock`, `save_pretrained`, `state_dict`, `cfg`, `tokenizer`).
+`save_checkpoint` calls (`lock`, `save_pretrained`, `save_trainer_state`, `cfg`, `tokenizer`).
 
 Design and invariants:
 - **Ranks.** Each rank builds its `TorchTrainer` as a single-process run does: from `model.path`
   (seeded by `run.seed`), then, on resume, from the checkpoint (so the KL reference and LoRA's base
-  weights are the initial model's). The run directory must be visible to every rank's node.
+  weights are the initial model's). The run directory must be visible to every rank's node. The
+  driver builds no trainer of its own (commands/train.py): the ranks are the only holders of the
+  float32 weights, the KL reference and the optimizer state.
 - **A step.** Every rank gets the whole batch (one object in the store) and trains its share of
   each update; the normaliser is the whole update's and the gradients are summed over the ranks
   (training/data_parallel.py). So a step equals the single-process step on the same batch, and
   the ranks' weights stay identical. Rank 0 answers for all: its metrics, its weights.
-- **Weights.** `generation_weights()` returns at once a `StoredWeights`: the reference of rank
-  0's weights in the object store, which the generator actors read themselves (the driver never
-  holds them). A step whose version is due to be published returns them with its metrics (a
-  second return of rank 0's task), so they are in the store, stored by the driver's own
-  reference, before the step counts as done: a rank that dies before they exist fails the step
-  and is named, never a generator's weight install. The version protocol is unchanged: version
-  = steps trained.
-- **Checkpoints.** Rank 0 writes the weights (`save_pretrained`, into the run directory); its
-  optimizer state comes through the object store to the driver, which writes the rest
-  (training/checkpoint.py, unchanged).
-- **Sharded** (`train.sharding: fsdp`, training/sharding.py): rank 0 answers with the full weights
-  and optimizer state as before, gathered from every rank's shards; so every rank is called for
-  them (a gather is a collective) and only rank 0's answer is kept. A checkpoint holds the full
+- **Weights.** `generation_weights()` returns a `StoredWeights`: the reference of rank 0's
+  weights in the object store, which the generator actors read themselves (the driver never
+  holds them). They are always in the store before it returns, stored by the driver's own
+  reference, so a rank that dies before they exist fails a trainer call and is named, never a
+  generator's weight install: a step whose version is due to be published returns them with its
+  metrics (a second return of rank 0's task; then `generation_weights()` returns at once); at any
+  other version (a start's cold sync) `generation_weights()` asks for them through the same
+  bounded, naming call as a step (every rank when sharded: the gather is a collective). The
+  version protocol is unchanged: version = steps trained.
+- **Checkpoints.** Rank 0 writes the weights (`save_pretrained`) and the optimizer, scheduler and
+  RNG state (`save_trainer_state`) into the checkpoint's temporary directory in the run directory
+  itself: neither goes through the object store or the driver, which writes the rest
+  (training/checkpoint.py: the tokenizer, config, records and state.json; the same layout).
+- **Sharded** (`train.sharding: fsdp`, training/sharding.py): rank 0 answers with (or writes) the
+  full weights and optimizer state as before, gathered from every rank's shards; so every rank is
+  called for them (a gather is a collective) and only rank 0's answer is kept. A checkpoint holds the full
   state in the single-process layout, so a run resumes it at any world size, sharded or not.
 - **Faults.** Ranks are not restarted (a new process cannot rejoin the group mid-run). Every wait
   on a rank is bounded: `ray.startup_timeout_s` for the start, `ray.trainer_timeout_s` for any
@@ -115,14 +120,30 @@ class TrainerRank:
         weights = self.trainer.generation_weights() if with_weights else None
         return metrics, weights if self.rank == 0 else None
 
-    def generation_weights(self) -> dict[str, Any]:
-        return self.trainer.generation_weights()
+    def generation_weights(self) -> tuple[int, dict[str, Any] | None]:
+        """This rank's version (the driver waits on it) and (rank 0) its weights: two returns, so the weights stay in the
+        store. Sharded, every rank must be called (the weights are gathered from the shards)."""
+        weights = self.trainer.generation_weights()
+        return self.trainer.version, weights if self.rank == 0 else None
+
+    def peak_memory_bytes(self) -> int | None:
+        """torch.cuda.max_memory_allocated of this rank's device since it started; None on a CPU rank."""
+        import torch
+
+        device = self.trainer.device
+        return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
     def save_pretrained(self, directory: str) -> None:
         self.trainer.save_pretrained(directory)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.trainer.state_dict()
+    def save_trainer_state(self, path: str) -> None:
+        """Rank 0 writes the optimizer, scheduler, version and RNG state to `path`; sharded, every rank is called (the
+        optimizer state is gathered from the shards) and only rank 0 writes."""
+        import torch
+
+        state = self.trainer.state_dict()
+        if self.rank == 0:
+            torch.save(state, path)
 
 
 @dataclass(eq=False)
@@ -153,7 +174,7 @@ class RayTrainer:
         self.version = version
         self.lock = threading.RLock()  # held by each call, so a checkpoint's parts come from one moment
         self.lost: str | None = None  # the paragraph of the failure that stopped every rank
-        self._checkpoint = checkpoint
+        self.checkpoint = checkpoint
         self._cluster = RayCluster(cfg.ray, timeout_s=cfg.run.shutdown_timeout_s)
         self._placement = RolePlacement(cfg.ray.trainer, cfg.train.world_size, key="ray.trainer")
         self._ranks: list[_Rank] = []
@@ -176,7 +197,7 @@ class RayTrainer:
         ray = import_ray()
         rc = self.cfg.ray
         actor_class = ray.remote(TrainerRank)
-        checkpoint = str(self._checkpoint) if self._checkpoint is not None else None
+        checkpoint = str(self.checkpoint) if self.checkpoint is not None else None
         try:
             try:
                 await self._placement.reserve(rc.startup_timeout_s)
@@ -207,7 +228,7 @@ class RayTrainer:
             rank.pid, rank.node = pid, node
             if version != self.version:
                 raise TrainerRankError(f"{rank.describe(self.world_size)} loaded version {version}, the run expects {self.version}: "
-                                       f"the checkpoint {self._checkpoint} changed while the run started. Run the command again.")
+                                       f"the checkpoint {self.checkpoint} changed while the run started. Run the command again.")
 
     async def aclose(self) -> None:
         """Kill the ranks and let go of Ray. Bounded and idempotent."""
@@ -248,27 +269,55 @@ class RayTrainer:
                 return metrics_ref
 
             metrics = self._call(self._ranks, submit, f"training step {self.version}")
+            if publish:  # before the version: `generation_weights` reads both without the lock
+                self._weights = (self.version + 1, weights[0])
             self.version += 1
-            if publish:
-                self._weights = (self.version, weights[0])
             return metrics[0]
 
     def generation_weights(self) -> StoredWeights:
-        """Rank 0's weights, by reference (returns at once; the generators read them from the object store). After a
-        step due to be published they are already there (they came with the step, so a rank's death shows there)."""
+        """Rank 0's weights, by reference (the generators read them from the object store). After a step due to be
+        published they are already there and this returns at once (they came with the step, so a rank's death shows
+        there). At any other version (a start's cold sync) the ranks are asked as a step asks them: blocking (call it
+        off the event loop), bounded by ray.trainer_timeout_s, a rank that dies, raises or hangs named; the weights
+        are in the store when it returns."""
         self._raise_if_lost()
         version, ref = self._weights
-        if version != self.version:  # sharded: every rank takes part in the gather (bounded by the process group's timeout)
-            ref = [rank.handle.generation_weights.remote() for rank in self._answering][0]
-        return StoredWeights(ref, timeout_s=self.cfg.ray.trainer_timeout_s)
+        if version == self.version:  # the step's own: no lock, so a checkpoint being written never blocks it
+            return StoredWeights(ref, timeout_s=self.cfg.ray.trainer_timeout_s)
+        with self.lock:
+            if self._weights[0] != self.version:
+                self._weights = (self.version, self._gather_weights())
+            return StoredWeights(self._weights[1], timeout_s=self.cfg.ray.trainer_timeout_s)
+
+    def _gather_weights(self) -> Any:
+        """The reference of rank 0's weights at the current version, put into the store by the ranks that answer for them
+        (rank 0; sharded, every rank: the gather is a collective)."""
+        stored: list[Any] = []
+
+        def submit(rank: _Rank) -> Any:
+            version_ref, weights_ref = rank.handle.generation_weights.options(num_returns=2).remote()
+            if rank.index == 0:
+                stored.append(weights_ref)
+            return version_ref
+
+        self._call(self._answering, submit, f"gathering the weights of version {self.version} for the generators")
+        return stored[0]
 
     def save_pretrained(self, directory: Any) -> None:
         with self.lock:
             self._call(self._answering, lambda r: r.handle.save_pretrained.remote(str(directory)), "writing a checkpoint's weights")
 
-    def state_dict(self) -> dict[str, Any]:
+    def save_trainer_state(self, path: Any) -> None:
+        """Rank 0 writes the checkpoint's trainer state to `path` itself: the optimizer state never goes through the
+        object store or this process."""
         with self.lock:
-            return self._call(self._answering, lambda r: r.handle.state_dict.remote(), "reading its optimizer state")[0]
+            self._call(self._answering, lambda r: r.handle.save_trainer_state.remote(str(path)), "writing a checkpoint's optimizer state")
+
+    def peak_memory_bytes(self) -> list[int | None]:
+        """Each rank's peak GPU memory (torch.cuda.max_memory_allocated; None on a CPU rank), in rank order; bounded
+        and naming a failed rank as any call (bench/gpu_smoke.sh's per-rank column)."""
+        with self.lock:
+            return self._call(self._ranks, lambda r: r.handle.peak_memory_bytes.remote(), "reading its peak GPU memory")
 
     @property
     def _sharded(self) -> bool:

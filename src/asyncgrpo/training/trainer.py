@@ -63,6 +63,7 @@ import inspect
 import math
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -243,6 +244,10 @@ class TorchTrainer:
                 "rng": rng,
                 **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {}),
             }
+
+    def save_trainer_state(self, path: Path) -> None:
+        """Write `state_dict()` to `path` (a checkpoint's trainer_state.pt)."""
+        torch.save(self.state_dict(), path)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.lock:

@@ -4,6 +4,9 @@
   or `runtime: ray` actors), or drives HTTP servers that load them from `generation.http.weights_dir`; its
   version is the trainer's (a resumed run's checkpoint step).
 - The ranks are built, not started: `train` starts them first and closes them last (they own a local Ray cluster).
+  With them, this process holds no trainer (no float32 weights, KL reference or optimizer state): the generators'
+  first copy is read as the ranks read their weights (model.path, then the checkpoint's merged weights on resume),
+  straight into the serving dtype.
 """
 
 from __future__ import annotations
@@ -42,20 +45,28 @@ def real_generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> 
     return LocalEngine(served, tokenizer, max_batch_size=local.max_batch_size, version=trainer.version)
 
 
-def trainer_ranks(cfg: Config, plan: ResumePlan, tokenizer: Any, version: int) -> RayTrainer | None:
-    """The data-parallel trainer on Ray (train.world_size > 1; not started), or None: the trainer runs in this process."""
-    if cfg.train.world_size == 1:
-        return None
-    return RayTrainer(cfg, tokenizer, checkpoint=plan.checkpoint, version=version)
+def trainer_ranks(cfg: Config, plan: ResumePlan, tokenizer: Any) -> RayTrainer:
+    """The data-parallel trainer on Ray (train.world_size > 1; not started) at the version of the checkpoint it resumes."""
+    return RayTrainer(cfg, tokenizer, checkpoint=plan.checkpoint, version=int(plan.state.get("version", 0)))
 
 
 def serving_model(cfg: Config, trainer: Any, device: str) -> Any:
     """The generators' own copy of the trainer's (merged) weights, in the serving dtype `model.dtype`, on `device`
-    (`auto`: the trainer's). Built without a float32 intermediate."""
+    (`auto`: the trainer's). Built without a float32 intermediate, except for the ranks (see the module docstring):
+    a model read at float32, as they read it, and dropped once copied."""
     import torch
 
     from asyncgrpo.generation.local import serving_copy
     from asyncgrpo.models.device import resolve_device
 
+    dtype = getattr(torch, cfg.model.dtype)
     target = trainer.device if device == "auto" else resolve_device(device, key="generation.local.device")
-    return serving_copy(trainer.base_model, trainer.generation_weights(), dtype=getattr(torch, cfg.model.dtype), device=target)
+    if isinstance(trainer, RayTrainer):
+        from asyncgrpo.models.loading import load_model_and_tokenizer
+        from asyncgrpo.training.checkpoint import load_weights
+
+        model, _ = load_model_and_tokenizer(cfg.model.path, "float32", cfg.run.seed)
+        if trainer.checkpoint is not None:
+            load_weights(trainer.checkpoint, model)
+        return serving_copy(model, model.state_dict(), dtype=dtype, device=target)
+    return serving_copy(trainer.base_model, trainer.generation_weights(), dtype=dtype, device=target)
