@@ -1,7 +1,8 @@
 """`asyncgrpo train ... runtime=ray generation.backend=http generation.http.launch.count=2` as a real process: the run
 starts two `asyncgrpo serve` servers (builtin:tiny) as Ray actors on a local cluster and trains through them; a server
 killed mid-run is restarted on the same port and given the current weights before it takes work; killed again with its
-restarts spent, it stays down and the run trains on with the other, then stops cleanly on SIGTERM. No server process
+restarts spent, it stays down and the run trains on with the other, then stops cleanly on SIGTERM (or completes its
+100 steps). No server process
 and no process of the Ray cluster survives the run (checked by pid). The test follows the run's stderr (no sleeping;
 a restarted server's process is looked up with a bounded wait, as it is an external process).
 """
@@ -21,7 +22,7 @@ from tests.integration.train_process import read_until, start_train
 LAUNCH = ("runtime=ray", "ray.num_cpus=2", "generation.backend=http", "generation.http.launch.count=2",
           "generation.http.launch.num_cpus=0.5", "generation.http.launch.max_restarts=1", "generation.http.launch.start_timeout_s=120",
           "rollout.groups_per_step=2", "rollout.group_size=4", "eval.every_steps=0", "checkpoint.every_steps=0",
-          "train.max_steps=400", "run.shutdown_timeout_s=60", "generation.health_probe_interval_s=0.5")
+          "train.max_steps=100", "run.shutdown_timeout_s=60", "generation.health_probe_interval_s=0.5")
 
 
 def line_with(proc: subprocess.Popen[str], text: str) -> str:
@@ -61,9 +62,13 @@ def test_launched_servers_train_a_killed_one_restarts_with_the_current_weights_t
         os.kill(second, signal.SIGKILL)
         down = line_with(proc, "warning: launched server server-0 ")
         assert "stays down" in down and "the run goes on with the other servers" in down, down
-        assert read_until(proc, "step ") and read_until(proc, "step "), "the run did not train on with the other server"
-        proc.send_signal(signal.SIGTERM)
+        trained_on = read_until(proc, "step ")  # a progress line every 10 steps
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         rest = proc.stderr.read()
-        assert proc.wait(timeout=120) == 143, rest
-    assert "interrupted by SIGTERM" in rest and "Traceback" not in rest
+        code = proc.wait(timeout=120)
+    assert trained_on or "completed 100 steps" in rest, f"the run did not train on with the other server: {rest}"
+    # stopped by SIGTERM (exit 143, as in the local runtime), or done already if it trained the last steps meanwhile
+    assert (code, "interrupted by SIGTERM" in rest) == (143, True) or (code, "completed 100 steps" in rest) == (0, True), rest
+    assert "Traceback" not in rest
     assert still_running([first, second, other], grace_s=5.0) == []
