@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sys
 import urllib.request
@@ -65,7 +66,7 @@ def test_a_server_that_never_answers_is_killed_with_its_process_group_at_the_dea
     answer = asyncio.run(server.start())
     assert isinstance(answer, LaunchFailure)
     assert "did not answer GET /health within generation.http.launch.start_timeout_s = 1 s" in answer.message
-    child = int(answer.message.split("child ")[1].split()[0])  # from the log's tail
+    child = int(re.search(r"child (\d+)", answer.message).group(1))  # from the log's tail
     assert server._proc is not None and server._proc.returncode is not None
     assert still_running([child], grace_s=5.0) == []
 

@@ -103,7 +103,7 @@ class ServerLauncher:
             raise BackendDeadError(self._placement_problem(ray), backend="http") from None
         failures = [answer for answer in answers if isinstance(answer, LaunchFailure)]
         if failures:
-            message = "\n".join(failure.message for failure in failures)
+            message = " ".join(failure.message for failure in failures)
             if any(failure.kind == "config" for failure in failures):
                 raise ConfigError(message)
             raise BackendDeadError(message, backend="http")

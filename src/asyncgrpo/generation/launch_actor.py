@@ -173,7 +173,7 @@ class ServerActor:
         await self._kill_group(proc)  # the whole group: a dead leader may leave workers
         return LaunchFailure("start", (
             f"server {self.spec.name} ({' '.join(self._argv())}) on {self.url} {why}. Its log ({self.log_path}) ends "
-            f"with:\n{log_tail(self.log_path) or '(empty)'}\nFix: see the log for why (a model it cannot load, too little "
+            f"with: {' | '.join(log_tail(self.log_path).splitlines()) or '(empty)'}. Fix: see the log for why (a model it cannot load, too little "
             f"memory, an argument it refuses: generation.http.launch.args), or raise "
             f"generation.http.launch.start_timeout_s if it is merely slow to start."))
 
