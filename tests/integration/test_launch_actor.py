@@ -33,7 +33,7 @@ DEAF = "import subprocess, time; print('child', subprocess.Popen(['sleep', '60']
 
 
 def actor(tmp_path: Path, command: tuple[str, ...], *, start_timeout_s: float = 30.0, max_restarts: int = 1) -> ServerActor:
-    spec = LaunchSpec(name="server-0", command=command, model="builtin:tiny", args=(), env=(("STAND_IN", "1"),),
+    spec = LaunchSpec(name="server-0", command=command, model_args=("builtin:tiny",), args=(), env=(("STAND_IN", "1"),),
                       log_dir=str(tmp_path / "servers"), start_timeout_s=start_timeout_s, max_restarts=max_restarts)
     return ServerActor(spec, host="127.0.0.1")
 

@@ -50,8 +50,9 @@ def test_each_actor_runs_the_engines_command_with_the_model_then_the_args(tmp_pa
     specs = launch_specs(cfg, tmp_path)
     assert [s.name for s in specs] == ["server-0", "server-1"]
     assert specs[0].command == (sys.executable, "-m", "asyncgrpo.commands.cli", "serve")
-    assert specs[0].model == cfg.model.path and specs[0].args == ("--max-batch-size", "8") and specs[0].env == (("A", "b"),)
+    assert specs[0].model_args == (cfg.model.path,) and specs[0].args == ("--max-batch-size", "8") and specs[0].env == (("A", "b"),)
     vllm = load_config(None, [*LAUNCH, "generation.http.launch.engine=vllm"])
     assert launch_specs(vllm, tmp_path)[0].command == ("vllm", "serve")
+    assert launch_specs(vllm, tmp_path)[0].model_args == ("--model", cfg.model.path)  # also what vLLM's api_server takes
     own = load_config(None, [*LAUNCH, "generation.http.launch.command=[/opt/v/bin/vllm, serve]"])
     assert launch_specs(own, tmp_path)[1].command == ("/opt/v/bin/vllm", "serve")

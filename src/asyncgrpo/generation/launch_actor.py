@@ -48,11 +48,11 @@ _PR_SET_PDEATHSIG = 1
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """What one server actor runs: `command` + model + --host/--port + `args`, with `env` added to the environment."""
+    """What one server actor runs: `command` + `model_args` + --host/--port + `args`, with `env` added to the environment."""
 
     name: str
     command: tuple[str, ...]
-    model: str
+    model_args: tuple[str, ...]  # (MODEL,) for asyncgrpo serve; (--model, MODEL) for vLLM (`vllm serve` and its api_server)
     args: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     log_dir: str
@@ -127,7 +127,7 @@ class ServerActor:
         self._signal = StateSignal()
 
     def _argv(self) -> list[str]:
-        return [*self.spec.command, self.spec.model, "--host", self.host, "--port", str(self.port), *self.spec.args]
+        return [*self.spec.command, *self.spec.model_args, "--host", self.host, "--port", str(self.port), *self.spec.args]
 
     async def start(self) -> str | LaunchFailure:
         """Start the server and wait until it answers /health; its URL, or why not."""
