@@ -54,7 +54,7 @@ def test_launched_servers_train_a_killed_one_restarts_with_the_current_weights_t
         assert first is not None and other is not None, processes_of(ray_tmpdir)
         os.kill(first, signal.SIGKILL)
         restarted = line_with(proc, "warning: launched server server-0 ")
-        assert "restarted on the same port (0 restarts left)" in restarted, restarted
+        assert "restarting it on the same port (0 restarts left)" in restarted, restarted
         back = line_with(proc, f"server {urls[0]} is healthy again (serving version ")
         assert int(back.split("(serving version ")[1].split(")")[0]) >= 1, back  # the current weights, not the initial ones
         second = wait_until(lambda: server_pid(ray_tmpdir, port), 30.0, "the restarted server's process")

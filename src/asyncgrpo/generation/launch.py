@@ -67,10 +67,9 @@ class ServerLauncher:
         self.specs = launch_specs(cfg, log_dir)
         self._cluster = RayCluster(cfg.ray, timeout_s=cfg.run.shutdown_timeout_s)
         self._placement = RolePlacement(launch, launch.count, key="generation.http.launch")
-        self.handles: list[Any] = []  # the actors' Ray handles, in order (tests read their pids)
+        self.handles: list[Any] = []  # the actors' Ray handles, in order
         self.urls: list[str] = []
         self._watchers: list[asyncio.Task] = []
-        self.counters = {"server_exits": 0, "server_restarts": 0, "servers_lost": 0}
 
     async def start(self) -> list[str]:
         """Start every server and wait until each answers /health; their URLs, in order."""
@@ -138,22 +137,18 @@ class ServerLauncher:
             try:
                 exit_: ServerExit | None = await handle.exited.remote(seen)
             except ray.exceptions.RayError as exc:
-                self.counters["servers_lost"] += 1
                 log.warning("warning: the actor of launched server %s (%s) died (%s); its server is gone and the run goes "
                             "on with the other servers", spec.name, url, type(exc).__name__)
                 return
             if exit_ is None:
                 return
             seen = exit_.count
-            self.counters["server_exits"] += 1
             tail = exit_.log_tail.splitlines()[-3:]
             if exit_.restarted:
-                self.counters["server_restarts"] += 1
-                log.warning("warning: launched server %s (%s) exited with code %s; restarted on the same port (%d restarts "
+                log.warning("warning: launched server %s (%s) exited with code %s; restarting it on the same port (%d restarts "
                             "left); it gets the current weights before it takes work. Its log ended with: %s",
                             spec.name, url, exit_.code, exit_.restarts_left, " | ".join(tail))
             else:
-                self.counters["servers_lost"] += 1
                 log.warning("warning: launched server %s (%s) exited with code %s and stays down "
                             "(generation.http.launch.max_restarts = %d spent, or it did not come back); the run goes on "
                             "with the other servers. Its log ended with: %s", spec.name, url, exit_.code,
@@ -203,9 +198,6 @@ class LaunchedHttpGenerator:
     @property
     def serving_version(self) -> int:
         return self.http.serving_version if self.http is not None else self._initial_version
-
-    def stats(self) -> dict[str, Any]:
-        return {**(self.http.stats() if self.http is not None else {}), **self.launcher.counters}
 
     async def start(self) -> None:
         if self._closed:
