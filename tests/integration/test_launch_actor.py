@@ -9,6 +9,7 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -104,3 +105,30 @@ def test_stop_ends_the_servers_whole_process_group(tmp_path):
 
     pids = asyncio.run(scenario())
     assert len(pids) == 1 and still_running(pids, grace_s=5.0) == []
+
+
+OWNER = """
+import asyncio, sys
+from asyncgrpo.generation.launch_actor import LaunchSpec, ServerActor
+
+async def main():
+    spec = LaunchSpec(name="server-0", command=(sys.executable, "-c", sys.argv[1]), model_args=("builtin:tiny",), args=(),
+                      env=(("STAND_IN", "1"),), log_dir=sys.argv[2], start_timeout_s=30.0, max_restarts=0)
+    server = ServerActor(spec, host="127.0.0.1")
+    assert isinstance(await server.start(), str)
+    print((await server.pids())[0], flush=True)
+    await asyncio.get_running_loop().create_future()  # until killed, as an actor is by ray.kill
+
+asyncio.run(main())
+"""
+
+
+def test_a_server_dies_with_the_actor_process_that_owns_it(tmp_path):
+    """What `ray.kill` of an actor does: SIGKILL of its process, which cannot stop its server; the server goes too."""
+    with subprocess.Popen([sys.executable, "-c", OWNER, STAND_IN, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}) as owner:
+        assert owner.stdout is not None
+        line = owner.stdout.readline()
+        owner.kill()
+    assert line.strip().isdigit(), f"the owner did not start its server (exit {owner.returncode})"
+    assert still_running([int(line)], grace_s=10.0) == []
