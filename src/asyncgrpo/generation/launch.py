@@ -1,0 +1,237 @@
+"""Servers the run starts itself: `generation.http.launch` under `runtime: ray`.
+
+Job: `ServerLauncher` starts `launch.count` server actors (launch_actor.py) on the Ray cluster, in one
+placement group when `launch.placement` asks for it, waits until every server answers /health, hands
+back their URLs, reports each server's exit while the run goes on, and stops them all at the end.
+`LaunchedHttpGenerator` is the `Generator` over them: the ordinary `HttpGenerator` (generation/http.py)
+over `generation.http.base_urls` plus the launched URLs, so weight sync, health probes, failover and
+resume apply unchanged.
+
+Invariants:
+- Start-up is bounded: the cluster by `ray.startup_timeout_s` (ray_cluster.py), the placement group by
+  the same, each server by `launch.start_timeout_s` (the actor races /health against the process's exit).
+  A server that does not come up fails the start with one paragraph naming it, its command, its log's
+  last lines and the fix (`BackendDeadError`; a program missing on its node: `ConfigError`); every
+  actor started so far is stopped first.
+- A server that exits mid-run is restarted on the same port by its actor (up to `launch.max_restarts`),
+  which the log says; the HTTP pool marks it unhealthy meanwhile and installs the current weights
+  before it takes work again. Past its restarts, or when its actor dies, it stays down, the log says
+  the run goes on with the others, and a pool with no server left fails as any HTTP pool does
+  (`BackendDeadError` after `generation.backend_dead_after_s`).
+- `aclose()` (bounded, idempotent) stops each server's process group through its actor, kills the
+  actors, releases the placement group and lets go of Ray; no server process outlives the run (an
+  actor killed before it could stop its server takes it along: PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.config import Config
+from asyncgrpo.errors import BackendDeadError, ConfigError, GenerationError
+from asyncgrpo.generation.http import HttpGenerator
+from asyncgrpo.generation.launch_actor import LaunchFailure, LaunchSpec, ServerActor, ServerExit, default_command
+from asyncgrpo.generation.ray_cluster import RayCluster, import_ray
+from asyncgrpo.generation.ray_placement import RolePlacement
+from asyncgrpo.threads import run_in_daemon_thread
+from asyncgrpo.types import Completion, GenerationRequest
+
+log = logging.getLogger("asyncgrpo")
+
+_STOP_TIMEOUT_S = 30.0  # each actor's stop: its server's SIGTERM grace (10 s) and more
+
+
+def launch_specs(cfg: Config, log_dir: Path) -> list[LaunchSpec]:
+    """What each of the `launch.count` actors runs (named server-0, server-1, ...)."""
+    launch = cfg.generation.http.launch
+    assert launch is not None
+    command = tuple(launch.command) if launch.command else default_command(launch.engine)
+    model_args = (cfg.model.path,) if launch.engine == "serve" else ("--model", cfg.model.path)
+    return [LaunchSpec(name=f"server-{index}", command=command, model_args=model_args, args=tuple(launch.args),
+                       env=tuple(sorted(launch.env.items())), log_dir=str(log_dir), start_timeout_s=launch.start_timeout_s,
+                       max_restarts=launch.max_restarts) for index in range(launch.count)]
+
+
+class ServerLauncher:
+    """The launched servers of one run; see the module docstring. `log_dir`: where each server's log goes."""
+
+    def __init__(self, cfg: Config, log_dir: Path) -> None:
+        launch = cfg.generation.http.launch
+        if launch is None:
+            raise ValueError("ServerLauncher needs generation.http.launch")
+        self.cfg, self.launch = cfg, launch
+        self.specs = launch_specs(cfg, log_dir)
+        self._cluster = RayCluster(cfg.ray, timeout_s=cfg.run.shutdown_timeout_s)
+        self._placement = RolePlacement(launch, launch.count, key="generation.http.launch")
+        self.handles: list[Any] = []  # the actors' Ray handles, in order
+        self.urls: list[str] = []
+        self._watchers: list[asyncio.Task] = []
+
+    async def start(self) -> list[str]:
+        """Start every server and wait until each answers /health; their URLs, in order."""
+        await self._cluster.connect()
+        try:
+            await self._start_actors()
+        except BaseException:
+            await self.aclose()
+            raise
+        self._watchers = [asyncio.create_task(self._watch(spec, handle, url), name=f"{spec.name}-watch")
+                          for spec, handle, url in zip(self.specs, self.handles, self.urls, strict=True)]
+        log.info("launched %d generation servers: %s", len(self.urls), ", ".join(self.urls))
+        return self.urls
+
+    async def _start_actors(self) -> None:
+        ray = import_ray()
+        launch, timeout_s = self.launch, self.cfg.ray.startup_timeout_s
+        try:
+            await self._placement.reserve(timeout_s)
+        except TimeoutError:
+            raise BackendDeadError(self._placement_problem(ray), backend="http") from None
+        actor_class = ray.remote(ServerActor)
+        options = {"num_cpus": launch.num_cpus, "num_gpus": launch.num_gpus, "max_restarts": 0, "max_task_retries": 0}
+        self.handles = [actor_class.options(**options, **self._placement.options(index)).remote(spec)
+                        for index, spec in enumerate(self.specs)]
+        try:  # placement of the actors, then each server's own start (bounded by the actor: start_timeout_s)
+            async with asyncio.timeout(timeout_s + launch.start_timeout_s):
+                answers = await asyncio.gather(*(self._started(spec, handle) for spec, handle in zip(self.specs, self.handles,
+                                                                                                    strict=True)))
+        except TimeoutError:
+            raise BackendDeadError(self._placement_problem(ray), backend="http") from None
+        failures = [answer for answer in answers if isinstance(answer, LaunchFailure)]
+        if failures:
+            message = " ".join(failure.message for failure in failures)
+            if any(failure.kind == "config" for failure in failures):
+                raise ConfigError(message)
+            raise BackendDeadError(message, backend="http")
+        self.urls = [str(answer) for answer in answers]
+
+    async def _started(self, spec: LaunchSpec, handle: Any) -> str | LaunchFailure:
+        ray = import_ray()
+        try:
+            answer: str | LaunchFailure = await handle.start.remote()
+        except ray.exceptions.RayError as exc:
+            return LaunchFailure("start", f"server {spec.name}: its actor failed to start: {type(exc).__name__}: {exc}")
+        return answer
+
+    def _placement_problem(self, ray: Any) -> str:
+        launch = self.launch
+        try:
+            available = ray.available_resources()
+        except Exception as exc:  # noqa: BLE001 - only for the message
+            available = f"unknown ({exc})"
+        return (f"the {launch.count} server actors of generation.http.launch were not all placed and started within "
+                f"ray.startup_timeout_s + generation.http.launch.start_timeout_s = {self.cfg.ray.startup_timeout_s:g} + "
+                f"{launch.start_timeout_s:g} s. Each asks for num_cpus = {launch.num_cpus:g} and num_gpus = "
+                f"{launch.num_gpus:g} ({self._placement.describe()}); the cluster has free: {available}. Fix: lower "
+                f"generation.http.launch.count or its num_cpus/num_gpus, or give the cluster more nodes.")
+
+    async def _watch(self, spec: LaunchSpec, handle: Any, url: str) -> None:
+        """Report each exit of the server while the run goes on (its actor restarts it), and its actor's death."""
+        ray = import_ray()
+        seen = 0
+        while True:
+            try:
+                exit_: ServerExit | None = await handle.exited.remote(seen)
+            except ray.exceptions.RayError as exc:
+                log.warning("warning: the actor of launched server %s (%s) died (%s); its server is gone and the run goes "
+                            "on with the other servers", spec.name, url, type(exc).__name__)
+                return
+            if exit_ is None:
+                return
+            seen = exit_.count
+            tail = exit_.log_tail.splitlines()[-3:]
+            if exit_.restarted:
+                log.warning("warning: launched server %s (%s) exited with code %s; restarting it on the same port (%d restarts "
+                            "left); it gets the current weights before it takes work. Its log ended with: %s",
+                            spec.name, url, exit_.code, exit_.restarts_left, " | ".join(tail))
+            else:
+                log.warning("warning: launched server %s (%s) exited with code %s and stays down "
+                            "(generation.http.launch.max_restarts = %d spent, or it did not come back); the run goes on "
+                            "with the other servers. Its log ended with: %s", spec.name, url, exit_.code,
+                            self.launch.max_restarts, " | ".join(tail))
+                return
+
+    async def aclose(self) -> None:
+        """Stop every server and actor, release the placement group, let go of Ray. Bounded and idempotent."""
+        watchers, self._watchers = self._watchers, []
+        for task in watchers:
+            task.cancel()
+        if watchers:
+            await asyncio.wait(watchers)
+        handles, self.handles = self.handles, []
+        try:
+            if handles:
+                ray = import_ray()
+                try:
+                    async with asyncio.timeout(_STOP_TIMEOUT_S):
+                        await asyncio.gather(*(handle.stop.remote() for handle in handles), return_exceptions=True)
+                except TimeoutError:
+                    log.warning("warning: stopping the launched servers took over %g s; killing their actors, which "
+                                "takes the servers along", _STOP_TIMEOUT_S)
+                await run_in_daemon_thread(lambda: [ray.kill(handle, no_restart=True) for handle in handles],
+                                           name="asyncgrpo-ray-kill")
+        finally:
+            await self._placement.release()
+            await self._cluster.disconnect()
+
+
+class LaunchedHttpGenerator:
+    """`Generator` over the servers of `generation.http.base_urls` and those it launches; see the module docstring.
+
+    The `HttpGenerator` arguments are passed on; it is built in `start()`, once the URLs are known."""
+
+    def __init__(self, cfg: Config, *, log_dir: Path, weights_dir: Path, model_config: str | Path | Mapping[str, Any],
+                 initial_version: int = 0, name: str = "http") -> None:
+        self.name = name
+        self.cfg = cfg
+        self.launcher = ServerLauncher(cfg, log_dir)
+        self._http_args: dict[str, Any] = {"weights_dir": weights_dir, "model_config": model_config, "name": name,
+                                           "initial_version": initial_version}
+        self._initial_version = initial_version
+        self.http: HttpGenerator | None = None
+        self._closed = False
+
+    @property
+    def serving_version(self) -> int:
+        return self.http.serving_version if self.http is not None else self._initial_version
+
+    async def start(self) -> None:
+        if self._closed:
+            raise GenerationError(f"HTTP generator {self.name!r} is closed; create a new one.", backend=self.name)
+        if self.http is not None:
+            return
+        urls = await self.launcher.start()
+        generation = self.cfg.generation
+        listed = generation.http.model_copy(update={"base_urls": [*generation.http.base_urls, *urls]})
+        http = HttpGenerator(generation.model_copy(update={"http": listed}), **self._http_args)
+        try:
+            await http.start()
+        except BaseException:
+            await http.aclose()
+            await self.launcher.aclose()
+            raise
+        self.http = http
+
+    def _started(self) -> HttpGenerator:
+        if self.http is None:
+            raise GenerationError(f"HTTP generator {self.name!r} is not started: await start() first.", backend=self.name)
+        return self.http
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        return await self._started().generate(request)
+
+    async def load_weights(self, state: Mapping[str, Any] | None, version: int) -> None:
+        await self._started().load_weights(state, version)
+
+    async def aclose(self) -> None:
+        """Close the HTTP pool, then stop the servers (bounded, idempotent)."""
+        self._closed = True
+        try:
+            if self.http is not None:
+                await self.http.aclose()
+        finally:
+            await self.launcher.aclose()
