@@ -2,20 +2,25 @@
 
 The generator is test_agent_gateway's fake (it answers at once with a scripted text, or never); the agents are real processes:
 tests/command_agents.py (standard library only) and the example recipes/agent_command_calculator.py (the real openai client).
-Each test agent records its pid (its process group's id) in a folder, so a test can check that nothing of it is left.
+Each test agent records its process group's id in a folder, so a test can check that nothing of it is left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shlex
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from asyncgrpo.agents.command import kill_group
 from tests.component.test_agent_gateway import CODEC, TextGenerator, first_batch
+from tests.integration.servers import wait_until
 from tests.sim.fakes import make_collector, recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,3 +143,34 @@ def test_the_session_and_row_reach_the_program_in_its_environment_and_stdin(tmp_
     assert episode.env_reward == 1.0 and episode.info == ({"turns": 2},) and episode.turns == 2
     assert batch[0].prompt.text in set(recorded(tmp_path).values())  # the row's prompt, read from stdin
     assert all(not alive_in_group(pgid) for pgid in recorded(tmp_path))  # each agent's sleep died with it
+
+
+RUN = """
+import asyncio, sys
+from asyncgrpo.agents.command import run_command
+from asyncgrpo.environments.agent_spec import AgentCommand
+
+asyncio.run(run_command(AgentCommand(tuple(sys.argv[1:]), "agent-command:test"), "http://127.0.0.1:9/v1", "key", {"prompt": "q"}, grace_s=1.0,
+                        on_killed=print))
+"""
+
+
+def test_the_runs_death_kills_a_running_programs_whole_process_group(tmp_path):
+    # A run (here: a process playing one command agent's episode) is SIGKILLed while its agent waits, with a sleep it
+    # started in its group: the kernel must end both, though the run can do nothing about it.
+    run = subprocess.Popen([sys.executable, "-c", RUN, *shlex.split(program("waits", tmp_path))], cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        def started() -> int | None:
+            assert run.poll() is None, "the run ended before its agent started"
+            return next(iter(recorded(tmp_path)), None)
+
+        pgid = wait_until(started, 60.0, "the agent recording itself")
+        assert len(alive_in_group(pgid)) >= 2  # the agent and its sleep
+        run.kill()
+        run.wait(timeout=30)
+        wait_until(lambda: not alive_in_group(pgid), 30.0, f"the process group {pgid} ending: {alive_in_group(pgid)} alive")
+    finally:
+        run.kill()
+        for pgid in recorded(tmp_path):
+            kill_group(pgid, signal.SIGKILL)  # what a failed test left behind
