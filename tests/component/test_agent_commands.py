@@ -1,6 +1,6 @@
 """Agents that are programs (env.factory: agent-command:..., agents/command.py) in the collector, through the real gateway.
 
-The generator is test_agent_gateway's fake (it answers at once with a scripted text, or never); the agents are real processes:
+The generator is tests/agent_runs.py's fake (it answers at once with a scripted text, or never); the agents are real processes:
 tests/command_agents.py (standard library only) and the example recipes/agent_command_calculator.py (the real openai client).
 Each test agent records its process group's id in a folder, so a test can check that nothing of it is left.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo.agents.command import kill_group
-from tests.component.test_agent_gateway import CODEC, TextGenerator, first_batch
+from tests.agent_runs import CODEC, TextGenerator, first_batch, run_until, train_until_stale
 from tests.integration.servers import wait_until
 from tests.sim.fakes import make_collector, recipe
 
@@ -88,15 +88,7 @@ def test_a_programs_bad_endings_fail_the_rollout_counted_and_named(command, coun
     caplog.set_level(logging.WARNING, logger="asyncgrpo")
     command = program(command, tmp_path) if " " not in command else command
     collector = make_collector(command_recipe(command), TextGenerator())
-
-    async def run():
-        async with asyncio.timeout(60):
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(collector.run())
-                await collector._signal.wait_for(lambda: collector.counters[counter] >= 2)
-                collector.stop()
-
-    asyncio.run(run())
+    asyncio.run(run_until(collector, lambda: collector.counters[counter] >= 2))
     assert collector.counters["env/errors_total"] >= 2 and collector.counters["rollout/failed_total"] >= 2
     logged = [r.getMessage() for r in caplog.records if counter in r.getMessage()]
     assert len(logged) == 1 and f"agent-command:{command}" in logged[0] and words in logged[0], logged
@@ -110,21 +102,7 @@ def test_a_stale_groups_programs_are_killed_with_their_process_groups_and_nothin
     generator = TextGenerator(hang=lambda request: request.prompt_id == 1 and request.request_id.endswith("-t1"))
     cfg = command_recipe(program("stubborn", tmp_path), rollout={"max_requeues": 0}, inflight=4, cancel_grace_s=0.3)
     collector = make_collector(cfg, generator)
-
-    async def run():
-        async with asyncio.timeout(60):
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(collector.run())
-                step = 0
-                while collector.counters["rollout/stale_groups_total"] == 0:
-                    await collector.next_batch(step, 60.0)
-                    step += 1
-                    generator.version = step
-                    collector.step_trained()
-                    collector.weights_published()
-                collector.stop()
-
-    asyncio.run(run())
+    asyncio.run(train_until_stale(collector, generator))
     hung = [r for r in generator.requests if r.prompt_id == 1 and r.request_id.endswith("-t1")]
     assert len(hung) == 2 and generator.aborted >= 2  # the stale group's requests in flight were aborted
     agents = recorded(tmp_path)
