@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.agents.command import kill_group
+from asyncgrpo.agents.command import LAUNCHER, kill_group
 from tests.agent_runs import CODEC, TextGenerator, first_batch, run_until, train_until_stale
 from tests.integration.servers import wait_until
 from tests.sim.fakes import make_collector, recipe
@@ -152,3 +152,12 @@ def test_the_runs_death_kills_a_running_programs_whole_process_group(tmp_path):
         run.kill()
         for pgid in recorded(tmp_path):
             kill_group(pgid, signal.SIGKILL)  # what a failed test left behind
+
+
+def test_the_launcher_started_outside_a_group_of_its_own_refuses_and_signals_no_one():
+    # Its kill on the run's death is a kill of its group: as a mere member of a shell's group (the shell's parent is not
+    # the "run" it names) it would kill the shell. It must refuse instead, and the shell live on.
+    shell = f"{shlex.quote(sys.executable)} {shlex.quote(LAUNCHER)} 1 true; echo survived $?"
+    done = subprocess.run(["sh", "-c", shell], start_new_session=True, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "survived 1", done
+    assert "must lead a process group of its own" in done.stderr

@@ -10,7 +10,8 @@ handler sends SIGKILL to the group (this process included). A run that was gone 
 parent pid check, with the same ending. The run's own signals go to the whole group (agents/command.py): SIGTERM,
 the cancellation, is the command's to act on (this process waits for the command's exit), SIGKILL ends everyone.
 
-Invariants: the command runs with the signal dispositions the run gave this process (handlers reset by exec); its
+Invariants: it runs only as the leader of its own process group (else it exits 1 at once, signalling no one); the
+command runs with the signal dispositions the run gave this process (handlers reset by exec); its
 ending is this process's: the same exit status, or death by the same signal (a command that cannot be executed exits
 127, as a shell's "command not found"); standard library only and nothing of asyncgrpo imported, so it starts in a few
 tens of milliseconds; it outlives the command only until it has seen the command's exit.
@@ -33,6 +34,8 @@ def _kill_group(signum: int, frame: object) -> None:
 
 def main(argv: list[str]) -> None:
     run_pid, command = int(argv[1]), argv[2:]
+    if os.getpgrp() != os.getpid():  # the group it would kill is its caller's
+        sys.exit("launcher.py must lead a process group of its own (start it with start_new_session=True)")
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the command's to act on; a handler, so exec resets it
     signal.signal(signal.SIGHUP, _kill_group)
     if sys.platform.startswith("linux"):
