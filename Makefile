@@ -97,9 +97,9 @@ vllm-venv:
 vllm-venv-if-possible:
 	-scripts/setup_vllm_venv.sh
 
-# Optional: verifiers environments as agents (asyncgrpo[verifiers]) in their own venv (.venv-verifiers), and their test.
-# Not part of `make test`: the venv takes about 7 minutes to install (network, 2 shared cores), and verifiers cannot
-# join .venv as it is (pyproject.toml's verifiers extra says why).
+# Optional: verifiers environments as agents (asyncgrpo[verifiers]) in their own venv (.venv-verifiers), and their test,
+# with the OpenAI Agents SDK's (verifiers 0.3 brings openai-agents). Not part of `make test`: the venv takes about
+# 6 minutes to install (network, 2 shared cores), and verifiers cannot join .venv as it is (pyproject.toml says why).
 VERIFIERS_STAMP := .venv-verifiers/.installed
 
 $(VERIFIERS_STAMP): pyproject.toml requirements-cpu.txt
@@ -109,4 +109,4 @@ $(VERIFIERS_STAMP): pyproject.toml requirements-cpu.txt
 	touch $(VERIFIERS_STAMP)
 
 test-verifiers: $(VERIFIERS_STAMP)
-	.venv-verifiers/bin/python -m pytest -q tests/component/test_agent_verifiers.py $(ARGS)
+	.venv-verifiers/bin/python -m pytest -q tests/component/test_agent_verifiers.py tests/component/test_agent_frameworks.py $(ARGS)
