@@ -98,8 +98,8 @@ vllm-venv-if-possible:
 	-scripts/setup_vllm_venv.sh
 
 # Optional: verifiers environments as agents (asyncgrpo[verifiers]) in their own venv (.venv-verifiers), and their test,
-# with the OpenAI Agents SDK's (verifiers 0.3 brings openai-agents). Not part of `make test`: the venv takes about
-# 6 minutes to install (network, 2 shared cores), and verifiers cannot join .venv as it is (pyproject.toml says why).
+# with the OpenAI Agents SDK's (verifiers 0.3 brings openai-agents). Not part of `make test`: from scratch it took
+# 7.5 minutes (nearly all installing, from the network), and verifiers cannot join .venv as it is (pyproject.toml says why).
 VERIFIERS_STAMP := .venv-verifiers/.installed
 
 $(VERIFIERS_STAMP): pyproject.toml requirements-cpu.txt
