@@ -1,7 +1,9 @@
 """Agents for the gateway's tests (env.factory: agent:tests.agents:<name>), written against the real openai client.
 
 `CALLS` counts each agent's model calls that were answered; `REFUSED` collects the status codes of the calls the gateway refused;
-`STUBBORN_CALLS` counts the calls a stubborn agent makes after its cancellation; `release` lets stubborn agents end.
+`STUBBORN_CALLS` counts the calls a stubborn agent makes after its cancellation; `release` lets stubborn agents end;
+`MARKERS` lists the markers of the `takes_turns` agents' conversations, `one_at_a_time` makes their later turns wait for
+each other.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ STARTED: list[str] = []
 release = asyncio.Event()
 refused_four_times = asyncio.Event()  # set when stubborn agents have seen 4 errors or cancellations (replaced per test)
 CANCELLED: list[str] = []  # the prompts of the agents whose task was cancelled
+MARKERS: list[str] = []
+one_at_a_time = asyncio.Lock()
 
 
 def reset_all() -> None:
-    global refused_four_times
+    global refused_four_times, one_at_a_time
     refused_four_times = asyncio.Event()
+    one_at_a_time = asyncio.Lock()
+    MARKERS.clear()
     CALLS.clear()
     REFUSED.clear()
     STUBBORN_CALLS.clear()
@@ -147,3 +153,19 @@ async def tool_user(client: openai.AsyncOpenAI, row) -> float:
             arguments = json.loads(call.function.arguments)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": str(len(arguments.get("expression", "")))})
     return 0.0
+
+
+async def takes_turns(client: openai.AsyncOpenAI, row) -> float:
+    """Three calls in one conversation, marked " #<n>" (n: the agents started before it); the second and third are made
+    while no other `takes_turns` agent makes one (`one_at_a_time`), so each is alone at its server pool."""
+    marker = f" #{len(MARKERS)}"
+    MARKERS.append(marker)
+    messages = [{"role": "user", "content": _question(row) + marker}]
+    response = await client.chat.completions.create(model="policy", messages=messages)
+    CALLS["takes_turns/first"] += 1
+    async with one_at_a_time:
+        for _ in range(2):
+            messages += [{"role": "assistant", "content": response.choices[0].message.content}, {"role": "user", "content": "more"}]
+            response = await client.chat.completions.create(model="policy", messages=messages)
+    CALLS["takes_turns"] += 1
+    return 1.0

@@ -1,11 +1,12 @@
 """Command agents for the gateway's tests: `env.factory: agent-command:<python> tests/command_agents.py <mode> <dir>`.
 
 Standard library only (urllib; a process each episode, so they start fast). Each records itself in `<dir>` as a file named
-by its pid (its process group's id) holding its question, then starts `sleep 600` in its process group (what it leaves
+by its process group's id holding its question, then starts `sleep 600` in its process group (what it leaves
 behind must die with it). Modes:
 - two_turns: two model calls with a user message between them; prints {"reward": 1.0, "turns": 2};
 - no_reward: one model call, prints nothing; garbage: one model call, prints "done!";
-- stubborn: ignores SIGTERM (its sleep too) and, after a call fails, sleeps instead of exiting; else as two_turns.
+- stubborn: ignores SIGTERM (its sleep too) and, after a call fails, sleeps instead of exiting; else as two_turns;
+- waits: calls nothing, waits (until killed).
 """
 
 import json
@@ -31,8 +32,10 @@ def main(mode: str, record: str) -> None:
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     subprocess.Popen(["sleep", "600"])
-    with open(os.path.join(record, str(os.getpid())), "w") as file:
+    with open(os.path.join(record, str(os.getpgrp())), "w") as file:
         file.write(question)
+    if mode == "waits":
+        signal.pause()
     messages = [{"role": "user", "content": question}]
     try:
         first = chat(messages)

@@ -125,6 +125,17 @@ class TokenSink:
         return len(self.token_ids)
 
 
+class Affinity:
+    """A session's token: the requests that carry the same one go to the same server while it can take work (an agent
+    session's turns: generation/http.py). A backend keys what it remembers of it weakly: it is forgotten with the session.
+    `name` says whose it is (in log lines)."""
+
+    __slots__ = ("name", "__weakref__")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One completion request sent to a `Generator` (one rollout is one request).
@@ -133,7 +144,8 @@ class GenerationRequest:
     inject faults for given prompts. A resumed request (`rollout.on_stale: resume`) continues an
     interrupted rollout: the last `resumed_tokens` of `prompt_token_ids` are the rollout's own
     earlier tokens and `sampling.max_new_tokens` is the budget left; its completion is the
-    continuation only. `sink` (None: the caller does not resume) receives each generated token.
+    continuation only. `sink` (None: the caller does not resume) receives each generated token. `affinity` (None: any
+    server) is the session the request belongs to: a backend with several servers sends a session's requests to one.
     """
 
     request_id: str
@@ -143,6 +155,7 @@ class GenerationRequest:
     seed: int
     resumed_tokens: int = 0
     sink: TokenSink | None = field(default=None, compare=False, repr=False)
+    affinity: Affinity | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

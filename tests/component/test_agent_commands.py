@@ -1,21 +1,26 @@
 """Agents that are programs (env.factory: agent-command:..., agents/command.py) in the collector, through the real gateway.
 
-The generator is test_agent_gateway's fake (it answers at once with a scripted text, or never); the agents are real processes:
+The generator is tests/agent_runs.py's fake (it answers at once with a scripted text, or never); the agents are real processes:
 tests/command_agents.py (standard library only) and the example recipes/agent_command_calculator.py (the real openai client).
-Each test agent records its pid (its process group's id) in a folder, so a test can check that nothing of it is left.
+Each test agent records its process group's id in a folder, so a test can check that nothing of it is left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shlex
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.component.test_agent_gateway import CODEC, TextGenerator, first_batch
+from asyncgrpo.agents.command import LAUNCHER, kill_group
+from tests.agent_runs import CODEC, TextGenerator, first_batch, run_until, train_until_stale
+from tests.integration.servers import wait_until
 from tests.sim.fakes import make_collector, recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,15 +88,7 @@ def test_a_programs_bad_endings_fail_the_rollout_counted_and_named(command, coun
     caplog.set_level(logging.WARNING, logger="asyncgrpo")
     command = program(command, tmp_path) if " " not in command else command
     collector = make_collector(command_recipe(command), TextGenerator())
-
-    async def run():
-        async with asyncio.timeout(60):
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(collector.run())
-                await collector._signal.wait_for(lambda: collector.counters[counter] >= 2)
-                collector.stop()
-
-    asyncio.run(run())
+    asyncio.run(run_until(collector, lambda: collector.counters[counter] >= 2))
     assert collector.counters["env/errors_total"] >= 2 and collector.counters["rollout/failed_total"] >= 2
     logged = [r.getMessage() for r in caplog.records if counter in r.getMessage()]
     assert len(logged) == 1 and f"agent-command:{command}" in logged[0] and words in logged[0], logged
@@ -105,21 +102,7 @@ def test_a_stale_groups_programs_are_killed_with_their_process_groups_and_nothin
     generator = TextGenerator(hang=lambda request: request.prompt_id == 1 and request.request_id.endswith("-t1"))
     cfg = command_recipe(program("stubborn", tmp_path), rollout={"max_requeues": 0}, inflight=4, cancel_grace_s=0.3)
     collector = make_collector(cfg, generator)
-
-    async def run():
-        async with asyncio.timeout(60):
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(collector.run())
-                step = 0
-                while collector.counters["rollout/stale_groups_total"] == 0:
-                    await collector.next_batch(step, 60.0)
-                    step += 1
-                    generator.version = step
-                    collector.step_trained()
-                    collector.weights_published()
-                collector.stop()
-
-    asyncio.run(run())
+    asyncio.run(train_until_stale(collector, generator))
     hung = [r for r in generator.requests if r.prompt_id == 1 and r.request_id.endswith("-t1")]
     assert len(hung) == 2 and generator.aborted >= 2  # the stale group's requests in flight were aborted
     agents = recorded(tmp_path)
@@ -138,3 +121,43 @@ def test_the_session_and_row_reach_the_program_in_its_environment_and_stdin(tmp_
     assert episode.env_reward == 1.0 and episode.info == ({"turns": 2},) and episode.turns == 2
     assert batch[0].prompt.text in set(recorded(tmp_path).values())  # the row's prompt, read from stdin
     assert all(not alive_in_group(pgid) for pgid in recorded(tmp_path))  # each agent's sleep died with it
+
+
+RUN = """
+import asyncio, sys
+from asyncgrpo.agents.command import run_command
+from asyncgrpo.environments.agent_spec import AgentCommand
+
+asyncio.run(run_command(AgentCommand(tuple(sys.argv[1:]), "agent-command:test"), "http://127.0.0.1:9/v1", "key", {"prompt": "q"}, grace_s=1.0,
+                        on_killed=print))
+"""
+
+
+def test_the_runs_death_kills_a_running_programs_whole_process_group(tmp_path):
+    # A run (here: a process playing one command agent's episode) is SIGKILLed while its agent waits, with a sleep it
+    # started in its group: the kernel must end both, though the run can do nothing about it.
+    run = subprocess.Popen([sys.executable, "-c", RUN, *shlex.split(program("waits", tmp_path))], cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        def started() -> int | None:
+            assert run.poll() is None, "the run ended before its agent started"
+            return next(iter(recorded(tmp_path)), None)
+
+        pgid = wait_until(started, 60.0, "the agent recording itself")
+        assert len(alive_in_group(pgid)) >= 2  # the agent and its sleep
+        run.kill()
+        run.wait(timeout=30)
+        wait_until(lambda: not alive_in_group(pgid), 30.0, f"the process group {pgid} ending: {alive_in_group(pgid)} alive")
+    finally:
+        run.kill()
+        for pgid in recorded(tmp_path):
+            kill_group(pgid, signal.SIGKILL)  # what a failed test left behind
+
+
+def test_the_launcher_started_outside_a_group_of_its_own_refuses_and_signals_no_one():
+    # Its kill on the run's death is a kill of its group: as a mere member of a shell's group (the shell's parent is not
+    # the "run" it names) it would kill the shell. It must refuse instead, and the shell live on.
+    shell = f"{shlex.quote(sys.executable)} {shlex.quote(LAUNCHER)} 1 true; echo survived $?"
+    done = subprocess.run(["sh", "-c", shell], start_new_session=True, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "survived 1", done
+    assert "must lead a process group of its own" in done.stderr

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("agents", reason="the OpenAI Agents SDK (openai-agents) is not installed")
 
-from tests.component.test_agent_gateway import CODEC, TextGenerator, first_batch  # noqa: E402
+from tests.agent_runs import CODEC, TextGenerator, first_batch  # noqa: E402
 from tests.sim.fakes import recipe  # noqa: E402
 
 

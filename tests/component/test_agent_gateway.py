@@ -1,7 +1,7 @@
 """Agents through the gateway (agents/) in the collector, on a real event loop with the real openai client over 127.0.0.1.
 
-The generator is a fake that answers at once with a text the test scripts; episodes are tokenized one id per character
-(CharCodec, the simulator's codec), so the samples' ids can be checked against their text.
+The generator is a fake that answers at once with a text the test scripts (tests/agent_runs.py); episodes are tokenized
+one id per character (CharCodec, the simulator's codec), so the samples' ids can be checked against their text.
 """
 
 from __future__ import annotations
@@ -11,59 +11,9 @@ import logging
 
 import pytest
 
-from asyncgrpo.environments.conversation import CharCodec
-from asyncgrpo.types import Completion, GenerationRequest
 from tests import agents
+from tests.agent_runs import CODEC, TextGenerator, first_batch, run_until, train_until_stale
 from tests.sim.fakes import make_collector, recipe
-
-CODEC = CharCodec()
-
-
-class TextGenerator:
-    """Answers every request at once with `answer(request)`, encoded one id per character; one that `hang(request)` never."""
-
-    name = "text"
-
-    def __init__(self, answer=lambda request: "ok", hang=lambda request: False, hangs_awaited: int = 0) -> None:
-        self.answer = answer
-        self.hang = hang
-        self.hanging = 0
-        self.hangs_awaited = hangs_awaited
-        self.all_hanging = asyncio.Event()  # set once `hangs_awaited` requests hang at once
-        self.version = 0
-        self.requests: list[GenerationRequest] = []
-        self.aborted = 0
-
-    @property
-    def serving_version(self) -> int:
-        return self.version
-
-    async def start(self) -> None:
-        return None
-
-    async def aclose(self) -> None:
-        return None
-
-    async def load_weights(self, state, version: int) -> None:
-        self.version = version
-
-    async def generate(self, request: GenerationRequest) -> Completion:
-        self.requests.append(request)
-        if self.hang(request):
-            self.hanging += 1
-            if self.hanging == self.hangs_awaited:
-                self.all_hanging.set()
-            try:
-                await asyncio.get_running_loop().create_future()
-            except asyncio.CancelledError:
-                self.aborted += 1
-                raise
-            finally:
-                self.hanging -= 1
-        text = self.answer(request)
-        ids = CODEC.encode(text)
-        return Completion(token_ids=ids, logprobs=(-0.5,) * len(ids), versions=(self.version,) * len(ids), finish_reason="stop",
-                          dispatch_version=self.version, text=text)
 
 
 def agent_recipe(agent: str, *, rollout: dict | None = None, inflight: int = 4, **env: object):
@@ -80,16 +30,6 @@ def fresh_agents():
     agents.reset_all()
     yield
     agents.release.set()
-
-
-async def first_batch(cfg, generator):
-    collector = make_collector(cfg, generator)
-    async with asyncio.timeout(60):
-        async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(collector.run())
-            batch = await collector.next_batch(0, 60.0)
-            collector.stop()
-    return collector, batch
 
 
 def test_an_agent_episode_is_trained_on_the_sampled_ids_with_the_agents_additions_masked():
@@ -149,15 +89,7 @@ def test_an_unparseable_tool_call_is_returned_as_text_and_counted():
 def test_bad_endings_fail_the_rollout_counted_and_named(agent, counter, words, step_timeout_s, caplog):
     caplog.set_level(logging.WARNING, logger="asyncgrpo")
     collector = make_collector(agent_recipe(agent, step_timeout_s=step_timeout_s), TextGenerator())
-
-    async def run():
-        async with asyncio.timeout(60):
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(collector.run())
-                await collector._signal.wait_for(lambda: collector.counters[counter] >= 2)
-                collector.stop()
-
-    asyncio.run(run())
+    asyncio.run(run_until(collector, lambda: collector.counters[counter] >= 2))
     assert collector.counters["env/errors_total"] >= 2 and collector.counters["rollout/failed_total"] >= 2
     logged = [r.getMessage() for r in caplog.records if counter in r.getMessage()]
     assert len(logged) == 1 and f"agent:tests.agents:{agent}" in logged[0] and words in logged[0]
@@ -182,23 +114,7 @@ def test_a_stale_groups_agents_are_cancelled_with_their_request_in_flight_and_no
     # Prompt 1's agents reach their second call, whose generation never answers; steps go on until the group is stale.
     generator = TextGenerator(hang=lambda request: request.prompt_id == 1 and request.request_id.endswith("-t1"))
     collector = make_collector(agent_recipe("two_turns", rollout={"max_requeues": 0}), generator)
-
-    async def run():
-        async with asyncio.timeout(60):
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(collector.run())
-                step = 0
-                while collector.counters["rollout/stale_groups_total"] == 0:
-                    await collector.next_batch(step, 60.0)
-                    step += 1
-                    generator.version = step
-                    collector.step_trained()
-                    collector.weights_published()
-                stale_left = agent_tasks()
-                collector.stop()
-        return stale_left
-
-    asyncio.run(run())
+    asyncio.run(train_until_stale(collector, generator))
     hung = [r for r in generator.requests if r.prompt_id == 1 and r.request_id.endswith("-t1")]
     assert len(hung) == 2 and generator.aborted >= 2  # the stale group's requests in flight were aborted
     assert agents.CANCELLED.count("say d: ") == 2  # prompt 1's agents' tasks were cancelled (their calls in flight)

@@ -79,7 +79,7 @@ def completion(text: str) -> Completion:
 
 
 def session(**limits) -> Session:
-    return Session(CODEC, Limits(**{"max_turns": 3, "max_tokens": 200, "max_prompt_tokens": 100, "max_new_tokens": 16, **limits}), "agent:x")
+    return Session(CODEC, Limits(**{"max_turns": 3, "max_tokens": 200, "max_prompt_tokens": 100, "max_new_tokens": 16, **limits}), "agent:x", "s")
 
 
 def chat(*messages, tools=(), **body):
@@ -163,12 +163,12 @@ def test_tools_are_rendered_by_a_template_that_renders_them_and_refused_by_one_t
     from asyncgrpo.models.tiny import CHAT_TEMPLATE, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
-    plain = Session(TokenizerCodec(tokenizer), Limits(3, 200, 100, 16), "agent:x")
+    plain = Session(TokenizerCodec(tokenizer), Limits(3, 200, 100, 16), "agent:x", "s")
     with pytest.raises(Refused, match="does not render tools") as refused:
         plain.plan_chat(chat(USER, tools=[TOOL]))
     assert refused.value.reason == "unsupported" and plain.conversation is None
     tokenizer.chat_template = "{% for tool in tools or [] %}tool {{ tool['function']['name'] }}\n{% endfor %}" + CHAT_TEMPLATE
-    with_tools = Session(TokenizerCodec(tokenizer), Limits(3, 200, 100, 16), "agent:x")
+    with_tools = Session(TokenizerCodec(tokenizer), Limits(3, 200, 100, 16), "agent:x", "s")
     context, _ = with_tools.plan_chat(chat(USER, tools=[TOOL]))
     assert tokenizer.decode(context) == "tool calc\nuser: hi\nassistant: "
 

@@ -21,8 +21,9 @@ before the cancellation goes on.
 Invariants: nothing of the process group outlives `run_command`: when the command exits, whatever it
 started in its group is sent SIGKILL at once (no signal goes to the group after its leader's exit
 was seen, so a reused pid is never signalled), and on any other ending the group is killed before
-`run_command` returns or raises. The launcher ties the command's life to this process (`die_with_parent`:
-the kernel kills it if the run dies). Output is kept bounded (the last `STDOUT_TAIL` bytes of stdout,
+`run_command` returns or raises. The launcher (agents/launcher.py: the group's leader, the command its child) ties
+the group's life to this process: if the run dies, the kernel tells the launcher, which kills the group. Output is kept
+bounded (the last `STDOUT_TAIL` bytes of stdout,
 `STDERR_TAIL` of stderr). The wait for the exit has no deadline of its own: the episode's
 (`env.step_timeout_s` between model calls) cancels it.
 """
@@ -39,18 +40,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.agents.launcher import NOT_FOUND
 from asyncgrpo.environments.agent_spec import AgentCommand
 from asyncgrpo.worker_process import REAP_TIMEOUT_S, describe_exit
 
-_SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the asyncgrpo package, for the launcher
-NOT_FOUND = 127  # the shell's exit status for a command that cannot be found or executed
+LAUNCHER = str(Path(__file__).with_name("launcher.py"))  # run by path: argv[1] this process's pid, argv[2:] the command
 STDOUT_TAIL = 64 * 1024
 STDERR_TAIL = 2 * 1024
-# argv[1]: this process's pid; argv[2:]: the command. Dies with this process, then becomes the command (same pid and group).
-LAUNCHER = (f"import os, sys; sys.path.insert(0, {_SRC!r}); from asyncgrpo.worker_process import die_with_parent; "
-            "die_with_parent(int(sys.argv[1]))\n"
-            "try:\n    os.execvp(sys.argv[2], sys.argv[2:])\n"
-            "except OSError as error:\n    print(f'cannot execute {sys.argv[2]!r}: {error}', file=sys.stderr)\n    os._exit(127)")
 
 
 class AgentProcessError(Exception):
@@ -107,7 +103,7 @@ async def run_command(command: AgentCommand, base_url: str, key: str, row: Mappi
                                 "keep the dataset's columns JSON values (text, numbers, lists, dicts)") from None
     env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key}
     transport, pipes = await asyncio.get_running_loop().subprocess_exec(
-        _Pipes, sys.executable, "-c", LAUNCHER, str(os.getpid()), *command.argv, env=env, start_new_session=True,
+        _Pipes, sys.executable, LAUNCHER, str(os.getpid()), *command.argv, env=env, start_new_session=True,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         stdin = transport.get_pipe_transport(0)

@@ -3,9 +3,10 @@
 Job (`AgentEpisodes.play`): open a session (gateway.py), run `agent(client, row)` as a task of its
 own with an `openai.AsyncOpenAI` at the session's base URL (or, for `agent-command:`, the program
 as a process given the session's base URL and key: command.py, in a task of its own alike), answer the session's calls in order
-(each generated through the collector's retry policy, in this episode's task), and when the agent
-returns build the `Completion` from the session's conversation (session.py): the prompt of its first
-request, the model's ids as sampled, the agent's additions masked out of the loss.
+(each generated through the collector's retry policy, in this episode's task, every one carrying the session's
+`affinity`, so a backend with several servers answers them on one), and when the agent returns build the `Completion`
+from the session's conversation (session.py): the prompt of its first request, the model's ids as sampled, the agent's
+additions masked out of the loss.
 
 Endings (counters are the collector's; the first of each is logged in full, naming the agent):
 - the agent returns a number, None, or a dict whose "reward" is one (its other keys are the
@@ -82,7 +83,7 @@ class AgentEpisodes:
     async def play(self, prompt: Prompt, request: GenerationRequest, generate: Generate, on_progress: Callable[[], None]) -> Completion:
         inbox = await self.gateway.open()
         session = Session(self.codec, Limits(self.env.max_turns, self.env.max_tokens, self.max_prompt_tokens,
-                                             request.sampling.max_new_tokens), self.env.factory)
+                                             request.sampling.max_new_tokens), self.env.factory, request.request_id)
         client, work = self._launch(inbox, as_row(prompt, self.prompt_key), prompt)
         task = asyncio.get_running_loop().create_task(work, name=f"agent-{prompt.id}")
         task.add_done_callback(lambda _: inbox.calls.put_nowait(Call("done", None)))
@@ -162,7 +163,8 @@ class AgentEpisodes:
         assert conv is not None
         versions = conv.model_versions()
         turn_request = replace(request, request_id=f"{request.request_id}-t{session.turns}", prompt_token_ids=ids,
-                               sampling=replace(request.sampling, max_new_tokens=budget), seed=request.seed + session.turns)
+                               sampling=replace(request.sampling, max_new_tokens=budget), seed=request.seed + session.turns,
+                               affinity=session.affinity)
         completion = await generate(turn_request, min(versions) if versions else None)
         unparsed = session.unparsed_tool_calls
         turn = session.add_turn(completion)

@@ -30,7 +30,7 @@ from asyncgrpo.agents.toolcalls import ParsedTurn, parse_tool_calls
 from asyncgrpo.agents.wire import ChatRequest, Refused, TextRequest, assistant_message, comparable
 from asyncgrpo.environments.conversation import Codec, Conversation
 from asyncgrpo.environments.protocol import Message
-from asyncgrpo.types import Completion, Prompt
+from asyncgrpo.types import Affinity, Completion, Prompt
 
 
 @dataclass(frozen=True)
@@ -60,12 +60,13 @@ class ToolsCodec:
 
 
 class Session:
-    """The bookkeeping of one session (see the module docstring); `agent` names the agent in messages."""
+    """The bookkeeping of one session (see the module docstring); `agent` names the agent in messages, `name` the session."""
 
-    def __init__(self, codec: Codec, limits: Limits, agent: str) -> None:
+    def __init__(self, codec: Codec, limits: Limits, agent: str, name: str) -> None:
         self._codec = codec
         self.limits = limits
         self.agent = agent
+        self.affinity = Affinity(name)  # its turns' requests carry it: one server answers them all (generation/http.py)
         self.mode: str | None = None
         self.conversation: Conversation | None = None
         self.tools: tuple[dict[str, Any], ...] = ()

@@ -35,6 +35,12 @@ Invariants:
   answers again.
 - Lifecycle. `start()` checks ``/v1/models`` on every server (model name present), then starts the
   probe task, which `aclose()` cancels and awaits before it closes every connection.
+- Sessions. The requests of one session (the same `request.affinity`: an agent's turns, agents/episode.py) go to
+  the server its first request went to, whatever its load, so its growing prompt meets its own prefix in that
+  server's cache; a new session goes to the least-loaded server, so sessions spread. A session whose server cannot
+  take work (down, hung, failed its weight install) moves to the least-loaded usable server, from then on its own
+  (counted in `session_moves`): a turn's prompt is the whole conversation in ids, so any server continues it.
+  Pins are held weakly: a session's entry goes with its `Affinity`.
 - Versions. A completion's `versions` (and a streamed request's sink entries) are the version of its
   server when the request was dispatched (a request held by a paused server may finish under newer
   weights: the stamp is the conservative, older one). With LoRA adapters (weight_sync: lora) a request
@@ -72,7 +78,7 @@ from asyncgrpo.generation.http_weights import WeightInstaller
 from asyncgrpo.generation.pool_health import HUNG_AFTER
 from asyncgrpo.generation.publisher_choice import make_publisher
 from asyncgrpo.generation.weight_sync import WeightPublisher
-from asyncgrpo.types import Completion, GenerationRequest
+from asyncgrpo.types import Affinity, Completion, GenerationRequest
 
 log = logging.getLogger("asyncgrpo")
 
@@ -110,6 +116,8 @@ class HttpGenerator:
         # Per request (the collector reuses one request object for all of a rollout's attempts): how many
         # of its attempts timed out here. Entries go with the request.
         self._timeouts: weakref.WeakKeyDictionary[GenerationRequest, int] = weakref.WeakKeyDictionary()
+        self._pins: weakref.WeakKeyDictionary[Affinity, PooledServer] = weakref.WeakKeyDictionary()  # each session's server
+        self.counters["session_moves"] = 0
 
     # ------------------------------------------------------------------ views
 
@@ -184,7 +192,7 @@ class HttpGenerator:
         if request.sampling.max_new_tokens == 0 and request.resumed_tokens:
             # a resumed rollout whose prefix spent the budget: nothing to ask a server (base.py's contract)
             return Completion((), (), (), "length", self.serving_version)
-        server = await self._pool.acquire("generate")
+        server = await self._server_for(request)
         try:
             completion = await self._attempt(server, request)
         except PromptRejectedError:
@@ -195,6 +203,20 @@ class HttpGenerator:
         self._pool.health.answered(server.url, asyncio.get_running_loop().time())
         server.flapping = False
         return completion
+
+    async def _server_for(self, request: GenerationRequest) -> PooledServer:
+        """A usable server for `request`: its session's while that one is usable; else the least-loaded, which its session
+        (if any) is pinned to from then on."""
+        session = request.affinity
+        pinned = None if session is None else self._pins.get(session)
+        server = await self._pool.acquire("generate", prefer=pinned)
+        if session is not None and server is not pinned:
+            if pinned is not None:
+                self.counters["session_moves"] += 1
+                log.info("%s: session %s moved to %s: its server cannot take work (%s).", self.name, session.name, server.url,
+                         pinned.describe())
+            self._pins[session] = server
+        return server
 
     def _model_for(self, server: PooledServer) -> str | None:
         """The model a request to `server` names: the LoRA publisher's adapter of the version it holds, if any."""

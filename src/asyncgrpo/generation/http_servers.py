@@ -131,10 +131,13 @@ class ServerPool:
         version = self.index.lowest_version()
         return self.published_version if version is None else version
 
-    async def acquire(self, purpose: str) -> PooledServer:
-        """Wait until a server is usable; return the usable server with the fewest open requests (the first
-        listed among equals). Raises BackendDeadError once no server has been usable for backend_dead_after_s."""
+    async def acquire(self, purpose: str, prefer: PooledServer | None = None) -> PooledServer:
+        """Wait until a server is usable; return `prefer` if it is usable, else the usable server with the fewest open
+        requests (the first listed among equals). Raises BackendDeadError once no server has been usable for
+        backend_dead_after_s."""
         await self.wait(lambda: self.index.usable_count > 0, purpose)
+        if prefer is not None and prefer.usable:
+            return prefer
         server = self.index.least_loaded()
         assert server is not None
         return server
