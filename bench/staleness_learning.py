@@ -8,7 +8,8 @@ Everything else is the recipe's. For every run it prints the held-out curve (`ev
 against the tokens trained so far, and what the policy did with the tokens: generated, trained, wasted (thrown away as
 stale), masked (kept in the context, out of the loss: `resume`), stale groups and the widest version span of a
 trained rollout. Then the mean curve per policy over the seeds. Runs are sequential, one process each, in a scratch
-directory (`--keep DIR` keeps them); timing decides which groups go stale, so a rerun differs in detail.
+directory (`--keep DIR` keeps them, and a later call with the same DIR reads a run that finished all its steps there
+instead of training it again: add seeds to a table); timing decides which groups go stale, so a rerun differs in detail.
 
     python bench/staleness_learning.py [--seeds 0,1,2] [--steps 100] [--eval-every 25] [--over-admit 8]
 """
@@ -49,6 +50,12 @@ def train(run_dir: Path, overrides: list[str]) -> float:
     return time.monotonic() - started
 
 
+def finished(run_dir: Path, steps: int) -> bool:
+    """Has `run_dir` a run that trained all `steps` steps (a line per step in its metrics)?"""
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.is_file() and sum(1 for line in metrics.read_text().splitlines() if line.strip()) >= steps
+
+
 def summary(run_dir: Path, eval_every: int) -> dict[str, Any]:
     """The held-out curve [(steps trained, tokens trained, eval/reward_mean)] and the token books at the end of a finished
     run. Every line carries the newest evaluation's value: the baseline's (before any training) until the first
@@ -77,15 +84,15 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100, help="train.max_steps")
     parser.add_argument("--eval-every", type=int, default=25, help="eval.every_steps")
     parser.add_argument("--over-admit", type=int, default=8, help="rollout.over_admit_groups")
-    parser.add_argument("--keep", type=Path, default=None, help="write the runs here and keep them")
+    parser.add_argument("--keep", type=Path, default=None, help="write the runs here and keep them (finished ones are read, not rerun)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.steps < 1 or args.eval_every < 1 or args.over_admit < 0:
         raise SystemExit(f"--steps {args.steps} and --eval-every {args.eval_every} must be >= 1 and --over-admit "
                          f"{args.over_admit} >= 0")
     common = workload(args.steps, args.eval_every, args.over_admit)
-    print("| policy | seed | held-out eval/reward_mean after N steps (tokens trained by then) | generated tokens | trained | "
-          "wasted | masked | stale groups | version span | wall s |")
+    print("| policy | seed | held-out eval/reward_mean after N steps (tokens trained by then) | generated tokens | trained share | "
+          "wasted share | masked share | stale groups | version span | wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     results: dict[str, list[dict[str, Any]]] = {policy: [] for policy in POLICIES}
     with tempfile.TemporaryDirectory(prefix="staleness-learning-") as scratch:
@@ -93,12 +100,13 @@ def main() -> int:
         for seed in seeds:
             for policy, overrides in POLICIES.items():
                 run_dir = base / f"{policy}-seed{seed}"
-                wall = train(run_dir, [*common, f"run.seed={seed}", "run.overwrite=true", *overrides])
+                wall = None if finished(run_dir, args.steps) else train(run_dir, [*common, f"run.seed={seed}", "run.overwrite=true",
+                                                                                   *overrides])
                 s = summary(run_dir, args.eval_every)
                 results[policy].append(s)
                 g = s["generated"]
                 print(f"| {policy} | {seed} | {curve_text(s['curve'])} | {g} | {s['trained'] / g:.1%} | {s['wasted'] / g:.1%} | "
-                      f"{s['masked'] / g:.1%} | {s['stale_groups']} | {s['span']} | {wall:.0f} |", flush=True)
+                      f"{s['masked'] / g:.1%} | {s['stale_groups']} | {s['span']} | {'read' if wall is None else f'{wall:.0f}'} |", flush=True)
     for policy, runs in results.items():
         points = zip(*(r["curve"] for r in runs))
         mean = [(p[0][0], round(statistics.mean(t for _, t, _ in p)), statistics.mean(v for _, _, v in p)) for p in points]
