@@ -11,7 +11,7 @@ trained rollout. Then the mean curve per policy over the seeds. Runs are sequent
 directory (`--keep DIR` keeps them, and a later call with the same DIR reads a run that finished all its steps there
 instead of training it again: add seeds to a table); timing decides which groups go stale, so a rerun differs in detail.
 
-    python bench/staleness_learning.py [--seeds 0,1,2] [--steps 100] [--eval-every 25] [--over-admit 8]
+    python bench/staleness_learning.py [--seeds 0,1,2] [--steps 100] [--eval-every 25] [--over-admit 8] [--policies "patience;resume"]
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICIES = {"patience": ["rollout.on_stale=patience"], "resume": ["rollout.on_stale=resume"]}
+POLICIES = {
+    "patience": ["rollout.on_stale=patience"],
+    "resume": ["rollout.on_stale=resume"],
+    # a group with any token past the bound is stale as a whole: resume without training beside masked tokens
+    "resume, masked share 0": ["rollout.on_stale=resume", "rollout.max_masked_share=0"],
+}
 
 
 def workload(steps: int, eval_every: int, over_admit: int) -> list[str]:
@@ -84,9 +89,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100, help="train.max_steps")
     parser.add_argument("--eval-every", type=int, default=25, help="eval.every_steps")
     parser.add_argument("--over-admit", type=int, default=8, help="rollout.over_admit_groups")
+    parser.add_argument("--policies", default="patience;resume", help=f"semicolon-separated, of {list(POLICIES)}")
     parser.add_argument("--keep", type=Path, default=None, help="write the runs here and keep them (finished ones are read, not rerun)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    policies = [p.strip() for p in args.policies.split(";") if p.strip()]
+    if unknown := [p for p in policies if p not in POLICIES]:
+        raise SystemExit(f"--policies: unknown {unknown}; the policies are {list(POLICIES)}")
     if args.steps < 1 or args.eval_every < 1 or args.over_admit < 0:
         raise SystemExit(f"--steps {args.steps} and --eval-every {args.eval_every} must be >= 1 and --over-admit "
                          f"{args.over_admit} >= 0")
@@ -94,14 +103,14 @@ def main() -> int:
     print("| policy | seed | held-out eval/reward_mean after N steps (tokens trained by then) | generated tokens | trained share | "
           "wasted share | masked share | stale groups | version span | wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    results: dict[str, list[dict[str, Any]]] = {policy: [] for policy in POLICIES}
+    results: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
     with tempfile.TemporaryDirectory(prefix="staleness-learning-") as scratch:
         base = (args.keep or Path(scratch)).resolve()
         for seed in seeds:
-            for policy, overrides in POLICIES.items():
-                run_dir = base / f"{policy}-seed{seed}"
+            for policy in policies:
+                run_dir = base / f"{policy.replace(', ', '-').replace(' ', '-')}-seed{seed}"
                 wall = None if finished(run_dir, args.steps) else train(run_dir, [*common, f"run.seed={seed}", "run.overwrite=true",
-                                                                                   *overrides])
+                                                                                   *POLICIES[policy]])
                 s = summary(run_dir, args.eval_every)
                 results[policy].append(s)
                 g = s["generated"]
