@@ -33,7 +33,9 @@ class RolloutConfig(Section):
     max_masked_share: float = Field(
         0.5, ge=0, le=1,
         description="on_stale: resume: a group in which one rollout would have more than this share of its tokens masked as older "
-        "than the bound is stale as a whole (its prompt requeued, as requeue does).",
+        "than the bound is stale as a whole (its prompt requeued, as requeue does). Measured on the demo with stale groups "
+        "(docs/benchmarks.md, bench/staleness_learning.py): 0 learned as well as patience per trained token, 0.5 worse "
+        "(a rollout's masked first tokens can be the ones that decided its reward).",
     )
     max_prefix_staleness: int | None = Field(
         None, ge=0,
