@@ -71,6 +71,7 @@ bench: $(STAMP)
 	run reward_isolation.py 500; \
 	run simulate_efficiency.py; \
 	run staleness_frontier.py --k 1,2; \
+	run staleness_learning.py --seeds 0 --steps 20 --eval-every 10; \
 	run http_overhead.py --rounds 2; \
 	run http_throughput.py --steps 12 --backoffs=; \
 	run http_many_servers.py --requests 2000 --repeats 1 --baseline=; \
