@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.xdist_scheduling import work_unit
+from tests.xdist_scheduling import start_order, work_unit
 
 TESTS = Path(__file__).resolve().parents[1]
 STARTS = {
@@ -31,3 +31,10 @@ def test_other_files_are_their_own_unit_and_a_files_tests_share_one() -> None:
     assert work_unit("tests/unit/test_sync.py::test_a[1]") == work_unit("tests/unit/test_sync.py::test_b") == "tests/unit/test_sync.py"
     assert work_unit("tests/integration/test_ray_train.py::t") == work_unit("tests/integration/test_ray_connect.py::t") == "ray"
     assert work_unit("tests/integration/test_vllm_sampling.py::t") == work_unit("tests/integration/test_readme_commands.py::t") == "vllm"
+
+
+def test_the_slowest_units_start_first_the_shared_resources_then_the_tiers_from_processes_to_pure_logic() -> None:
+    units = ["tests/unit/test_sync.py", "tests/sim/test_chaos.py", "vllm", "tests/component/test_checkpoint.py",
+             "tests/integration/test_resume.py", "ray", "tests/unit/test_config.py"]
+    assert sorted(units, key=start_order) == ["ray", "vllm", "tests/integration/test_resume.py", "tests/component/test_checkpoint.py",
+                                              "tests/sim/test_chaos.py", "tests/unit/test_sync.py", "tests/unit/test_config.py"]
