@@ -31,6 +31,7 @@ import yaml
 
 from asyncgrpo.config import Config
 from asyncgrpo.config.loading import validate_config
+from asyncgrpo.data.loading import build_prompts, read_rows
 from asyncgrpo.environments.conversation import CharCodec
 from asyncgrpo.rundir import TUNED_FILE
 from asyncgrpo.tuning.contention import Overlap, busy_windows
@@ -48,7 +49,6 @@ from asyncgrpo.tuning.fit import (
     mean_or_zero,
 )
 from asyncgrpo.tuning.records import RunRecords
-from asyncgrpo.wiring.prompts import simulation_prompts
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,8 @@ def _rendering_tokens(cfg: Config) -> int:
     """The simulator's environment tokens of an empty observation (environments/conversation.py's CharCodec, one token a
     character): with chat prompts its role's rendering and the next turn's generation prompt, which a run's observations
     carry too; with text prompts none (the observation's text alone)."""
-    prompts, _ = simulation_prompts(cfg)
+    rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)[:1]  # as the simulator reads them
+    prompts, _ = build_prompts(rows, prompt_key=cfg.data.prompt_key, tokenizer=None, max_prompt_tokens=cfg.data.max_prompt_tokens)
     if not prompts or prompts[0].messages is None or cfg.env is None:
         return 0
     return len(CharCodec().render([{"role": cfg.env.observation_role, "content": ""}], add_generation_prompt=True))
