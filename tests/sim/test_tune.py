@@ -15,9 +15,9 @@ from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.commands.tune import observe_simulation
 from asyncgrpo.config import load_config
 from asyncgrpo.rundir import CONFIG_FILE, MARKER
-from asyncgrpo.tuning.calibrate import calibrate, with_overrides
-from asyncgrpo.tuning.observe import TOKENS_PER_S_TOLERANCE, WAIT_SHARE_TOLERANCE
-from asyncgrpo.tuning.records import load_run
+from asyncgrpo.tuning.calibrate import calibrate, recipe_config, with_overrides
+from asyncgrpo.tuning.observe import TOKENS_PER_S_TOLERANCE, WAIT_SHARE_TOLERANCE, compare, observe_run
+from asyncgrpo.tuning.records import CalibrationError, load_run
 from asyncgrpo.tuning.sweep import KEYS
 
 TRUTH = [
@@ -94,12 +94,44 @@ def test_tune_prints_one_json_object_with_the_frontier_and_dotted_overrides_and_
     assert observe_simulation(simulate(pasted)).tokens_per_s == report["recommendation"]["predicted"]["observed"]["tokens_per_s"]
 
 
-def test_a_run_with_episodes_that_does_not_replay_names_the_uncalibrated_environment_model(tmp_path, capsys):
-    truth_run(tmp_path, "train.max_steps=6", "env={factory: 'simulated:env', max_turns: 4, max_tokens: 4096}",
-              "simulate.env={call_s: {dist: const, value: 1.0}, done_prob: 0.0}")
+EPISODES = ["env={factory: 'simulated:env', max_turns: 4, max_tokens: 4096}",
+            "simulate.env={call_s: {dist: lognormal, median: 0.3, sigma: 0.4}, done_prob: 0.35, reward_prob: 0.3, observation_chars: 30}"]
+
+
+def test_an_episode_run_calibrates_its_environment_and_turns_and_replays_within_tolerance(tmp_path):
+    truth_run(tmp_path, *EPISODES)
+    records = load_run(tmp_path)
+    c = calibrate(records)
+    assert c.env is not None and c.env.call_median_s == pytest.approx(0.3, rel=0.1) and c.env.call_sigma == pytest.approx(0.4, rel=0.15)
+    assert c.env.done_prob == pytest.approx(0.35, abs=0.05) and c.env.reward_prob == pytest.approx(0.3, abs=0.05)
+    assert c.env.observation_chars == 30 and c.recipe["simulate"]["env"]["done_prob"] == round(c.env.done_prob, 6)
+    assert c.trainer.token_time_s == pytest.approx(1e-4, rel=1e-6)  # per completion token, the environment's too, as the truth's
+    assert c.lengths.median == pytest.approx(100, rel=0.15)  # per turn, not per episode
+    assert c.decode.decode_s_per_token == pytest.approx(0.002, rel=0.15) and c.decode.batch_knee == 8
+    comparison = compare(observe_run(records), observe_simulation(simulate(recipe_config(c.recipe))))
+    assert comparison.ok, comparison.reasons
+
+
+def test_an_episode_run_that_does_not_replay_prints_the_fitted_environment_model(tmp_path, capsys):
+    truth_run(tmp_path, "train.max_steps=6", *EPISODES)
+    timeline = tmp_path / "timeline.jsonl"
+    lines = [json.loads(line) for line in timeline.read_text().splitlines()]
+    for line in lines:  # the trainer's waits recorded 3x longer than the fitted models explain
+        if line["e"] == "step":
+            line["wait"] = [line["wait"][0], line["wait"][0] + 3 * (line["wait"][1] - line["wait"][0])]
+    timeline.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert main(["tune", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "MISS" in out and "plays episodes (env:)" in out and "simulate.env" in out
+    assert "MISS" in out and "plays episodes (env:)" in out and '"done_prob": ' in out and "recommended" not in out
+
+
+def test_an_episode_run_without_turn_and_environment_lines_is_refused_naming_them(tmp_path):
+    truth_run(tmp_path, "train.max_steps=6", *EPISODES)
+    timeline = tmp_path / "timeline.jsonl"
+    kept = [line for line in timeline.read_text().splitlines() if json.loads(line)["e"] not in ("turn", "env")]
+    timeline.write_text("".join(line + "\n" for line in kept))
+    with pytest.raises(CalibrationError, match="no episode turns and environment steps"):
+        load_run(tmp_path)
 
 
 CONTENDED = "simulate.contention={decode: 1.8, train: 2.5}"  # the local engine and the trainer on shared cores

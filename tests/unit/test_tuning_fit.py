@@ -9,7 +9,7 @@ import random
 import pytest
 
 from asyncgrpo.config import validate_config
-from asyncgrpo.tuning.fit import concurrency_at_start, fit_decode, fit_faults, fit_lengths, fit_trainer
+from asyncgrpo.tuning.fit import concurrency_at_start, fit_decode, fit_env, fit_faults, fit_lengths, fit_trainer, spread_within_cohorts
 from asyncgrpo.tuning.observe import Observed, compare
 from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, candidates, frontier, policies_for, recommend
 
@@ -25,6 +25,36 @@ def test_lengths_recover_the_prompt_median_and_both_spreads():
     assert fit.sigma == pytest.approx(0.5, rel=0.08)
     assert fit.rollout_sigma == pytest.approx(0.3, rel=0.05)
     assert fit.truncated_share == 0
+
+
+def test_environment_calls_give_a_lognormal_call_time_a_geometric_ending_and_a_binary_reward():
+    rng = random.Random(2)
+    calls, t = [], 0.0
+    for _ in range(3000):
+        duration = 0.05 * math.exp(0.5 * rng.gauss(0, 1))
+        calls.append({"call": "reset", "start": t, "end": t + duration})
+        for turn in range(1, 4):  # env.max_turns 3: an episode the cap ends counts its steps, not an ending
+            done = rng.random() < 0.4
+            calls.append({"call": "step", "start": t, "end": t + duration, "done": done, "reward": float(rng.random() < 0.2),
+                          **({} if done or turn == 3 else {"tokens": 7})})
+            if done:
+                break
+    fit = fit_env(calls)
+    assert fit.call_median_s == pytest.approx(0.05, rel=0.05) and fit.call_sigma == pytest.approx(0.5, rel=0.05)
+    assert fit.done_prob == pytest.approx(0.4, abs=0.02) and fit.reward_prob == pytest.approx(0.2, abs=0.02)
+    assert fit.observation_tokens == 7
+    other = [{**c, "reward": 0.5} if c["call"] == "step" else c for c in calls[:50]]
+    assert fit_env(other).reward_prob is None  # not the 0-or-1 reward the simulated environment gives: not fitted
+
+
+def test_calls_that_start_together_spread_only_around_their_cohort_which_an_engine_in_lock_step_slows_as_one():
+    rng = random.Random(3)
+    waves = [(wave * 2.0, rng.choice([0.1, 0.5])) for wave in range(40)]  # each wave's calls share its slowness
+    times = [(start + 0.001 * i, slow + rng.gauss(0, 0.01)) for start, slow in waves for i in range(4)]
+    assert spread_within_cohorts(times) == pytest.approx(0.01**2, rel=0.3)  # the waves' 0.1-or-0.5 is common to a cohort
+    fit = fit_env([{"call": "step", "start": 0, "end": 1, "done": True, "reward": None}], times)
+    assert fit.call_sigma < 0.05 and fit.call_median_s == pytest.approx(0.3, rel=0.2)
+    assert spread_within_cohorts([(float(i), 1.0) for i in range(100)]) is None  # none started together: not enough to tell
 
 
 def test_lengths_count_the_rollouts_cut_at_max_new_tokens():

@@ -7,6 +7,9 @@ with its own settings of the swept keys; only when the replay is within toleranc
 (tuning/sweep.py) and print the frontier and a recommended config as dotted overrides with its reason.
 `--json` prints one object instead; `--plot` draws the frontier to RUN_DIR/tune.png.
 
+A run that plays episodes (env:) is calibrated per turn and its environment from its calls (tuning/calibrate.py) and
+advised on like any other when its replay holds; when it misses, the message gives the fitted simulate.env to start from.
+
 Exit codes: 0 advice given; 1 the replay missed the tolerance, so no advice (the table says by how much),
 or the run directory lacks what calibration needs (the message names it and how to produce it).
 """
@@ -29,11 +32,10 @@ from asyncgrpo.tuning.observe import Comparison, Observed, compare, observe, obs
 from asyncgrpo.tuning.records import RunRecords, check_poolable, load_run
 from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, Recommendation, candidates, frontier, policies_for, recommend, run_sweep
 
-ENV_NOT_FITTED = (
-    "this run plays episodes (env:), and calibration does not fit the simulator's model of an environment (simulate.env: "
-    "time per reset and step, the chance a step ends the episode): tuned.yaml has its defaults, and each turn's completion is "
-    "drawn from lengths fitted to whole episodes. Fix: set simulate.env in tuned.yaml to the run's (env/turns_mean in "
-    "metrics.jsonl gives the turns per episode) and check it with `asyncgrpo simulate`; tune does not advise for such runs yet."
+ENV_MISSED = (
+    "this run plays episodes (env:): the simulator's environment model fitted to its calls is {fitted} (simulate.env in "
+    "tuned.yaml), but its replay misses the run. Fix: start from those values, change the model that is off (tuned.yaml; "
+    "`asyncgrpo simulate` checks it), or calibrate from a longer run; tune does not advise from a replay that misses."
 )
 SWEEP_STEPS = 60  # at most, per swept config: enough for the steady state, ~50 of them in well under a minute
 
@@ -101,8 +103,9 @@ def tune(run_dir: Path, *, max_staleness: int | None = None, min_length_bias: fl
         comparison = _joined(comparison, _replay_pooled(calibration, other), other.run_dir.name)
     if problem is not None:
         comparison = Comparison(comparison.rows, False, [*comparison.reasons, f"the replay of the run's config did not complete: {problem}"])
-    if not comparison.ok and records.config.env is not None:
-        comparison = Comparison(comparison.rows, False, [*comparison.reasons, ENV_NOT_FITTED])
+    if not comparison.ok and calibration.env is not None:
+        fitted = json.dumps(calibration.env.simulate_env(), separators=(", ", ": "))
+        comparison = Comparison(comparison.rows, False, [*comparison.reasons, ENV_MISSED.format(fitted=fitted)])
     if not comparison.ok:
         return TuneResult(calibration, tuned_path, comparison, [], [], None)
     cfg = records.config
@@ -147,6 +150,10 @@ def format_result(result: TuneResult) -> str:
         f"  contention (generation and training on shared hardware): decode {_slowdown(c.decode.contention, c.decode.contention_se)} "
         f"while training, training {_slowdown(c.trainer.contention, c.trainer.contention_se)} while decoding",
         "  faults: " + (", ".join(f"{f['error']} {f['rate']:.2%}" for f in c.faults) or "none"),
+        *([] if c.env is None else [
+            f"  environment: {c.env.call_median_s * 1e3:.3g} ms per call (median; sigma {c.env.call_sigma:.2f}, "
+            f"{c.env.calls} calls), a step ends the episode {c.env.done_prob:.1%} of the time ({c.env.steps} steps), "
+            + ("rewards 1.0 " + f"{c.env.reward_prob:.1%}" if c.env.reward_prob is not None else "rewards not all 0 or 1: reward_prob not fitted")]),
         "validation (the run's config replayed on virtual time):",
         f"  {'':28} {'measured':>14} {'predicted':>14}  check",
     ]
@@ -159,7 +166,7 @@ def format_result(result: TuneResult) -> str:
         if any(reason.startswith("pooled run ") for reason in result.comparison.reasons):
             lines.append("  Fix: pool only runs made on this machine at the same load (one just before or after the other, not side by side: "
                          "two runs slow each other), or leave --pool out.")
-        elif ENV_NOT_FITTED not in result.comparison.reasons:  # that reason says its own fix
+        elif result.calibration.env is None:  # an episode's reason says its own fix
             lines.append("  Fix: calibrate from a longer run (more steps in its steady state), or read tuned.yaml to see which model is off.")
         return "\n".join(lines)
     lines.append(f"frontier ({len(result.frontier)} of {len(result.points)} configs; none beats these on tokens/s, length bias, "

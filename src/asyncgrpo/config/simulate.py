@@ -72,6 +72,10 @@ class ScriptedEnvConfig(Section):
     call_s: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=0.2), description="Virtual time of one reset or step.")
     done_prob: float = Field(0.3, ge=0, le=1, description="Probability that a step ends the episode.")
     reward_prob: float = Field(0.5, ge=0, le=1, description="Probability that a step gives reward 1.0 (else 0.0).")
+    observation_chars: int = Field(
+        4, ge=0, description="Characters of a step's observation (one token each under the simulator's codec, besides its role's "
+        "rendering): the environment tokens an episode's trainer and env.max_tokens count. asyncgrpo tune fits it to a run's.",
+    )
     error_prob: float = Field(0.0, ge=0, le=1, description="Probability that a reset or step raises (fails the rollout).")
     transient_prob: float = Field(0.0, ge=0, le=1, description="Probability that a reset or step raises TransientEnvironmentError (retried).")
     ignore_cancel_prob: float = Field(

@@ -4,7 +4,7 @@ Job: stand in for `env.factory` under `asyncgrpo simulate` and the chaos suite, 
 backend stands in for a generation server (simulate.env holds the model). A host
 implements `EnvironmentHost` directly and runs no threads: each reset or step takes sampled virtual
 time and may raise (an error, or a `TransientEnvironmentError`); a step ends the episode with
-`done_prob`. Cancelled, a cooperative episode stops after a sampled `stop_s` (abandoned if that
+`done_prob`, and observes `observation_chars` characters. Cancelled, a cooperative episode stops after a sampled `stop_s` (abandoned if that
 outlives the grace); one drawn to ignore cancellation always outlives the grace and is abandoned.
 
 Invariants: deterministic for a seed (host n of a run draws from its own stream, in the order the
@@ -50,7 +50,7 @@ class SimulatedHost:
         await self._call("step")
         reward = 1.0 if self._rng.random() < self._model.reward_prob else 0.0
         done = self._rng.random() < self._model.done_prob
-        return StepResult(({"role": self._role, "content": "next"},), reward, done, {})
+        return StepResult(({"role": self._role, "content": observation(self._model.observation_chars)},), reward, done, {})
 
     async def close(self) -> None:
         return None
@@ -62,6 +62,11 @@ class SimulatedHost:
         self._hosts.abandoned += not stopped
         self._hosts.stopped += stopped
         return stopped
+
+
+def observation(chars: int) -> str:
+    """A step's observation of `chars` characters ("next" at the default 4)."""
+    return ("next" * (chars // 4 + 1))[:chars]
 
 
 class SimulatedHosts:

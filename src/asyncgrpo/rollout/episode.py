@@ -10,7 +10,9 @@ policy; the prompt of each turn is the previous prompt plus exactly what was sam
 environment's tokens), `step(text)`. It stops when the environment says done, after
 `env.max_turns` turns, or when `env.max_tokens` tokens follow the prompt (a turn's
 `max_new_tokens` is cut to what is left; environment tokens that leave no room end the episode).
-After the reset and after each step it calls `on_progress` (the collector's stall clock).
+After the reset and after each step it calls `on_progress` (the collector's stall clock). Each
+environment call and each turn's generation is reported, with its start and end, to the rollout's
+episode observer (rollout/episode_events.py: the run's timeline).
 
 Observations are sized before they are tokenized (environments/conversation.py): a step's
 observation of more characters than the tokens left could hold ends the episode at
@@ -61,6 +63,7 @@ from asyncgrpo.environments.hosts import open_host
 from asyncgrpo.environments.protocol import EnvironmentHost, Message, TransientEnvironmentError
 from asyncgrpo.errors import EpisodeError, RewardError
 from asyncgrpo.rewards.scoring import ScoredCompletion, finite_sum
+from asyncgrpo.rollout.episode_events import episode_observer
 from asyncgrpo.rollout.retry import delay_before_deadline
 from asyncgrpo.threads import run_in_daemon_thread
 from asyncgrpo.types import Completion, Episode, EpisodeStop, GenerationRequest, Prompt
@@ -176,8 +179,11 @@ class EpisodeRunner:
         self, host: EnvironmentHost, prompt: Prompt, request: GenerationRequest, generate: Generate, on_progress: Callable[[], None]
     ) -> Completion:
         env = self.env
+        report, now = episode_observer(), asyncio.get_running_loop().time  # the run's timeline (rollout/episode_events.py)
         conv = await self._encoding(functools.partial(Conversation, self.codec, prompt))
+        started = now()
         observation = await self._env_call(host.reset(as_row(prompt, self.prompt_key)), "reset", prompt)
+        report.env_call("reset", started, now())
         on_progress()
         self._check_reset_size(observation, prompt)
         await self._encoding(lambda: conv.start(observation))
@@ -196,12 +202,16 @@ class EpisodeRunner:
                 seed=request.seed + turn,
             )
             versions = conv.model_versions()
+            started = now()
             completion = await generate(turn_request, min(versions) if versions else None)
+            report.turn(started, now(), len(completion.token_ids), remaining if remaining < request.sampling.max_new_tokens else None)
             if dispatch is None:
                 dispatch = completion.dispatch_version
             conv.add_model(completion)
             turn += 1
+            started = now()
             result = await self._env_call(host.step(completion.text), f"step of turn {turn}", prompt)
+            report.env_call("step", started, now(), done=result.done, reward=result.reward)
             on_progress()
             if result.reward is not None:
                 env_reward = (env_reward or 0.0) + result.reward
@@ -227,6 +237,7 @@ class EpisodeRunner:
                 conv.record(result.messages)
                 break
             conv.observe(result.messages, ids)
+            report.observed(len(ids))
         versions = conv.model_versions()
         assert dispatch is not None  # max_turns >= 1 and max_tokens >= 1: the first turn always generates
         episode = Episode(

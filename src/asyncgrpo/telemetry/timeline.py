@@ -7,6 +7,8 @@ in a simulation), a resumed process continuing from the time its checkpoint reco
     {"e": "start", "server": NAME, "max_inflight": N, "group_size": G, "max_rollout_spans": M, "step": S, "at": T}
     {"e": "rollout", "take": K, "prompt": P, "member": I, "start": T, "end": T, "outcome": "finished"|"failed"|"cancelled",
      "version": V, "tokens": N, "server": NAME}
+    {"e": "turn", "take": K, "member": I, "start": T, "end": T, "tokens": N, "limit": N}     (an episode's turn: its generation)
+    {"e": "env", "take": K, "member": I, "call": "reset"|"step", "start": T, "end": T, "done": B, "reward": R, "tokens": N}
     {"e": "take", "take": K, "prompt": P, "end": T, "ending": "buffered"|"requeued"|<drop reason>}
     {"e": "buffered", "take": K, "end": T, "outcome": "trained"|"stale", "step": S}
     {"e": "step", "step": S, "wait": [T, T], "train": [T, T], "sync": [T, T], "unrecorded": {...}}
@@ -18,7 +20,12 @@ Invariants:
 - Bounded: the first `logging.timeline_max_rollouts` rollout spans are written in full; after
   that rollout spans are summarised, and each step line counts the spans left out since the
   previous one (`unrecorded`: rollouts by outcome and their tokens). Takes, steps and evals
-  are always written (one line per take, step or evaluation).
+  are always written (one line per take, step or evaluation). An episode's "turn" and "env" lines
+  (with an env: section: each turn's generation, each environment call that returned; `done` and
+  `reward` only on a step, `tokens` only on a step whose observation joined the episode: its
+  environment tokens; `limit` only on a turn whose max_new_tokens env.max_tokens cut) follow its
+  rollout's line and share its fate: written when it is, left out with it (kept in memory only
+  while the rollout runs).
   The limit is the run's, not each process's: a resume continues the count its checkpoint recorded.
 - No I/O per event: lines are kept in memory and appended at each step and at `close()`, so
   the collector's hooks (rollout/events.py) cost a dict and a list append.
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncgrpo.rollout.episode_events import UNOBSERVED, EnvCall, observe_episode
 from asyncgrpo.rollout.events import BufferedOutcome, RolloutOutcome
 from asyncgrpo.telemetry.metrics import JsonlFile
 from asyncgrpo.types import StepRecord
@@ -54,6 +62,7 @@ class Timeline:
         self._origin = float(resumed["elapsed_s"]) if resumed else 0.0  # the run's time when this process started
         self._t0: float | None = None
         self._started: dict[tuple[int, int], float] = {}
+        self._episodes: dict[tuple[int, int], EpisodeLines] = {}  # of the rollouts running, their turn and env lines
         self._take_of_seq: dict[int, int] = {}
         self._unrecorded: dict[str, int] = {}
         self._emit({"e": "start", "server": server, "max_inflight": max_inflight, "group_size": group_size,
@@ -79,10 +88,17 @@ class Timeline:
     # -- rollout/events.py's hooks ------------------------------------------------------
 
     def rollout_started(self, take: int, prompt_id: int, member: int, t: float) -> None:
+        """Called in the rollout's own task: binds its episode's turns and environment calls to this timeline there."""
         self._started[(take, member)] = self._t(t)
+        if self.rollout_spans >= self.max_rollout_spans:  # its span will not be written: nor will its episode's lines
+            observe_episode(UNOBSERVED)
+            return
+        self._episodes[(take, member)] = lines = EpisodeLines(self, take, member)
+        observe_episode(lines)
 
     def rollout_ended(self, take: int, member: int, outcome: RolloutOutcome, version: int | None, tokens: int, t: float) -> None:
         start = self._started.pop((take, member), None)
+        episode = self._episodes.pop((take, member), None)
         if start is None:
             return
         self.rollout_seconds += self._t(t) - start
@@ -93,6 +109,8 @@ class Timeline:
         self.rollout_spans += 1
         self._emit({"e": "rollout", "take": take, "member": member, "start": start, "end": self._t(t), "outcome": outcome,
                     "version": version, "tokens": tokens, "server": self.server})
+        if episode is not None:
+            self.lines.extend(episode.lines)
 
     def take_ended(self, take: int, prompt_id: int, ending: str, seq: int | None, t: float) -> None:
         if seq is not None:
@@ -145,3 +163,29 @@ class Timeline:
             self._unrecorded = {}
         self.flush()
 
+
+
+class EpisodeLines:
+    """One rollout's episode observer (rollout/episode_events.py): its "turn" and "env" lines, until the rollout ends."""
+
+    def __init__(self, timeline: Timeline, take: int, member: int) -> None:
+        self._timeline = timeline
+        self._key = {"take": take, "member": member}
+        self.lines: list[dict[str, Any]] = []
+
+    def env_call(self, call: EnvCall, start: float, end: float, *, done: bool | None = None, reward: float | None = None) -> None:
+        t = self._timeline._t
+        line: dict[str, Any] = {"e": "env", **self._key, "call": call, "start": t(start), "end": t(end)}
+        if call == "step":
+            line.update(done=done, reward=reward)
+        self.lines.append(line)
+
+    def turn(self, start: float, end: float, tokens: int, limit: int | None = None) -> None:
+        t = self._timeline._t
+        line: dict[str, Any] = {"e": "turn", **self._key, "start": t(start), "end": t(end), "tokens": tokens}
+        if limit is not None:
+            line["limit"] = limit
+        self.lines.append(line)
+
+    def observed(self, tokens: int) -> None:
+        self.lines[-1]["tokens"] = tokens  # the step's line: reported just before

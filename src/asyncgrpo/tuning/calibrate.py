@@ -11,7 +11,11 @@ from the run's records, none is assumed. The trainer's per-step overhead (`simul
 simulated only when the steps show one (fit.py); evaluation time (`simulate.eval_s`) is the mean of the
 evaluations inside the training loop (the baseline, before it, is not the loop's time). Where the run shows that
 generation and training slowed each other (the local engine and the trainer on shared cores), `simulate.contention`
-has each side's slowdown and the fitted times are those at full speed; else it is 1.0 (independent).
+has each side's slowdown and the fitted times are those at full speed; else it is 1.0 (independent). A run that
+plays episodes (env:) is fitted per turn, as the simulator draws and decodes one request per turn (lengths and decode time
+from its "turn" lines), `simulate.env` from its environment calls (fit.py `fit_env`; its observations as long, in the
+simulator's codec, as the run's were in tokens), and the trainer's time per completion token, the environment's included
+(what the trainer and the stub trainer process).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +31,23 @@ import yaml
 
 from asyncgrpo.config import Config
 from asyncgrpo.config.loading import validate_config
+from asyncgrpo.data.loading import build_prompts, read_rows
+from asyncgrpo.environments.conversation import CharCodec
 from asyncgrpo.rundir import TUNED_FILE
 from asyncgrpo.tuning.contention import Overlap, busy_windows
-from asyncgrpo.tuning.fit import DecodeFit, LengthFit, TrainerFit, fit_decode, fit_faults, fit_lengths, fit_trainer, mean_or_zero
+from asyncgrpo.tuning.fit import (
+    DecodeFit,
+    EnvFit,
+    LengthFit,
+    TrainerFit,
+    env_times,
+    fit_decode,
+    fit_env,
+    fit_faults,
+    fit_lengths,
+    fit_trainer,
+    mean_or_zero,
+)
 from asyncgrpo.tuning.records import RunRecords
 
 
@@ -42,20 +60,22 @@ class Calibration:
     weight_sync_s: float
     eval_s: float  # mean time of an evaluation inside the training loop (simulate.eval_s)
     recipe: dict[str, Any]
+    env: EnvFit | None = None  # with an env: section, the simulated environment (simulate.env)
 
     def to_json(self) -> dict[str, Any]:
         return {"lengths": asdict(self.lengths), "decode": asdict(self.decode), "trainer": asdict(self.trainer),
-                "faults": self.faults, "weight_sync_s": self.weight_sync_s, "eval_s": self.eval_s}
+                "faults": self.faults, "weight_sync_s": self.weight_sync_s, "eval_s": self.eval_s,
+                "env": None if self.env is None else asdict(self.env)}
 
 
 @dataclass(frozen=True)
 class Timing:
     """The spans the decode and trainer fits read, of one run or of several laid end to end on one clock."""
 
-    rollouts: list[dict[str, Any]]
+    rollouts: list[dict[str, Any]]  # the generation requests (RunRecords.requests: with episodes, their turns)
     evals: list[tuple[float, float]]
     training: list[tuple[float, float]]  # train spans
-    trained_tokens: list[int]  # per train span
+    trained_tokens: list[int]  # per train span (RunRecords.trainer_tokens: with episodes, the environment's tokens too)
 
 
 def timing(runs: Sequence[RunRecords]) -> Timing:
@@ -65,9 +85,9 @@ def timing(runs: Sequence[RunRecords]) -> Timing:
     pooled = Timing([], [], [], [])
     offset = 0.0
     for index, run in enumerate(runs):
-        pooled.rollouts.extend({**r, "start": r["start"] + offset, "end": r["end"] + offset} for r in run.rollouts)
+        pooled.rollouts.extend({**r, "start": r["start"] + offset, "end": r["end"] + offset} for r in run.requests)
         pooled.evals.extend((e["span"][0] + offset, e["span"][1] + offset) for e in run.evals)
-        steps = list(zip(run.steps, run.trained_tokens))[0 if index == 0 else 1:]
+        steps = list(zip(run.steps, run.trainer_tokens))[0 if index == 0 else 1:]
         pooled.training.extend((s["train"][0] + offset, s["train"][1] + offset) for s, _ in steps)
         pooled.trained_tokens.extend(t for _, t in steps)
         ends = [r["end"] for r in run.rollouts] + [s["sync"][1] for s in run.steps] + [e["span"][1] for e in run.evals]
@@ -83,7 +103,9 @@ def calibrate(records: RunRecords, pool: Sequence[RunRecords] = ()) -> Calibrati
     to `pool`'s spans too (runs of the same model and backend on the same machine: check_poolable), which can show
     contention one run cannot (tuning/contention.py); everything else is `records`' own."""
     cfg = records.config
-    finished = [r for r in records.rollouts if r["outcome"] == "finished"]
+    # With episodes, each turn (the simulator draws per turn) but those env.max_tokens cut short: the simulator cuts its own.
+    finished = [r for r in records.requests if r["outcome"] == "finished"]
+    finished = [r for r in finished if r["tokens"] < r.get("limit", r["tokens"] + 1)] or finished
     lengths = fit_lengths(((r["prompt"], r["tokens"]) for r in finished), cfg.generation.max_new_tokens)
     spans = timing([records, *pool])
     decode = fit_decode(spans.rollouts, spans.evals, spans.training)
@@ -99,6 +121,10 @@ def calibrate(records: RunRecords, pool: Sequence[RunRecords] = ()) -> Calibrati
                         invalid_prompts=int(m.get("rollout/dropped/invalid_prompt") or 0))
     weight_sync_s = mean_or_zero(s["sync"][1] - s["sync"][0] for s in records.steps)
     eval_s = mean_or_zero(e["span"][1] - e["span"][0] for e in records.evals)
+    env = None
+    if cfg.env is not None:
+        env = fit_env(records.env_calls, env_times(records.rollouts, records.turns))
+        env = replace(env, observation_chars=max(0, round(env.observation_tokens - _rendering_tokens(cfg))))
     simulate = {
         "tokens": {"dist": "lognormal", "median": round(lengths.median, 6), "sigma": round(lengths.sigma, 6)},
         "token_model": {"rollout_sigma": round(lengths.rollout_sigma, 6), "prefill_s": round(decode.prefill_s, 9),
@@ -113,11 +139,24 @@ def calibrate(records: RunRecords, pool: Sequence[RunRecords] = ()) -> Calibrati
     }
     data = cfg.model_dump(mode="json")
     data["simulate"] = {**data.get("simulate", {}), **simulate}
+    if env is not None:
+        data["simulate"]["env"] = {**data["simulate"].get("env", {}), **env.simulate_env()}
     data["generation"]["backend"] = "scripted"
     data["train"]["backend"] = "stub"
     data["train"]["max_steps"] = len(records.steps)
     validate_config(data, "the calibrated recipe")
-    return Calibration(lengths, decode, trainer, faults, weight_sync_s, eval_s, data)
+    return Calibration(lengths, decode, trainer, faults, weight_sync_s, eval_s, data, env)
+
+
+def _rendering_tokens(cfg: Config) -> int:
+    """The simulator's environment tokens of an empty observation (environments/conversation.py's CharCodec, one token a
+    character): with chat prompts its role's rendering and the next turn's generation prompt, which a run's observations
+    carry too; with text prompts none (the observation's text alone)."""
+    rows = read_rows(cfg.data.source, builtin_size=cfg.data.builtin_size, seed=cfg.run.seed)[:1]  # as the simulator reads them
+    prompts, _ = build_prompts(rows, prompt_key=cfg.data.prompt_key, tokenizer=None, max_prompt_tokens=cfg.data.max_prompt_tokens)
+    if not prompts or prompts[0].messages is None or cfg.env is None:
+        return 0
+    return len(CharCodec().render([{"role": cfg.env.observation_role, "content": ""}], add_generation_prompt=True))
 
 
 def with_overrides(recipe: dict[str, Any], overrides: dict[str, Any]) -> Config:

@@ -9,6 +9,12 @@ model of the simulator (config/simulate.py, generation/scripted.py, training/stu
 - `fit_faults`: the injected faults that reproduce the run's retry, failure and invalid-prompt rates;
 - `fit_trainer`: seconds per trained token and per step (the per-step line's intercept, when the steps show one);
 - both, given when the other side was busy, fit the slowdown it caused (simulate.contention, tuning/contention.py);
+- `fit_env`: the simulated environment (simulate.env) from an episode's environment calls: time per call (lognormal,
+  of the mean and the variance within cohorts of the episode's time outside its turns, `env_times`), the chance a step ends the episode
+  (geometric: the steps the environment ended over all steps, so an episode cut at env.max_turns counts its steps
+  without an ending), the chance a step rewards 1.0 when every step's reward is 0 or 1 (what the simulated
+  environment gives; else it is not fitted), and the environment tokens of an observation that joined its episode
+  (they count in the trainer's time and in env.max_tokens);
 - `mean_or_zero`: weight-sync and evaluation time (per evaluation inside the training loop).
 
 Invariants: every function is deterministic and returns finite, non-negative parameters the config
@@ -62,6 +68,90 @@ def fit_lengths(lengths: Iterable[tuple[int, int]], max_new_tokens: int) -> Leng
     population = statistics.fmean(statistics.fmean(math.exp(x) for x in logs) for logs in per_prompt.values())
     truncated = sum(t >= max_new_tokens for t in all_lengths) / len(all_lengths)
     return LengthFit(math.exp(centre), math.sqrt(across_var), math.sqrt(within_var), population, truncated)
+
+
+@dataclass(frozen=True)
+class EnvFit:
+    call_median_s: float  # of one reset or step (lognormal)
+    call_sigma: float
+    done_prob: float  # per step
+    reward_prob: float | None  # per step, of reward 1.0; None: the steps' rewards are not all 0 or 1 (not what the simulator models)
+    calls: int
+    steps: int
+    observation_tokens: float  # mean environment tokens of a step whose observation joined its episode (0: none did)
+    observation_chars: int = 0  # simulate.env.observation_chars giving that many under the simulator's codec (calibrate.py)
+
+    def simulate_env(self) -> dict[str, Any]:
+        """The fitted simulate.env keys."""
+        fitted: dict[str, Any] = {"call_s": {"dist": "lognormal", "median": round(self.call_median_s, 9), "sigma": round(self.call_sigma, 6)},
+                                  "done_prob": round(self.done_prob, 6), "observation_chars": self.observation_chars}
+        return fitted if self.reward_prob is None else {**fitted, "reward_prob": round(self.reward_prob, 6)}
+
+
+MIN_CALL_S = 1e-9  # a lognormal's median must be > 0; a call the clock saw take no time is this long
+
+
+def env_times(rollouts: Iterable[dict[str, Any]], turns: Iterable[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(start, seconds) of each finished episode's time that was not a turn's generation, one per environment call: before
+    its first turn (the reset), between turns and after the last (the steps). Besides the calls themselves they hold what
+    the simulator has no other model of (encoding observations, hops to the environment's thread), so they are the calls'
+    time."""
+    by_rollout: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for t in turns:
+        by_rollout.setdefault((t["take"], t["member"]), []).append((t["start"], t["end"]))
+    times = []
+    for r in rollouts:
+        spans = sorted(by_rollout.get((r["take"], r["member"]), []))
+        if r["outcome"] != "finished" or not spans:
+            continue
+        edges = [r["start"], *(x for span in spans for x in span), r["end"]]
+        times += [(edges[i], max(0.0, edges[i + 1] - edges[i])) for i in range(0, len(edges), 2)]
+    return times
+
+
+COHORT_S = 0.005  # calls that start this close together started on one event: the end of one wave of decoding
+MIN_COHORT_DF = 30  # degrees of freedom the within-cohort variance needs to be used
+
+
+def spread_within_cohorts(times: Sequence[tuple[float, float]]) -> float | None:
+    """The variance of (start, seconds) around the mean of their cohort (the calls that started together), pooled; None with
+    fewer than MIN_COHORT_DF degrees of freedom. Independent draws give the variance itself; an engine that decodes its
+    requests in lock-step (the local engine) starts and slows its episodes' calls together, and what they share (a slow
+    wave) then leaves the spread that delays a group's slowest episode, which an independent draw per call would overstate."""
+    ordered = sorted(times)
+    cohorts: list[list[float]] = []
+    first = -math.inf
+    for start, seconds in ordered:
+        if start - first > COHORT_S:
+            cohorts.append([])
+            first = start
+        cohorts[-1].append(seconds)
+    df = sum(len(c) - 1 for c in cohorts)
+    if df < MIN_COHORT_DF:
+        return None
+    return sum((x - statistics.fmean(c)) ** 2 for c in cohorts for x in c) / df
+
+
+def fit_env(calls: Sequence[dict[str, Any]], times: Sequence[tuple[float, float]] = ()) -> EnvFit:
+    """simulate.env from "env" lines ({call, start, end, done, reward}) and, for the time per call, `times` (env_times;
+    without them, the calls' own spans): a lognormal of their mean and their variance within cohorts (spread_within_cohorts;
+    all of it when too few calls started together). What a group waits for, its slowest episode, goes with both; a fit in
+    logs would follow the many calls too short to matter."""
+    if not calls:
+        raise ValueError("no environment calls to fit the environment from")
+    timed = list(times) or [(c["start"], c["end"] - c["start"]) for c in calls]
+    durations = [seconds for _, seconds in timed]
+    mean = max(MIN_CALL_S, statistics.fmean(durations))
+    spread = spread_within_cohorts(timed)
+    log_var = math.log1p((statistics.pvariance(durations) if spread is None else spread) / mean**2)
+    steps = [c for c in calls if c["call"] == "step"]
+    done = sum(bool(c.get("done")) for c in steps) / len(steps) if steps else 0.0
+    rewards = [c.get("reward") for c in steps]
+    binary = bool(steps) and all(r in (0.0, 1.0) for r in rewards)
+    reward_prob = sum(r == 1.0 for r in rewards) / len(steps) if binary else None
+    observed = [c["tokens"] for c in steps if "tokens" in c]
+    return EnvFit(mean / math.exp(log_var / 2), math.sqrt(log_var), done, reward_prob, len(calls), len(steps),
+                  statistics.fmean(observed) if observed else 0.0)
 
 
 @dataclass(frozen=True)

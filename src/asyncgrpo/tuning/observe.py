@@ -12,7 +12,8 @@ Definitions (the same on both sides):
 - staleness: share of trained groups per staleness (step - the group's oldest generating version).
 - waste = wasted tokens (stale, failed, filtered) / generated tokens.
 - length bias = trained completions' mean length / the population's (per prompt the mean of its
-  rollouts, then over prompts; a run's population is its finished rollouts, a simulation's every drawn length).
+  rollouts, then over prompts; a run's population is its finished rollouts, or with episodes its turns, as a
+  simulation's is every drawn length: one per turn).
 
 Invariant: `compare` refuses (ok False, with the reason) when tokens/s misses by more than
 TOKENS_PER_S_TOLERANCE (relative) or the wait share by more than WAIT_SHARE_TOLERANCE (absolute).
@@ -76,11 +77,11 @@ def observe(steps: Iterable[tuple[float, float, float]], staleness: Iterable[int
 def observe_run(records: RunRecords) -> Observed:
     """What the real run did, by the module's definitions (its population: its finished rollouts)."""
     version_of: dict[int, int] = {}
-    finished = []
     for r in records.rollouts:
         if r["outcome"] == "finished" and r.get("version") is not None:
             version_of[r["take"]] = min(version_of.get(r["take"], r["version"]), r["version"])
-            finished.append((r["prompt"], r["tokens"]))
+    finished = [(r["prompt"], r["tokens"]) for r in records.requests
+                if r["outcome"] == "finished" and (records.config.env is not None or r.get("version") is not None)]
     staleness = [b["step"] - version_of[b["take"]] for b in records.buffered if b["outcome"] == "trained" and b["take"] in version_of]
     m = records.last_metrics
     return observe(

@@ -5,7 +5,8 @@ Job: turn RUN_DIR/config.yaml, timeline.jsonl and metrics.jsonl into a `RunRecor
 no rollout spans, too few steps); `check_poolable` refuses a run that cannot join another's fits (another model
 or backend). Nothing here fits or simulates.
 
-Invariants: every rollout span carries its prompt (from its take's line); steps are in step order;
+Invariants: every rollout span and episode turn carries its prompt (from its take's line); steps are in step order; a run
+that plays episodes (env:) has turn and environment-call lines (telemetry/timeline.py), else it is refused;
 `trained_tokens[i]` is the tokens trained by `steps[i]` (from metrics.jsonl's running total).
 """
 
@@ -44,6 +45,20 @@ class RunRecords:
     trained_tokens: list[int]  # per step
     last_metrics: dict[str, Any]
     unrecorded: dict[str, int] = field(default_factory=dict)  # rollout spans the timeline only counted
+    turns: list[dict[str, Any]] = field(default_factory=list)  # an episode's "turn" lines, each with "prompt" added
+    completion_tokens: list[int] = field(default_factory=list)  # per step, every completion token trained (an episode's env ones too)
+    env_calls: list[dict[str, Any]] = field(default_factory=list)  # an episode's "env" lines (reset and step)
+
+    @property
+    def requests(self) -> list[dict[str, Any]]:
+        """The generation requests' spans ({start, end, tokens, outcome, prompt}): an episode's turns, else the rollouts."""
+        return [{**t, "outcome": "finished"} for t in self.turns] if self.config.env is not None else self.rollouts
+
+    @property
+    def trainer_tokens(self) -> list[int]:
+        """Per step, the tokens the trainer's time goes with (the simulator's too): with episodes every completion token,
+        the environment's included; else the trained tokens (the same)."""
+        return self.completion_tokens if self.config.env is not None else self.trained_tokens
 
 
 def load_run(run_dir: Path) -> RunRecords:
@@ -97,16 +112,21 @@ def _split_timeline(run_dir: Path, config: Config, timeline: list[dict[str, Any]
         for key, value in line.get("unrecorded", {}).items():
             unrecorded[key] = unrecorded.get(key, 0) + int(value)
     steps = sorted({s["step"]: s for s in by_kind.get("step", [])}.values(), key=lambda s: s["step"])  # a resume may repeat one
-    totals = {m["step"]: int(m.get("rollout/trained_tokens_total") or 0) for m in metrics if "step" in m}
-    trained, previous = [], 0
+    by_step = {m["step"]: m for m in metrics if "step" in m}
+    trained, completion_tokens, previous, completions = [], [], 0, 0
     for s in steps:
-        total = totals.get(s["step"], previous)
+        line = by_step.get(s["step"], {})
+        total = int(line.get("rollout/trained_tokens_total") or previous)
         trained.append(total - previous)
         previous = total
+        count = int(line.get("rollout/trained_completions_total") or completions)  # the batch's mean length x its completions
+        completion_tokens.append(round(float(line.get("completion/len_mean") or 0.0) * (count - completions)))
+        completions = count
     baselines = {0} | {line["step"] for line in by_kind.get("start", [])}  # each process evaluates once before its loop
     evals = [e for e in by_kind.get("eval", []) if e["step"] not in baselines]
+    turns = [{**t, "prompt": prompt_of[t["take"]]} for t in by_kind.get("turn", []) if t["take"] in prompt_of]
     return RunRecords(run_dir, config, rollouts, by_kind.get("take", []), by_kind.get("buffered", []), steps, evals,
-                      trained, metrics[-1] if metrics else {}, unrecorded)
+                      trained, metrics[-1] if metrics else {}, unrecorded, turns, completion_tokens, by_kind.get("env", []))
 
 
 def _check_enough(records: RunRecords) -> None:
@@ -121,6 +141,14 @@ def _check_enough(records: RunRecords) -> None:
             f"{where / TIMELINE_FILE} has no finished rollout span (logging.timeline_max_rollouts = "
             f"{records.config.logging.timeline_max_rollouts}), so completion lengths and decode times cannot be fitted. "
             f"Fix: train again with logging.timeline_max_rollouts of at least 1000."
+        )
+    if records.config.env is not None and not (records.turns and any(c["call"] == "step" for c in records.env_calls)):
+        raise CalibrationError(
+            f"{where / TIMELINE_FILE} records no episode turns and environment steps (\"turn\" and \"env\" lines), so the "
+            f"environment's time per call, its turns per episode and each turn's decoding cannot be fitted. The timeline writes them "
+            f"for episodes that env.factory plays (an agent: factory, played through the gateway, writes none), and a run recorded "
+            f"before they were has none (env.factory = {records.config.env.factory!r}). Fix: train again with this asyncgrpo and an "
+            f"env.factory environment, and tune that run."
         )
     if sum(records.trained_tokens) <= 0:
         raise CalibrationError(
