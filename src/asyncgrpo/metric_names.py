@@ -83,6 +83,24 @@ COUNTER_NAMES: tuple[str, ...] = (
     "rollout/resumed_rollouts_total",
     "rollout/masked_stale_tokens_total",
 )
+# The generation backend's own running totals (`stats()` of the HTTP and Ray generators and their weight publishers),
+# by the backend's counter name; null in every line of a run whose backend does not keep that counter (the local engine
+# keeps none). Server failures, recoveries and weight-sync fallbacks thus reach metrics.jsonl and the trackers.
+GENERATOR_COUNTERS = {
+    name: f"generation/{name}" + ("" if name.endswith("_fraction") else "_total")
+    for name in (
+        # the HTTP server pool (generation/http_servers.py, http.py, http_probes.py)
+        "weight_sync_failures", "unhealthy_marks", "recoveries", "attempt_timeouts", "hung_suspensions", "hung_returns",
+        "session_moves",
+        # the Ray actor pool (generation/ray_pool.py)
+        "actor_failures", "refusals",
+        # the weight publishers: delta, LoRA adapters, collective (generation/*_publisher.py)
+        "weight_sync_deltas", "weight_sync_full_loads", "weight_sync_delta_fallbacks", "weight_sync_bytes_staged",
+        "weight_sync_changed_fraction", "weight_sync_adapters", "weight_sync_lora_fallbacks", "weight_sync_collective",
+        "weight_sync_collective_failures", "weight_sync_disk_fallbacks", "weight_sync_bytes_broadcast",
+        "weight_sync_collective_abandoned",
+    )
+}
 EVAL_KEYS = ("eval/reward_mean", "eval/pass_rate", "eval/failed_requests")
 PIPELINE_KEYS = (
     *COLLECTOR_GAUGES,

@@ -41,6 +41,7 @@ def test_synchronous_grpo_learns_the_demo_task(tmp_path):
     first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
     assert last > first + 0.15, f"reward did not improve: first 10 steps {first:.3f}, last 10 steps {last:.3f}"
     assert all(m["staleness/max"] == 0 for m in metrics)  # max_staleness 0 is on-policy
+    assert all(m["generation/session_moves_total"] is None for m in metrics)  # the local engine keeps no server totals
     # The final checkpoint loads with plain transformers.
     model = AutoModelForCausalLM.from_pretrained(summary.final_checkpoint, local_files_only=True)
     assert model.num_parameters() > 500_000

@@ -64,7 +64,7 @@ from asyncgrpo.rundir import (
     claim,
     clear_run,
 )
-from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, metric_keys, step_metrics, write_samples
+from asyncgrpo.telemetry.metrics import JsonlFile, MetricsWriter, MovingRate, generator_values, metric_keys, step_metrics, write_samples
 from asyncgrpo.telemetry.progress import Progress
 from asyncgrpo.telemetry.sinks import TrackerError, Trackers, sink_problems
 from asyncgrpo.threads import run_in_daemon_thread
@@ -326,7 +326,8 @@ class TrainingRun:
             elapsed_s=now - self.started,
             gen_tokens_per_s=self.token_rate.add(now, self.parts.collector.counters["rollout/generated_tokens_total"]),
             eval_metrics=self.eval_state,
-        ) | self.parts.scorer.log.drain()  # the reward functions' log_metric values since the last step: user/<name>
+        ) | generator_values(getattr(self.engine, "stats", dict)()) | self.parts.scorer.log.drain()
+        # ^ the backend's server and weight-sync totals (generation/*), then the reward functions' log_metric values (user/<name>)
         try:
             line = self.metrics.write(values)
             write_samples(self.samples_file, record, cfg.logging.samples_per_step)

@@ -221,6 +221,10 @@ class LaunchedHttpGenerator:
             raise GenerationError(f"HTTP generator {self.name!r} is not started: await start() first.", backend=self.name)
         return self.http
 
+    def stats(self) -> dict[str, Any]:
+        """The HTTP generator's (servers, counters); empty before `start()`."""
+        return self.http.stats() if self.http is not None else {}
+
     async def generate(self, request: GenerationRequest) -> Completion:
         return await self._started().generate(request)
 

@@ -26,6 +26,7 @@ from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.metric_names import (
     COUNTER_NAMES,
     EVAL_KEYS,
+    GENERATOR_COUNTERS,
     PIPELINE_KEYS,
     STEP_KEYS,
     TRAIN_KEYS,
@@ -48,6 +49,7 @@ def metric_keys(reward_names: Iterable[str], *, max_staleness: int, algorithm_ke
         *offpolicy_keys(max_staleness),
         *algorithm_keys,
         *COUNTER_NAMES,
+        *GENERATOR_COUNTERS.values(),
         *EVAL_KEYS,
         *(f"eval/reward/{name}" for name in reward_names),
     )
@@ -95,6 +97,12 @@ def step_metrics(
         **eval_metrics,
     }
     return values
+
+
+def generator_values(stats: Mapping[str, Any]) -> dict[str, float | None]:
+    """The `generation/*` values of a step's line from its backend's `stats()` (empty for a backend that has none):
+    every name of GENERATOR_COUNTERS, null where this backend keeps no such counter."""
+    return {metric: stats.get(counter) for counter, metric in GENERATOR_COUNTERS.items()}
 
 
 class MovingRate:
