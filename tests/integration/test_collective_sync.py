@@ -248,6 +248,28 @@ def test_after_a_failed_finish_the_next_version_abandons_the_unfinished_update_a
     assert publisher.counters["weight_sync_collective_abandoned"] == 1 and publisher.counters["weight_sync_collective"] == 1
 
 
+@pytest.mark.parametrize(("phase", "hinted"), [("group init", True), ("start", False)])
+def test_the_server_start_hint_comes_only_with_a_refusal_that_can_mean_a_server_started_without_our_extension(
+        fresh, tmp_path, phase, hinted):
+    """By 'start' the abandon call has reached our extension, so a refused start is not about how the server started."""
+    import aiohttp
+
+    from asyncgrpo.generation.http_control import HttpControl
+    from asyncgrpo.generation.weight_sync import WeightSyncStepError
+
+    _, b = fresh
+    b.fault(phase, "error")
+    publisher = CollectiveWeightPublisher(tmp_path / "weights", on_failure="skip", chunk_bytes=1024, collective_timeout_s=600.0)
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(WeightSyncStepError, match=f"phase '{phase}'") as raised:
+                await publisher.install(HttpControl(session, b.url, quick_s=5.0), await publisher.stage(weights(3), 3), 30.0)
+            return str(raised.value)
+
+    assert ("--worker-extension-cls" in asyncio.run(main())) is hinted
+
+
 def test_on_failure_disk_loads_that_server_from_disk_from_then_on(fresh, tmp_path):
     a, b = fresh
     b.fault("group init", "error")

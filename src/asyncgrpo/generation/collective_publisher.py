@@ -204,7 +204,9 @@ class CollectiveWeightPublisher(DiskWeightPublisher):
                 raise WeightSyncStepError(f"{where}: no progress within the deadline (generation.weight_sync_timeout_s)",
                                           unreachable=True) from None
             if isinstance(cause, WeightSyncStepError):
-                hint = f"; {SERVER_HINT}" if cause.status is not None and phase in ("group init", "abandon", "start") else ""
+                # Only the first calls can fail for a server started without our extension: a refused start comes
+                # after the abandon call reached it (e.g. vLLM's "already active"), where the hint would mislead.
+                hint = f"; {SERVER_HINT}" if cause.status is not None and phase in ("group init", "abandon") else ""
                 raise WeightSyncStepError(f"{where}: {cause}{hint}", status=cause.status,
                                           unreachable=cause.unreachable) from cause
             if isinstance(cause, (RuntimeError, ValueError, OSError)):  # the trainer's side of the collective
