@@ -191,5 +191,10 @@ def test_two_packed_data_parallel_ranks_equal_one_padded_process(model_and_group
     single, single_grads = run_step(model, config({"max_grad_norm": 1e9, "micro_batch_size": 5, "loss": {"type": loss_type}}, {}), groups)
     for key in ("loss", "grad_norm", "entropy", "clip_frac"):
         assert parallel["metrics"][key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
+    # the off-policy diagnostics are the whole batch's on every rank, not rank 0's share
+    offpolicy = [key for key in single if key.startswith(("offpolicy/", "engine_mismatch/"))]
+    assert single["offpolicy/s0/tokens"] > 0 and offpolicy
+    for key in offpolicy:
+        assert parallel["metrics"][key] == pytest.approx(single[key], rel=1e-5, abs=1e-6, nan_ok=True), key
     for a, b in zip(parallel["grads"][0], single_grads[0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -57,6 +57,19 @@ class RankShare:
         """This rank's items (every world_size-th, starting at its rank): the ranks' shares partition `items`."""
         return list(items[self.rank :: self.world_size])
 
+    def gather_rows(self, rows: Tensor) -> Tensor:
+        """Every rank's `rows` (a `[k, n_rank]` tensor on the CPU, n may differ by rank) side by side, on every rank:
+        per-token diagnostics computed from the whole batch rather than one rank's share (training/offpolicy.py)."""
+        count = torch.tensor([rows.shape[1]], device=self.device)
+        counts = [torch.zeros_like(count) for _ in range(self.world_size)]
+        dist.all_gather(counts, count)
+        width = int(max(int(c) for c in counts))
+        padded = torch.zeros(rows.shape[0], width, dtype=rows.dtype, device=self.device)
+        padded[:, : rows.shape[1]] = rows.to(self.device)
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)
+        return torch.cat([part[:, : int(n)] for part, n in zip(parts, counts, strict=True)], dim=1).cpu()
+
     def rounds(self, count: int) -> int:
         """How many forward passes every rank makes where this one has `count` to make: `count` itself (DDP
         communicates only in the synchronising backward pass, so the ranks' counts may differ)."""

@@ -21,12 +21,14 @@ Invariants:
   or pi_prox of later updates under `decoupled`), so a ratio never mixes in the step's own updates.
 - Log-ratios are clamped to +-20 like the loss's, so a token outside the support counts (r = e^-20) and
   nothing is inf.
-- Under data parallelism a rank observes its own share of the batch (the metrics are rank 0's).
+- Under data parallelism a rank observes its own share of the batch; `metrics(gather=...)` puts every rank's
+  records together first (a collective: every rank calls it), so the metrics are the whole batch's.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -59,9 +61,12 @@ class OffPolicyStats:
         rows = torch.stack([log_ratio, staleness.double(), clipped.double(), zero.double()])
         self._parts.append(rows[:, keep].cpu())
 
-    def metrics(self) -> dict[str, float]:
-        """Every key of `metric_names.offpolicy_keys(max_staleness)`."""
+    def metrics(self, gather: Callable[[Tensor], Tensor] | None = None) -> dict[str, float]:
+        """Every key of `metric_names.offpolicy_keys(max_staleness)`; `gather`: the data-parallel ranks' records
+        side by side (`RankShare.gather_rows`), None in a single process."""
         rows = torch.cat(self._parts, dim=1) if self._parts else torch.zeros(4, 0, dtype=torch.float64)
+        if gather is not None:
+            rows = gather(rows)
         log_ratio, staleness, clipped, zero = rows.unbind()
         out: dict[str, float] = {}
         for s in range(self.max_staleness + 1):

@@ -319,7 +319,8 @@ class TorchTrainer:
             "completion/truncated_frac": sum(r.completion.truncated for r in rollouts) / len(rollouts),
         }
         metrics.update(self.algorithm.step_metrics(groups))
-        return {**{key: float(metrics[key]) for key in (*TRAIN_KEYS, *self.algorithm.metric_keys)}, **self._offpolicy.metrics()}
+        return {**{key: float(metrics[key]) for key in (*TRAIN_KEYS, *self.algorithm.metric_keys)}, **self._offpolicy.metrics(
+            None if self._parallel is None else self._parallel.gather_rows)}
 
     def _update(self, groups: list[list[TrainSequence]], *, first: bool) -> tuple[float | None, float, LossStats]:
         """One optimizer update over the sequences of `groups`; (None, 0, zeros) when they hold no loss token.
