@@ -20,7 +20,13 @@ def _call(name: str, arguments: dict) -> str:
 
 def test_a_smolagents_tool_calling_agent_that_rewrites_its_history_trains_as_one_sample_per_rewrite():
     turns = {"-t0": _call("calculate", {"expression": "2*3"}), "-t1": _call("final_answer", {"answer": "6"})}
-    generator = TextGenerator(lambda request: turns[request.request_id[-3:]])
+
+    def answer(request):
+        if request.request_id.endswith("-t1"):
+            generator.version = 1  # the second sample's tokens come from newer weights than the first's
+        return turns[request.request_id[-3:]]
+
+    generator = TextGenerator(answer)
     # smolagents' system prompt (its instructions and the tools' schemas) is ~3,400 characters, one token each here.
     cfg = recipe(data={"builtin_size": 1, "num_epochs": 1, "max_prompt_tokens": 8192}, reward={"functions": []},
                  env={"factory": "agent:tests.smol_agents:calculator", "max_turns": 3, "step_timeout_s": 30.0, "agent_history": "split"},
@@ -46,6 +52,11 @@ def test_a_smolagents_tool_calling_agent_that_rewrites_its_history_trains_as_one
         "user: Observation:\n6\nassistant: ")
     extension = first.prompt_token_ids + first.token_ids
     assert last.prompt_token_ids[: len(extension)] != extension  # the rewritten history: not the ids the model saw
+    # The episode's versions are every sample's: its staleness is that of its oldest trained token.
+    for r in group.rollouts:
+        segment, = r.completion.segments
+        assert r.completion.episode.version_span == (segment.versions[0], 1) == (r.completion.generation_version, 1)
+    assert min(r.completion.generation_version for r in group.rollouts) == 0
     # The trainer gets one sequence per sample, each with its episode's advantage, every model token counted once.
     seqs = sequences(group, mask_truncated=False)
     assert len(seqs) == 2 * len(group.rollouts)

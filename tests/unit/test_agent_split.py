@@ -141,3 +141,33 @@ def test_a_split_episode_trains_one_sequence_per_sample_with_the_episodes_advant
     seqs = sequences(group, mask_truncated=True)
     assert [(s.prompt_ids, s.completion_ids, s.loss_tokens, s.rollout.advantage) for s in seqs] == [
         ((1, 2), (5, 6), 2, 0.5), ((3,), (7, 8, 9), 2, 0.5)]
+
+
+def test_a_new_samples_turn_is_dispatched_with_the_oldest_version_of_every_sample_so_far():
+    """The collector keeps the oldest version of an episode's model tokens as its member's dispatch version (its staleness):
+    after a split, the earlier samples' tokens are still trained, so their version still counts."""
+    import asyncio
+    from collections import Counter
+
+    from asyncgrpo.agents.episode import AgentEpisodes
+    from asyncgrpo.agents.gateway import Call
+    from asyncgrpo.types import GenerationRequest, SamplingParams
+    from tests.sim.fakes import recipe
+
+    cfg = recipe(env={"factory": "agent:tests.agents:one_turn", "agent_history": "split"})
+    episodes = AgentEpisodes(cfg.env, cfg.generation, CODEC, Counter(), prompt_key="prompt", max_prompt_tokens=100,
+                             report=lambda *args: None)
+    s = session(split=True)
+    request = GenerationRequest(request_id="r", prompt_id=0, prompt_token_ids=(), sampling=SamplingParams(max_new_tokens=16), seed=0)
+    floors: list[int | None] = []
+
+    async def generate(turn: GenerationRequest, floor: int | None) -> Completion:
+        floors.append(floor)
+        return completion(CALL, version=len(floors))  # turn 1 at version 1, turn 2 at version 2
+
+    async def run() -> None:
+        for messages in ([USER], REWRITTEN):
+            await episodes._answer(Call("chat", {"messages": messages, "tools": [TOOL]}), s, request, generate, Prompt(0, "p", (1,)))
+
+    asyncio.run(run())
+    assert len(s.samples()) == 2 and floors == [None, 1]
