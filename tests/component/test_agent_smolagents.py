@@ -37,6 +37,7 @@ def test_a_smolagents_tool_calling_agent_that_rewrites_its_history_trains_as_one
     last = rollout.completion
     assert rollout.reward == 1.0 and last.episode.turns == 2 and len(last.segments) == 1
     assert collector.counters["env/errors_total"] == 0 and collector.counters["agent/refused/malformed"] == 0
+    assert collector.counters["agent/split_samples_total"] == 2  # one split per episode, counted
     # The reward functions get smolagents' own account of the episode: its rewritten turn, the observation, the final call.
     messages = [dict(m) for m in last.episode.messages]
     assert messages[0]["role"] == "assistant" and messages[0]["content"].startswith("Calling tools:")

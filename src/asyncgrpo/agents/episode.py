@@ -149,6 +149,7 @@ class AgentEpisodes:
         try:
             if call.body is NOT_JSON:
                 raise Refused("malformed", "the request body is not JSON. Fix: send the OpenAI request object as JSON.")
+            samples = len(session.samples())
             if call.kind == "chat":
                 chat = chat_request(call.body)
                 ids, budget = await self._encoding(lambda: session.plan_chat(chat))
@@ -161,6 +162,10 @@ class AgentEpisodes:
             self._refused(refusal, prompt)
             call.refuse(refusal)
             return None
+        if samples and len(session.samples()) > samples:
+            self._report("agent/split_samples_total", f"the agent's request after turn {session.turns} (prompt {prompt.id}) does not "
+                         f"extend its conversation; it started sample {len(session.samples())} of the episode (env.agent_history: split)",
+                         "none needed: each sample is trained with the episode's advantage (docs/agents.md)")
         versions = [v for sample in session.samples() for v in sample.model_versions()]  # every sample's: all are trained
         turn_request = replace(request, request_id=f"{request.request_id}-t{session.turns}", prompt_token_ids=ids,
                                sampling=replace(request.sampling, max_new_tokens=budget), seed=request.seed + session.turns,
