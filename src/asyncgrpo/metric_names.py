@@ -19,6 +19,7 @@ AGENT_COUNTERS = (
     *(f"agent/refused/{reason}" for reason in AGENT_REFUSALS),
     *(f"agent/failed/{kind}" for kind in AGENT_FAILURES),
     "agent/unparsed_tool_calls_total",
+    "agent/split_samples_total",  # a request that rewrote its history started a new sample (env.agent_history: split)
     "agent/killed_total",  # a command agent's process group SIGKILLed after env.cancel_grace_s
     "agent/release_timeout_total",  # the gateway's server stop outlived its deadline (agents/gateway.py)
 )

@@ -197,6 +197,11 @@ class Completion:
     exactly as sampled, and the environment's, with `loss_mask` False (their logprobs are 0.0
     and their version is that of the model token before them). Only masked-in tokens are
     trained, and only they count for the generation version.
+
+    `segments`: an agent episode split where its agent rewrote its history (`env.agent_history: split`,
+    agents/session.py): its earlier samples, each a completion of its own prompt (`prompt_token_ids`) trained as a
+    sequence of its own with this rollout's advantage; this completion is the last sample. They count for the
+    generation version and the model's tokens as this completion's own tokens do.
     """
 
     token_ids: tuple[int, ...]
@@ -208,6 +213,7 @@ class Completion:
     loss_mask: tuple[bool, ...] | None = None  # None: every token is the model's
     episode: Episode | None = None
     prompt_token_ids: tuple[int, ...] | None = None  # an episode whose reset observation joined its prompt: that prompt
+    segments: tuple[Completion, ...] = ()
 
     def __post_init__(self) -> None:
         if not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):
@@ -220,15 +226,18 @@ class Completion:
 
     @cached_property  # read on every staleness check: a min over the tokens once, not per read
     def generation_version(self) -> int:
-        """Lowest policy version that produced any of the model's tokens of this completion."""
+        """Lowest policy version that produced any of the model's tokens of this completion (its segments' included)."""
         if self.loss_mask is None:
-            return min(self.versions, default=self.dispatch_version)
-        return min((v for v, m in zip(self.versions, self.loss_mask) if m), default=self.dispatch_version)
+            own = min(self.versions, default=self.dispatch_version)
+        else:
+            own = min((v for v, m in zip(self.versions, self.loss_mask) if m), default=self.dispatch_version)
+        return min((own, *(s.generation_version for s in self.segments)))
 
     @property
     def model_tokens(self) -> int:
-        """Tokens the model generated (an episode's environment tokens excluded)."""
-        return len(self.token_ids) if self.loss_mask is None else sum(self.loss_mask)
+        """Tokens the model generated (an episode's environment tokens excluded, its segments' included)."""
+        own = len(self.token_ids) if self.loss_mask is None else sum(self.loss_mask)
+        return own + sum(s.model_tokens for s in self.segments)
 
     @property
     def truncated(self) -> bool:

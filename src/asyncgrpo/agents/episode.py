@@ -6,7 +6,8 @@ as a process given the session's base URL and key: command.py, in a task of its 
 (each generated through the collector's retry policy, in this episode's task, every one carrying the session's
 `affinity`, so a backend with several servers answers them on one), and when the agent returns build the `Completion`
 from the session's conversation (session.py): the prompt of its first request, the model's ids as sampled, the agent's
-additions masked out of the loss.
+additions masked out of the loss; a session split where its agent rewrote its history (`env.agent_history: split`) gives
+one sample per part, the earlier ones as the completion's `segments`, all under the episode's one reward.
 
 Endings (counters are the collector's; the first of each is logged in full, naming the agent):
 - the agent returns a number, None, or a dict whose "reward" is one (its other keys are the
@@ -83,7 +84,8 @@ class AgentEpisodes:
     async def play(self, prompt: Prompt, request: GenerationRequest, generate: Generate, on_progress: Callable[[], None]) -> Completion:
         inbox = await self.gateway.open()
         session = Session(self.codec, Limits(self.env.max_turns, self.env.max_tokens, self.max_prompt_tokens,
-                                             request.sampling.max_new_tokens), self.env.factory, request.request_id)
+                                             request.sampling.max_new_tokens), self.env.factory, request.request_id,
+                          split=self.env.agent_history == "split")
         client, work = self._launch(inbox, as_row(prompt, self.prompt_key), prompt)
         task = asyncio.get_running_loop().create_task(work, name=f"agent-{prompt.id}")
         task.add_done_callback(lambda _: inbox.calls.put_nowait(Call("done", None)))
@@ -147,6 +149,7 @@ class AgentEpisodes:
         try:
             if call.body is NOT_JSON:
                 raise Refused("malformed", "the request body is not JSON. Fix: send the OpenAI request object as JSON.")
+            samples = len(session.samples())
             if call.kind == "chat":
                 chat = chat_request(call.body)
                 ids, budget = await self._encoding(lambda: session.plan_chat(chat))
@@ -159,9 +162,11 @@ class AgentEpisodes:
             self._refused(refusal, prompt)
             call.refuse(refusal)
             return None
-        conv = session.conversation
-        assert conv is not None
-        versions = conv.model_versions()
+        if samples and len(session.samples()) > samples:
+            self._report("agent/split_samples_total", f"the agent's request after turn {session.turns} (prompt {prompt.id}) does not "
+                         f"extend its conversation; it started sample {len(session.samples())} of the episode (env.agent_history: split)",
+                         "none needed: each sample is trained with the episode's advantage (docs/agents.md)")
+        versions = [v for sample in session.samples() for v in sample.model_versions()]  # every sample's: all are trained
         turn_request = replace(request, request_id=f"{request.request_id}-t{session.turns}", prompt_token_ids=ids,
                                sampling=replace(request.sampling, max_new_tokens=budget), seed=request.seed + session.turns,
                                affinity=session.affinity)
@@ -194,16 +199,21 @@ class AgentEpisodes:
             raise self._failed("no_model_call", prompt, f"returned {value!r} without a model call answered",
                                "call client.chat.completions.create (or completions.create) before returning")
         reward, info = self._reward(value, prompt)
-        await self._encoding(conv.check_final_drift)
-        versions = conv.model_versions()
+        await self._encoding(conv.check_final_drift)  # an earlier sample's was checked when it ended (session.py)
+        samples = session.samples()
+        versions = [v for sample in samples for v in sample.model_versions()]
         messages = tuple(session.episode_messages())
         stop = session.limit_hit or "done"
         episode = Episode(messages=messages, turns=session.turns, stop_reason=stop, env_reward=reward,  # type: ignore[arg-type]
                           version_span=(min(versions, default=dispatch), max(versions, default=dispatch)),
-                          drift_turns=conv.drift_turns, info=(info,), step_rewards=(reward,))
+                          drift_turns=sum(sample.drift_turns for sample in samples), info=(info,), step_rewards=(reward,))
+        # A split episode's earlier samples (env.agent_history: split): each ended with a model turn the agent went on from.
+        segments = tuple(Completion(token_ids=tuple(s.ids), logprobs=tuple(s.logprobs), versions=tuple(s.versions), finish_reason="stop",
+                                    dispatch_version=min(s.model_versions(), default=dispatch), loss_mask=tuple(s.mask),
+                                    prompt_token_ids=s.prompt_ids) for s in samples[:-1])
         return Completion(token_ids=tuple(conv.ids), logprobs=tuple(conv.logprobs), versions=tuple(conv.versions),
                           finish_reason="length" if stop == "max_tokens" else "stop", dispatch_version=dispatch, text=transcript(messages),
-                          loss_mask=tuple(conv.mask), episode=episode, prompt_token_ids=conv.prompt_ids)
+                          loss_mask=tuple(conv.mask), episode=episode, prompt_token_ids=conv.prompt_ids, segments=segments)
 
     def _reward(self, value: Any, prompt: Prompt) -> tuple[float | None, dict[str, Any]]:
         info: dict[str, Any] = {}

@@ -9,15 +9,23 @@ everything the agent adds between turns (tool results, user messages) as the cha
 (loss mask 0, drift counted as episodes count it).
 
 A session is in chat mode (/v1/chat/completions) or text mode (/v1/completions) from its first
-request. In chat mode each later request must repeat the conversation so far (the first request's
-messages, then each assistant turn as it was returned and what the agent added) and add at least
-one message; the tools must stay those of the first request. In text mode each later prompt must
-start with the text so far (the first prompt and every answer and addition since).
+request. A later request *extends* the conversation when, in chat mode, it repeats the conversation
+so far (the first request's messages, then each assistant turn as it was returned and what the agent
+added), adds at least one message and keeps the tools; in text mode when its prompt starts with the
+text so far (the first prompt and every answer and addition since) and adds to it. One that does not
+*diverges* (the agent rewrote its history: smolagents sends a tool call back as text and its result
+as a user message). With `split` off (`env.agent_history: strict`) it is refused. With `split` on it
+starts a new *sample* of the session: its prompt is the request's messages (or prompt) as sent,
+rendered through the chat template with the request's tools, and the episode's training samples are
+`samples()`, each ended where the next began. A request that repeats the conversation and adds
+nothing is refused either way (it would be a second answer to the same turn).
 
 Invariants: a refused request (`Refused`) leaves the session as it was; the model's text is never
-re-tokenized (the conversation keeps its own copy of each turn's text, not the agent's); limits:
-`max_turns` model turns, `max_tokens` tokens after the prompt, a first prompt of at most
-`max_prompt_tokens` tokens.
+re-tokenized within a sample (the conversation keeps its own copy of each turn's text, not the
+agent's); limits: `max_turns` model turns over the whole session, `max_tokens` tokens after the
+first sample's prompt, a first prompt of at most `max_prompt_tokens` tokens; a later sample's prompt
+and what follows it fit in `max_prompt_tokens + max_tokens`, the most context a sample that extends
+could reach.
 """
 
 from __future__ import annotations
@@ -62,16 +70,20 @@ class ToolsCodec:
 class Session:
     """The bookkeeping of one session (see the module docstring); `agent` names the agent in messages, `name` the session."""
 
-    def __init__(self, codec: Codec, limits: Limits, agent: str, name: str) -> None:
+    def __init__(self, codec: Codec, limits: Limits, agent: str, name: str, *, split: bool = False) -> None:
         self._codec = codec
         self.limits = limits
         self.agent = agent
+        self.split = split  # env.agent_history: split: a diverging request starts a new sample
         self.affinity = Affinity(name)  # its turns' requests carry it: one server answers them all (generation/http.py)
         self.mode: str | None = None
-        self.conversation: Conversation | None = None
+        self.conversation: Conversation | None = None  # the current sample's
+        self.earlier: list[Conversation] = []  # the samples before it (split), in order
+        self.room = limits.max_tokens  # tokens the current sample may hold after its prompt
         self.tools: tuple[dict[str, Any], ...] = ()
         self.public: list[dict[str, Any]] = []  # chat mode: the messages as the agent holds them
-        self.prompt_messages = 0
+        self.first: list[dict[str, Any]] = []  # chat mode: the first request's messages (the episode's prompt)
+        self.prompt_messages = 0  # of `public`: those of the episode's prompt
         self.text = ""  # text mode: the text so far
         self.turns = 0
         self.unparsed_tool_calls = 0
@@ -83,29 +95,20 @@ class Session:
         """The ids the model continues for this request and its most new tokens; `Refused` if it cannot be served."""
         messages = list(request.messages)
         if self.conversation is None:
-            codec = ToolsCodec(self._codec, request.tools)
-            if not codec.has_template:
-                raise Refused("unsupported", "the model's tokenizer has no chat template, so chat messages cannot be rendered. Fix: use "
-                              "/v1/completions, or a model with a chat template.")
-            if request.tools and codec.render(messages, add_generation_prompt=True) == self._codec.render(messages, add_generation_prompt=True):
-                raise Refused("unsupported", f"tools = [{', '.join(t['function']['name'] for t in request.tools)}]: the model's chat "
-                              "template does not render tools, so the model would never see them. Fix: describe the tools in a message "
-                              "and read the calls from the text, or use a model whose template renders tools (Qwen, Hermes, SmolLM3).")
-            ids = self._prompt_ids(codec, codec.render(messages, add_generation_prompt=True))
-            self.mode, self.tools = "chat", request.tools
-            self.conversation = Conversation(codec, Prompt(id=-1, text="", token_ids=ids, messages=tuple(messages)))
-            self.public, self.prompt_messages = messages, len(messages)
+            self._start_chat(messages, request.tools)
+            self.mode, self.first = "chat", messages
             return self._plan(request.max_tokens)
         self._check_mode("chat", "/v1/chat/completions")
-        if request.tools != self.tools:
-            raise Refused("malformed", "tools differ from the session's first request: the prompt was rendered with those. Fix: send the "
-                          "same tools in every request of an episode.")
+        if request.tools != self.tools and not self.split:
+            raise self._diverges("tools differ from the session's first request: the prompt was rendered with those. Fix: send the "
+                                 "same tools in every request of an episode.")
         self._check_turns()
-        for i, (given, held) in enumerate(zip(messages, self.public)):
-            if comparable(given) != comparable(held):
-                raise Refused("malformed", f"messages[{i}] = {given!r} is not the session's message {held!r}: a request must repeat the "
-                              "conversation so far (assistant turns as they were returned) and add to it. Fix: append to the messages you "
-                              "sent, with each response's message as it came.")
+        divergence = self._chat_divergence(messages, request.tools)
+        if divergence is not None:
+            if not self.split:
+                raise self._diverges(divergence)
+            self._start_chat(messages, request.tools)
+            return self._plan(request.max_tokens)
         added = messages[len(self.public):]
         if not added:
             raise Refused("malformed", f"the request repeats the conversation's {len(self.public)} messages and adds none. Fix: add the tool "
@@ -117,15 +120,19 @@ class Session:
     def plan_text(self, request: TextRequest) -> tuple[tuple[int, ...], int]:
         """As `plan_chat`, for /v1/completions."""
         if self.conversation is None:
-            ids = self._prompt_ids(self._codec, request.prompt)
-            self.mode, self.text = "text", request.prompt
-            self.conversation = Conversation(self._codec, Prompt(id=-1, text=request.prompt, token_ids=ids))
+            self._start_text(request.prompt)
+            self.mode = "text"
             return self._plan(request.max_tokens)
         self._check_mode("text", "/v1/completions")
         self._check_turns()
-        if not request.prompt.startswith(self.text) or len(request.prompt) == len(self.text):
+        if request.prompt == self.text or (not request.prompt.startswith(self.text) and not self.split):
             raise Refused("malformed", f"the prompt does not extend the session's text so far ({len(self.text)} characters, ending "
-                          f"{self.text[-40:]!r}). Fix: send the previous prompt, the answer as it came, then what you add.")
+                          f"{self.text[-40:]!r}). Fix: send the previous prompt, the answer as it came, then what you add"
+                          + ("." if request.prompt == self.text else "; or, for an agent that rewrites its text, set "
+                             "env.agent_history: split (each such request starts a new sample of the episode; docs/agents.md)."))
+        if not request.prompt.startswith(self.text):
+            self._start_text(request.prompt)
+            return self._plan(request.max_tokens)
         added = request.prompt[len(self.text):]
         self._observe([{"role": "user", "content": added}], f"the {len(added)} new characters")
         self.text = request.prompt
@@ -144,25 +151,86 @@ class Session:
         self.public.append(assistant_message(turn))
         return turn
 
+    def samples(self) -> list[Conversation]:
+        """The session's samples in order: one, or one per divergence and the first (split)."""
+        return [*self.earlier, *([self.conversation] if self.conversation is not None else [])]
+
     def episode_messages(self) -> Sequence[Message]:
-        """The conversation after the prompt as the agent saw it (assistant turns parsed), for the reward functions."""
+        """The conversation after the prompt as the agent saw it (assistant turns parsed), for the reward functions: in chat
+        mode the last request's messages after those it shares with the first (the agent's own account of the episode),
+        then the answer; in text mode what followed each sample's prompt, sample after sample."""
         if self.mode == "chat":
             return self.public[self.prompt_messages:]
-        return self.conversation.episode_messages() if self.conversation is not None else []
+        return [m for conv in self.samples() for m in conv.episode_messages()]
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ samples
 
-    def _prompt_ids(self, codec: Codec, text: str) -> tuple[int, ...]:
-        if len(text) > self.limits.max_prompt_tokens * codec.max_token_chars:  # cannot fit: never encoded
-            raise self._prompt_too_long(f"{len(text)} characters")
+    @staticmethod
+    def _diverges(why: str) -> Refused:
+        return Refused("malformed", why + " Or, for an agent that rewrites its history, set env.agent_history: split (each such "
+                       "request starts a new sample of the episode; docs/agents.md).")
+
+    def _chat_divergence(self, messages: list[dict[str, Any]], tools: tuple[dict[str, Any], ...]) -> str | None:
+        """Why a later chat request does not extend the conversation (None: it does, or only repeats it)."""
+        if tools != self.tools:
+            return "the request's tools differ from the conversation's."
+        for i, (given, held) in enumerate(zip(messages, self.public)):
+            if comparable(given) != comparable(held):
+                return (f"messages[{i}] = {given!r} is not the session's message {held!r}: a request must repeat the conversation so "
+                        "far (assistant turns as they were returned) and add to it. Fix: append to the messages you sent, with each "
+                        "response's message as it came.")
+        if len(messages) < len(self.public) and self.split:
+            return f"the request drops the conversation's last {len(self.public) - len(messages)} messages."
+        return None
+
+    def _start_chat(self, messages: list[dict[str, Any]], tools: tuple[dict[str, Any], ...]) -> None:
+        """A sample whose prompt is `messages` with `tools` (the session's first, or a new one: the current one ends)."""
+        codec = ToolsCodec(self._codec, tools)
+        if not codec.has_template:
+            raise Refused("unsupported", "the model's tokenizer has no chat template, so chat messages cannot be rendered. Fix: use "
+                          "/v1/completions, or a model with a chat template.")
+        if tools and codec.render(messages, add_generation_prompt=True) == self._codec.render(messages, add_generation_prompt=True):
+            raise Refused("unsupported", f"tools = [{', '.join(t['function']['name'] for t in tools)}]: the model's chat "
+                          "template does not render tools, so the model would never see them. Fix: describe the tools in a message "
+                          "and read the calls from the text, or use a model whose template renders tools (Qwen, Hermes, SmolLM3).")
+        ids, room = self._prompt_ids(codec, codec.render(messages, add_generation_prompt=True))
+        self._next_sample(Conversation(codec, Prompt(id=-1, text="", token_ids=ids, messages=tuple(messages))), room)
+        self.tools, self.public = tools, messages
+        shared = next((i for i, (a, b) in enumerate(zip(messages, self.first)) if comparable(a) != comparable(b)),
+                      min(len(messages), len(self.first)))
+        self.prompt_messages = len(messages) if not self.first else shared
+
+    def _start_text(self, prompt: str) -> None:
+        ids, room = self._prompt_ids(self._codec, prompt)
+        self._next_sample(Conversation(self._codec, Prompt(id=-1, text=prompt, token_ids=ids)), room)
+        self.text = prompt
+
+    def _next_sample(self, conversation: Conversation, room: int) -> None:
+        """Make `conversation` the current sample; the one before it (if any) ends with its last model turn."""
+        if self.conversation is not None:
+            self.conversation.check_final_drift()
+            self.earlier.append(self.conversation)
+        self.conversation, self.room = conversation, room
+
+    def _prompt_ids(self, codec: Codec, text: str) -> tuple[tuple[int, ...], int]:
+        """A sample's prompt ids and the tokens it may hold after them (see the module docstring's limits)."""
+        first = self.conversation is None
+        limit = self.limits.max_prompt_tokens if first else self.limits.max_prompt_tokens + self.limits.max_tokens - 1
+        if len(text) > limit * codec.max_token_chars:  # cannot fit: never encoded
+            raise self._prompt_too_long(f"{len(text)} characters", first)
         ids = codec.encode(text)
-        if len(ids) > self.limits.max_prompt_tokens:
-            raise self._prompt_too_long(f"{len(ids)} tokens")
-        return ids
+        if len(ids) > limit:
+            raise self._prompt_too_long(f"{len(ids)} tokens", first)
+        return ids, self.limits.max_tokens if first else self.limits.max_prompt_tokens + self.limits.max_tokens - len(ids)
 
-    def _prompt_too_long(self, size: str) -> Refused:
-        return Refused("context_limit", f"the first request's prompt is {size}, more than data.max_prompt_tokens = "
-                       f"{self.limits.max_prompt_tokens} tokens. Fix: send a shorter prompt, or raise data.max_prompt_tokens.")
+    def _prompt_too_long(self, size: str, first: bool) -> Refused:
+        if first:
+            return Refused("context_limit", f"the first request's prompt is {size}, more than data.max_prompt_tokens = "
+                           f"{self.limits.max_prompt_tokens} tokens. Fix: send a shorter prompt, or raise data.max_prompt_tokens.")
+        self.limit_hit = "max_tokens"
+        return Refused("context_limit", f"the request starts a new sample (env.agent_history: split) whose prompt is {size}, leaving no "
+                       f"room for a model token in data.max_prompt_tokens + env.max_tokens = {self.limits.max_prompt_tokens} + "
+                       f"{self.limits.max_tokens} tokens. Fix: end the episode sooner, send a shorter history, or raise env.max_tokens.")
 
     def _check_mode(self, mode: str, path: str) -> None:
         if self.mode != mode:
@@ -178,19 +246,21 @@ class Session:
     def _observe(self, added: list[dict[str, Any]], what: str) -> None:
         conv = self.conversation
         assert conv is not None
-        left = self.limits.max_tokens - conv.generated
+        left = self.room - conv.generated
         fits = sum(len(str(m.get("content", ""))) for m in added) <= left * self._codec.max_token_chars
         drift = conv.drift_turns
         ids = conv.delta(added) if fits else None
         if ids is None or len(ids) >= left:  # no room for a model token after them
             conv.drift_turns = drift  # refused: nothing of these messages is kept, their drift included
             self.limit_hit = "max_tokens"
-            raise Refused("context_limit", f"{what} do not fit in the episode's env.max_tokens = {self.limits.max_tokens} tokens "
-                          f"({conv.generated} used). Fix: end the episode sooner, send shorter tool results, or raise env.max_tokens.")
+            where = (f"the episode's env.max_tokens = {self.limits.max_tokens} tokens" if not self.earlier else
+                     f"the {self.room} tokens this sample's prompt leaves of data.max_prompt_tokens + env.max_tokens")
+            raise Refused("context_limit", f"{what} do not fit in {where} ({conv.generated} used). Fix: end the episode sooner, send "
+                          "shorter tool results, or raise env.max_tokens.")
         conv.observe(added, ids)
 
     def _plan(self, max_tokens: int | None) -> tuple[tuple[int, ...], int]:
         conv = self.conversation
         assert conv is not None
-        budget = min(self.limits.max_new_tokens, self.limits.max_tokens - conv.generated, max_tokens or self.limits.max_new_tokens)
+        budget = min(self.limits.max_new_tokens, self.room - conv.generated, max_tokens or self.limits.max_new_tokens)
         return conv.context, budget

@@ -45,18 +45,29 @@ class EnvConfig(Section):
         description="Deadline of one environment call: reset (the factory included) or one step. One that outlives it is stopped as a "
         "cancelled episode is (token, close(), env.cancel_grace_s) and fails its rollout, naming the environment and the call.",
     )
+    agent_history: Literal["strict", "split"] = Field(
+        "strict",
+        description="Agents only (agent: and agent-command:): what a request whose messages do not extend its session's conversation "
+        "(an agent that rewrites its history, e.g. smolagents' tool calls sent back as text) does. strict: refused with HTTP 400 "
+        "(agent/refused/malformed). split: it starts a new sample of the same episode, its prompt the request's messages as sent; "
+        "every sample of the episode is trained with the episode's advantage (docs/agents.md).",
+    )
     observation_role: str = Field("user", min_length=1, description="Chat role of an observation given as a plain string.")
     reward_weight: float = Field(
         1.0, ge=0, description="Weight of the environment's episode reward, added to the weighted reward functions (0: ignore it).",
     )
 
     @model_validator(mode="after")
-    def _agent_isolation(self) -> EnvConfig:
+    def _agent_settings(self) -> EnvConfig:
         if self.factory.startswith("agent:") and self.isolation != "thread":
             raise ValueError(f"isolation = {self.isolation!r} with factory = {self.factory!r}: an agent:module:function runs as a task of "
                              "the run's event loop (cancelled with its session), not in a worker process. Fix: set env.isolation: thread (or "
                              "leave it out), or run the agent as a process: env.factory: agent-command:python my_agent.py (a script that "
                              "prints its reward; docs/agents.md).")
+        if self.agent_history != "strict" and not self.factory.startswith(("agent:", "agent-command:")):
+            raise ValueError(f"agent_history = {self.agent_history!r} with factory = {self.factory!r}: it says what an agent's "
+                             "request that rewrites its history does; an environment's episode has no such requests. Fix: remove "
+                             "env.agent_history, or use an agent (env.factory: agent:module:function or agent-command:...).")
         return self
 
 

@@ -1,7 +1,8 @@
 """A batch of groups as the trainer's tensors: one sequence per rollout, collated into micro-batches.
 
 Job: `sequences(group)` turns each rollout into a `TrainSequence` (prompt ids, completion ids, generation
-log-probs, loss mask, token versions); `collate` pads a list of them into a `MicroBatch` on a device, its
+log-probs, loss mask, token versions), or one per sample of a split agent episode (`Completion.segments`), each
+with the rollout's advantage; `collate` pads a list of them into a `MicroBatch` on a device, its
 advantages given by the algorithm (algorithms/: `[B]` per sequence, or `[B, C]` per token);
 `split_even` and `chunks` cut a batch into updates and micro-batches.
 
@@ -168,24 +169,25 @@ def sequences(group: Group, *, mask_truncated: bool) -> list[TrainSequence]:
     prompt_ids = tuple(group.prompt.token_ids)
     out = []
     for rollout in group.rollouts:
-        c = rollout.completion
-        if c.token_ids and not prompt_ids:
-            raise ValueError(
-                f"prompt {group.prompt.id} has no tokens: the first completion token has nothing to be predicted from"
-            )
         if not math.isfinite(rollout.advantage):
             raise ValueError(f"prompt {group.prompt.id}: advantage {rollout.advantage} is not finite")
-        out.append(
-            TrainSequence(
-                prompt_ids=prompt_ids if c.prompt_token_ids is None else tuple(c.prompt_token_ids),
-                completion_ids=tuple(c.token_ids),
-                logp_gen=tuple(c.logprobs),
-                rollout=rollout,
-                has_loss=not (c.truncated and mask_truncated),
-                loss_mask=c.loss_mask,
-                versions=tuple(c.versions),
+        for c in (*rollout.completion.segments, rollout.completion):  # a split agent episode: one sequence per sample
+            own_prompt = prompt_ids if c.prompt_token_ids is None else tuple(c.prompt_token_ids)
+            if c.token_ids and not own_prompt:
+                raise ValueError(
+                    f"prompt {group.prompt.id} has no tokens: the first completion token has nothing to be predicted from"
+                )
+            out.append(
+                TrainSequence(
+                    prompt_ids=own_prompt,
+                    completion_ids=tuple(c.token_ids),
+                    logp_gen=tuple(c.logprobs),
+                    rollout=rollout,
+                    has_loss=not (c.truncated and mask_truncated),
+                    loss_mask=c.loss_mask,
+                    versions=tuple(c.versions),
+                )
             )
-        )
     return out
 
 
