@@ -114,6 +114,9 @@ def test_trainable_masks_a_resumed_groups_old_tokens_and_says_stale_where_the_bo
     kept, masked = resume.trainable(mixed, step=3)
     assert kept is not None and masked == 2 and kept.rollouts[0].completion.loss_mask == (False, False, True, True)
     assert resume.trainable(mixed, step=5) == (None, 0)  # 3 of 4 tokens past the bound: over rollout.max_masked_share
+    # Every token masked (within rollout.max_masked_share 1): stale, and none counted masked (its tokens are wasted as stale).
+    every = stale_policy(recipe(rollout={"on_stale": "resume", "max_masked_share": 1.0}).rollout)
+    assert every.trainable(group(completion((1, 2), (0, 0))), step=5) == (None, 0)
 
 
 class _FailsOnce:
