@@ -82,6 +82,18 @@ def test_resume_refuses_what_it_is_not_built_for(key: str, value: object) -> Non
         algorithm_for(load_config("recipes/simulate_nemo.yaml", overrides))  # an algorithm's refusal: when it is built
 
 
+@pytest.mark.parametrize("recipe_path", ["recipes/agent_calculator.yaml", "recipes/agent_command_calculator.yaml"])
+def test_resume_refuses_agents_naming_the_factory_kind_and_accepts_environments(recipe_path: str) -> None:
+    from asyncgrpo.config import load_config
+    from asyncgrpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout.on_stale = 'resume' with env.factory = 'agent(-command)?:.*agents \(agent:, "
+                       r"agent-command:\) do not.*Fix: choose another rollout.on_stale"):
+        load_config(recipe_path, ["rollout.on_stale=resume"])
+    cfg = load_config("recipes/calculator.yaml", ["rollout.on_stale=resume"])  # an environment (module:Class): resumed
+    assert cfg.env is not None and cfg.rollout.on_stale == "resume"
+
+
 def test_resume_is_accepted_on_the_http_backend() -> None:
     from asyncgrpo.config import load_config
 
