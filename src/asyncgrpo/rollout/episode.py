@@ -12,7 +12,10 @@ environment's tokens), `step(text)`. It stops when the environment says done, af
 `max_new_tokens` is cut to what is left; environment tokens that leave no room end the episode).
 After the reset and after each step it calls `on_progress` (the collector's stall clock). Each
 environment call and each turn's generation is reported, with its start and end, to the rollout's
-episode observer (rollout/episode_events.py: the run's timeline).
+episode observer (rollout/episode_events.py: the run's timeline). Under `rollout.on_stale: resume`
+each turn's `generate` is the resume loop (rollout/resumption.py): an interruption only ever lands
+in a turn's request, which continues from its tokens; this loop, its finished turns and its
+environment never see it.
 
 Observations are sized before they are tokenized (environments/conversation.py): a step's
 observation of more characters than the tokens left could hold ends the episode at
