@@ -11,6 +11,10 @@ from asyncgrpo.config.section import Section
 if TYPE_CHECKING:
     from asyncgrpo.config.generation import GenerationConfig
 
+# env.factory forms that name an agent, played through the run's gateway (environments/agent_spec.py), not an environment.
+AGENT_PREFIX = "agent:"
+AGENT_COMMAND_PREFIX = "agent-command:"
+
 
 class EnvConfig(Section):
     """Multi-turn environments (docs/environments.md): each rollout is an episode of model turns and environment steps.
@@ -50,9 +54,14 @@ class EnvConfig(Section):
         1.0, ge=0, description="Weight of the environment's episode reward, added to the weighted reward functions (0: ignore it).",
     )
 
+    @property
+    def is_agent(self) -> bool:
+        """The factory names an agent (agent:module:function or agent-command:<command line>), not an environment."""
+        return self.factory.startswith((AGENT_PREFIX, AGENT_COMMAND_PREFIX))
+
     @model_validator(mode="after")
     def _agent_isolation(self) -> EnvConfig:
-        if self.factory.startswith("agent:") and self.isolation != "thread":
+        if self.factory.startswith(AGENT_PREFIX) and self.isolation != "thread":
             raise ValueError(f"isolation = {self.isolation!r} with factory = {self.factory!r}: an agent:module:function runs as a task of "
                              "the run's event loop (cancelled with its session), not in a worker process. Fix: set env.isolation: thread (or "
                              "leave it out), or run the agent as a process: env.factory: agent-command:python my_agent.py (a script that "

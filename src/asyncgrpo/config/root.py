@@ -35,7 +35,6 @@ from asyncgrpo.config.run import RunConfig
 from asyncgrpo.config.section import Section
 from asyncgrpo.config.simulate import SimulateConfig
 from asyncgrpo.config.train import TrainConfig
-from asyncgrpo.environments.agent_spec import is_agent
 from asyncgrpo.loss_config import loss_warnings
 
 
@@ -273,7 +272,7 @@ def resume_problems(cfg: Config) -> list[str]:
         return problems
     unsupported = {"runtime": cfg.runtime if cfg.runtime == "ray" else None, "rollout.partial_groups": "true" if r.partial_groups else None}
     problems += [resume_unsupported(key, value) for key, value in unsupported.items() if value is not None]
-    if cfg.env is not None and is_agent(cfg.env.factory):
+    if cfg.env is not None and cfg.env.is_agent:
         problems.append(
             f"rollout.on_stale = 'resume' with env.factory = {cfg.env.factory!r}: an agent's episodes cannot be resumed yet. The agent "
             "waits on its own HTTP client for each model call through the gateway, with a timeout of generation.rollout_deadline_s + "

@@ -60,7 +60,6 @@ from typing import TypeVar
 
 from asyncgrpo.agents.episode import AgentEpisodes
 from asyncgrpo.config import Config, EnvConfig, GenerationConfig
-from asyncgrpo.environments.agent_spec import is_agent
 from asyncgrpo.environments.conversation import Codec, Conversation, as_row, content_chars, transcript
 from asyncgrpo.environments.hosts import open_host
 from asyncgrpo.environments.protocol import EnvironmentHost, Message, TransientEnvironmentError
@@ -117,7 +116,7 @@ class EpisodeRunner:
         self._logged: set[str] = set()  # the counters whose first ending was logged (`_count_and_log_first`)
         # `env.factory: agent:module:function` is played through the gateway (agents/); a simulator's own hosts model it instead.
         self._agents: AgentEpisodes | None = None
-        if is_agent(env.factory) and host_factory is open_host:
+        if env.is_agent and host_factory is open_host:
             self._agents = AgentEpisodes(env, generation, codec, counters, prompt_key=prompt_key, max_prompt_tokens=max_prompt_tokens,
                                          report=self._count_and_log_first)
 
