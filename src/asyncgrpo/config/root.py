@@ -270,8 +270,8 @@ def resume_problems(cfg: Config) -> list[str]:
         )
     if r.on_stale != "resume":
         return problems
-    unsupported = {"runtime": cfg.runtime if cfg.runtime == "ray" else None, "rollout.partial_groups": "true" if r.partial_groups else None}
-    problems += [resume_unsupported(key, value) for key, value in unsupported.items() if value is not None]
+    if r.partial_groups:
+        problems.append(resume_unsupported("rollout.partial_groups", "true"))
     if cfg.env is not None and cfg.env.is_agent:
         problems.append(
             f"rollout.on_stale = 'resume' with env.factory = {cfg.env.factory!r}: an agent's episodes cannot be resumed yet. The agent "
@@ -288,6 +288,6 @@ def resume_unsupported(key: str, value: str) -> str:
     reports it with key `algorithm` (its `config_problems`)."""
     return (
         f"rollout.on_stale = 'resume' with {key} = {value}: resumable rollouts are built for GRPO rollouts and environment "
-        f"episodes on the scripted, local and http backends (runtime: local, no partial groups, no agents) so far. Fix: choose "
+        f"episodes on the scripted, local, http and Ray backends (no partial groups, no agents) so far. Fix: choose "
         f"another rollout.on_stale (patience is the default), or drop {key}."
     )
