@@ -195,9 +195,9 @@ def flaky_reward(prompts: list[str], completions: list[str], **columns: Any) -> 
 
 def resume_scenario(seed: int) -> dict[str, Any] | None:
     """Scenario `seed` under `rollout.on_stale: resume`, its limits drawn from a stream of their own (None: the scenario
-    plays episodes or distils, which resume does not support)."""
+    distils, which resume does not support)."""
     recipe = scenario(seed)
-    if "env" in recipe or recipe.get("algorithm") == "distill":
+    if recipe.get("algorithm") == "distill":
         return None
     rng = random.Random(f"resume:{seed}")
     recipe["rollout"].update(on_stale="resume", partial_groups=False, max_resumptions=rng.randint(0, 4),

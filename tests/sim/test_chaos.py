@@ -240,22 +240,54 @@ def check_token_bound(sim: Simulation) -> None:
 
 def check_seams(sim: Simulation, generator: WatchedGenerator) -> None:
     """`resume`: a trained rollout's ids are exactly its attempts' tokens end to end, each resumed attempt given the prompt
-    and every token before it as context: nothing lost or duplicated at a seam."""
+    and every token before it as context: nothing lost or duplicated at a seam. An episode's are so turn by turn, each
+    turn starting where the environment's tokens after the one before it end."""
     resumed = 0
     for group in sim.trainer.trained_groups:
         for rollout in group.rollouts:
-            ids = rollout.completion.token_ids
-            attempts = generator.attempts[rollout.completion.text.rsplit(":", 1)[0]]
-            end, finished = len(ids), True
-            while True:  # from the finished attempt back to the first, each one's tokens right before the next one's
-                piece = next((a for a in reversed(attempts) if a.finished == finished and a.resumed + len(a.tokens) == end
-                              and (finished or a.tokens)  # an interruption that kept no token is no piece
-                              and ids[a.resumed:end] == a.tokens and a.context == group.prompt.token_ids + ids[:a.resumed]), None)
-                assert piece is not None, (ids, end, attempts)
-                if piece.resumed == 0:
-                    break
-                end, finished, resumed = piece.resumed, False, resumed + 1
+            c = rollout.completion
+            if c.episode is None:
+                n = seams(c.token_ids, group.prompt.token_ids, 0, generator.attempts[c.text.rsplit(":", 1)[0]], len(c.token_ids))
+            else:  # played by one of the group's members: the one whose turns' attempts join into it
+                takes = [f"{group.prompt.id}-{group.prompt.epoch}-{group.prompt.requeues}-{m}" for m in range(sim.cfg.rollout.group_size)]
+                n = next((n for n in (episode_seams(c, c.prompt_token_ids or group.prompt.token_ids, take, generator) for take in takes)
+                          if n is not None), None)
+            assert n is not None, (c, group.prompt)
+            resumed += n
     assert resumed <= sim.collector.counters["rollout/resumed_rollouts_total"], resumed
+
+
+def seams(ids: tuple[int, ...], prompt: tuple[int, ...], start: int, attempts: list[Attempt], end: int | None = None) -> int | None:
+    """The resumptions of the request whose attempts are `attempts` and whose tokens are `ids[start:end]` (`end` None: the
+    finished attempt's end, wherever it is) after the context `prompt + ids[:start]`; None when they do not join exactly."""
+    finished, resumed = True, 0
+    while True:  # from the finished attempt back to the first, each one's tokens right before the next one's
+        piece = next((a for a in reversed(attempts) if a.finished == finished and (end is None or start + a.resumed + len(a.tokens) == end)
+                      and (finished or a.tokens)  # an interruption that kept no token is no piece
+                      and ids[start + a.resumed:start + a.resumed + len(a.tokens)] == a.tokens
+                      and a.context == prompt + ids[:start + a.resumed]), None)
+        if piece is None:
+            return None
+        if piece.resumed == 0:
+            return resumed
+        end, finished, resumed = start + piece.resumed, False, resumed + 1
+
+
+def episode_seams(c: Completion, prompt: tuple[int, ...], take: str, generator: WatchedGenerator) -> int | None:
+    """The resumptions of an episode played by the rollout whose request id is `take` (its turns' `take-t0`, `take-t1`, ...);
+    None when its turns do not join exactly (another member's, or lost or duplicated tokens)."""
+    assert c.episode is not None
+    resumed, start = 0, 0
+    for turn in range(c.episode.turns):
+        attempts = generator.attempts.get(f"{take}-t{turn}", [])
+        # The turn's first attempt: its context is the prompt and the episode's tokens up to the turn (environment's included).
+        firsts = [len(a.context) - len(prompt) for a in attempts if not a.resumed and len(a.context) - len(prompt) >= start
+                  and a.context == prompt + c.token_ids[:len(a.context) - len(prompt)]]
+        n = seams(c.token_ids, prompt, firsts[-1], attempts) if firsts else None
+        if n is None:
+            return None
+        start, resumed = firsts[-1], resumed + n
+    return resumed
 
 
 def check_fault_free(sim: Simulation) -> None:
@@ -305,7 +337,7 @@ def test_chaos_scenarios_keep_every_invariant(chaos_seeds: list[int]) -> None:
 
 
 # Two hundred of the scenarios again under `rollout.on_stale: resume` (scenarios.resume_scenario): the same checks, and
-# the per-token bound and the seams of resumed rollouts.
+# the per-token bound and the seams of resumed rollouts and of resumed episodes' turns.
 @pytest.mark.timeout(600)
 def test_resume_chaos_scenarios_keep_every_invariant(request: pytest.FixtureRequest) -> None:
     chosen = request.config.getoption("--chaos-seed")
@@ -317,8 +349,10 @@ def test_resume_chaos_scenarios_keep_every_invariant(request: pytest.FixtureRequ
         outcomes[sim.result.outcome] += 1
         outcomes["resumed"] += sim.collector.counters["rollout/resumed_rollouts_total"] > 0
         outcomes["masked"] += sim.collector.counters["rollout/masked_stale_tokens_total"] > 0
-    if len(seeds) >= 200:  # the sweep must resume and mask, not only run
+        outcomes["episodes resumed"] += sim.cfg.env is not None and sim.collector.counters["rollout/resumed_rollouts_total"] > 0
+    if len(seeds) >= 200:  # the sweep must resume (episodes too) and mask, not only run
         assert outcomes["resumed"] >= len(seeds) // 10 and outcomes["masked"] > 0 and outcomes["completed"] > 0, outcomes
+        assert outcomes["episodes resumed"] > 0, outcomes
 
 
 def test_a_group_dispatched_after_its_version_went_stale_is_cancelled_before_it_generates() -> None:

@@ -161,8 +161,10 @@ def test_rollouts_in_flight_at_a_checkpoint_are_generated_again_after_it():
 
 def test_resume_interrupts_nothing_on_a_backend_that_continues_in_flight():
     # The local engine installs weights between decoding steps (continues_in_flight): a rollout continues in place, so
-    # resume interrupts none; its tokens past the bound are still masked (here all of a rollout carry its dispatch version).
+    # resume interrupts none; its tokens past the bound are still masked (here all of a rollout carry its dispatch version,
+    # so a rollout is masked whole, and a group whose every rollout is, is stale: its tokens wasted, not also masked).
     from asyncgrpo.generation.scripted import ScriptedGenerator
+    from tests.sim.test_chaos import check_tokens
 
     class InPlace(ScriptedGenerator):
         continues_in_flight = True
@@ -170,7 +172,8 @@ def test_resume_interrupts_nothing_on_a_backend_that_continues_in_flight():
     sim = long_rollouts(lambda cfg: InPlace(cfg.simulate, seed=cfg.run.seed, max_new_tokens=cfg.generation.max_new_tokens))
     assert sim.result.outcome == "completed"
     counters = sim.collector.counters
-    assert counters["rollout/resumed_rollouts_total"] == 0 and counters["rollout/masked_stale_tokens_total"] > 0
+    assert counters["rollout/resumed_rollouts_total"] == 0 and counters["rollout/stale_groups_total"] > 0
+    check_tokens(sim)  # generated = trained + masked + wasted + held
     for record in sim.records:
         for group in record.batch:
             for rollout in group.rollouts:

@@ -71,7 +71,7 @@ def test_the_resume_policy_refuses_a_group_resumed_too_often_or_with_a_finished_
     assert policy.may_resume([old, None], [0], step=1)
 
 
-@pytest.mark.parametrize("key, value", [("runtime", "ray"), ("rollout.partial_groups", True), ("algorithm", "distill")])
+@pytest.mark.parametrize("key, value", [("rollout.partial_groups", True), ("algorithm", "distill")])
 def test_resume_refuses_what_it_is_not_built_for(key: str, value: object) -> None:
     from asyncgrpo.algorithms.registry import algorithm_for
     from asyncgrpo.config import load_config
@@ -80,6 +80,27 @@ def test_resume_refuses_what_it_is_not_built_for(key: str, value: object) -> Non
     overrides = ["rollout.on_stale=resume", f"{key}={str(value).lower()}"]
     with pytest.raises(ConfigError, match=rf"rollout.on_stale = 'resume' with {key}"):
         algorithm_for(load_config("recipes/simulate_nemo.yaml", overrides))  # an algorithm's refusal: when it is built
+
+
+@pytest.mark.parametrize("recipe_path", ["recipes/agent_calculator.yaml", "recipes/agent_command_calculator.yaml"])
+def test_resume_refuses_agents_naming_the_factory_kind_and_accepts_environments(recipe_path: str) -> None:
+    from asyncgrpo.config import load_config
+    from asyncgrpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout.on_stale = 'resume' with env.factory = 'agent(-command)?:.*agents \(agent:, "
+                       r"agent-command:\) do not.*Fix: choose another rollout.on_stale"):
+        load_config(recipe_path, ["rollout.on_stale=resume"])
+    cfg = load_config("recipes/calculator.yaml", ["rollout.on_stale=resume"])  # an environment (module:Class): resumed
+    assert cfg.env is not None and cfg.rollout.on_stale == "resume"
+
+
+def test_resume_is_accepted_on_ray_generator_actors_which_continue_rollouts_in_place() -> None:
+    from asyncgrpo.config import load_config
+    from asyncgrpo.generation.ray_pool import RayGenerator
+
+    cfg = load_config("recipes/demo.yaml", ["rollout.on_stale=resume", "runtime=ray"])
+    assert cfg.rollout.on_stale == "resume" and cfg.runtime == "ray"
+    assert RayGenerator.continues_in_flight  # each actor's local engine stamps every token's version: nothing to interrupt
 
 
 def test_resume_is_accepted_on_the_http_backend() -> None:

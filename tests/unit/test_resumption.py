@@ -38,12 +38,32 @@ def test_every_policy_but_resume_cancels_a_group_left_behind_and_resume_on_an_in
     in_place, books = runner("resume", in_place=True)
     assert isinstance(in_place, Resuming)
     g = InFlightGroup(key=1, prompt=Prompt(id=0, text="p", token_ids=(1,)), size=1)
-    assert in_place.rollouts(_answer) is _answer and plain.rollouts(_answer) is _answer  # a request is the rollout: no wrapper
+    assert plain.rollouts(_answer) is _answer  # a request is the rollout: no wrapper
     g.member_tasks[0] = _Running()  # type: ignore[assignment]
     g.dispatch_versions[0] = 0
     in_place.weights_published([g], version=3, step=3)
     assert in_place.resume(g, step=3) and g.interrupts == [0]  # in place: the policy lets it go on, nothing interrupted
     assert books.counters["rollout/resumed_rollouts_total"] == 0
+
+
+def test_under_resume_an_episodes_turn_is_dispatched_without_the_floor_of_its_earlier_turns() -> None:
+    # The collector's retry policy keeps the floor as the member's dispatch version, and ends the group as stale at the
+    # turn's dispatch once the floor is past K. Under resume an episode's earlier turns are a prefix instead, held to the
+    # bound token by token: the turn goes on, and the turns past the bound are masked (tests/sim/test_episode_resume.py).
+    floors: list[int | None] = []
+
+    async def attempts(request: GenerationRequest, group: InFlightGroup, member: int, slot: object, floor: int | None = None) -> Completion:
+        floors.append(floor)
+        return completion((9,), (3,))
+
+    async def main() -> None:
+        for on_stale, in_place in (("resume", False), ("resume", True), ("patience", False)):
+            generate = runner(on_stale, in_place=in_place)[0].rollouts(attempts)
+            assert (await generate(REQUEST, InFlightGroup(key=1, prompt=Prompt(id=0, text="p", token_ids=(1,)), size=1), 0, None, 0)
+                    ).token_ids == (9,)
+
+    asyncio.run(main())
+    assert floors == [None, None, 0]  # every policy but resume keeps the floor
 
 
 class _Running:
@@ -97,6 +117,7 @@ def test_an_interrupted_rollout_continues_from_its_tokens_and_a_cancellation_fro
             await again
         once = InFlightGroup(key=2, prompt=Prompt(id=1, text="p", token_ids=(1, 2)), size=1)
         once.member_tasks[0], once.dispatch_versions[0], once.resumptions[0] = asyncio.create_task(hangs(REQUEST)), 0, 1
+        once.generating[0] = True  # it awaits its request (the runner marks it so around each one)
         assert not resuming.resume(once, step=2)  # resumed rollout.max_resumptions times already: the group is cancelled
         assert once.interrupts == [0] and books.counters["rollout/resumed_rollouts_total"] == 2
         once.member_tasks[0].cancel()
@@ -114,6 +135,9 @@ def test_trainable_masks_a_resumed_groups_old_tokens_and_says_stale_where_the_bo
     kept, masked = resume.trainable(mixed, step=3)
     assert kept is not None and masked == 2 and kept.rollouts[0].completion.loss_mask == (False, False, True, True)
     assert resume.trainable(mixed, step=5) == (None, 0)  # 3 of 4 tokens past the bound: over rollout.max_masked_share
+    # Every token masked (within rollout.max_masked_share 1): stale, and none counted masked (its tokens are wasted as stale).
+    every = stale_policy(recipe(rollout={"on_stale": "resume", "max_masked_share": 1.0}).rollout)
+    assert every.trainable(group(completion((1, 2), (0, 0))), step=5) == (None, 0)
 
 
 class _FailsOnce:

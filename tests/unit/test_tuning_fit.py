@@ -164,9 +164,10 @@ def test_compare_refuses_beyond_ten_percent_of_tokens_per_s_or_five_points_of_wa
 def test_only_policies_the_runs_backend_accepts_are_swept():
     local = validate_config({}, "test").model_dump()
     ray = validate_config({"runtime": "ray"}, "test").model_dump()
-    assert policies_for(local) == POLICIES
-    assert policies_for(ray) == tuple(p for p in POLICIES if p != "resume")
-    configs = candidates(1, "patience", 128, 8, policies_for(ray))
+    agent = validate_config({"env": {"factory": "agent:my_agent:play"}}, "test").model_dump()
+    assert policies_for(local) == policies_for(ray) == POLICIES  # Ray's actors continue rollouts in place
+    assert policies_for(agent) == tuple(p for p in POLICIES if p != "resume")  # an agent's episodes are not resumed
+    configs = candidates(1, "patience", 128, 8, policies_for(agent))
     assert "resume" not in {c["rollout.on_stale"] for c in configs} and len(configs) == 4 * 4 * 3 + 2 * 4
 
 

@@ -11,6 +11,10 @@ from asyncgrpo.config.section import Section
 if TYPE_CHECKING:
     from asyncgrpo.config.generation import GenerationConfig
 
+# env.factory forms that name an agent, played through the run's gateway (environments/agent_spec.py), not an environment.
+AGENT_PREFIX = "agent:"
+AGENT_COMMAND_PREFIX = "agent-command:"
+
 
 class EnvConfig(Section):
     """Multi-turn environments (docs/environments.md): each rollout is an episode of model turns and environment steps.
@@ -57,14 +61,19 @@ class EnvConfig(Section):
         1.0, ge=0, description="Weight of the environment's episode reward, added to the weighted reward functions (0: ignore it).",
     )
 
+    @property
+    def is_agent(self) -> bool:
+        """The factory names an agent (agent:module:function or agent-command:<command line>), not an environment."""
+        return self.factory.startswith((AGENT_PREFIX, AGENT_COMMAND_PREFIX))
+
     @model_validator(mode="after")
     def _agent_settings(self) -> EnvConfig:
-        if self.factory.startswith("agent:") and self.isolation != "thread":
+        if self.factory.startswith(AGENT_PREFIX) and self.isolation != "thread":
             raise ValueError(f"isolation = {self.isolation!r} with factory = {self.factory!r}: an agent:module:function runs as a task of "
                              "the run's event loop (cancelled with its session), not in a worker process. Fix: set env.isolation: thread (or "
                              "leave it out), or run the agent as a process: env.factory: agent-command:python my_agent.py (a script that "
                              "prints its reward; docs/agents.md).")
-        if self.agent_history != "strict" and not self.factory.startswith(("agent:", "agent-command:")):
+        if self.agent_history != "strict" and not self.is_agent:
             raise ValueError(f"agent_history = {self.agent_history!r} with factory = {self.factory!r}: it says what an agent's "
                              "request that rewrites its history does; an environment's episode has no such requests. Fix: remove "
                              "env.agent_history, or use an agent (env.factory: agent:module:function or agent-command:...).")

@@ -26,8 +26,10 @@ class RolloutConfig(Section):
         "as stale has its prompt generated again later; drop: it is dropped (dropped/stale); wait: each group targets a step and "
         "that step waits for its own groups (no waste, no length bias, less throughput); patience: requeue, but a ready batch waits "
         "up to rollout.patience_share of a step for groups the next step would cancel; resume: a rollout the next step would leave "
-        "behind is interrupted and continued under the newest weights from the tokens it has (generation.backend scripted, local or http: "
-        "http streams the requests, so an interruption keeps every token received), "
+        "behind is interrupted and continued under the newest weights from the tokens it has (generation.backend scripted, local or http, "
+        "runtime local or ray: local and Ray actors continue rollouts in place; "
+        "http streams the requests, so an interruption keeps every token received; an env: episode keeps its finished turns "
+        "and resumes the turn in progress, never interrupted in an environment call; agents are refused), "
         "tokens older than the bound masked out of the loss (rollout.max_masked_share, rollout.max_resumptions).",
     )
     max_masked_share: float = Field(

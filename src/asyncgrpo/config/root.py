@@ -270,16 +270,24 @@ def resume_problems(cfg: Config) -> list[str]:
         )
     if r.on_stale != "resume":
         return problems
-    unsupported = {"runtime": cfg.runtime if cfg.runtime == "ray" else None, "env": "set" if cfg.env is not None else None,
-                   "rollout.partial_groups": "true" if r.partial_groups else None}
-    return problems + [resume_unsupported(key, value) for key, value in unsupported.items() if value is not None]
+    if r.partial_groups:
+        problems.append(resume_unsupported("rollout.partial_groups", "true"))
+    if cfg.env is not None and cfg.env.is_agent:
+        problems.append(
+            f"rollout.on_stale = 'resume' with env.factory = {cfg.env.factory!r}: an agent's episodes cannot be resumed yet. The agent "
+            "waits on its own HTTP client for each model call through the gateway, with a timeout of generation.rollout_deadline_s + "
+            "env.step_timeout_s that a resumed turn may outlive (each resumption starts the turn's deadline afresh). "
+            "Environments (module:Class, openenv:, python:) resume; agents (agent:, agent-command:) do not. "
+            "Fix: choose another rollout.on_stale (patience is the default), or play the task as an environment."
+        )
+    return problems
 
 
 def resume_unsupported(key: str, value: str) -> str:
     """The problem of `rollout.on_stale: resume` with `key` = `value`; an algorithm whose rollouts cannot be resumed
     reports it with key `algorithm` (its `config_problems`)."""
     return (
-        f"rollout.on_stale = 'resume' with {key} = {value}: resumable rollouts are built for plain GRPO rollouts on the "
-        f"scripted, local and http backends (runtime: local, no env:, no partial groups) so far. Fix: choose another "
-        f"rollout.on_stale (patience is the default), or drop {key}."
+        f"rollout.on_stale = 'resume' with {key} = {value}: resumable rollouts are built for GRPO rollouts and environment "
+        f"episodes on the scripted, local, http and Ray backends (no partial groups, no agents) so far. Fix: choose "
+        f"another rollout.on_stale (patience is the default), or drop {key}."
     )

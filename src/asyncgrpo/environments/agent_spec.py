@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from asyncgrpo.config.env import AGENT_COMMAND_PREFIX as COMMAND_PREFIX
+from asyncgrpo.config.env import AGENT_PREFIX as PREFIX
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.user_modules import import_user_module, lookup_attribute
 
-PREFIX = "agent:"
-COMMAND_PREFIX = "agent-command:"
 KEY = "env.factory"
 
 
@@ -33,10 +33,6 @@ class AgentCommand:
 
     argv: tuple[str, ...]
     spec: str
-
-
-def is_agent(spec: str) -> bool:
-    return spec.startswith((PREFIX, COMMAND_PREFIX))
 
 
 def load_command(spec: str) -> AgentCommand:

@@ -161,6 +161,10 @@ class RayGenerator:
     change them); `version` is the version of those weights.
     """
 
+    # rollout.on_stale: resume: each actor's engine installs weights between decoding steps and stamps each token with its
+    # version (as the local engine does), so a rollout continues in place; one whose actor dies is retried from its start.
+    continues_in_flight = True
+
     def __init__(self, cfg: Config, model: Any, tokenizer: Any, *, version: int = 0, name: str = "ray") -> None:
         self.name = name
         self.cfg = cfg

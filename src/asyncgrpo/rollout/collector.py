@@ -223,9 +223,9 @@ class Collector:
         self.books.rollout_started(group, member, started)
         try:
             with slot:
-                if self._episodes is not None:  # an episode (rollout/episode.py): its turns generated under the retry policy
+                if self._episodes is not None:  # an episode (rollout/episode.py): each turn generated as a plain rollout is
                     result = await self._episodes.run(
-                        group.prompt, request, lambda turn, floor: self._generate_with_retries(turn, group, member, slot, floor),
+                        group.prompt, request, lambda turn, floor: self._generate(turn, group, member, slot, floor),
                         on_retry=self._retried, between_attempts=slot.released_for, on_progress=self.batches.progressed,
                     )  # an episode's turn is progress: the stall bound need not cover env.max_turns turns
                 else:  # one request, or under rollout.on_stale: resume a chain of them (rollout/resumption.py)

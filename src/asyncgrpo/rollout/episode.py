@@ -12,7 +12,10 @@ environment's tokens), `step(text)`. It stops when the environment says done, af
 `max_new_tokens` is cut to what is left; environment tokens that leave no room end the episode).
 After the reset and after each step it calls `on_progress` (the collector's stall clock). Each
 environment call and each turn's generation is reported, with its start and end, to the rollout's
-episode observer (rollout/episode_events.py: the run's timeline).
+episode observer (rollout/episode_events.py: the run's timeline). Under `rollout.on_stale: resume`
+each turn's `generate` is the resume loop (rollout/resumption.py): an interruption only ever lands
+in a turn's request, which continues from its tokens; this loop, its finished turns and its
+environment never see it.
 
 Observations are sized before they are tokenized (environments/conversation.py): a step's
 observation of more characters than the tokens left could hold ends the episode at
@@ -57,7 +60,6 @@ from typing import TypeVar
 
 from asyncgrpo.agents.episode import AgentEpisodes
 from asyncgrpo.config import Config, EnvConfig, GenerationConfig
-from asyncgrpo.environments.agent_spec import is_agent
 from asyncgrpo.environments.conversation import Codec, Conversation, as_row, content_chars, transcript
 from asyncgrpo.environments.hosts import open_host
 from asyncgrpo.environments.protocol import EnvironmentHost, Message, TransientEnvironmentError
@@ -114,7 +116,7 @@ class EpisodeRunner:
         self._logged: set[str] = set()  # the counters whose first ending was logged (`_count_and_log_first`)
         # `env.factory: agent:module:function` is played through the gateway (agents/); a simulator's own hosts model it instead.
         self._agents: AgentEpisodes | None = None
-        if is_agent(env.factory) and host_factory is open_host:
+        if env.is_agent and host_factory is open_host:
             self._agents = AgentEpisodes(env, generation, codec, counters, prompt_key=prompt_key, max_prompt_tokens=max_prompt_tokens,
                                          report=self._count_and_log_first)
 

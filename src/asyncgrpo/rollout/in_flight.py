@@ -33,6 +33,8 @@ class InFlightGroup:
     cut: list[bool] = field(default_factory=list)  # rollout.partial_groups: members cancelled so the group could end early
     interrupts: list[int] = field(default_factory=list)  # rollout.on_stale: resume: interruptions sent and not yet taken
     resumptions: list[int] = field(default_factory=list)  # rollout.on_stale: resume: times each member was resumed
+    # rollout.on_stale: resume: the member awaits a request an interruption may cut (never an episode's environment call)
+    generating: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.dispatch_versions = [None] * self.size
@@ -43,11 +45,7 @@ class InFlightGroup:
         self.cut = [False] * self.size
         self.interrupts = [0] * self.size
         self.resumptions = [0] * self.size
-
-    def running(self, member: int) -> bool:
-        """Is the member's rollout being generated (dispatched, not ended)?"""
-        task = self.member_tasks[member]
-        return task is not None and not task.done() and self.completions[member] is None and self.errors[member] is None
+        self.generating = [False] * self.size
 
     def interrupt(self, member: int) -> None:
         """rollout.on_stale: resume: stop the member's attempt; its rollout keeps the tokens and continues (a cancellation

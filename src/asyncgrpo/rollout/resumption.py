@@ -14,9 +14,18 @@ switch of its own. `runner_for` picks the runner from the policy (rollout/stale_
   (`continues_in_flight`: the local engine) every rollout continues in place, each token stamped with its
   version: nothing is interrupted, the policy still decides whether a group left behind is cancelled.
 
+An episode (`env:`, rollout/episode.py) generates each turn through `rollouts` too, so under `Resuming` each
+turn's request is such a chain with a sink of its own: an interrupted turn keeps its tokens and continues, the
+episode's finished turns, its environment and the observations it gave are untouched. An interruption is only
+ever sent to a member while it awaits a request (`group.generating`, set here around each request): a member in
+an environment call (not replayable) is left alone, and its next turn is generated under the newest weights
+anyway. Under `resume` a turn's dispatch version is its own (no floor from the episode's earlier turns): those
+turns are a prefix, held to the bound token by token as a resumed prefix is.
+
 Invariants: an interruption is a cancellation of the member's task that the task takes back (`Task.uncancel`),
 counted in `group.interrupts` until taken, so a cancellation the task did not get from here (stale, shutdown)
-always propagates; a rollout's completion keeps every token of its requests in order; every interruption
+always propagates; it is sent only while `group.generating[member]`, so it always lands in a request, never in
+an environment call; a rollout's completion keeps every token of its requests in order; every interruption
 reaches the books (`Books.resumed`).
 """
 
@@ -24,7 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable
+from typing import Protocol
 
 from asyncgrpo.rollout.books import Books
 from asyncgrpo.rollout.in_flight import InFlightGroup
@@ -33,9 +43,14 @@ from asyncgrpo.rollout.slots import Slot
 from asyncgrpo.rollout.stale_policy import StalePolicy
 from asyncgrpo.types import Completion, GenerationRequest, TokenSink
 
-# Member `member` of a group generating `request` while holding `slot`: one request under the retry policy (the
-# collector's), or a rollout made of such requests.
-Attempts = Callable[[GenerationRequest, InFlightGroup, int, Slot], Coroutine[object, object, Completion]]
+
+class Attempts(Protocol):
+    """Member `member` of a group generating `request` while holding `slot`: one request under the retry policy (the
+    collector's), or a rollout (an episode's turn) made of such requests. `floor`: the oldest version of an episode's
+    earlier turns, which the collector's retry policy keeps as the member's dispatch version (None: a plain rollout)."""
+
+    def __call__(self, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot, floor: int | None = None, /
+                 ) -> Coroutine[object, object, Completion]: ...
 
 
 class Cancelling:
@@ -68,14 +83,24 @@ class Resuming(Cancelling):
         self.in_place = in_place
 
     def rollouts(self, attempts: Attempts) -> Attempts:
-        return attempts if self.in_place else functools.partial(self._resumable, attempts)  # in place: no sink to fill
+        # In place: no sink to fill, and no coroutine more than the request's own.
+        return functools.partial(self._in_place if self.in_place else self._resumable, attempts)
 
-    async def _resumable(self, attempts: Attempts, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot) -> Completion:
-        """The rollout's requests, each continuing from the tokens of those interrupted before it (`_interrupt` interrupts:
-        a cancellation this task takes back); its completion is their concatenation."""
+    @staticmethod
+    def _in_place(attempts: Attempts, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot, floor: int | None = None,
+                  ) -> Coroutine[object, object, Completion]:
+        """The request itself, with no floor: an episode's earlier turns are held to the bound token by token."""
+        return attempts(request, group, member, slot)
+
+    async def _resumable(self, attempts: Attempts, request: GenerationRequest, group: InFlightGroup, member: int, slot: Slot,
+                         floor: int | None = None) -> Completion:
+        """The rollout's (or turn's) requests, each continuing from the tokens of those interrupted before it (`_interrupt`
+        interrupts, only while `group.generating[member]`: a cancellation this task takes back); its completion is their
+        concatenation. `floor` is not applied: an episode's earlier turns are a prefix, held to the bound token by token."""
         sink = TokenSink()
         prefix: Completion | None = None
         while True:
+            group.generating[member] = True
             try:
                 continuation = await attempts(resumed_request(request, prefix, sink), group, member, slot)
             except asyncio.CancelledError:
@@ -89,6 +114,8 @@ class Resuming(Cancelling):
                 assert version is not None  # an interrupted member was dispatched
                 prefix = join(prefix, partial(sink, version))
                 continue
+            finally:
+                group.generating[member] = False
             return join(prefix, continuation)
 
     def resume(self, group: InFlightGroup, step: int) -> bool:
@@ -107,10 +134,10 @@ class Resuming(Cancelling):
         return self.policy.bound_of_resumed if any(group.resumptions) else None
 
     def _interrupt(self, group: InFlightGroup, *, older_than: int, step: int, may_end: bool) -> bool:
-        """Interrupt the group's running rollouts whose attempt is of a version below `older_than`, all at once, if the policy
-        lets it resume them at `step`. False: it does not, and the group is to be cancelled as stale (`may_end`: they would
-        be stale) or left as it is."""
-        behind = [m for m in range(group.size) if not self.in_place and group.running(m) and not group.interrupts[m]
+        """Interrupt the group's rollouts awaiting a request (never one in an environment call) whose attempt is of a version
+        below `older_than`, all at once, if the policy lets it resume them at `step`. False: it does not, and the group is to
+        be cancelled as stale (`may_end`: they would be stale) or left as it is."""
+        behind = [m for m in range(group.size) if not self.in_place and group.generating[m] and not group.interrupts[m]
                   and (v := group.dispatch_versions[m]) is not None and v < older_than]
         if not behind and not may_end:
             return True

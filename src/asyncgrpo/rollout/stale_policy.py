@@ -125,14 +125,15 @@ class StalePolicy:
         return group, 0
 
     def trainable(self, group: Group, step: int) -> tuple[Group | None, int]:
-        """A finished group as step `step` may train it (`mask`), None when it is stale at `step`, and the tokens `mask`
-        masked anew (to be counted even when the group is then stale)."""
+        """A finished group as step `step` may train it (`mask`) and the tokens `mask` masked anew; (None, 0) when it is stale
+        at `step` (every one of its tokens is then wasted as stale, none counted masked: each token is counted once)."""
         masked = self.mask(group, step)
         if masked is None:
             return None, 0
         group, added = masked
-        stale = is_stale(generation_version=group.generation_version, step=step, max_staleness=group.bound(self.max_staleness))
-        return (None if stale else group), added
+        if is_stale(generation_version=group.generation_version, step=step, max_staleness=group.bound(self.max_staleness)):
+            return None, 0
+        return group, added
 
     def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int) -> bool:
         """`resume`: may a group whose finished rollouts are `finished` resume its rollouts resumed `resumptions` times so far,
