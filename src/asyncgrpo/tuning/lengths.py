@@ -22,8 +22,10 @@ lengths put the median and both spreads low, the more so the more of them the bu
 - Every length cut: nothing says how far beyond the budget the draws went; the moments (every draw at the budget,
   which the simulator then cuts exactly as the run was cut).
 
-Invariants: deterministic; median > 0 and both spreads >= 0 and finite; the censored fit starts from, and is never
-worse in likelihood than, the moments' values.
+Invariants: deterministic; median > 0 and both spreads >= 0 and finite (the search keeps each spread within
+[MIN_SIGMA, MAX_SIGMA]); the censored fit starts from the moments' values (spreads brought into those bounds) and is
+never worse in likelihood than that start (Nelder-Mead never gives up its best point). Lengths under a budget of 1
+say nothing (any draw gives 1 token) and are left out of the censored fit.
 """
 
 from __future__ import annotations
