@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from asyncgrpo.commands.cli import main
+from asyncgrpo.commands.sim_metrics import population_length
 from asyncgrpo.commands.simulate import simulate
 from asyncgrpo.commands.tune import observe_simulation
 from asyncgrpo.config import load_config
@@ -52,6 +53,19 @@ def test_calibration_recovers_the_truth_models(tmp_path):
     assert c.lengths.median == pytest.approx(100, rel=0.15)
     assert c.lengths.rollout_sigma == pytest.approx(0.2, rel=0.25)
     assert c.faults == []
+
+
+def test_lengths_the_budget_cut_are_calibrated_censored_and_the_replay_generates_as_much(tmp_path):
+    """generation.max_new_tokens cuts about 40 % of the truth's rollouts: calibration recovers the lognormal before the cut
+    (the simulator cuts its draws at the budget as the run was cut), so the replay's rollouts are as long as the run's."""
+    truth_run(tmp_path, "generation.max_new_tokens=110")
+    records = load_run(tmp_path)
+    c = calibrate(records)
+    assert c.lengths.censored and 0.3 < c.lengths.truncated_share < 0.55
+    assert c.lengths.median == pytest.approx(100, rel=0.08) and c.lengths.rollout_sigma == pytest.approx(0.2, rel=0.25)
+    replay = simulate(recipe_config(c.recipe))
+    assert population_length(replay.generator.drawn_lengths) == pytest.approx(c.lengths.mean, rel=0.02)
+    assert compare(observe_run(records), observe_simulation(replay)).ok
 
 
 @pytest.mark.parametrize("change", [{}, {"generation.max_inflight": 48}, {"rollout.max_staleness": 2, "rollout.on_stale": "drop"},
@@ -98,10 +112,13 @@ EPISODES = ["env={factory: 'simulated:env', max_turns: 4, max_tokens: 4096}",
             "simulate.env={call_s: {dist: lognormal, median: 0.3, sigma: 0.4}, done_prob: 0.35, reward_prob: 0.3, observation_chars: 30}"]
 
 
-def test_an_episode_run_calibrates_its_environment_and_turns_and_replays_within_tolerance(tmp_path):
-    truth_run(tmp_path, *EPISODES)
+@pytest.mark.parametrize("budget", [[], ["generation.max_new_tokens=120", "env.max_tokens=300"]], ids=["uncut", "cut"])
+def test_an_episode_run_calibrates_its_environment_and_turns_and_replays_within_tolerance(tmp_path, budget):
+    """...also with turns cut at max_new_tokens and at what env.max_tokens left of the episode (a turn's `limit`): both censored."""
+    truth_run(tmp_path, *EPISODES, *budget)
     records = load_run(tmp_path)
     c = calibrate(records)
+    assert c.lengths.censored == bool(budget)
     assert c.env is not None and c.env.call_median_s == pytest.approx(0.3, rel=0.1) and c.env.call_sigma == pytest.approx(0.4, rel=0.15)
     assert c.env.done_prob == pytest.approx(0.35, abs=0.05) and c.env.reward_prob == pytest.approx(0.3, abs=0.05)
     assert c.env.observation_chars == 30 and c.recipe["simulate"]["env"]["done_prob"] == round(c.env.done_prob, 6)
@@ -110,6 +127,16 @@ def test_an_episode_run_calibrates_its_environment_and_turns_and_replays_within_
     assert c.decode.decode_s_per_token == pytest.approx(0.002, rel=0.15) and c.decode.batch_knee == 8
     comparison = compare(observe_run(records), observe_simulation(simulate(recipe_config(c.recipe))))
     assert comparison.ok, comparison.reasons
+
+
+def test_an_episode_run_with_environment_errors_fits_their_rates_apart_from_the_generation_faults(tmp_path):
+    """Both kinds count in rollout/retries_total and rollout/failed_total: the environment's go to simulate.env, none to the
+    generation's faults (the truth has none)."""
+    truth_run(tmp_path, EPISODES[0], EPISODES[1][:-1] + ", error_prob: 0.02, transient_prob: 0.06}")
+    c = calibrate(load_run(tmp_path))
+    assert c.env is not None and c.env.errors is not None
+    assert c.env.errors.error_prob == pytest.approx(0.02, abs=0.01) and c.env.errors.transient_prob == pytest.approx(0.06, abs=0.015)
+    assert c.faults == [] and c.recipe["simulate"]["env"]["transient_prob"] == round(c.env.errors.transient_prob, 6)
 
 
 def test_an_episode_run_that_does_not_replay_prints_the_fitted_environment_model(tmp_path, capsys):

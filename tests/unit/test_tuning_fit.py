@@ -1,4 +1,4 @@
-"""tuning/fit.py, observe.compare and sweep's ranking: fits recover known parameters from synthetic records;
+"""tuning/fit.py (lengths: test_tuning_lengths.py), observe.compare and sweep's ranking: fits recover known parameters from synthetic records;
 the tolerance and the recommendation rules hold at their edges."""
 
 from __future__ import annotations
@@ -9,22 +9,9 @@ import random
 import pytest
 
 from asyncgrpo.config import validate_config
-from asyncgrpo.tuning.fit import concurrency_at_start, fit_decode, fit_env, fit_faults, fit_lengths, fit_trainer, spread_within_cohorts
+from asyncgrpo.tuning.fit import concurrency_at_start, fit_decode, fit_env, fit_env_errors, fit_faults, fit_trainer, spread_within_cohorts
 from asyncgrpo.tuning.observe import Observed, compare
 from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, candidates, frontier, policies_for, recommend
-
-
-def test_lengths_recover_the_prompt_median_and_both_spreads():
-    rng = random.Random(1)
-    records = []
-    for prompt in range(600):
-        prompt_log = math.log(50) + 0.5 * rng.gauss(0, 1)
-        records += [(prompt, round(math.exp(prompt_log + 0.3 * rng.gauss(0, 1)))) for _ in range(8)]
-    fit = fit_lengths(records, max_new_tokens=10_000)
-    assert fit.median == pytest.approx(50, rel=0.06)
-    assert fit.sigma == pytest.approx(0.5, rel=0.08)
-    assert fit.rollout_sigma == pytest.approx(0.3, rel=0.05)
-    assert fit.truncated_share == 0
 
 
 def test_environment_calls_give_a_lognormal_call_time_a_geometric_ending_and_a_binary_reward():
@@ -47,6 +34,22 @@ def test_environment_calls_give_a_lognormal_call_time_a_geometric_ending_and_a_b
     assert fit_env(other).reward_prob is None  # not the 0-or-1 reward the simulated environment gives: not fitted
 
 
+def test_environment_errors_that_failed_a_rollout_are_told_from_the_retried_by_the_episode_lines_before_the_failure():
+    """A line is written only for a call or turn that returned: a failed rollout whose last line is a turn (or that has none)
+    failed in an environment call; one whose last line is an environment call failed generating (the generation's fault)."""
+    def lines(take, *kinds):
+        return [{"e": kind, "take": take, "member": 0, "start": float(i), "end": i + 0.5} for i, kind in enumerate(kinds)]
+    rollouts = [{"take": take, "member": 0, "outcome": outcome} for take, outcome in
+                [(0, "finished"), (1, "failed"), (2, "failed"), (3, "failed"), (4, "cancelled")]]
+    episode = [*lines(0, "env", "turn", "env"), *lines(1, "env", "turn"), *lines(3, "env", "turn", "env"), *lines(4, "env")]
+    fit = fit_env_errors(rollouts, episode, errors_total=5, recorded_share=1.0)  # 1: its step raised; 2: its reset; 3: generating
+    assert (fit.failed, fit.retried) == (2, 3)
+    assert fit.error_prob == pytest.approx(2 / (6 + 5)) and fit.transient_prob == pytest.approx(3 / (6 + 5))
+    half = fit_env_errors(rollouts, episode, errors_total=5, recorded_share=0.5)  # the timeline kept half the run's rollouts
+    assert (half.failed, half.retried) == (4, 1) and half.error_prob == pytest.approx(4 / (12 + 5))
+    assert fit_env_errors(rollouts, episode, errors_total=0, recorded_share=1.0).error_prob == 0  # no error counted: none fitted
+
+
 def test_calls_that_start_together_spread_only_around_their_cohort_which_an_engine_in_lock_step_slows_as_one():
     rng = random.Random(3)
     waves = [(wave * 2.0, rng.choice([0.1, 0.5])) for wave in range(40)]  # each wave's calls share its slowness
@@ -55,10 +58,6 @@ def test_calls_that_start_together_spread_only_around_their_cohort_which_an_engi
     fit = fit_env([{"call": "step", "start": 0, "end": 1, "done": True, "reward": None}], times)
     assert fit.call_sigma < 0.05 and fit.call_median_s == pytest.approx(0.3, rel=0.2)
     assert spread_within_cohorts([(float(i), 1.0) for i in range(100)]) is None  # none started together: not enough to tell
-
-
-def test_lengths_count_the_rollouts_cut_at_max_new_tokens():
-    assert fit_lengths([(0, 12), (0, 12), (1, 5), (1, 7)], max_new_tokens=12).truncated_share == 0.5
 
 
 def test_concurrency_counts_the_spans_open_at_each_start_itself_included():

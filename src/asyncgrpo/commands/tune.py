@@ -141,7 +141,8 @@ def format_result(result: TuneResult) -> str:
     lines = [
         f"calibrated {result.tuned_path} (run it: asyncgrpo simulate {result.tuned_path}):",
         f"  lengths: prompt median {c.lengths.median:.1f} tokens (sigma {c.lengths.sigma:.2f}), within a group sigma "
-        f"{c.lengths.rollout_sigma:.2f}, mean {c.lengths.mean:.1f}, {c.lengths.truncated_share:.0%} cut at max_new_tokens",
+        f"{c.lengths.rollout_sigma:.2f}, mean {c.lengths.mean:.1f}, {c.lengths.truncated_share:.0%} cut at their budget"
+        + (" (fitted as censored: the lognormal before the cut)" if c.lengths.censored else ""),
         f"  decode: prefill {c.decode.prefill_s * 1e3:.1f} ms, {c.decode.decode_s_per_token * 1e3:.3f} ms/token at full speed, "
         f"full speed up to {c.decode.batch_knee} requests (most open: {c.decode.max_concurrency}; rms error {c.decode.rms_error_s:.3f} s)",
         f"  trainer: {c.trainer.token_time_s * 1e6:.1f} us/token + {c.trainer.overhead_s:.3f} s/step ({c.trainer.step_time_s:.3f} s/step "
@@ -153,7 +154,9 @@ def format_result(result: TuneResult) -> str:
         *([] if c.env is None else [
             f"  environment: {c.env.call_median_s * 1e3:.3g} ms per call (median; sigma {c.env.call_sigma:.2f}, "
             f"{c.env.calls} calls), a step ends the episode {c.env.done_prob:.1%} of the time ({c.env.steps} steps), "
-            + ("rewards 1.0 " + f"{c.env.reward_prob:.1%}" if c.env.reward_prob is not None else "rewards not all 0 or 1: reward_prob not fitted")]),
+            + ("rewards 1.0 " + f"{c.env.reward_prob:.1%}" if c.env.reward_prob is not None else "rewards not all 0 or 1: reward_prob not fitted")
+            + ("" if c.env.errors is None else f"; errors {c.env.errors.error_prob:.2%} per call failing the rollout, "
+               f"{c.env.errors.transient_prob:.2%} retried")]),
         "validation (the run's config replayed on virtual time):",
         f"  {'':28} {'measured':>14} {'predicted':>14}  check",
     ]

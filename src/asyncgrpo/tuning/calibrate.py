@@ -14,8 +14,10 @@ generation and training slowed each other (the local engine and the trainer on s
 has each side's slowdown and the fitted times are those at full speed; else it is 1.0 (independent). A run that
 plays episodes (env:) is fitted per turn, as the simulator draws and decodes one request per turn (lengths and decode time
 from its "turn" lines), `simulate.env` from its environment calls (fit.py `fit_env`; its observations as long, in the
-simulator's codec, as the run's were in tokens), and the trainer's time per completion token, the environment's included
-(what the trainer and the stub trainer process).
+simulator's codec, as the run's were in tokens; its error rates from env/errors_total and the rollouts failed in an
+environment call, fit_env_errors), the generation's faults per turn and less the environment's (both count in
+rollout/retries_total and rollout/failed_total), and the trainer's time per completion token, the environment's included
+(what the trainer and the stub trainer process). Lengths are fitted with those cut at their budget censored (lengths.py).
 """
 
 from __future__ import annotations
@@ -38,16 +40,16 @@ from asyncgrpo.tuning.contention import Overlap, busy_windows
 from asyncgrpo.tuning.fit import (
     DecodeFit,
     EnvFit,
-    LengthFit,
     TrainerFit,
     env_times,
     fit_decode,
     fit_env,
+    fit_env_errors,
     fit_faults,
-    fit_lengths,
     fit_trainer,
     mean_or_zero,
 )
+from asyncgrpo.tuning.lengths import LengthFit, fit_lengths
 from asyncgrpo.tuning.records import RunRecords
 
 
@@ -103,10 +105,9 @@ def calibrate(records: RunRecords, pool: Sequence[RunRecords] = ()) -> Calibrati
     to `pool`'s spans too (runs of the same model and backend on the same machine: check_poolable), which can show
     contention one run cannot (tuning/contention.py); everything else is `records`' own."""
     cfg = records.config
-    # With episodes, each turn (the simulator draws per turn) but those env.max_tokens cut short: the simulator cuts its own.
-    finished = [r for r in records.requests if r["outcome"] == "finished"]
-    finished = [r for r in finished if r["tokens"] < r.get("limit", r["tokens"] + 1)] or finished
-    lengths = fit_lengths(((r["prompt"], r["tokens"]) for r in finished), cfg.generation.max_new_tokens)
+    # With episodes, each turn (the simulator draws per turn), under its own budget: env.max_tokens may have cut it (`limit`).
+    lengths = fit_lengths((r["prompt"], r["tokens"], r.get("limit", cfg.generation.max_new_tokens))
+                          for r in records.requests if r["outcome"] == "finished")
     spans = timing([records, *pool])
     decode = fit_decode(spans.rollouts, spans.evals, spans.training)
     decoding = Overlap(busy_windows((r["start"], r["end"]) for r in spans.rollouts))
@@ -115,16 +116,22 @@ def calibrate(records: RunRecords, pool: Sequence[RunRecords] = ()) -> Calibrati
     outcomes = Counter(r["outcome"] for r in records.rollouts)
     for key in ("finished", "failed", "cancelled"):
         outcomes[key] += records.unrecorded.get(key, 0)
+    recorded_share = len(records.rollouts) / max(1, sum(outcomes.values()))
     m = records.last_metrics
-    faults = fit_faults(finished=outcomes["finished"], failed=outcomes["failed"], cancelled=outcomes["cancelled"],
-                        retries=int(m.get("rollout/retries_total") or 0), takes=len(records.takes),
-                        invalid_prompts=int(m.get("rollout/dropped/invalid_prompt") or 0))
-    weight_sync_s = mean_or_zero(s["sync"][1] - s["sync"][0] for s in records.steps)
-    eval_s = mean_or_zero(e["span"][1] - e["span"][0] for e in records.evals)
+    retries, attempts = int(m.get("rollout/retries_total") or 0), outcomes["finished"]
     env = None
     if cfg.env is not None:
+        errors = fit_env_errors(records.rollouts, [*records.turns, *records.env_calls], errors_total=int(m.get("env/errors_total") or 0),
+                                recorded_share=recorded_share)
         env = fit_env(records.env_calls, env_times(records.rollouts, records.turns))
-        env = replace(env, observation_chars=max(0, round(env.observation_tokens - _rendering_tokens(cfg))))
+        env = replace(env, observation_chars=max(0, round(env.observation_tokens - _rendering_tokens(cfg))), errors=errors)
+        # The generation's own faults: less the environment's, per request (a turn) rather than per rollout.
+        retries, outcomes["failed"] = max(0, retries - errors.retried), max(0, outcomes["failed"] - errors.failed)
+        attempts = round(len(records.turns) / recorded_share) if recorded_share > 0 else 0
+    faults = fit_faults(finished=attempts, failed=outcomes["failed"], cancelled=outcomes["cancelled"], retries=retries,
+                        takes=len(records.takes), invalid_prompts=int(m.get("rollout/dropped/invalid_prompt") or 0))
+    weight_sync_s = mean_or_zero(s["sync"][1] - s["sync"][0] for s in records.steps)
+    eval_s = mean_or_zero(e["span"][1] - e["span"][0] for e in records.evals)
     simulate = {
         "tokens": {"dist": "lognormal", "median": round(lengths.median, 6), "sigma": round(lengths.sigma, 6)},
         "token_model": {"rollout_sigma": round(lengths.rollout_sigma, 6), "prefill_s": round(decode.prefill_s, 9),

@@ -1,9 +1,8 @@
 """Fit the simulator's models to a run's records: pure functions over plain numbers, no I/O.
 
 Job: each function takes what the timeline and metrics recorded and returns the parameters of one
-model of the simulator (config/simulate.py, generation/scripted.py, training/stub.py):
-- `fit_lengths`: completion length per prompt (lognormal median, sigma across prompts) and the spread
-  of a rollout around its prompt's length (`token_model.rollout_sigma`), from finished rollouts;
+model of the simulator (config/simulate.py, generation/scripted.py, training/stub.py); completion lengths,
+those cut at their budget censored, are fitted in lengths.py:
 - `fit_decode`: `prefill_s`, `decode_s_per_token` and `batch_knee` of the token model, from rollout
   spans (duration, tokens, and the rollouts open at each one's start, counted here);
 - `fit_faults`: the injected faults that reproduce the run's retry, failure and invalid-prompt rates;
@@ -15,6 +14,8 @@ model of the simulator (config/simulate.py, generation/scripted.py, training/stu
   without an ending), the chance a step rewards 1.0 when every step's reward is 0 or 1 (what the simulated
   environment gives; else it is not fitted), and the environment tokens of an observation that joined its episode
   (they count in the trainer's time and in env.max_tokens);
+- `fit_env_errors`: the simulated environment's error and transient-error rates per call, from env/errors_total and which
+  failed rollouts failed in an environment call (their last episode line);
 - `mean_or_zero`: weight-sync and evaluation time (per evaluation inside the training loop).
 
 Invariants: every function is deterministic and returns finite, non-negative parameters the config
@@ -36,41 +37,6 @@ MIN_DECODE_S_PER_TOKEN = 1e-9  # the config needs > 0
 
 
 @dataclass(frozen=True)
-class LengthFit:
-    median: float  # of a prompt's length (lognormal across prompts)
-    sigma: float  # across prompts, of the log length
-    rollout_sigma: float  # within a group, of the log length around the prompt's
-    mean: float  # population mean: per prompt the mean of its rollouts, then over prompts
-    truncated_share: float  # rollouts at max_new_tokens
-
-
-def fit_lengths(lengths: Iterable[tuple[int, int]], max_new_tokens: int) -> LengthFit:
-    """Lognormal per-prompt length and within-group spread from (prompt id, tokens) of finished rollouts.
-
-    Within a prompt, the spread of log lengths around the prompt's mean log length (pooled, with each
-    prompt's degrees of freedom); across prompts, the variance of the prompts' mean logs less the part
-    the within-prompt spread explains."""
-    per_prompt: dict[int, list[float]] = {}
-    all_lengths = []
-    for prompt, tokens in lengths:
-        per_prompt.setdefault(prompt, []).append(math.log(max(1, tokens)))
-        all_lengths.append(tokens)
-    if not per_prompt:
-        raise ValueError("no finished rollouts to fit lengths from")
-    means = {p: statistics.fmean(logs) for p, logs in per_prompt.items()}
-    within_ss = sum((x - means[p]) ** 2 for p, logs in per_prompt.items() for x in logs)
-    within_df = sum(len(logs) - 1 for logs in per_prompt.values())
-    within_var = within_ss / within_df if within_df > 0 else 0.0
-    centre = statistics.fmean(means.values())
-    between_var = statistics.pvariance(means.values()) if len(means) > 1 else 0.0
-    mean_group = statistics.fmean(len(logs) for logs in per_prompt.values())
-    across_var = max(0.0, between_var - within_var / mean_group)
-    population = statistics.fmean(statistics.fmean(math.exp(x) for x in logs) for logs in per_prompt.values())
-    truncated = sum(t >= max_new_tokens for t in all_lengths) / len(all_lengths)
-    return LengthFit(math.exp(centre), math.sqrt(across_var), math.sqrt(within_var), population, truncated)
-
-
-@dataclass(frozen=True)
 class EnvFit:
     call_median_s: float  # of one reset or step (lognormal)
     call_sigma: float
@@ -80,12 +46,51 @@ class EnvFit:
     steps: int
     observation_tokens: float  # mean environment tokens of a step whose observation joined its episode (0: none did)
     observation_chars: int = 0  # simulate.env.observation_chars giving that many under the simulator's codec (calibrate.py)
+    errors: EnvErrorFit | None = None  # the calls' errors (fit_env_errors); None: not fitted
 
     def simulate_env(self) -> dict[str, Any]:
         """The fitted simulate.env keys."""
         fitted: dict[str, Any] = {"call_s": {"dist": "lognormal", "median": round(self.call_median_s, 9), "sigma": round(self.call_sigma, 6)},
                                   "done_prob": round(self.done_prob, 6), "observation_chars": self.observation_chars}
+        if self.errors is not None:
+            fitted.update(error_prob=round(self.errors.error_prob, 6), transient_prob=round(self.errors.transient_prob, 6))
         return fitted if self.reward_prob is None else {**fitted, "reward_prob": round(self.reward_prob, 6)}
+
+
+@dataclass(frozen=True)
+class EnvErrorFit:
+    error_prob: float  # per call (reset or step attempted), an error that failed the rollout (simulate.env.error_prob)
+    transient_prob: float  # per call, an error the episode was retried after (simulate.env.transient_prob)
+    failed: int  # rollouts the environment failed, in the whole run
+    retried: int  # environment errors retried, in the whole run (they are in rollout/retries_total too)
+
+
+def fit_env_errors(rollouts: Iterable[dict[str, Any]], episode_lines: Iterable[dict[str, Any]], *, errors_total: int,
+                   recorded_share: float) -> EnvErrorFit:
+    """simulate.env's error rates from the run's env/errors_total and its timeline: the recorded rollouts ({take, member,
+    outcome}) and their episodes' "turn" and "env" lines, `recorded_share` of the run's rollouts (logging.timeline_max_rollouts).
+
+    An episode alternates environment calls and turns, and a line is written only for a call or a turn that returned; so a
+    failed rollout whose last line is a turn, or that has none, failed in an environment call (a step or the reset raised, or
+    outlived env.step_timeout_s), and one whose last line is an environment call failed generating (or on a reset observation
+    too long for data.max_prompt_tokens, checked after its line). The environment errors
+    that did not fail a rollout were retried (raised as transient), as far as env/errors_total tells: it also counts a close()
+    that raised, which neither fails nor retries, and is taken for a retry here. The rates are per call attempted: the calls
+    that returned (scaled from the recorded share to the run) and those that raised."""
+    last: dict[tuple[int, int], tuple[float, str]] = {}
+    calls = 0
+    for line in episode_lines:
+        key = (line["take"], line["member"])
+        calls += line["e"] == "env"
+        if key not in last or line["end"] >= last[key][0]:
+            last[key] = (line["end"], line["e"])
+    failed_recorded = sum(r["outcome"] == "failed" and last.get((r["take"], r["member"]), (0.0, "turn"))[1] == "turn" for r in rollouts)
+    failed = min(errors_total, round(failed_recorded / recorded_share)) if recorded_share > 0 else 0
+    retried = errors_total - failed
+    attempted = calls / recorded_share + errors_total if recorded_share > 0 else errors_total
+    if attempted <= 0:
+        return EnvErrorFit(0.0, 0.0, 0, 0)
+    return EnvErrorFit(failed / attempted, retried / attempted, failed, retried)
 
 
 MIN_CALL_S = 1e-9  # a lognormal's median must be > 0; a call the clock saw take no time is this long

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from asyncgrpo.tuning.fit import fit_lengths
+from asyncgrpo.tuning.lengths import population_mean
 from asyncgrpo.tuning.records import RunRecords
 
 TOKENS_PER_S_TOLERANCE = 0.10  # relative
@@ -88,7 +88,7 @@ def observe_run(records: RunRecords) -> Observed:
         ((s["wait"][1] - s["wait"][0], s["train"][1] - s["train"][0], s["sync"][1] - s["sync"][0]) for s in records.steps),
         staleness, trained_tokens=sum(records.trained_tokens), trained_completions=int(m.get("rollout/trained_completions_total") or 0),
         generated_tokens=int(m.get("rollout/generated_tokens_total") or 0), wasted_tokens=int(m.get("rollout/wasted_tokens_total") or 0),
-        population_length=fit_lengths(finished, records.config.generation.max_new_tokens).mean if finished else None,
+        population_length=population_mean(finished) if finished else None,
         eval_s=sum(e["span"][1] - e["span"][0] for e in records.evals),
     )
 
