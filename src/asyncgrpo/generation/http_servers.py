@@ -231,7 +231,8 @@ class ServerPool:
             self.health.replace(old, url)
         server.url = url
         server.gone = None
-        server.hung = None  # a new process: whatever hung is gone
+        server.hung = None  # a new process: whatever hung is gone, and its return is news
+        server.flapping = False
         log.warning("%s: server %s is replaced by %s (%s); it takes work once it answers and has the latest weights",
                     self.name, old, url, why)
         self.mark_unhealthy(server, f"replaced {old} ({why})")
