@@ -1,6 +1,7 @@
 """`RayGenerator` on a local Ray cluster (2 CPUs, one per test module): generation over two actors,
 weights through the object store, cancellation, an actor killed mid-request (transient failure,
-restart, current weights before work) and every actor killed (BackendDeadError at once).
+restart, current weights before work) and every actor killed (BackendDeadError at once). On the same
+cluster, to start no other: launched HTTP servers that fail to start fail the launch driver.
 
 Synchronisation: an actor's `holding(n)` returns once it holds n requests, and recoveries are
 awaited with `RayGenerator.settled()`; nothing sleeps.
@@ -9,18 +10,21 @@ awaited with `RayGenerator.settled()`; nothing sleeps.
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 import torch
 
 from asyncgrpo.config import load_config
-from asyncgrpo.errors import BackendDeadError, TransientGenerationError
+from asyncgrpo.errors import BackendDeadError, ConfigError, TransientGenerationError
 from asyncgrpo.generation.base import Generator
+from asyncgrpo.generation.launch import ServerLauncher
 from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.generation.ray_pool import RayGenerator
 from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.types import Completion, GenerationRequest, SamplingParams
 from tests.integration.ray_cluster import local_cluster, ray
+from tests.integration.servers import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -188,3 +192,29 @@ def test_actors_the_cluster_cannot_place_fail_the_start_with_what_was_asked(clus
     message = run(scenario(), timeout_s=60)
     assert "ray.startup_timeout_s = 3" in message and "ray.generator.num_cpus = 4" in message and "CPU" in message
     assert ray.available_resources().get("CPU") == 2  # the pending actors were removed
+
+
+@pytest.mark.parametrize(("command", "error", "says"), [
+    (["no-such-server-program", "serve"], ConfigError, "the program 'no-such-server-program' of generation.http.launch"),
+    ([sys.executable, "-c", "import sys; print('cannot load', sys.argv[1]); sys.exit(3)"], BackendDeadError,
+     "exited with code 3 while starting. Its log"),
+])
+def test_launched_servers_that_fail_to_start_fail_the_driver_with_the_error_their_actor_named(cluster, tmp_path, command,
+                                                                                             error, says):
+    """generation.http.launch (generation/launch.py) over this module's cluster: the failure an actor reports comes back
+    through Ray to the driver, which raises its class naming each server, and leaves no actor holding the cluster."""
+    cfg = load_config(None, ["runtime=ray", "generation.backend=http", "generation.http.launch.count=2",
+                             "generation.http.launch.num_cpus=0.5", f"generation.http.launch.command={command}"])
+
+    async def scenario():
+        launcher = ServerLauncher(cfg, tmp_path)
+        with pytest.raises(error) as info:
+            await launcher.start()
+        return str(info.value)
+
+    message = run(scenario(), timeout_s=60)
+    assert says in message and "server server-0" in message and "server server-1" in message, message
+    if error is BackendDeadError:
+        assert "cannot load" in message and "Fix:" in message  # its log's last lines, and what to do
+    # both actors were killed (Ray frees their CPUs a moment later: a bounded wait on the cluster's own state)
+    wait_until(lambda: ray.available_resources().get("CPU") == 2, 30.0, "the launched actors' CPUs to be free again")

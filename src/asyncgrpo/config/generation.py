@@ -57,8 +57,10 @@ class LaunchConfig(RayRole):
     start_timeout_s: float = Field(300.0, gt=0, description="How long each server may take to answer GET /health once "
                                    "started (a vLLM start loads and compiles the model); longer fails the run, naming the "
                                    "server and its log's last lines.")
-    max_restarts: int = Field(3, ge=0, description="Restarts of a server process that exited while the run goes on, on the "
-                              "same port by the same actor; it gets the current weights before it takes work. Past that, it "
+    max_restarts: int = Field(3, ge=0, description="Restarts of each server while the run goes on, one budget for both "
+                              "kinds: a server process that exited is restarted on the same port by its actor; a server "
+                              "whose actor died (its node lost) gets a new actor, on a new port that replaces the old URL "
+                              "in the pool. Either way it gets the current weights before it takes work. Past that, it "
                               "stays down and the run goes on with the others.")
 
 

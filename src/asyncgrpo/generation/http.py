@@ -186,6 +186,15 @@ class HttpGenerator:
                 await session.close()
         self._session = self._pool.control_session = None
 
+    def replace_server(self, position: int, url: str, why: str) -> None:
+        """The server at `position` of `servers` is now a new process at `url`: it takes work once it answers and has the
+        latest weights (ServerPool.replace)."""
+        self._pool.replace(position, url, why)
+
+    def server_gone(self, position: int, why: str) -> None:
+        """The server at `position` stays down for good (`why`, named by the errors that list the servers)."""
+        self._pool.servers[position].gone = why
+
     # ------------------------------------------------------------------ generation
 
     async def generate(self, request: GenerationRequest) -> Completion:
@@ -227,12 +236,13 @@ class HttpGenerator:
         assert self._session is not None
         loop = asyncio.get_running_loop()
         version = server.version
+        url = server.url  # the server's process may be replaced meanwhile (ServerPool.replace)
         model = self._model_for(server)
         sink = request.sink
         payload = self._probes.last_payload = completion_payload(request, model=model,
                                                           per_request_seed=self.http.seed == "per_request",
                                                           stream=sink is not None)
-        stream = None if sink is None else CompletionStream(request, sink, url=server.url, version=version,
+        stream = None if sink is None else CompletionStream(request, sink, url=url, version=version,
                                                              backend=self.name, model=model)
         failure: GenerationError | None = None
         text = ""
@@ -250,16 +260,17 @@ class HttpGenerator:
                 clock = AttemptClock(timeout, self._marks, budget_s=budget if budget < self._latency.cap_s else None,
                                      limit_s=self._latency.overdue_limit_s(budget), frozen=server.installing)
                 server.attempts.add(clock)
-                async with self._session.post(f"{server.url}/v1/completions", json=payload) as resp:
+                async with self._session.post(f"{url}/v1/completions", json=payload) as resp:
                     status = resp.status
                     if stream is None or status != 200:
                         text = await resp.text()
                     else:
                         failure = await self._read_stream(resp, stream)
         except aiohttp.ClientConnectionError as exc:  # refused, reset, closed, connect timeout (before TimeoutError: aiohttp's is both)
-            self._pool.mark_unhealthy(server, f"request {request.request_id}: {type(exc).__name__}: {exc}")
+            if server.url == url:  # else it went to a process since replaced, which says nothing of the new one
+                self._pool.mark_unhealthy(server, f"request {request.request_id}: {type(exc).__name__}: {exc}")
             raise TransientGenerationError(
-                f"request {request.request_id} to {server.url} failed: {type(exc).__name__}: {exc}",
+                f"request {request.request_id} to {url} failed: {type(exc).__name__}: {exc}",
                 backend=self.name) from exc
         except TimeoutError:
             assert clock is not None
@@ -267,12 +278,12 @@ class HttpGenerator:
             self.counters["attempt_timeouts"] += 1
             why = "a newer request was answered meanwhile" if clock.overtaken else "nothing newer was answered to compare with"
             raise RequestTimeoutError(
-                f"request {request.request_id} to {server.url} got no answer within its attempt budget of {budget:.3g} s "
+                f"request {request.request_id} to {url} got no answer within its attempt budget of {budget:.3g} s "
                 f"and was abandoned after {clock.active_s():.3g} s: {why} (attempt {timeouts + 1}; the adaptive attempt "
                 f"timeout: {self._latency.describe()}; a transient failure)", backend=self.name) from None
         except aiohttp.ClientError as exc:  # a broken response body
             raise TransientGenerationError(
-                f"request {request.request_id} to {server.url} failed: {type(exc).__name__}: {exc}",
+                f"request {request.request_id} to {url} failed: {type(exc).__name__}: {exc}",
                 backend=self.name) from exc
         finally:
             if clock is not None:
@@ -289,7 +300,7 @@ class HttpGenerator:
                 raise failure
             completion = stream.completion()
         else:
-            completion = read_completion(status, text, url=server.url, request=request, version=version,
+            completion = read_completion(status, text, url=url, request=request, version=version,
                                          backend=self.name, model=model)
         self._latency.record(clock.active_s(), tokens)
         self._marks.answered(clock.mark)

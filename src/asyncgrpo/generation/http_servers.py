@@ -22,6 +22,10 @@ Invariants:
   work until a probe succeeds; its install in progress is cancelled (no publication waits on a server
   known to be down), its probe loop is woken to probe at once, and, once weights were staged, it is
   given the latest ones when it is back (it may have restarted with its original weights).
+- Replacement. A server whose process is replaced by one at another URL (`replace`: a launched server whose
+  actor died, generation/launch.py) keeps its place in the pool; from then on every probe, install and
+  request goes to the new URL, and it counts as a server back after an outage (above). A request still
+  open to the old URL fails over as any failed attempt does.
 - Versions. A server's version is the version it is known to have loaded; `serving_version` is the
   lowest version among servers that can take work (the latest published version while none can).
 """
@@ -59,6 +63,7 @@ class PooledServer:
     loaded: StagedWeights | None = None  # the staged weights it has loaded (None: its own, or unknown after an outage)
     excluded: str | None = None  # why it takes no work although it answers (a failed weight install)
     hung: str | None = None  # why it is out of rotation although /health answers (its attempts time out)
+    gone: str | None = None  # why it stays down for good (its launcher gave up on it), for error messages
     flapping: bool = False  # back after an outage, no request answered since: its marks and returns log at debug level
     last_error: str = ""
     outstanding: int = 0
@@ -98,8 +103,9 @@ class PooledServer:
             state = f"out of rotation ({self.hung})"
         else:
             state = "answers /health"
+        gone = f" ({self.gone})" if self.gone is not None else ""
         last = f"; last error: {self.last_error}" if self.last_error else ""
-        return f"{self.url}: {state}{last}"
+        return f"{self.url}: {state}{gone}{last}"
 
 
 class ServerPool:
@@ -214,6 +220,22 @@ class ServerPool:
         if server.waker is not None and not server.waker.done():
             server.waker.set_result(None)  # probe now rather than at the next interval
         self.changed()
+
+    def replace(self, position: int, url: str, why: str) -> None:
+        """The server at `position` (its place in `base_urls`) is now a new process at `url` (its launcher started one in
+        place of a dead one): it keeps its place, sessions and counters; it is unhealthy until a probe of `url` answers,
+        then takes no work until it has the latest weights (as any server back after an outage)."""
+        server = self.servers[position]
+        old, url = server.url, url.rstrip("/")
+        if url != old:
+            self.health.replace(old, url)
+        server.url = url
+        server.gone = None
+        server.hung = None  # a new process: whatever hung is gone, and its return is news
+        server.flapping = False
+        log.warning("%s: server %s is replaced by %s (%s); it takes work once it answers and has the latest weights",
+                    self.name, old, url, why)
+        self.mark_unhealthy(server, f"replaced {old} ({why})")
 
     def dead_error(self, failing_s: float) -> BackendDeadError:
         """The error of a backend whose attempts have all failed for `failing_s`, naming every server."""

@@ -2,7 +2,8 @@
 
 Job: `ServerLauncher` starts `launch.count` server actors (launch_actor.py) on the Ray cluster, in one
 placement group when `launch.placement` asks for it, waits until every server answers /health, hands
-back their URLs, reports each server's exit while the run goes on, and stops them all at the end.
+back their URLs, reports each server's exit while the run goes on, starts a new actor in place of one
+that died and hands its URL to the pool, and stops them all at the end.
 `LaunchedHttpGenerator` is the `Generator` over them: the ordinary `HttpGenerator` (generation/http.py)
 over `generation.http.base_urls` plus the launched URLs, so weight sync, health probes, failover and
 resume apply unchanged.
@@ -13,10 +14,16 @@ Invariants:
   A server that does not come up fails the start with one paragraph naming it, its command, its log's
   last lines and the fix (`BackendDeadError`; a program missing on its node: `ConfigError`); every
   actor started so far is stopped first.
-- A server that exits mid-run is restarted on the same port by its actor (up to `launch.max_restarts`),
-  which the log says; the HTTP pool marks it unhealthy meanwhile and installs the current weights
-  before it takes work again. Past its restarts, or when its actor dies, it stays down, the log says
-  the run goes on with the others, and a pool with no server left fails as any HTTP pool does
+- A server that exits mid-run is restarted on the same port by its actor, which the log says; the HTTP
+  pool marks it unhealthy meanwhile and installs the current weights before it takes work again.
+- A server whose actor dies (its node lost, its process killed: the watcher's pending `exited` call
+  raises a RayError, so nothing polls) gets a new actor in the same placement bundle, on a new port:
+  started and bounded as at start-up, its URL then replaces the old one in the pool (`ServerSlots`;
+  the pool treats it as a server back after an outage: the current weights before any work).
+- Both kinds of restart spend one budget per server, `launch.max_restarts` (a replacement actor gets
+  what is left for its own process restarts). Past it, or when a restart fails, the server stays
+  down, the log says why and that the run goes on with the others, the pool's error messages name
+  the reason (`server_gone`), and a pool with no server left fails as any HTTP pool does
   (`BackendDeadError` after `generation.backend_dead_after_s`).
 - `aclose()` (bounded, idempotent) stops each server's process group through its actor, kills the
   actors, releases the placement group and lets go of Ray; no server process outlives the run (an
@@ -26,10 +33,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from asyncgrpo.config import Config
 from asyncgrpo.errors import BackendDeadError, ConfigError, GenerationError
@@ -43,6 +51,14 @@ from asyncgrpo.types import Completion, GenerationRequest
 log = logging.getLogger("asyncgrpo")
 
 _STOP_TIMEOUT_S = 30.0  # each actor's stop: its server's SIGTERM grace (10 s) and more
+
+
+class ServerSlots(Protocol):
+    """Where the launcher hands a server's new URL, or says it stays down (`HttpGenerator`; positions in its servers)."""
+
+    def replace_server(self, position: int, url: str, why: str) -> None: ...
+
+    def server_gone(self, position: int, why: str) -> None: ...
 
 
 def launch_specs(cfg: Config, log_dir: Path) -> list[LaunchSpec]:
@@ -79,10 +95,19 @@ class ServerLauncher:
         except BaseException:
             await self.aclose()
             raise
-        self._watchers = [asyncio.create_task(self._watch(spec, handle, url), name=f"{spec.name}-watch")
-                          for spec, handle, url in zip(self.specs, self.handles, self.urls, strict=True)]
         log.info("launched %d generation servers: %s", len(self.urls), ", ".join(self.urls))
         return self.urls
+
+    def watch(self, slots: ServerSlots, first: int) -> None:
+        """Watch every server until `aclose()`: server `index` is `slots`' position `first + index`."""
+        self._watchers = [asyncio.create_task(self._watch(index, slots, first + index), name=f"{spec.name}-watch")
+                          for index, spec in enumerate(self.specs)]
+
+    def _actor(self, index: int, spec: LaunchSpec) -> Any:
+        """A new actor for server `index` (in its bundle of the placement group, if any), running `spec`."""
+        ray, launch = import_ray(), self.launch
+        options = {"num_cpus": launch.num_cpus, "num_gpus": launch.num_gpus, "max_restarts": 0, "max_task_retries": 0}
+        return ray.remote(ServerActor).options(**options, **self._placement.options(index)).remote(spec)
 
     async def _start_actors(self) -> None:
         ray = import_ray()
@@ -91,10 +116,7 @@ class ServerLauncher:
             await self._placement.reserve(timeout_s)
         except TimeoutError:
             raise BackendDeadError(self._placement_problem(ray), backend="http") from None
-        actor_class = ray.remote(ServerActor)
-        options = {"num_cpus": launch.num_cpus, "num_gpus": launch.num_gpus, "max_restarts": 0, "max_task_retries": 0}
-        self.handles = [actor_class.options(**options, **self._placement.options(index)).remote(spec)
-                        for index, spec in enumerate(self.specs)]
+        self.handles = [self._actor(index, spec) for index, spec in enumerate(self.specs)]
         try:  # placement of the actors, then each server's own start (bounded by the actor: start_timeout_s)
             async with asyncio.timeout(timeout_s + launch.start_timeout_s):
                 answers = await asyncio.gather(*(self._started(spec, handle) for spec, handle in zip(self.specs, self.handles,
@@ -129,31 +151,65 @@ class ServerLauncher:
                 f"{launch.num_gpus:g} ({self._placement.describe()}); the cluster has free: {available}. Fix: lower "
                 f"generation.http.launch.count or its num_cpus/num_gpus, or give the cluster more nodes.")
 
-    async def _watch(self, spec: LaunchSpec, handle: Any, url: str) -> None:
-        """Report each exit of the server while the run goes on (its actor restarts it), and its actor's death."""
+    async def _watch(self, index: int, slots: ServerSlots, position: int) -> None:
+        """Report each exit of server `index` while the run goes on (its actor restarts it); when its actor dies, start
+        another in its place while restarts are left and hand `slots` its URL; say when it stays down."""
         ray = import_ray()
-        seen = 0
+        spec, left, seen = self.specs[index], self.launch.max_restarts, 0
         while True:
+            url = self.urls[index]
             try:
-                exit_: ServerExit | None = await handle.exited.remote(seen)
+                exit_: ServerExit | None = await self.handles[index].exited.remote(seen)
             except ray.exceptions.RayError as exc:
-                log.warning("warning: the actor of launched server %s (%s) died (%s); its server is gone and the run goes "
-                            "on with the other servers", spec.name, url, type(exc).__name__)
-                return
+                died = f"its actor died ({type(exc).__name__})"
+                if left == 0:
+                    self._gone(slots, position, spec, url, f"{died}; generation.http.launch.max_restarts = "
+                               f"{self.launch.max_restarts} spent")
+                    return
+                left -= 1
+                log.warning("warning: the actor of launched server %s (%s) died (%s); starting another in its place on a "
+                            "new port (%d restarts left)", spec.name, url, type(exc).__name__, left)
+                answer = await self._relaunch(index, left)
+                if isinstance(answer, LaunchFailure):
+                    self._gone(slots, position, spec, url, f"{died} and its replacement did not start: {answer.message}")
+                    return
+                self.urls[index], seen = answer, 0
+                log.warning("warning: launched server %s is back at %s in place of %s; it gets the current weights "
+                            "before it takes work", spec.name, answer, url)
+                slots.replace_server(position, answer, f"launched server {spec.name}: {died}")
+                continue
             if exit_ is None:
                 return
             seen = exit_.count
-            tail = exit_.log_tail.splitlines()[-3:]
-            if exit_.restarted:
-                log.warning("warning: launched server %s (%s) exited with code %s; restarting it on the same port (%d restarts "
-                            "left); it gets the current weights before it takes work. Its log ended with: %s",
-                            spec.name, url, exit_.code, exit_.restarts_left, " | ".join(tail))
-            else:
-                log.warning("warning: launched server %s (%s) exited with code %s and stays down "
-                            "(generation.http.launch.max_restarts = %d spent, or it did not come back); the run goes on "
-                            "with the other servers. Its log ended with: %s", spec.name, url, exit_.code,
-                            self.launch.max_restarts, " | ".join(tail))
+            tail = " | ".join(exit_.log_tail.splitlines()[-3:])
+            if not exit_.restarted:
+                self._gone(slots, position, spec, url, f"it exited with code {exit_.code} and "
+                           f"generation.http.launch.max_restarts = {self.launch.max_restarts} is spent, or it did not "
+                           f"come back. Its log ended with: {tail}")
                 return
+            left = exit_.restarts_left
+            log.warning("warning: launched server %s (%s) exited with code %s; restarting it on the same port (%d restarts "
+                        "left); it gets the current weights before it takes work. Its log ended with: %s",
+                        spec.name, url, exit_.code, left, tail)
+
+    async def _relaunch(self, index: int, restarts_left: int) -> str | LaunchFailure:
+        """A new actor for server `index` in place of its dead one (killed for sure first: a merely unreachable one must
+        not serve on), with `restarts_left` for its own process; its URL once /health answers, or why not."""
+        ray = import_ray()
+        dead = self.handles[index]
+        await run_in_daemon_thread(lambda: ray.kill(dead, no_restart=True), name="asyncgrpo-ray-kill")
+        spec = dataclasses.replace(self.specs[index], max_restarts=restarts_left)
+        handle = self.handles[index] = self._actor(index, spec)  # in `handles` at once: aclose stops it
+        try:
+            async with asyncio.timeout(self.cfg.ray.startup_timeout_s + self.launch.start_timeout_s):
+                return await self._started(spec, handle)
+        except TimeoutError:
+            return LaunchFailure("start", self._placement_problem(ray))
+
+    def _gone(self, slots: ServerSlots, position: int, spec: LaunchSpec, url: str, why: str) -> None:
+        log.warning("warning: launched server %s (%s) stays down: %s; the run goes on with the other servers",
+                    spec.name, url, why)
+        slots.server_gone(position, f"launched server {spec.name} stays down: {why}")
 
     async def aclose(self) -> None:
         """Stop every server and actor, release the placement group, let go of Ray. Bounded and idempotent."""
@@ -215,6 +271,7 @@ class LaunchedHttpGenerator:
             await self.launcher.aclose()
             raise
         self.http = http
+        self.launcher.watch(http, first=len(generation.http.base_urls))
 
     def _started(self) -> HttpGenerator:
         if self.http is None:

@@ -67,6 +67,12 @@ class PoolHealth:
         record.timeouts_in_a_row += 1
         return record.timeouts_in_a_row >= HUNG_AFTER and self._others_answered_since(url, record.streak_since)
 
+    def replace(self, old: str, new: str) -> None:
+        """The server at `old` is now reached at `new` (a new process in its place): its record starts over under `new`;
+        an answer `old` gave still counts as another server's for the others' streaks."""
+        del self._records[old]
+        self._records[new] = _Record()
+
     def timeouts_in_a_row(self, url: str) -> int:
         return self._records[url].timeouts_in_a_row
 
