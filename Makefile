@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test chaos mutate bench install clean vllm-venv vllm-venv-if-possible test-verifiers
+.PHONY: demo test environments chaos mutate bench install clean vllm-venv vllm-venv-if-possible test-verifiers
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,14 @@ demo: $(STAMP)
 # Two pytest-xdist workers (one per core): a test file is a unit of work, the Ray files one unit and the vLLM files
 # another, so two clusters or vLLM servers never run at once (tests/xdist_scheduling.py); `ARGS="-n 0"` runs serially.
 # The 20 slowest tests are listed at the end, so a CI log shows where the time goes.
-test: $(STAMP) vllm-venv-if-possible
+# .venv and .venv-vllm install side by side (`environments`).
+test: environments
 	$(BIN)/python -m pytest -q -n 2 --durations=20 $(ARGS)
+
+# The two environments `make test` needs, installed at the same time: a pip install keeps about one core busy, and
+# from a fresh clone each took minutes, one after the other. (.ci/run does the same with the linters' install.)
+environments:
+	$(MAKE) --no-print-directory -j2 $(STAMP) vllm-venv-if-possible
 
 # The inner loop: the fast tier, tests/unit and tests/sim: no child process, network socket, Ray or optimizer step
 # (tests/tier_guard.py fails a test there that has one). About 1.5 minutes on 2 idle cores, 79 s of CPU (README "Tests").

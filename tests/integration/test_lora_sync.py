@@ -5,7 +5,7 @@ The first test serves builtin:tiny in this process (aiohttp on a real socket) to
 trainer's merged weights; the second runs two `asyncgrpo serve` processes and stops one of them (SIGSTOP: it neither
 answers nor refuses) while the adapter is on its way. A refused connection is the unit tests' (test_lora_publisher.py;
 the installer's handling of a killed server is shared with every publisher: test_weight_delta_sync.py). vLLM:
-tests/integration/test_vllm.py.
+tests/integration/vllm/test_vllm.py.
 """
 
 from __future__ import annotations

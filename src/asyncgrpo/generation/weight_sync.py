@@ -139,7 +139,7 @@ class DiskWeightPublisher:
         try:
             # clear_cache: no KV computed under the old weights may be reused (a prefix-cache hit after the
             # reload would serve it). vLLM 0.32 defaults it to true, also for mode=keep, where its docs call it
-            # deprecated; said explicitly so a changed default cannot go unnoticed (tests/integration/test_vllm.py).
+            # deprecated; said explicitly so a changed default cannot go unnoticed (tests/integration/vllm/test_vllm.py).
             await server.post("/pause", params={"mode": "keep", "clear_cache": "true"}, timeout_s=left())
             await self._load(server, staged, left)
             await server.post("/resume", timeout_s=left())

