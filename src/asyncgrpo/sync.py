@@ -11,7 +11,7 @@ groups are released.
 `StateSignal.notify()` has every waiter re-check its predicate (O(waiters)): for the few waiters of different
 predicates (a dispatcher, a trainer). The check runs where the waiting task's wake-up would run and, true, runs
 the task's step right there; false, it queues the waiter again without waking the task: the order of everything is
-a plain wake-up's (the trained groups of every simulation stay the same), while a false check, most of them (every
+a plain wake-up's (the simulations train the same groups), while a false check, most of them (every
 rollout's end notifies), costs one loop callback instead of a task step, a new future and the task's await chain.
 `TurnSignal.notify_one()` wakes one, O(1): for many waiters of the same
 predicate over a counted resource (request slots), where one unit freed can satisfy only one of them. Its rule
@@ -85,7 +85,8 @@ class _Waiter(asyncio.Future[None]):
     that check, as a cancelled task's pending wake-up would deliver it.
 
     The awaiting task gives it its wake-up callback (`add_done_callback`, asyncio's protocol for future-like objects) and
-    the callback is called from here; any other callback is an ordinary future's."""
+    the callback is called from here; any other callback is an ordinary future's. A predicate re-checked here runs
+    outside its task (`asyncio.current_task()` is None in it): predicates read shared state only."""
 
     def __init__(self, signal: StateSignal, predicate: Callable[[], bool]) -> None:
         super().__init__(loop=asyncio.get_running_loop())
