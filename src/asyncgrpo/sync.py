@@ -8,8 +8,12 @@ wake-up of an Event that is checked and then cleared). Unlike `asyncio.Condition
 from any synchronous code on the loop, including `finally` blocks of cancelled tasks, which is where slots and
 groups are released.
 
-`StateSignal.notify()` wakes every waiter (O(waiters)): for the few waiters of different predicates (a
-dispatcher, a trainer). `TurnSignal.notify_one()` wakes one, O(1): for many waiters of the same
+`StateSignal.notify()` has every waiter re-check its predicate (O(waiters)): for the few waiters of different
+predicates (a dispatcher, a trainer). The check runs where the waiting task's wake-up would run and, true, runs
+the task's step right there; false, it queues the waiter again without waking the task: the order of everything is
+a plain wake-up's (the simulations train the same groups), while a false check, most of them (every
+rollout's end notifies), costs one loop callback instead of a task step, a new future and the task's await chain.
+`TurnSignal.notify_one()` wakes one, O(1): for many waiters of the same
 predicate over a counted resource (request slots), where one unit freed can satisfy only one of them. Its rule
 against lost wake-ups: the notifier calls `notify_one()` once per unit that became free, so while anyone
 waits, every free unit has a wake-up on its way to a waiter; a woken waiter that finds the unit taken (another
@@ -40,6 +44,7 @@ Its invariants:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
 from collections.abc import Callable
 from types import TracebackType
@@ -47,27 +52,80 @@ from types import TracebackType
 
 class StateSignal:
     def __init__(self) -> None:
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: list[_Waiter] = []
 
     def notify(self) -> None:
-        """Wake every waiter so it re-checks its predicate."""
+        """Have every waiter re-check its predicate, each where its task's wake-up would run (see `_Waiter`)."""
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
-                waiter.set_result(None)
+                waiter.check_soon()
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         """Return once `predicate()` is true (checked now and after every notify)."""
-        loop = asyncio.get_running_loop()
-        while not predicate():
-            waiter: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if not waiter.done():
-                    waiter.cancel()
+        if predicate():
+            return
+        waiter = _Waiter(self, predicate)
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            if not waiter.done():  # the coroutine was closed while it waited
+                waiter.cancel()
+                if waiter in self._waiters:
                     self._waiters.remove(waiter)
+
+
+class _Waiter(asyncio.Future[None]):
+    """One `StateSignal.wait_for`: a future that re-checks its predicate itself, so a notify whose predicate is still false
+    costs one loop callback instead of a wake-up and a step of the waiting task (a new future, the task's await chain run
+    again). The order of everything stays that of a plain future whose task re-checks: the check runs where the task's
+    wake-up would have run (scheduled by `notify()`, in the task's context), and there a true predicate runs the task's
+    step at once, a false one queues the waiter again. A cancellation arriving while a check is on its way is delivered by
+    that check, as a cancelled task's pending wake-up would deliver it.
+
+    The awaiting task gives it its wake-up callback (`add_done_callback`, asyncio's protocol for future-like objects) and
+    the callback is called from here; any other callback is an ordinary future's. A predicate re-checked here runs
+    outside its task (`asyncio.current_task()` is None in it): predicates read shared state only."""
+
+    def __init__(self, signal: StateSignal, predicate: Callable[[], bool]) -> None:
+        super().__init__(loop=asyncio.get_running_loop())
+        self._signal = signal
+        self._predicate = predicate
+        self._wakeup: Callable[[_Waiter], object] | None = None
+        self._context: contextvars.Context | None = None
+        self._checking = False  # a check is scheduled: it delivers whatever happens before it runs
+
+    def add_done_callback(self, fn: Callable[[_Waiter], object], *, context: contextvars.Context | None = None) -> None:
+        if self._wakeup is not None or self.done():
+            super().add_done_callback(fn, context=context)
+            return
+        self._wakeup, self._context = fn, context if context is not None else contextvars.copy_context()
+
+    def check_soon(self) -> None:
+        self._checking = True
+        self.get_loop().call_soon(self._check, context=self._context)
+
+    def _check(self) -> None:
+        self._checking = False
+        if not self.done():
+            if not self._predicate():
+                self._signal._waiters.append(self)
+                return
+            self.set_result(None)
+        self._wake()  # true, or cancelled meanwhile: the task's step runs now, where its wake-up would have run
+
+    def cancel(self, msg: object | None = None) -> bool:
+        if not super().cancel(msg=msg):
+            return False
+        if not self._checking:
+            self.get_loop().call_soon(self._wake, context=self._context)
+        return True
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            wakeup, self._wakeup = self._wakeup, None
+            wakeup(self)
 
 
 class TurnSignal:

@@ -174,3 +174,24 @@ def test_interleaved_attempts_draw_their_own_streams_from_one_random(monkeypatch
         start = rng.randrange(len(gen._token_pool) - length + 1)
         assert completion.token_ids == gen._token_pool[start : start + length]
         assert completion.text == f"{request.request_id}:{rng.getrandbits(32)}"
+
+
+def test_an_attempt_in_flight_is_one_coroutine_of_the_backend_over_its_sleep():
+    # Issue 22: an attempt's decode wait was a coroutine of its own, one more frame for every attempt in flight.
+    from asyncgrpo.types import GenerationRequest, SamplingParams
+
+    gen = scripted(latency_s={"dist": "const", "value": 1.0})
+    request = GenerationRequest("r0", 0, (1,), SamplingParams(max_new_tokens=8), seed=0)
+
+    async def main():
+        coro = gen.generate(request)
+        task = asyncio.ensure_future(coro)
+        await asyncio.sleep(0.5)
+        chain, link = [], coro
+        while hasattr(link, "cr_code"):
+            chain.append(link.cr_code.co_name)
+            link = link.cr_await
+        await task
+        return chain
+
+    assert run_virtual(main()) == ["generate", "sleep"]

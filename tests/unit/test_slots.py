@@ -105,3 +105,26 @@ def test_cancelled_while_waiting_to_retry_it_holds_nothing_to_give_back():
         assert slots.open == 0 and not slot.held
 
     asyncio.run(main())
+
+
+def test_a_slot_given_back_before_its_task_ends_leaves_that_end_no_callback():
+    # Every rollout leaves its `with slot:` before its task ends: the release callback would be one loop callback per
+    # rollout that finds nothing to give back.
+    async def main():
+        slots = RequestSlots(1, StateSignal())
+        slot = await slots.acquire()
+        left: list[int] = []
+
+        async def rollout():
+            with slot:
+                await asyncio.sleep(0)
+            task = asyncio.current_task()
+            assert task is not None
+            left.append(task.remove_done_callback(slot._release_when_done))
+
+        task = asyncio.create_task(rollout())
+        slot.release_with(task)
+        await task
+        assert left == [0] and slots.open == 0
+
+    asyncio.run(main())

@@ -118,9 +118,9 @@ class ScriptedGenerator:
         self._version = version
 
     async def generate(self, request: GenerationRequest) -> Completion:
-        self._attempts[request.request_id] += 1
+        attempt = self._attempts[request.request_id] = self._attempts[request.request_id] + 1
         rng = self._rng
-        rng.seed(_stream_seed(self.seed, request.request_id, self._attempts[request.request_id]))  # as a new Random(seed) would be
+        rng.seed(_stream_seed(self.seed, request.request_id, attempt))  # as a new Random(seed) would be
         dispatch_version = self._version
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -131,7 +131,8 @@ class ScriptedGenerator:
             length = max(0, target - request.resumed_tokens)
         elif model is not None:
             length = self._draw(request, self._prompt_length(request.prompt_id) * math.exp(model.rollout_sigma * rng.gauss(0.0, 1.0)))
-        fault = next((f for f in self.cfg.faults if _applies(f, request.prompt_id, now) and rng.random() < f.rate), None)
+        faults = self.cfg.faults
+        fault = next((f for f in faults if _applies(f, request.prompt_id, now) and rng.random() < f.rate), None) if faults else None
         # Every later draw of the attempt, in its stream's order and before its first await: the one Random is every attempt's.
         latency = 0.0
         drawn = start = bits = 0  # the rollout's length, its offset in the token pool, the text's random bits
@@ -155,9 +156,14 @@ class ScriptedGenerator:
                 slowdown = max(1.0, self.in_progress / model.batch_knee)
                 decoding = (model.prefill_s, drawn * model.decode_s_per_token * slowdown)
             work = Work(decoding[0] + decoding[1])
-            await self._decode(work)
+            if self.hardware is not None:
+                await self.hardware.perform("decode", work)
+            else:  # a plain sleep, awaited here: a coroutine fewer per attempt in flight
+                await asyncio.sleep(work.seconds)
         except asyncio.CancelledError:
             self.aborted += 1
+            if work is not None and self.hardware is None:  # how far its sleep got (no await came before it)
+                work.done_s = min(work.seconds, loop.time() - now)
             if request.sink is not None and decoding is not None and work is not None:
                 self._keep_partial(request, drawn, start, target, decoding, work.done_s, dispatch_version)
             raise
@@ -177,18 +183,6 @@ class ScriptedGenerator:
             dispatch_version=dispatch_version,
             text=f"{request.request_id}:{bits}",
         )
-
-    async def _decode(self, work: Work) -> None:
-        """Take `work`'s time: on the shared hardware (simulate.contention), else a plain sleep; `work.done_s` says how far it got."""
-        if self.hardware is not None:
-            await self.hardware.perform("decode", work)
-            return
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        try:
-            await asyncio.sleep(work.seconds)
-        finally:
-            work.done_s = min(work.seconds, loop.time() - started)
 
     def _keep_partial(self, request: GenerationRequest, length: int, start: int, target: int | None,
                       decoding: tuple[float, float], done_s: float, version: int) -> None:

@@ -2,7 +2,9 @@
 
 `acquire()` waits (on its own `TurnSignal`, in arrival order) for a free slot and returns it as a
 `Slot`, which its holder gives back exactly once: leaving `with slot:`, or the end of the task
-that runs it (`release_with`), whichever comes first; a second release is a no-op. A rollout
+that runs it (`release_with`), whichever comes first; a second release is a no-op. A release
+before the task's end takes its done callback off the task again, so a rollout that gave its slot
+back costs the loop no callback at its end (one handle fewer per rollout). A rollout
 waiting to retry holds no slot (`Slot.released_while`), so the slot serves other rollouts
 meanwhile, and takes one again before its next attempt.
 
@@ -59,6 +61,7 @@ class Slot:
     def __init__(self, slots: RequestSlots) -> None:
         self._slots = slots
         self._held = True
+        self._task: asyncio.Task[object] | None = None  # the task whose end releases it (`release_with`)
 
     @property
     def held(self) -> bool:
@@ -69,12 +72,17 @@ class Slot:
         if self._held:
             self._held = False
             self._slots._give_back()
+        if self._task is not None:  # released before its task ended: that end has nothing left to give back
+            self._task.remove_done_callback(self._release_when_done)
+            self._task = None
 
     def release_with(self, task: asyncio.Task[object]) -> None:
         """Give the slot back when `task` ends, at the latest: also if it is cancelled before it ever ran."""
+        self._task = task
         task.add_done_callback(self._release_when_done)  # a bound method: one object per slot, a lambda took two
 
     def _release_when_done(self, _task: asyncio.Task[object]) -> None:
+        self._task = None
         self.release()
 
     def __enter__(self) -> Slot:
