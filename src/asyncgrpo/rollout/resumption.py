@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Sequence
 from typing import Protocol
 
 from asyncgrpo.rollout.books import Books
@@ -65,8 +65,10 @@ class Cancelling:
         """`group`'s oldest version is stale at `step`: does it go on (True), or is it cancelled as stale (False)?"""
         return False
 
-    def weights_published(self, groups: Iterable[InFlightGroup], version: int, step: int) -> None:
-        """The generator now serves `version` and `step` is the next step to take a batch."""
+    def weights_published(self, groups: Iterable[InFlightGroup], version: int, step: int) -> Sequence[InFlightGroup]:
+        """The generator now serves `version` and `step` is the next step to take a batch. Returns the groups to cancel as
+        stale now (none here)."""
+        return ()
 
     def bound_of(self, group: InFlightGroup) -> int | None:
         """The staleness bound of `group`'s finished `Group` (None: the run's K)."""
@@ -76,11 +78,14 @@ class Cancelling:
 class Resuming(Cancelling):
     """`rollout.on_stale: resume`: rollouts left behind are interrupted and continued under the newest weights."""
 
-    def __init__(self, policy: StalePolicy, books: Books, *, in_place: bool) -> None:
-        """`in_place`: the backend continues every rollout in place (`continues_in_flight`): nothing to interrupt."""
+    def __init__(self, policy: StalePolicy, books: Books, *, in_place: bool, episode_tokens: int | None = None) -> None:
+        """`in_place`: the backend continues every rollout in place (`continues_in_flight`): nothing to interrupt.
+        `episode_tokens`: `env.max_tokens` when every rollout is an episode (None: a rollout is one request)."""
         self.policy = policy
         self.books = books
         self.in_place = in_place
+        self.episode_tokens = episode_tokens
+        self._progress: dict[tuple[int, int], Progress] = {}  # (group key, member): its tokens so far, for `_hopeless`
 
     def rollouts(self, attempts: Attempts) -> Attempts:
         # In place: no sink to fill, and no coroutine more than the request's own.
@@ -99,6 +104,10 @@ class Resuming(Cancelling):
         concatenation. `floor` is not applied: an episode's earlier turns are a prefix, held to the bound token by token."""
         sink = TokenSink()
         prefix: Completion | None = None
+        key = (group.key, member)
+        earlier = self._progress[key].earlier if floor is not None and key in self._progress else ()
+        budget = self.episode_tokens if self.episode_tokens is not None else request.sampling.max_new_tokens
+        progress = self._progress[key] = Progress(budget, earlier, sink)
         while True:
             group.generating[member] = True
             try:
@@ -112,26 +121,46 @@ class Resuming(Cancelling):
                 group.interrupts[member] = 0
                 version = group.dispatch_versions[member]
                 assert version is not None  # an interrupted member was dispatched
-                prefix = join(prefix, partial(sink, version))
+                prefix = progress.prefix = join(prefix, partial(sink, version))
                 continue
             finally:
                 group.generating[member] = False
-            return join(prefix, continuation)
+            completion = join(prefix, continuation)
+            progress.turn_done(completion)
+            return completion
 
     def resume(self, group: InFlightGroup, step: int) -> bool:
         """Interrupt, all at once, the group's running rollouts whose attempt no remaining step can train, to continue under
         the newest weights; or, when the policy says so (a finished rollout masked past the limit, a rollout resumed too
         often), let the group be cancelled as stale."""
-        return self._interrupt(group, older_than=step - self.policy.max_staleness, step=step, may_end=True)
+        return not self._hopeless(group, step) and self._interrupt(group, older_than=step - self.policy.max_staleness, step=step,
+                                                                   may_end=True)
 
-    def weights_published(self, groups: Iterable[InFlightGroup], version: int, step: int) -> None:
-        """Every running rollout of an older version (with resumptions left) is interrupted, all of a group's together."""
-        if not self.in_place:
-            for group in groups:
+    def weights_published(self, groups: Iterable[InFlightGroup], version: int, step: int) -> Sequence[InFlightGroup]:
+        """Every running rollout of an older version (with resumptions left) is interrupted, all of a group's together; the
+        groups returned are hopeless (`_hopeless`) and to be cancelled as stale instead."""
+        if self.in_place:
+            return ()
+        groups = list(groups)
+        live = {group.key for group in groups}
+        self._progress = {key: p for key, p in self._progress.items() if key[0] in live}  # ended groups' records go
+        cut = []
+        for group in groups:
+            if self._hopeless(group, step):
+                cut.append(group)
+            else:
                 self._interrupt(group, older_than=version, step=step, may_end=False)
+        return cut
 
     def bound_of(self, group: InFlightGroup) -> int | None:
         return self.policy.bound_of_resumed if any(group.resumptions) else None
+
+    def _hopeless(self, group: InFlightGroup, step: int) -> bool:
+        """Is a running rollout of `group` sure to be masked past `rollout.max_masked_share` at `step` (the earliest step that can
+        train it) or later, whatever it still generates (`StalePolicy.hopeless`)? Then generating the rest would be in vain."""
+        running = [(p.versions(), p.budget) for m in range(group.size)
+                   if group.completions[m] is None and (p := self._progress.get((group.key, m))) is not None]
+        return bool(running) and self.policy.hopeless(running, step)
 
     def _interrupt(self, group: InFlightGroup, *, older_than: int, step: int, may_end: bool) -> bool:
         """Interrupt the group's rollouts awaiting a request (never one in an environment call) whose attempt is of a version
@@ -149,6 +178,28 @@ class Resuming(Cancelling):
         return True
 
 
-def runner_for(policy: StalePolicy, books: Books, *, continues_in_flight: bool) -> Cancelling:
-    """The runner of `policy` (`rollout.on_stale`) on a backend that does (or does not) continue rollouts in place."""
-    return Resuming(policy, books, in_place=continues_in_flight) if policy.resumes else Cancelling()
+def runner_for(policy: StalePolicy, books: Books, *, continues_in_flight: bool, episode_tokens: int | None = None) -> Cancelling:
+    """The runner of `policy` (`rollout.on_stale`) on a backend that does (or does not) continue rollouts in place;
+    `episode_tokens`: `env.max_tokens` when rollouts are episodes."""
+    return Resuming(policy, books, in_place=continues_in_flight, episode_tokens=episode_tokens) if policy.resumes else Cancelling()
+
+
+class Progress:
+    """A running rollout's tokens so far, as `Resuming` sees them: the model tokens' versions of its episode's finished turns
+    (`earlier`), the turn's prefix (its interrupted attempts, joined) and the sink of its current attempt; `budget`: the most
+    tokens it can have at its end (`generation.max_new_tokens`, or `env.max_tokens` for an episode). An episode's
+    environment tokens are not counted among its versions (they would only add masked tokens: the count is a lower bound)."""
+
+    __slots__ = ("budget", "earlier", "prefix", "sink")
+
+    def __init__(self, budget: int, earlier: tuple[int, ...], sink: TokenSink | None) -> None:
+        self.budget, self.earlier, self.sink = budget, earlier, sink
+        self.prefix: Completion | None = None
+
+    def versions(self) -> tuple[int, ...]:
+        prefix = self.prefix.versions if self.prefix is not None else ()
+        return self.earlier + prefix + (tuple(self.sink.versions) if self.sink is not None else ())
+
+    def turn_done(self, completion: Completion) -> None:
+        """The request (an episode's turn) ended with `completion`: its tokens join the earlier turns'."""
+        self.earlier, self.prefix, self.sink = self.earlier + completion.versions, None, None
