@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import itertools
 
+from asyncgrpo.rollout.books import Books
+from asyncgrpo.rollout.failures import FailurePolicy
+from asyncgrpo.rollout.in_flight import InFlightGroup
 from asyncgrpo.rollout.resume import masked_share
-from asyncgrpo.rollout.resumption import Progress
+from asyncgrpo.rollout.resumption import Progress, Resuming, runner_for
 from asyncgrpo.rollout.stale_policy import masked_past_limit, stale_policy
-from asyncgrpo.types import Completion, TokenSink
+from asyncgrpo.types import Completion, Prompt, TokenSink
 from tests.sim.fakes import recipe
 
 
@@ -51,3 +54,20 @@ def test_progress_counts_an_episodes_finished_turns_its_turns_prefix_and_the_att
     assert progress.versions() == (0, 0, 1, 1, 2)
     progress.turn_done(Completion(token_ids=(5, 6, 7), logprobs=(0.0,) * 3, versions=(1, 1, 2), finish_reason="stop", dispatch_version=2))
     assert progress.versions() == (0, 0, 1, 1, 2) and progress.prefix is None and progress.sink is None and progress.budget == 64
+
+
+def test_a_publication_returns_the_doomed_group_to_be_cut_judging_only_members_awaiting_a_request() -> None:
+    r = recipe(rollout={"on_stale": "resume", "max_masked_share": 0.5}).rollout  # K = 1
+    runner = runner_for(stale_policy(r), Books(FailurePolicy.from_rollout(r)), continues_in_flight=False)
+    assert isinstance(runner, Resuming)
+    doomed, fine = (InFlightGroup(key=key, prompt=Prompt(id=key, text="p", token_ids=(1,)), size=1) for key in (1, 2))
+    for group, versions in ((doomed, [0] * 5), (fine, [0] * 4)):
+        sink = TokenSink()
+        sink.extend([0] * len(versions), [0.0] * len(versions), versions)
+        runner._progress[(group.key, 0)] = Progress(8, (), sink)
+        group.dispatch_versions[0] = 2  # of the version now served: nothing to interrupt
+    doomed.generating[0] = False  # in an environment call: its record may be of an episode it has given up
+    assert list(runner.weights_published([doomed, fine], version=2, step=2)) == []
+    doomed.generating[0] = fine.generating[0] = True
+    assert list(runner.weights_published([doomed, fine], version=2, step=2)) == [doomed]
+    assert list(runner.weights_published([fine], version=2, step=2)) == [] and set(runner._progress) == {(2, 0)}  # ended groups' go

@@ -156,10 +156,12 @@ class Resuming(Cancelling):
         return self.policy.bound_of_resumed if any(group.resumptions) else None
 
     def _hopeless(self, group: InFlightGroup, step: int) -> bool:
-        """Is a running rollout of `group` sure to be masked past `rollout.max_masked_share` at `step` (the earliest step that can
-        train it) or later, whatever it still generates (`StalePolicy.hopeless`)? Then generating the rest would be in vain."""
+        """Is a rollout of `group` awaiting a request sure to be masked past `rollout.max_masked_share` at `step` (the earliest step
+        that can train it) or later, whatever it still generates (`StalePolicy.hopeless`)? Then generating the rest would be in
+        vain. Only members awaiting a request are judged: their records are their current episode's (a member in an environment
+        call, or waiting to retry a fresh episode, may hold a record of an episode it has given up)."""
         running = [(p.versions(), p.budget) for m in range(group.size)
-                   if group.completions[m] is None and (p := self._progress.get((group.key, m))) is not None]
+                   if group.generating[m] and (p := self._progress.get((group.key, m))) is not None]
         return bool(running) and self.policy.hopeless(running, step)
 
     def _interrupt(self, group: InFlightGroup, *, older_than: int, step: int, may_end: bool) -> bool:
