@@ -71,3 +71,18 @@ def test_a_publication_returns_the_doomed_group_to_be_cut_judging_only_members_a
     doomed.generating[0] = fine.generating[0] = True
     assert list(runner.weights_published([doomed, fine], version=2, step=2)) == [doomed]
     assert list(runner.weights_published([fine], version=2, step=2)) == [] and set(runner._progress) == {(2, 0)}  # ended groups' go
+
+
+def test_a_finished_member_masked_past_the_limit_dooms_its_group_while_the_others_still_generate() -> None:
+    r = recipe(rollout={"on_stale": "resume", "max_masked_share": 0.5}).rollout  # K = 1
+    runner = runner_for(stale_policy(r), Books(FailurePolicy.from_rollout(r)), continues_in_flight=False)
+    assert isinstance(runner, Resuming)
+    group = InFlightGroup(key=1, prompt=Prompt(id=0, text="p", token_ids=(1,)), size=2)
+    group.completions[0] = Completion(token_ids=(0,) * 3, logprobs=(0.0,) * 3, versions=(0, 0, 1), finish_reason="stop",
+                                      dispatch_version=0)  # 2 of its 3 tokens masked from step 2
+    sink = TokenSink()
+    sink.extend([0], [0.0], [2])
+    runner._progress[(1, 1)] = Progress(8, (), sink)
+    group.generating[1], group.dispatch_versions[1] = True, 2
+    assert list(runner.weights_published([group], version=2, step=1)) == []  # at step 1 nothing is masked yet
+    assert list(runner.weights_published([group], version=2, step=2)) == [group]

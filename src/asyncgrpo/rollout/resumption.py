@@ -10,7 +10,7 @@ switch of its own. `runner_for` picks the runner from the policy (rollout/stale_
   of those interrupted before it (rollout/resume.py: `resumed_request`, `join`). When the steps leave a group
   behind, or weights are published, its running rollouts whose attempt is of an older version are interrupted,
   all of the group's at once, if the policy's `may_resume` allows it; a group left behind that it does not
-  allow is cancelled as stale. On a backend that installs weights between decoding steps
+  allow, or one already sure to be masked past the limit (below), is cancelled as stale. On a backend that installs weights between decoding steps
   (`continues_in_flight`: the local engine) every rollout continues in place, each token stamped with its
   version: nothing is interrupted, the policy still decides whether a group left behind is cancelled.
 
@@ -21,6 +21,14 @@ ever sent to a member while it awaits a request (`group.generating`, set here ar
 an environment call (not replayable) is left alone, and its next turn is generated under the newest weights
 anyway. Under `resume` a turn's dispatch version is its own (no floor from the episode's earlier turns): those
 turns are a prefix, held to the bound token by token as a resumed prefix is.
+
+A group is cut early (`_hopeless`, at each publication and when the steps leave it behind): once the tokens masked at
+the earliest step that can train it (older than that step minus the widest bound the group can have) make one rollout's
+share past `rollout.max_masked_share` even if every running rollout generates its whole budget unmasked
+(`generation.max_new_tokens`, or `env.max_tokens` for an episode; `StalePolicy.hopeless`), the collector ends it as stale,
+as it would end it at its finish; nothing is polled per token. Each running member's tokens so far are recorded in a
+`Progress` (its episode's finished turns, the turn's prefix, the attempt's sink), the records of ended groups dropped at
+the next publication.
 
 Invariants: an interruption is a cancellation of the member's task that the task takes back (`Task.uncancel`),
 counted in `group.interrupts` until taken, so a cancellation the task did not get from here (stale, shutdown)
@@ -156,13 +164,15 @@ class Resuming(Cancelling):
         return self.policy.bound_of_resumed if any(group.resumptions) else None
 
     def _hopeless(self, group: InFlightGroup, step: int) -> bool:
-        """Is a rollout of `group` awaiting a request sure to be masked past `rollout.max_masked_share` at `step` (the earliest step
-        that can train it) or later, whatever it still generates (`StalePolicy.hopeless`)? Then generating the rest would be in
-        vain. Only members awaiting a request are judged: their records are their current episode's (a member in an environment
-        call, or waiting to retry a fresh episode, may hold a record of an episode it has given up)."""
+        """Is a rollout of `group` sure to be masked past `rollout.max_masked_share` at `step` (the earliest step that can train it)
+        or later, whatever its running rollouts still generate (`StalePolicy.hopeless`)? Then generating the rest would be in
+        vain. Judged: the finished members (their budget is their length), and the members awaiting a request, whose records are
+        their current episode's (a member in an environment call, or waiting to retry a fresh episode, may hold the record of
+        an episode it has given up)."""
+        finished = [(c.versions, len(c.versions)) for c in group.kept()[0] if c is not None]
         running = [(p.versions(), p.budget) for m in range(group.size)
                    if group.generating[m] and (p := self._progress.get((group.key, m))) is not None]
-        return bool(running) and self.policy.hopeless(running, step)
+        return bool(running) and self.policy.hopeless(finished + running, step)
 
     def _interrupt(self, group: InFlightGroup, *, older_than: int, step: int, may_end: bool) -> bool:
         """Interrupt the group's rollouts awaiting a request (never one in an environment call) whose attempt is of a version

@@ -39,9 +39,9 @@ check before every take enforces it whatever the policy). They differ in what th
   is left behind as `requeue` leaves it (`left_behind`) when a rollout would be resumed more than
   `rollout.max_resumptions` times or have more than `rollout.max_masked_share` of its tokens masked. With
   `rollout.max_prefix_staleness` K' (>= K), a resumed group's tokens up to K' steps old stay in the loss,
-  importance-weighted by their own behaviour logprobs, and only older ones are masked. A running rollout whose tokens already
-  masked at the earliest step that can train it make the limit unreachable even if it generates its whole budget unmasked
-  (`hopeless`, `masked_past_limit`) is cut then, its group stale, instead of being generated to its end and rejected.
+  importance-weighted by their own behaviour logprobs, and only older ones are masked. A group one of whose rollouts (finished,
+  or running and generating its whole budget unmasked) is sure to be masked past the limit at the earliest step that can
+  train it (`hopeless`, `masked_past_limit`) is cut then, as stale, instead of being generated to its end and rejected.
 
 An opt-in for `requeue`, `drop` and `patience`, `rollout.partial_groups` (`may_finish_early`): when a
 batch is ready, a straggler with at least `min_group_survivors` finished members ends with them,
