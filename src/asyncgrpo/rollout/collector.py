@@ -370,7 +370,7 @@ class Collector:
     def weights_published(self) -> None:
         """A generator's serving version changed: admission may open; under `rollout.on_stale: resume` running rollouts of an older
         version are interrupted to continue under the new one, and groups the masked-share limit already rules out end stale."""
-        for group in self._left_behind.weights_published(list(self._in_flight.values()), self.generator.serving_version, self.next_step):
+        for group in self._left_behind.weights_published(self._in_flight.values(), self.generator.serving_version, self.next_step):
             self._end(group, STALE)
         self._signal.notify()
 

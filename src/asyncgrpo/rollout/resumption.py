@@ -10,9 +10,10 @@ switch of its own. `runner_for` picks the runner from the policy (rollout/stale_
   of those interrupted before it (rollout/resume.py: `resumed_request`, `join`). When the steps leave a group
   behind, or weights are published, its running rollouts whose attempt is of an older version are interrupted,
   all of the group's at once, if the policy's `may_resume` allows it; a group left behind that it does not
-  allow, or one already sure to be masked past the limit (below), is cancelled as stale. On a backend that installs weights between decoding steps
-  (`continues_in_flight`: the local engine) every rollout continues in place, each token stamped with its
-  version: nothing is interrupted, the policy still decides whether a group left behind is cancelled.
+  allow, or one already sure to be masked past the limit (below), is cancelled as stale. On a backend that
+  installs weights between decoding steps (`continues_in_flight`: the local engine) every rollout continues in
+  place, each token stamped with its version: nothing is interrupted, the policy still decides whether a group
+  left behind is cancelled (the early cut below does not apply: no sink records its tokens so far).
 
 An episode (`env:`, rollout/episode.py) generates each turn through `rollouts` too, so under `Resuming` each
 turn's request is such a chain with a sink of its own: an interrupted turn keeps its tokens and continues, the
