@@ -15,8 +15,8 @@ Invariants (DESIGN.md §2):
   requests aborted, slots freed, its prompt requeued or dropped as the policy says); whoever ends
   it first removes it from `_in_flight`, and only a group still there can be ended. Each ending
   reaches the books in one call.
-- A group no remaining step can train is cancelled as soon as the steps move past it
-  (`_cancel_stale`), unless the runner resumes it, or when it is dispatched, or finishes, after that.
+- A group no remaining step can train is cancelled as soon as the steps move past it (`_cancel_stale`), unless the runner
+  resumes it, or when it is dispatched, or finishes, after that; under resume also at a publication that rules it out.
 - Errors are never swallowed: a rollout error is retried (transient) or fails the rollout; judged
   groups feed the failure policy; a broken budget, a misconfigured backend or a fatal reward error
   becomes the run's sticky diagnostic (`raise_if_failed()`). Cancellation is never a failure.
@@ -95,10 +95,10 @@ class Collector:
         self.sampling = sampling
         r = cfg.rollout
         self.max_staleness = r.max_staleness
-        self.books = Books(FailurePolicy.from_rollout(r), accounting=accounting, ledger=ledger, counters=counters,
-                           observer=observer)
+        self.books = Books(FailurePolicy.from_rollout(r), accounting=accounting, ledger=ledger, counters=counters, observer=observer)
         self.stale = stale_policy(r)  # rollout.on_stale: the policy decides, its runner acts on rollouts left behind
-        self._left_behind = runner_for(self.stale, self.books, continues_in_flight=getattr(generator, "continues_in_flight", False))
+        self._left_behind = runner_for(self.stale, self.books, continues_in_flight=getattr(generator, "continues_in_flight", False),
+                                       episode_tokens=cfg.env.max_tokens if cfg.env is not None else None)
         self.first_failure = FirstFailure()
         self._no_signal = NoSignalWatch(r.drop_window) if algorithm.watches_no_signal and not r.filter_zero_variance else None
         self.failure_log = FailureLog(cfg.logging.failure_summary_s)
@@ -108,8 +108,7 @@ class Collector:
         self._slots = RequestSlots(cfg.generation.max_inflight, self._signal)
         self._attempt_timeouts = SharedTimeout(cfg.generation.request_timeout_s)  # one loop timer for every rollout's attempts
         self.batches = Batches(cfg, books=self.books, stale=self.stale, signal=self._signal, first_failure=self.first_failure,
-                               in_flight=self._in_flight, source=source, start_step=start_step,
-                               on_advance=self._cancel_stale, stalled=self._stalled)
+                               in_flight=self._in_flight, source=source, start_step=start_step, on_advance=self._cancel_stale, stalled=self._stalled)
         self._scoring = 0  # groups whose reward functions are running
         self._seq = 0
         self._stopping = False
@@ -369,9 +368,10 @@ class Collector:
         return self.batches.steps_trained
 
     def weights_published(self) -> None:
-        """A generator's serving version changed: admission may open; under `rollout.on_stale: resume` every running rollout of
-        an older version (with resumptions left) is interrupted, all of a group's together, to continue under the new one."""
-        self._left_behind.weights_published(self._in_flight.values(), self.generator.serving_version, self.next_step)
+        """A generator's serving version changed: admission may open; under `rollout.on_stale: resume` running rollouts of an older
+        version are interrupted to continue under the new one, and groups the masked-share limit already rules out end stale."""
+        for group in self._left_behind.weights_published(self._in_flight.values(), self.generator.serving_version, self.next_step):
+            self._end(group, STALE)
         self._signal.notify()
 
     def _stalled(self, step: int, stall_timeout_s: float) -> Diagnostic:

@@ -39,7 +39,9 @@ check before every take enforces it whatever the policy). They differ in what th
   is left behind as `requeue` leaves it (`left_behind`) when a rollout would be resumed more than
   `rollout.max_resumptions` times or have more than `rollout.max_masked_share` of its tokens masked. With
   `rollout.max_prefix_staleness` K' (>= K), a resumed group's tokens up to K' steps old stay in the loss,
-  importance-weighted by their own behaviour logprobs, and only older ones are masked.
+  importance-weighted by their own behaviour logprobs, and only older ones are masked. A group one of whose rollouts (finished,
+  or running and generating its whole budget unmasked) is sure to be masked past the limit at the earliest step that can
+  train it (`hopeless`, `masked_past_limit`) is cut then, as stale, instead of being generated to its end and rejected.
 
 An opt-in for `requeue`, `drop` and `patience`, `rollout.partial_groups` (`may_finish_early`): when a
 batch is ready, a straggler with at least `min_group_survivors` finished members ends with them,
@@ -55,7 +57,7 @@ its class; `stale_policy` builds the recipe's.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sized
+from collections.abc import Iterable, Sequence, Sized
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from asyncgrpo.rollout.admission import is_stale
@@ -140,6 +142,10 @@ class StalePolicy:
         once the steps reached `step`? (No policy but `resume` resumes.)"""
         return False
 
+    def hopeless(self, running: Iterable[tuple[Sequence[int], int]], step: int) -> bool:
+        """`resume`: is a running rollout of a group sure to be masked past the limit however it ends? (Only `resume` masks.)"""
+        return False
+
 
 class DropPolicy(StalePolicy):
     """`drop`: a group left behind is cancelled and its prompt dropped as `stale`."""
@@ -213,6 +219,14 @@ class ResumePolicy(RequeuePolicy):
         bound = self.max_staleness if self.bound_of_resumed is None else self.bound_of_resumed  # the group is resumed now
         return not any(c is not None and masked_share(c, step=step, bound=bound) > self.max_masked_share for c in finished)
 
+    def hopeless(self, running: Iterable[tuple[Sequence[int], int]], step: int) -> bool:
+        """Is a rollout of the group be masked past the limit at any step that can train it, whatever it still generates?
+        `running`: each running rollout's versions so far and the most tokens it can have at its end (its budget); `step`:
+        the earliest step that can train the group. Then the group is cut now, as stale (`masked_past_limit`)."""
+        bound = max(self.max_staleness, self.bound_of_resumed or 0)  # the widest bound the group can have: masks the fewest
+        return any(masked_past_limit(versions, step=step, bound=bound, budget=budget, max_share=self.max_masked_share)
+                   for versions, budget in running)
+
 
 STALE_POLICIES: dict[str, type[StalePolicy]] = {
     "patience": PatiencePolicy,
@@ -255,6 +269,16 @@ class StepTargets:
 
     def live(self, step: int) -> int:
         return self._live[step]
+
+
+def masked_past_limit(versions: Sequence[int], *, step: int, bound: int, budget: int, max_share: float) -> bool:
+    """`resume`: is a running rollout whose tokens so far have `versions` sure to have more than `max_share` of its tokens
+    masked at step `step` or later, if it ends with at most `budget` tokens (at least its tokens so far)? Its tokens older
+    than `step - bound` are masked at `step` and at every later step, and it cannot end with more tokens than its budget:
+    its masked share at its end is at least their count over the budget. So this never cuts a rollout that could still end
+    at or under the limit, and cuts one the moment its masked tokens make the limit unreachable."""
+    masked = sum(v < step - bound for v in versions)
+    return masked > max_share * max(budget, len(versions))
 
 
 def is_straggler(*, version_floor: int | None, step: int, max_staleness: int) -> bool:
