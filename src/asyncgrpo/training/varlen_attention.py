@@ -53,23 +53,43 @@ def _gathers(starts: Tensor, lengths: Tensor) -> list[tuple[int, Tensor]]:
     return out
 
 
+class _Permute(torch.autograd.Function):
+    """`x[order]` for a permutation `order` of dim 0, whose backward is the gather by the inverse permutation
+    (index_select's own backward scatters, several times slower on CPU)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 def varlen_attention(query: Tensor, key: Tensor, value: Tensor, position_ids: Tensor, *, scaling: float | None,
                      dropout: float, enable_gqa: bool) -> Tensor:
     """Causal attention confined to each packed sequence. `query` `[B, H, T, D]`, `key`/`value` `[B, Hkv, T, D]`,
     `position_ids` `[B, T]` (or `[1, T]`, broadcast); returns `[B, T, H, D]` like transformers' attention functions."""
     rows, heads, width, _ = query.shape
     starts, lengths = sequence_bounds(position_ids.expand(rows, -1))
-    flat = [t.transpose(1, 2).reshape(rows * width, t.shape[1], t.shape[3]) for t in (query, key, value)]  # [B*T, H, D]
-    outputs, order = [], []
-    for length, index in _gathers(starts, lengths):
-        q, k, v = (t.index_select(0, index).view(-1, length, t.shape[1], t.shape[2]).transpose(1, 2) for t in flat)
+    buckets = _gathers(starts, lengths)
+    order = torch.cat([index for _, index in buckets])
+    sizes = [index.numel() for _, index in buckets]
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    # One permutation into bucket order and contiguous splits (whose backward is one cat): per-bucket gathers would
+    # each scatter a full-row gradient in the backward pass.
+    split = [_Permute.apply(t.transpose(1, 2).reshape(rows * width, t.shape[1], t.shape[3]), order, inverse).split(sizes)
+             for t in (query, key, value)]  # [B*T, H, D] in bucket order
+    outputs = []
+    for (length, _), q, k, v in zip(buckets, *split, strict=True):
+        q, k, v = (t.view(-1, length, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
         attended = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=enable_gqa)
-        outputs.append(attended.transpose(1, 2).reshape(index.numel(), heads, attended.shape[3]))
-        order.append(index)
-    inverse = torch.empty(rows * width, dtype=torch.long, device=query.device)
-    inverse[torch.cat(order)] = torch.arange(rows * width, device=query.device)
-    return torch.cat(outputs).index_select(0, inverse).view(rows, width, heads, -1)
+        outputs.append(attended.transpose(1, 2).reshape(-1, heads, attended.shape[3]))
+    return _Permute.apply(torch.cat(outputs), inverse, order).view(rows, width, heads, -1)
 
 
 def _transformers_sdpa() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., bool]]:
