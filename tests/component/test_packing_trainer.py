@@ -1,7 +1,9 @@
 """Packed micro-batches (`train.micro_batch_tokens`, training/packing.py) train exactly as padded ones: on a fixed
 batch, the loss, the statistics and each update's gradient agree to float32 tolerance, for every loss type and both
 normalisations, with the sampling processing, decoupled proximal log-probs and a KL reference, with LoRA and with
-gradient checkpointing, and on two data-parallel ranks. A model that attends across packed sequences is refused with a ConfigError."""
+gradient checkpointing, and on two data-parallel ranks; packed rows of an sdpa model (and of its KL reference) run
+SDPA per sequence (training/varlen_attention.py), of an eager one under a block-diagonal mask. A model that attends
+across packed sequences is refused with a ConfigError."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from asyncgrpo.config import Config
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.training.trainer import TorchTrainer
+from asyncgrpo.training.varlen_attention import NAME as VARLEN_SDPA
 from tests.component.test_trainer import TEMPERATURE, make_cfg, make_groups, tiny_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,6 +30,8 @@ def run_step(model, cfg, groups) -> tuple[dict[str, float], list[list[torch.Tens
     """One train_step; its metrics and the (unclipped) gradient of each update as the optimizer saw it."""
     torch.manual_seed(0)  # LoRA's A matrices are drawn from the global generator
     trainer = TorchTrainer(copy.deepcopy(model), None, cfg)
+    if cfg.train.micro_batch_tokens is not None and model.config._attn_implementation == "sdpa":  # packed: varlen SDPA
+        assert {m.config._attn_implementation for m in (trainer.base_model, trainer.reference) if m is not None} == {VARLEN_SDPA}
     seen: list[list[torch.Tensor]] = []
     trainer.optimizer.register_step_pre_hook(
         lambda optimizer, args, kwargs: seen.append([p.grad.detach().clone() for p in trainer._params if p.grad is not None])

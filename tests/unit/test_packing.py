@@ -1,6 +1,6 @@
 """training/packing.py's pure parts: the token-budget packer and the packed row layout (positions, scored
 positions, the completion grid, the repetition penalty's context) against the padded collation; the choice of
-varlen flash attention."""
+varlen flash attention, else varlen SDPA."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from asyncgrpo.algorithms.registry import algorithm_for
 from asyncgrpo.config import Config
 from asyncgrpo.sampling import seen_before
 from asyncgrpo.training.batch import TrainSequence, collate
-from asyncgrpo.training.packing import collate_packed, input_length, pack, pack_sequences, prefer_varlen_flash
+from asyncgrpo.training.packing import collate_packed, input_length, pack, pack_sequences, prefer_varlen, prefer_varlen_flash
+from asyncgrpo.training.varlen_attention import NAME as VARLEN_SDPA
 
 ALGORITHM = algorithm_for(Config())
 
@@ -139,3 +140,16 @@ def test_packing_without_flash_attn_installed_keeps_sdpa(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     model = FlashCapableModel()
     assert prefer_varlen_flash(model, torch.device("cuda")) is None and model.config._attn_implementation == "sdpa"
+
+
+def test_packing_prefers_varlen_flash(flash_attn_installed):
+    assert prefer_varlen(torch.device("cuda"), FlashCapableModel(), None) == ["flash_attention_2"]
+
+
+def test_packing_without_varlen_flash_switches_each_sdpa_model_to_varlen_sdpa():
+    cpu, reference = FlashCapableModel(), FlashCapableModel()
+    assert prefer_varlen(torch.device("cpu"), cpu, reference) == [VARLEN_SDPA, VARLEN_SDPA]
+    assert cpu.config._attn_implementation == reference.config._attn_implementation == VARLEN_SDPA
+    eager = FlashCapableModel()
+    eager.config._attn_implementation = "eager"
+    assert prefer_varlen(torch.device("cpu"), eager) == [None] and eager.config._attn_implementation == "eager"

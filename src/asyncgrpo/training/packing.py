@@ -3,9 +3,10 @@
 Job: `pack` cuts a list of sequence lengths into micro-batches by a token budget (a pure function); `collate_packed`
 lays one micro-batch out as a single row `[1, T]` with no padding, each sequence with its own position ids
 0, 1, ... and no attention mask, which transformers turns into attention confined to each sequence (varlen
-flash attention, or a block-diagonal mask for sdpa / eager / flex); `prefer_varlen_flash` switches the trainer's
-model to `flash_attention_2` where `flash_attn` is installed on CUDA; `check_confinement` proves that the model
-does so before the first step, and refuses it (a `ConfigError`) otherwise.
+flash attention, or a block-diagonal mask for eager / flex); `prefer_varlen` switches the trainer's models to
+`flash_attention_2` where `flash_attn` is installed on CUDA, else from sdpa to SDPA per packed sequence
+(training/varlen_attention.py: sum L_i^2 attention, no T x T mask); `check_confinement` proves that the model
+confines attention before the first step, and refuses it (a `ConfigError`) otherwise.
 
 Invariants:
 - `pack` keeps every index exactly once; a micro-batch's tokens never exceed the budget, except a sequence longer
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from asyncgrpo.algorithms.base import Algorithm
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.training import varlen_attention
 from asyncgrpo.training.batch import MicroBatch, TrainSequence, completion_grid
 
 log = logging.getLogger("asyncgrpo")
@@ -140,7 +142,7 @@ def collate_packed(seqs: list[TrainSequence], *, pad_id: int, version: int, devi
 def prefer_varlen_flash(model: Any, device: torch.device) -> str | None:
     """Switch `model` to transformers' `flash_attention_2` (varlen kernels over packed rows: no T^2 work across a row's
     sequences) when the `flash_attn` package is installed, the device is CUDA and the model supports it; returns the
-    implementation chosen, None when it keeps its own (sdpa/eager confine a packed row by a block-diagonal mask)."""
+    implementation chosen, None when it keeps its own."""
     if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None or not getattr(model, "_supports_flash_attn", False):
         return None
     current = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -154,6 +156,18 @@ def prefer_varlen_flash(model: Any, device: torch.device) -> str | None:
         return None
     log.info("packing: %s uses flash_attention_2 (varlen) for packed rows, was %s", type(model).__name__, current)
     return "flash_attention_2"
+
+
+def prefer_varlen(device: torch.device, *models: Any) -> list[str | None]:
+    """Give each of `models` (None skipped: e.g. no KL reference) varlen attention for packed rows: flash where
+    `prefer_varlen_flash` can, else `varlen_attention.NAME` where the model uses sdpa; the implementation each
+    switched to, None where it keeps its own (eager / flex confine a packed row by a block-diagonal mask)."""
+    chosen: list[str | None] = []
+    for model in models:
+        if model is not None:
+            flash = prefer_varlen_flash(model, device)
+            chosen.append(flash or (varlen_attention.NAME if varlen_attention.use_varlen_sdpa(model) else None))
+    return chosen
 
 
 def accepts_position_ids(model: Any) -> bool:

@@ -131,7 +131,7 @@ class TorchTrainer:
         if t.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if t.micro_batch_tokens is not None:
-            packing.prefer_varlen_flash(self.base_model, self._device)
+            packing.prefer_varlen(self._device, self.base_model, self.reference)
             packing.check_confinement(self.base_model, budget=t.micro_batch_tokens, model_path=cfg.model.path, device=self._device)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         if not self._params:
