@@ -10,7 +10,7 @@ Invariant: every random quantity is a `Distribution` whose parameters are checke
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -70,7 +70,12 @@ class ScriptedEnvConfig(Section):
     """The simulator's model of an environment (used instead of env.factory by asyncgrpo simulate)."""
 
     call_s: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=0.2), description="Virtual time of one reset or step.")
-    done_prob: float = Field(0.3, ge=0, le=1, description="Probability that a step ends the episode.")
+    done_prob: float = Field(0.3, ge=0, le=1, description="Probability that a step ends the episode (when done_probs is null).")
+    done_probs: list[Annotated[float, Field(ge=0, le=1)]] | None = Field(
+        None, min_length=1,
+        description="Probability that a step ends the episode, per step index: the first entry for an episode's first step, the second "
+        "for its second, the last repeating for every later step. null: done_prob for every step. asyncgrpo tune fits it.",
+    )
     reward_prob: float = Field(0.5, ge=0, le=1, description="Probability that a step gives reward 1.0 (else 0.0).")
     observation_chars: int = Field(
         4, ge=0, description="Characters of a step's observation (one token each under the simulator's codec, besides its role's "
