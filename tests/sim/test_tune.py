@@ -140,7 +140,7 @@ def second_turn_share(run_dir: Path) -> float:
 
 def test_an_environment_whose_first_steps_end_more_episodes_than_later_ones_is_fitted_per_step_index(tmp_path):
     """The truth's first steps end 70 % of the episodes, later ones 20 %: the calibration recovers both, and its replay's
-    episodes take a second turn as often as the run's (30 %); one probability for every step (49 % pooled) would give 51 %."""
+    episodes take a second turn as often as the run's (33 %); one probability for every step (48 % pooled) gave 57 %."""
     truth_run(tmp_path / "run", *EPISODES, "simulate.env.done_probs=[0.7, 0.2]")
     c = calibrate(load_run(tmp_path / "run"))
     assert c.env is not None and c.env.done_probs[0] == pytest.approx(0.7, abs=0.05)
