@@ -129,6 +129,26 @@ def test_an_episode_run_calibrates_its_environment_and_turns_and_replays_within_
     assert comparison.ok, comparison.reasons
 
 
+def second_turn_share(run_dir: Path) -> float:
+    """Of the episodes in run_dir's timeline, the share that took a second turn."""
+    turns: dict[tuple[int, int], int] = {}
+    for line in map(json.loads, (run_dir / "timeline.jsonl").read_text().splitlines()):
+        if line["e"] == "turn":
+            turns[line["take"], line["member"]] = turns.get((line["take"], line["member"]), 0) + 1
+    return sum(n >= 2 for n in turns.values()) / len(turns)
+
+
+def test_an_environment_whose_first_steps_end_more_episodes_than_later_ones_is_fitted_per_step_index(tmp_path):
+    """The truth's first steps end 70 % of the episodes, later ones 20 %: the calibration recovers both, and its replay's
+    episodes take a second turn as often as the run's (33 %); one probability for every step (48 % pooled) gave 57 %."""
+    truth_run(tmp_path / "run", *EPISODES, "simulate.env.done_probs=[0.7, 0.2]")
+    c = calibrate(load_run(tmp_path / "run"))
+    assert c.env is not None and c.env.done_probs[0] == pytest.approx(0.7, abs=0.05)
+    assert len(c.env.done_probs) >= 2 and all(p == pytest.approx(0.2, abs=0.08) for p in c.env.done_probs[1:])
+    simulate(recipe_config(c.recipe), output_dir=tmp_path / "replay")
+    assert second_turn_share(tmp_path / "replay") == pytest.approx(second_turn_share(tmp_path / "run"), abs=0.06)
+
+
 def test_an_episode_run_with_environment_errors_fits_their_rates_apart_from_the_generation_faults(tmp_path):
     """Both kinds count in rollout/retries_total and rollout/failed_total: the environment's go to simulate.env, none to the
     generation's faults (the truth has none)."""

@@ -245,3 +245,13 @@ def test_every_moved_key_has_a_new_place_and_an_old_config_reads_at_the_new_plac
     old["distill"].update(simulated_latency_s=scripted.pop("teacher_latency_s"), simulated_error_rate=scripted.pop("teacher_error_rate"))
     old["generation"]["scripted"] = scripted
     assert at_new_places(old) == saved.model_dump(mode="json")
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("[]", r"simulate\.env\.done_probs = \[\]: List should have at least 1 item"),
+    ("[0.5, 1.5, -1]", r"simulate\.env\.done_probs: .*each entry is a probability, in \[0, 1\]: entry 1 is 1\.5, entry 2 is -1\.0"),
+])
+def test_the_simulated_environments_done_probabilities_per_step_are_a_non_empty_list_of_probabilities(value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("recipes/calculator.yaml", [f"simulate.env.done_probs={value}"])
+    assert load_config("recipes/calculator.yaml", ["simulate.env.done_probs=[0.75, 0.6]"]).simulate.env.done_probs == [0.75, 0.6]

@@ -9,7 +9,17 @@ import random
 import pytest
 
 from asyncgrpo.config import validate_config
-from asyncgrpo.tuning.fit import concurrency_at_start, fit_decode, fit_env, fit_env_errors, fit_faults, fit_trainer, spread_within_cohorts
+from asyncgrpo.tuning.fit import (
+    MIN_STEPS_PER_INDEX,
+    concurrency_at_start,
+    done_per_index,
+    fit_decode,
+    fit_env,
+    fit_env_errors,
+    fit_faults,
+    fit_trainer,
+    spread_within_cohorts,
+)
 from asyncgrpo.tuning.observe import Observed, compare
 from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, candidates, frontier, policies_for, recommend
 
@@ -17,21 +27,61 @@ from asyncgrpo.tuning.sweep import KEYS, POLICIES, Point, candidates, frontier, 
 def test_environment_calls_give_a_lognormal_call_time_a_geometric_ending_and_a_binary_reward():
     rng = random.Random(2)
     calls, t = [], 0.0
-    for _ in range(3000):
+    for episode in range(3000):
         duration = 0.05 * math.exp(0.5 * rng.gauss(0, 1))
-        calls.append({"call": "reset", "start": t, "end": t + duration})
+        calls.append({"take": episode, "member": 0, "call": "reset", "start": t, "end": t + duration})
         for turn in range(1, 4):  # env.max_turns 3: an episode the cap ends counts its steps, not an ending
             done = rng.random() < 0.4
-            calls.append({"call": "step", "start": t, "end": t + duration, "done": done, "reward": float(rng.random() < 0.2),
-                          **({} if done or turn == 3 else {"tokens": 7})})
+            calls.append({"take": episode, "member": 0, "call": "step", "start": t, "end": t + duration, "done": done,
+                          "reward": float(rng.random() < 0.2), **({} if done or turn == 3 else {"tokens": 7})})
             if done:
                 break
     fit = fit_env(calls)
     assert fit.call_median_s == pytest.approx(0.05, rel=0.05) and fit.call_sigma == pytest.approx(0.5, rel=0.05)
     assert fit.done_prob == pytest.approx(0.4, abs=0.02) and fit.reward_prob == pytest.approx(0.2, abs=0.02)
-    assert fit.observation_tokens == 7
+    assert fit.observation_tokens == 7 and len(fit.done_probs) == 3 and all(p == pytest.approx(0.4, abs=0.04) for p in fit.done_probs)
     other = [{**c, "reward": 0.5} if c["call"] == "step" else c for c in calls[:50]]
     assert fit_env(other).reward_prob is None  # not the 0-or-1 reward the simulated environment gives: not fitted
+
+
+def test_the_chance_a_step_ends_its_episode_is_fitted_per_step_index_the_short_indices_pooled_into_the_last():
+    """Episodes (take, member) whose first steps end 75 % of them, second 60 %, third 50 %; a reset (a retried episode) starts
+    the count again. An index with fewer than MIN_STEPS_PER_INDEX steps pools with the indices after it into the entry before."""
+    rng = random.Random(4)
+    def episodes(n, probs):
+        calls = []
+        def line(take, call, **done):
+            calls.append({"take": take, "member": 1, "call": call, "start": 0.0, "end": 0.1, **done})
+        for take in range(n):
+            line(take, "reset")
+            if take % 10 == 0:  # a retried episode: its first try made one step, then failed; the retry resets
+                line(take, "step", done=False)
+                line(take, "reset")
+            for p in probs:
+                done = rng.random() < p
+                line(take, "step", done=done)
+                if done:
+                    break
+        return calls
+    calls = episodes(1500, (0.75, 0.6, 0.5))
+    head = [c for c in calls[:300] if c["call"] == "step"]
+    fitted = done_per_index(calls)
+    assert len(fitted) == 3 and fitted[0] == pytest.approx(0.75 * 1500 / (1500 + 150), abs=0.03)  # the retried tries' steps: index 0
+    assert fitted[1] == pytest.approx(0.6, abs=0.05) and fitted[2] == pytest.approx(0.5, abs=0.08)
+    assert fit_env(calls[:300]).done_prob == pytest.approx(sum(bool(c["done"]) for c in head) / len(head))  # pooled over every index
+    def by_index(calls, index):  # (steps, ended) at `index`, counted here as the fit should
+        counted, seen = [0, 0], {}
+        for c in calls:
+            seen[c["take"]] = -1 if c["call"] == "reset" else seen[c["take"]] + 1
+            if c["call"] == "step" and seen[c["take"]] == index:
+                counted = [counted[0] + 1, counted[1] + bool(c["done"])]
+        return counted
+    tail = episodes(400, (0.5, 0.9, 0.0))  # ~220 second steps, ~22 third: the third pools into the second's entry
+    (n1, e1), (n2, e2) = by_index(tail, 1), by_index(tail, 2)
+    assert n2 < MIN_STEPS_PER_INDEX <= n1 and done_per_index(tail)[1:] == ((e1 + e2) / (n1 + n2),)
+    short = episodes(2 * MIN_STEPS_PER_INDEX, (0.9, 0.0))  # ~6 second steps: even index 1 is short, one entry pools them all
+    steps = [c for c in short if c["call"] == "step"]
+    assert done_per_index(short) == (sum(bool(c["done"]) for c in steps) / len(steps),) and done_per_index([]) == ()
 
 
 def test_environment_errors_that_failed_a_rollout_are_told_from_the_retried_by_the_episode_lines_before_the_failure():
@@ -55,7 +105,7 @@ def test_calls_that_start_together_spread_only_around_their_cohort_which_an_engi
     waves = [(wave * 2.0, rng.choice([0.1, 0.5])) for wave in range(40)]  # each wave's calls share its slowness
     times = [(start + 0.001 * i, slow + rng.gauss(0, 0.01)) for start, slow in waves for i in range(4)]
     assert spread_within_cohorts(times) == pytest.approx(0.01**2, rel=0.3)  # the waves' 0.1-or-0.5 is common to a cohort
-    fit = fit_env([{"call": "step", "start": 0, "end": 1, "done": True, "reward": None}], times)
+    fit = fit_env([{"take": 0, "member": 0, "call": "step", "start": 0, "end": 1, "done": True, "reward": None}], times)
     assert fit.call_sigma < 0.05 and fit.call_median_s == pytest.approx(0.3, rel=0.2)
     assert spread_within_cohorts([(float(i), 1.0) for i in range(100)]) is None  # none started together: not enough to tell
 

@@ -153,7 +153,8 @@ def format_result(result: TuneResult) -> str:
         "  faults: " + (", ".join(f"{f['error']} {f['rate']:.2%}" for f in c.faults) or "none"),
         *([] if c.env is None else [
             f"  environment: {c.env.call_median_s * 1e3:.3g} ms per call (median; sigma {c.env.call_sigma:.2f}, "
-            f"{c.env.calls} calls), a step ends the episode {c.env.done_prob:.1%} of the time ({c.env.steps} steps), "
+            f"{c.env.calls} calls), a step ends the episode {c.env.done_prob:.1%} of the time ({c.env.steps} steps; "
+            f"by step index {', '.join(f'{p:.1%}' for p in c.env.done_probs)}, the last for every later one), "
             + ("rewards 1.0 " + f"{c.env.reward_prob:.1%}" if c.env.reward_prob is not None else "rewards not all 0 or 1: reward_prob not fitted")
             + ("" if c.env.errors is None else f"; errors {c.env.errors.error_prob:.2%} per call failing the rollout, "
                f"{c.env.errors.transient_prob:.2%} retried")]),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from asyncgrpo.config.section import Section
 
@@ -70,7 +70,12 @@ class ScriptedEnvConfig(Section):
     """The simulator's model of an environment (used instead of env.factory by asyncgrpo simulate)."""
 
     call_s: Distribution = Field(default_factory=lambda: Distribution(dist="const", value=0.2), description="Virtual time of one reset or step.")
-    done_prob: float = Field(0.3, ge=0, le=1, description="Probability that a step ends the episode.")
+    done_prob: float = Field(0.3, ge=0, le=1, description="Probability that a step ends the episode (when done_probs is null).")
+    done_probs: list[float] | None = Field(
+        None, min_length=1,
+        description="Probability that a step ends the episode, per step index: the first entry for an episode's first step, the second "
+        "for its second, the last repeating for every later step. null: done_prob for every step. asyncgrpo tune fits it.",
+    )
     reward_prob: float = Field(0.5, ge=0, le=1, description="Probability that a step gives reward 1.0 (else 0.0).")
     observation_chars: int = Field(
         4, ge=0, description="Characters of a step's observation (one token each under the simulator's codec, besides its role's "
@@ -85,6 +90,14 @@ class ScriptedEnvConfig(Section):
         default_factory=lambda: Distribution(dist="const", value=0.01),
         description="Virtual time a cooperative episode takes to stop once cancelled (longer than the grace: abandoned).",
     )
+
+    @field_validator("done_probs")
+    @classmethod
+    def _probabilities(cls, probs: list[float] | None) -> list[float] | None:
+        bad = [f"entry {i} is {p}" for i, p in enumerate(probs or ()) if not 0 <= p <= 1]
+        if bad:
+            raise ValueError(f"each entry is a probability, in [0, 1]: {', '.join(bad)}")
+        return probs
 
 
 class TokenModelConfig(Section):

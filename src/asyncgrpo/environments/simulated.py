@@ -4,7 +4,8 @@ Job: stand in for `env.factory` under `asyncgrpo simulate` and the chaos suite, 
 backend stands in for a generation server (simulate.env holds the model). A host
 implements `EnvironmentHost` directly and runs no threads: each reset or step takes sampled virtual
 time and may raise (an error, or a `TransientEnvironmentError`); a step ends the episode with
-`done_prob`, and observes `observation_chars` characters. Cancelled, a cooperative episode stops after a sampled `stop_s` (abandoned if that
+its step index's probability (`done_probs`, the last repeating; `done_prob` when that is null; a reset starts the count
+again), and observes `observation_chars` characters. Cancelled, a cooperative episode stops after a sampled `stop_s` (abandoned if that
 outlives the grace); one drawn to ignore cancellation always outlives the grace and is abandoned.
 
 Invariants: deterministic for a seed (host n of a run draws from its own stream, in the order the
@@ -32,6 +33,7 @@ class SimulatedHost:
         self._role = role
         self._hosts = hosts
         self.ignores_cancel = rng.random() < model.ignore_cancel_prob
+        self._steps = 0  # since the last reset
         self.close_error: BaseException | None = None  # a simulated close never raises
 
     async def _call(self, what: str) -> None:
@@ -44,12 +46,14 @@ class SimulatedHost:
 
     async def reset(self, row: Mapping[str, Any]) -> tuple[Message, ...]:
         await self._call("reset")
+        self._steps = 0
         return ({"role": self._role, "content": "start"},)
 
     async def step(self, action_text: str) -> StepResult:
         await self._call("step")
         reward = 1.0 if self._rng.random() < self._model.reward_prob else 0.0
-        done = self._rng.random() < self._model.done_prob
+        done = self._rng.random() < done_prob(self._model, self._steps)
+        self._steps += 1
         return StepResult(({"role": self._role, "content": observation(self._model.observation_chars)},), reward, done, {})
 
     async def close(self) -> None:
@@ -62,6 +66,13 @@ class SimulatedHost:
         self._hosts.abandoned += not stopped
         self._hosts.stopped += stopped
         return stopped
+
+
+def done_prob(model: ScriptedEnvConfig, index: int) -> float:
+    """The probability that an episode's step `index` (0: its first) ends it: done_probs' entry, the last repeating, or done_prob."""
+    if model.done_probs is None:
+        return model.done_prob
+    return model.done_probs[min(index, len(model.done_probs) - 1)]
 
 
 def observation(chars: int) -> str:

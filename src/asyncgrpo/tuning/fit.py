@@ -10,10 +10,11 @@ those cut at their budget censored, are fitted in lengths.py:
 - both, given when the other side was busy, fit the slowdown it caused (simulate.contention, tuning/contention.py);
 - `fit_env`: the simulated environment (simulate.env) from an episode's environment calls: time per call (lognormal,
   of the mean and the variance within cohorts of the episode's time outside its turns, `env_times`), the chance a step ends the episode
-  (geometric: the steps the environment ended over all steps, so an episode cut at env.max_turns counts its steps
-  without an ending), the chance a step rewards 1.0 when every step's reward is 0 or 1 (what the simulated
-  environment gives; else it is not fitted), and the environment tokens of an observation that joined its episode
-  (they count in the trainer's time and in env.max_tokens);
+  per step index (`done_probs`: of an episode's steps at that index, those the environment ended, so an episode cut at
+  env.max_turns counts its steps without an ending; the indices from the first with fewer than MIN_STEPS_PER_INDEX steps
+  on pool into the last entry, `done_per_index`) and over all steps (`done_prob`), the chance a step rewards 1.0 when
+  every step's reward is 0 or 1 (what the simulated environment gives; else it is not fitted), and the environment
+  tokens of an observation that joined its episode (they count in the trainer's time and in env.max_tokens);
 - `fit_env_errors`: the simulated environment's error and transient-error rates per call, from env/errors_total and which
   failed rollouts failed in an environment call (their last episode line);
 - `mean_or_zero`: weight-sync and evaluation time (per evaluation inside the training loop).
@@ -40,18 +41,21 @@ MIN_DECODE_S_PER_TOKEN = 1e-9  # the config needs > 0
 class EnvFit:
     call_median_s: float  # of one reset or step (lognormal)
     call_sigma: float
-    done_prob: float  # per step
+    done_prob: float  # per step, every index pooled
     reward_prob: float | None  # per step, of reward 1.0; None: the steps' rewards are not all 0 or 1 (not what the simulator models)
     calls: int
     steps: int
     observation_tokens: float  # mean environment tokens of a step whose observation joined its episode (0: none did)
     observation_chars: int = 0  # simulate.env.observation_chars giving that many under the simulator's codec (calibrate.py)
     errors: EnvErrorFit | None = None  # the calls' errors (fit_env_errors); None: not fitted
+    done_probs: tuple[float, ...] = ()  # per step index, the last pooling every later one (done_per_index); (): none fitted
 
     def simulate_env(self) -> dict[str, Any]:
         """The fitted simulate.env keys."""
         fitted: dict[str, Any] = {"call_s": {"dist": "lognormal", "median": round(self.call_median_s, 9), "sigma": round(self.call_sigma, 6)},
                                   "done_prob": round(self.done_prob, 6), "observation_chars": self.observation_chars}
+        if self.done_probs:
+            fitted["done_probs"] = [round(p, 6) for p in self.done_probs]
         if self.errors is not None:
             fitted.update(error_prob=round(self.errors.error_prob, 6), transient_prob=round(self.errors.transient_prob, 6))
         return fitted if self.reward_prob is None else {**fitted, "reward_prob": round(self.reward_prob, 6)}
@@ -137,11 +141,39 @@ def spread_within_cohorts(times: Sequence[tuple[float, float]]) -> float | None:
     return sum((x - statistics.fmean(c)) ** 2 for c in cohorts for x in c) / df
 
 
+MIN_STEPS_PER_INDEX = 30  # steps an index needs for an entry of its own in done_probs; fewer pool into the last entry
+
+
+def done_per_index(calls: Iterable[dict[str, Any]]) -> tuple[float, ...]:
+    """Of "env" lines ({take, member, call, done}, each episode's in the order it made them), the share of the steps at each
+    index (0: an episode's first step; a reset, a retried episode's, starts the count again) that ended the episode.
+    Rule: the indices before the first with fewer than MIN_STEPS_PER_INDEX steps have an entry each, the last of them pooling
+    every later index (its steps and theirs: the simulator repeats the last entry); when even index 0 is short, one entry
+    pools them all; () with no step."""
+    since_reset: dict[tuple[int, int], int] = {}
+    counts: list[list[int]] = []  # per index: [steps, ended]
+    for c in calls:
+        key = (c["take"], c["member"])
+        if c["call"] == "reset":
+            since_reset[key] = 0
+            continue
+        index = since_reset.get(key, 0)
+        since_reset[key] = index + 1
+        counts += [[0, 0] for _ in range(index + 1 - len(counts))]
+        counts[index][0] += 1
+        counts[index][1] += bool(c.get("done"))
+    own = next((i for i, (steps, _) in enumerate(counts) if steps < MIN_STEPS_PER_INDEX), len(counts))
+    last = max(0, own - 1) if own < len(counts) else len(counts) - 1
+    entries = counts[:last] + ([[sum(c[0] for c in counts[last:]), sum(c[1] for c in counts[last:])]] if counts else [])
+    return tuple(ended / steps for steps, ended in entries)
+
+
 def fit_env(calls: Sequence[dict[str, Any]], times: Sequence[tuple[float, float]] = ()) -> EnvFit:
-    """simulate.env from "env" lines ({call, start, end, done, reward}) and, for the time per call, `times` (env_times;
-    without them, the calls' own spans): a lognormal of their mean and their variance within cohorts (spread_within_cohorts;
-    all of it when too few calls started together). What a group waits for, its slowest episode, goes with both; a fit in
-    logs would follow the many calls too short to matter."""
+    """simulate.env from "env" lines ({take, member, call, start, end, done, reward}, each episode's in order) and, for the
+    time per call, `times` (env_times; without them, the calls' own spans): a lognormal of their mean and their variance
+    within cohorts (spread_within_cohorts; all of it when too few calls started together). What a group waits for, its
+    slowest episode, goes with both; a fit in logs would follow the many calls too short to matter. The chance a step ends
+    its episode per step index: done_per_index."""
     if not calls:
         raise ValueError("no environment calls to fit the environment from")
     timed = list(times) or [(c["start"], c["end"] - c["start"]) for c in calls]
@@ -156,7 +188,7 @@ def fit_env(calls: Sequence[dict[str, Any]], times: Sequence[tuple[float, float]
     reward_prob = sum(r == 1.0 for r in rewards) / len(steps) if binary else None
     observed = [c["tokens"] for c in steps if "tokens" in c]
     return EnvFit(mean / math.exp(log_var / 2), math.sqrt(log_var), done, reward_prob, len(calls), len(steps),
-                  statistics.fmean(observed) if observed else 0.0)
+                  statistics.fmean(observed) if observed else 0.0, done_probs=done_per_index(calls))
 
 
 @dataclass(frozen=True)
