@@ -86,7 +86,8 @@ class _Waiter(asyncio.Future[None]):
 
     The awaiting task gives it its wake-up callback (`add_done_callback`, asyncio's protocol for future-like objects) and
     the callback is called from here; any other callback is an ordinary future's. A predicate re-checked here runs
-    outside its task (`asyncio.current_task()` is None in it): predicates read shared state only."""
+    outside its task (`asyncio.current_task()` is None in it): predicates read shared state only. One that raises
+    raises out of `wait_for`, as it did when the task checked it itself."""
 
     def __init__(self, signal: StateSignal, predicate: Callable[[], bool]) -> None:
         super().__init__(loop=asyncio.get_running_loop())
@@ -109,7 +110,15 @@ class _Waiter(asyncio.Future[None]):
     def _check(self) -> None:
         self._checking = False
         if not self.done():
-            if not self._predicate():
+            try:
+                ready = self._predicate()
+            except BaseException as error:  # raised out of `wait_for`, as when the task itself checked
+                self.set_exception(error)
+                self._wake()
+                if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                    raise
+                return
+            if not ready:
                 self._signal._waiters.append(self)
                 return
             self.set_result(None)

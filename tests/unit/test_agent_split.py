@@ -4,6 +4,8 @@ sequence per sample, every model token counted once, the oldest token of any sam
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from asyncgrpo.agents.session import Limits, Session
@@ -141,6 +143,11 @@ def test_a_split_episode_trains_one_sequence_per_sample_with_the_episodes_advant
     seqs = sequences(group, mask_truncated=True)
     assert [(s.prompt_ids, s.completion_ids, s.loss_tokens, s.rollout.advantage) for s in seqs] == [
         ((1, 2), (5, 6), 2, 0.5), ((3,), (7, 8, 9), 2, 0.5)]
+    # an episode cut at its budget (its last sample truncated) is masked whole under mask_truncated, as unsplit
+    cut = dataclasses.replace(last, finish_reason="length")
+    cut_group = dataclasses.replace(group, rollouts=(Rollout(completion=cut, reward=1.0, advantage=0.5),))
+    assert [s.has_loss for s in sequences(cut_group, mask_truncated=True)] == [False, False]
+    assert [s.has_loss for s in sequences(cut_group, mask_truncated=False)] == [True, True]
 
 
 def test_a_new_samples_turn_is_dispatched_with_the_oldest_version_of_every_sample_so_far():

@@ -159,3 +159,29 @@ def test_a_waiter_cancelled_while_registered_or_while_its_check_is_queued_ends_c
         assert signal._waiters == []
 
     asyncio.run(main())
+
+
+def test_a_predicate_that_raises_when_rechecked_raises_out_of_wait_for():
+    """The check runs outside the task: its error must still reach the waiter (not the loop's exception handler)."""
+    signal = StateSignal()
+    state = {"calls": 0}
+
+    def predicate() -> bool:
+        state["calls"] += 1
+        if state["calls"] == 2:
+            raise LookupError("the generator's version is gone")
+        return False
+
+    async def main() -> BaseException | None:
+        waiter = asyncio.create_task(signal.wait_for(predicate))
+        await asyncio.sleep(0)
+        signal.notify()
+        try:
+            async with asyncio.timeout(5):
+                await waiter
+        except LookupError as error:
+            return error
+        return None
+
+    error = asyncio.run(main())
+    assert isinstance(error, LookupError) and "version is gone" in str(error)

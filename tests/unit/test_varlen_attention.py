@@ -117,3 +117,15 @@ def test_only_full_causal_sdpa_models_switch():
     assert not varlen_attention.only_full_causal_attention(MistralConfig(sliding_window=16))
     assert not varlen_attention.only_full_causal_attention(
         LlamaConfig(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"]))
+
+
+def test_a_transformers_4_install_keeps_sdpa(monkeypatch):
+    """transformers 4.x (pyproject allows >= 4.56) calls mask functions and use_gqa_in_sdpa with other arguments."""
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    model = tiny_llama(0)
+    model.config._attn_implementation = "sdpa"
+    assert not use_varlen_sdpa(model) and model.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(transformers, "__version__", "5.24.0")
+    assert use_varlen_sdpa(model)

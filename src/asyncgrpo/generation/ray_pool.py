@@ -12,7 +12,10 @@ Design and invariants:
   until every one has built its engine, within
   `ray.startup_timeout_s` (a cluster without the resources asked for never places an actor: the
   error says what was asked and what the cluster has).
-- **Dispatch.** A request goes to the usable actor with the fewest open requests. Cancelling
+- **Dispatch.** A request goes to the usable actor with the fewest open requests, except that the requests of one
+  session (the same `request.affinity`: an agent's turns) go to the actor its first request went to while that one
+  is usable; a session whose actor cannot take work moves to another, pinned there from then on (counted in
+  `session_moves`, logged; each turn carries the whole conversation as ids). Pins are held weakly. Cancelling
   `generate` cancels the actor's task (`ray.cancel`), which cancels the engine request, so the
   sequence leaves its batch.
 - **Versions.** `required` is the last version `load_weights` installed. Every request carries it,
@@ -43,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -57,7 +61,7 @@ from asyncgrpo.generation.ray_placement import RolePlacement
 from asyncgrpo.generation.ray_weights import StoredWeights
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.threads import run_in_daemon_thread
-from asyncgrpo.types import Completion, GenerationRequest
+from asyncgrpo.types import Affinity, Completion, GenerationRequest
 
 log = logging.getLogger("asyncgrpo")
 
@@ -179,7 +183,8 @@ class RayGenerator:
         self._constructor_refs: tuple[Any, ...] = ()
         self._started = False
         self._closed = False
-        self.counters = {"actor_failures": 0, "recoveries": 0, "refusals": 0}
+        self.counters = {"actor_failures": 0, "recoveries": 0, "refusals": 0, "session_moves": 0}
+        self._pins: weakref.WeakKeyDictionary[Affinity, _Actor] = weakref.WeakKeyDictionary()  # each session's actor
 
     # ------------------------------------------------------------------ views
 
@@ -302,7 +307,7 @@ class RayGenerator:
     async def generate(self, request: GenerationRequest) -> Completion:
         ray = import_ray()
         while True:
-            actor = await self._acquire(lambda a: True, "generate")
+            actor = await self._actor_for(request)
             ref = actor.handle.generate.remote(request, self._required)
             actor.outstanding += 1
             actor.dispatched += 1
@@ -331,8 +336,23 @@ class RayGenerator:
                 raise type(result)(f"{actor.name}: {result}")
             return result
 
-    async def _acquire(self, ready: Any, what: str) -> _Actor:
-        """The usable actor (state ready and `ready(actor)`) with the fewest open requests; waits for one."""
+    async def _actor_for(self, request: GenerationRequest) -> _Actor:
+        """A usable actor for `request`: its session's while that one is usable; else the one with the fewest open
+        requests, which its session (if any) is pinned to from then on."""
+        session = request.affinity
+        pinned = None if session is None else self._pins.get(session)
+        actor = await self._acquire(lambda a: True, "generate", prefer=pinned)
+        if session is not None and actor is not pinned:
+            if pinned is not None:
+                self.counters["session_moves"] += 1
+                log.info("%s: session %s moved to %s: its actor cannot take work (%s).", self.name, session.name, actor.name,
+                         pinned.describe())
+            self._pins[session] = actor
+        return actor
+
+    async def _acquire(self, ready: Any, what: str, *, prefer: _Actor | None = None) -> _Actor:
+        """The usable actor (state ready and `ready(actor)`): `prefer` if it is one, else the one with the fewest open
+        requests; waits for one."""
         if self._closed or not self._started:
             state = "closed" if self._closed else "not started: await start() first"
             raise GenerationError(f"Ray generator {self.name!r} is {state}.", backend=self.name)
@@ -354,7 +374,7 @@ class RayGenerator:
             raise GenerationError(f"Ray generator {self.name!r} closed during {what}.", backend=self.name)
         if not candidates:
             raise BackendDeadError(self._dead_message(what, "any more: every actor spent its ray.max_restarts"), backend=self.name)
-        return min(candidates, key=lambda a: a.outstanding)
+        return prefer if prefer in candidates else min(candidates, key=lambda a: a.outstanding)
 
     def _dead_message(self, what: str, how_long: str) -> str:
         return (

@@ -183,7 +183,7 @@ def sequences(group: Group, *, mask_truncated: bool) -> list[TrainSequence]:
                     completion_ids=tuple(c.token_ids),
                     logp_gen=tuple(c.logprobs),
                     rollout=rollout,
-                    has_loss=not (c.truncated and mask_truncated),
+                    has_loss=not (rollout.completion.truncated and mask_truncated),  # a cut episode: all its samples
                     loss_mask=c.loss_mask,
                     versions=tuple(c.versions),
                 )

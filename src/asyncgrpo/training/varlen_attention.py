@@ -147,6 +147,14 @@ def only_full_causal_attention(config: Any) -> bool:
     return all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
 
 
+def interfaces_match() -> bool:
+    """Whether the installed transformers calls attention and mask functions as this module's expect (transformers 5:
+    the mask function gets `q_length`, `use_gqa_in_sdpa` takes the key and the value); 4.x differs in both."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
+
+
 def use_varlen_sdpa(model: Any) -> bool:
     """Switch `model` from `sdpa` to `NAME`; whether it now uses it. Other implementations (eager, flex, flash) and
     models with windowed or chunked attention keep theirs."""
@@ -155,6 +163,8 @@ def use_varlen_sdpa(model: Any) -> bool:
     if current == NAME:
         return True
     if current != "sdpa" or not only_full_causal_attention(config) or not hasattr(model, "set_attn_implementation"):
+        return False
+    if not interfaces_match():  # transformers 4.x calls attention and mask functions with other signatures: keep sdpa
         return False
     register()
     model.set_attn_implementation(NAME)
