@@ -77,8 +77,9 @@ from asyncgrpo.generation.http_stream import CompletionStream
 from asyncgrpo.generation.http_weights import WeightInstaller
 from asyncgrpo.generation.pool_health import HUNG_AFTER
 from asyncgrpo.generation.publisher_choice import make_publisher
+from asyncgrpo.generation.session_pins import SessionPins
 from asyncgrpo.generation.weight_sync import WeightPublisher
-from asyncgrpo.types import Affinity, Completion, GenerationRequest
+from asyncgrpo.types import Completion, GenerationRequest
 
 log = logging.getLogger("asyncgrpo")
 
@@ -116,8 +117,7 @@ class HttpGenerator:
         # Per request (the collector reuses one request object for all of a rollout's attempts): how many
         # of its attempts timed out here. Entries go with the request.
         self._timeouts: weakref.WeakKeyDictionary[GenerationRequest, int] = weakref.WeakKeyDictionary()
-        self._pins: weakref.WeakKeyDictionary[Affinity, PooledServer] = weakref.WeakKeyDictionary()  # each session's server
-        self.counters["session_moves"] = 0
+        self._pins: SessionPins[PooledServer] = SessionPins(name, self.counters, "server")
 
     # ------------------------------------------------------------------ views
 
@@ -216,15 +216,8 @@ class HttpGenerator:
     async def _server_for(self, request: GenerationRequest) -> PooledServer:
         """A usable server for `request`: its session's while that one is usable; else the least-loaded, which its session
         (if any) is pinned to from then on."""
-        session = request.affinity
-        pinned = None if session is None else self._pins.get(session)
-        server = await self._pool.acquire("generate", prefer=pinned)
-        if session is not None and server is not pinned:
-            if pinned is not None:
-                self.counters["session_moves"] += 1
-                log.info("%s: session %s moved to %s: its server cannot take work (%s).", self.name, session.name, server.url,
-                         pinned.describe())
-            self._pins[session] = server
+        server = await self._pool.acquire("generate", prefer=self._pins.preferred(request.affinity))
+        self._pins.chosen(request.affinity, server, server.url)
         return server
 
     def _model_for(self, server: PooledServer) -> str | None:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -59,9 +58,10 @@ from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.generation.ray_cluster import RayCluster, import_ray
 from asyncgrpo.generation.ray_placement import RolePlacement
 from asyncgrpo.generation.ray_weights import StoredWeights
+from asyncgrpo.generation.session_pins import SessionPins
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.threads import run_in_daemon_thread
-from asyncgrpo.types import Affinity, Completion, GenerationRequest
+from asyncgrpo.types import Completion, GenerationRequest
 
 log = logging.getLogger("asyncgrpo")
 
@@ -183,8 +183,8 @@ class RayGenerator:
         self._constructor_refs: tuple[Any, ...] = ()
         self._started = False
         self._closed = False
-        self.counters = {"actor_failures": 0, "recoveries": 0, "refusals": 0, "session_moves": 0}
-        self._pins: weakref.WeakKeyDictionary[Affinity, _Actor] = weakref.WeakKeyDictionary()  # each session's actor
+        self.counters = {"actor_failures": 0, "recoveries": 0, "refusals": 0}
+        self._pins: SessionPins[_Actor] = SessionPins(name, self.counters, "actor")
 
     # ------------------------------------------------------------------ views
 
@@ -339,15 +339,8 @@ class RayGenerator:
     async def _actor_for(self, request: GenerationRequest) -> _Actor:
         """A usable actor for `request`: its session's while that one is usable; else the one with the fewest open
         requests, which its session (if any) is pinned to from then on."""
-        session = request.affinity
-        pinned = None if session is None else self._pins.get(session)
-        actor = await self._acquire(lambda a: True, "generate", prefer=pinned)
-        if session is not None and actor is not pinned:
-            if pinned is not None:
-                self.counters["session_moves"] += 1
-                log.info("%s: session %s moved to %s: its actor cannot take work (%s).", self.name, session.name, actor.name,
-                         pinned.describe())
-            self._pins[session] = actor
+        actor = await self._acquire(lambda a: True, "generate", prefer=self._pins.preferred(request.affinity))
+        self._pins.chosen(request.affinity, actor, actor.name)
         return actor
 
     async def _acquire(self, ready: Any, what: str, *, prefer: _Actor | None = None) -> _Actor:
