@@ -39,6 +39,7 @@ from asyncgrpo.rollout.collector import Collector
 from asyncgrpo.training.stub import StubTrainer
 from asyncgrpo.types import GenerationRequest, Prompt, SamplingParams
 from asyncgrpo.wiring.collector import build_collector
+from tests.bounded import run_bounded
 from tests.integration.servers import FakeServer, ServeProcess, free_port, http, until
 
 pytestmark = pytest.mark.timeout(120)
@@ -47,11 +48,7 @@ EOS = 2
 
 
 def run(coro, timeout_s: float = 90.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coro
-
-    return asyncio.run(bounded())
+    return run_bounded(coro, timeout_s)
 
 
 

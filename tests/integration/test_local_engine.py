@@ -26,16 +26,13 @@ from asyncgrpo.generation.base import Generator
 from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.types import GenerationRequest, SamplingParams
+from tests.bounded import run_bounded
 
 PROMPTS = ["what is 2+2?", "1+1=", "hello, tiny model. how are you today?", "x"]
 
 
 def run(coro, timeout_s: float = 60.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coro
-
-    return asyncio.run(bounded())
+    return run_bounded(coro, timeout_s)
 
 
 def request(rid: int, prompt: str, tokenizer, *, seed: int | None = None, **sampling) -> GenerationRequest:

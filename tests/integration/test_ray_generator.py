@@ -23,6 +23,7 @@ from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.generation.ray_pool import RayGenerator
 from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.types import Completion, GenerationRequest, SamplingParams
+from tests.bounded import run_bounded
 from tests.integration.ray_cluster import local_cluster, ray
 from tests.integration.servers import wait_until
 
@@ -41,11 +42,7 @@ def config(*overrides: str):
 
 
 def run(coro, timeout_s: float = 150.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coro
-
-    return asyncio.run(bounded())
+    return run_bounded(coro, timeout_s)
 
 
 def request(rid: int, tokenizer, *, max_new_tokens: int = 8, temperature: float = 1.0) -> GenerationRequest:

@@ -36,6 +36,7 @@ from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
 from asyncgrpo.training.ray_trainer import RayTrainer
 from asyncgrpo.training.trainer import TorchTrainer
 from asyncgrpo.types import GenerationRequest, SamplingParams
+from tests.bounded import run_bounded
 from tests.component.test_trainer import TEMPERATURE, make_groups
 from tests.integration.ray_cluster import local_cluster, processes_of, ray, still_running
 
@@ -59,11 +60,7 @@ def config(*overrides: str):
 
 
 def run(coro, timeout_s: float = 200.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coro
-
-    return asyncio.run(bounded())
+    return run_bounded(coro, timeout_s)
 
 
 @pytest.mark.parametrize(("loss", "sharding"), [

@@ -7,7 +7,6 @@ tests/integration's (test_launch_actor.py, test_ray_launch.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from typing import Any
 
@@ -19,6 +18,7 @@ from asyncgrpo.generation import launch as launch_module
 from asyncgrpo.generation.launch import ServerLauncher
 from asyncgrpo.generation.launch_actor import LaunchFailure, LaunchSpec, ServerExit
 from asyncgrpo.sync import StateSignal
+from tests.bounded import run_bounded
 
 LAUNCH = ("runtime=ray", "generation.backend=http", "generation.http.launch.count=2")
 
@@ -134,11 +134,7 @@ def launcher(monkeypatch, tmp_path, answers: list[str | LaunchFailure], *overrid
 
 
 def run(coro: Any) -> Any:
-    async def bounded() -> Any:
-        async with asyncio.timeout(30):
-            return await coro
-
-    return asyncio.run(bounded())
+    return run_bounded(coro, 30)
 
 
 @pytest.mark.parametrize(("kind", "error"), [("start", BackendDeadError), ("config", ConfigError)])

@@ -50,6 +50,7 @@ from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import build_tiny
 from asyncgrpo.sampling import token_logprobs
 from asyncgrpo.types import GenerationRequest, SamplingParams
+from tests.bounded import run_bounded
 from tests.integration.servers import http, until
 from tests.integration.vllm.conftest import LORA
 from tests.integration.vllm_server import start_vllm_server, vllm_available
@@ -65,11 +66,7 @@ EOS = 2
 
 
 def run(coro, timeout_s: float = 240.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coro
-
-    return asyncio.run(bounded())
+    return run_bounded(coro, timeout_s)
 
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)\{([^}]*)\} (\S+)$", re.M)
