@@ -339,3 +339,29 @@ def test_a_simulation_of_million_second_steps_finishes():
     sim = simulate(recipe(train={"max_steps": 20}, simulate={"step_time_s": 1e6}))
     assert sim.result.outcome == "completed" and sim.result.steps == 20
     assert sim.virtual_time_s >= 2e7
+
+
+async def late_partial_reward(prompts, completions, **columns):
+    """Prompt 1's group takes 5 s to score and its third completion gets no score; every other group is scored at once."""
+    if not completions[0].startswith("1-"):
+        return [float(len(c) % 2) for c in completions]
+    await asyncio.sleep(5.0)
+    return [None if c.endswith("-2") else 1.0 for c in completions]
+
+
+def test_a_group_judged_stale_counts_its_unscored_tokens_once():
+    # Prompt 1's group is scored (two of its three completions) only after the trainer has moved past its bound, so it is
+    # stale when judged: every finished token of it is wasted once, as stale, not its unscored completion also as failed.
+    from tests.sim.test_chaos import check_tokens
+
+    cfg = recipe(
+        reward={"functions": ["tests.sim.test_regressions:late_partial_reward"], "timeout_s": 600.0},
+        rollout={"group_size": 3, "min_group_survivors": 2, "on_stale": "resume", "max_prefix_staleness": 4},
+        train={"max_steps": 6},
+    )
+    sim = simulate(cfg, ProgrammedGenerator())
+    counters = sim.collector.counters
+    assert sim.result.outcome == "completed", sim.result.diagnostic
+    assert 1 not in [g.prompt.id for g in sim.trainer.trained_groups] and counters["rollout/stale_groups_total"] >= 1
+    assert counters["rollout/wasted_tokens/failed"] == 0, counters
+    check_tokens(sim)

@@ -301,11 +301,12 @@ class Collector:
             log.warning(warning)
         self._seq += 1
         kept = [r.completion for r in rollouts]
-        self.books.unscored(group.finished_tokens() - sum(c.model_tokens for c in kept))
         finished = Group(prompt=group.prompt, rollouts=rollouts, seq=self._seq, failed_rollouts=sum(e is not None for e in group.errors),
                          generation_ms=group.ms_of(kept), target_step=group.target_step,
                          max_staleness=self._left_behind.bound_of(group))
         trainable, masked = self.stale.trainable(finished, self.next_step)  # resume: tokens older than the bound masked out
+        if trainable is not None:  # a stale group's finished tokens are all wasted as stale, its unscored ones among them
+            self.books.unscored(group.finished_tokens() - sum(c.model_tokens for c in kept))
         self.books.masked(masked)
         self._end(group, STALE if trainable is None else trainable)
 
