@@ -13,7 +13,7 @@ import torch
 from asyncgrpo.errors import BackendDeadError, TransientGenerationError
 from asyncgrpo.generation.http import HttpGenerator
 from tests.integration.servers import FakeServer, until
-from tests.integration.test_http_generator import recipe, request, run
+from tests.integration.test_http_generator import learn_latencies, recipe, request, run
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,6 +56,33 @@ def test_a_replaced_server_gets_the_current_weights_before_work_and_a_request_op
     assert isinstance(failed, TransientGenerationError) and f"to {old_url} failed" in str(failed)  # the caller retries it
     assert reloads_seen and all(seen >= 1 for seen in reloads_seen)  # work only once it had the weights
     assert all(set(c.versions) == {1} for c in after)
+
+
+def test_a_request_to_the_old_url_that_times_out_is_not_booked_against_the_new_server(tmp_path):
+    async def main():
+        first, old, new = await FakeServer().start(), await FakeServer().start(), await FakeServer().start()
+        http = {"base_urls": [first.url, old.url], "attempt_timeout_min_s": 0.3}
+        gen = HttpGenerator(recipe(http["base_urls"], generation={"http": http}).generation, weights_dir=tmp_path / "weights")
+        await gen.start()
+        try:
+            await gen.load_weights({"w": torch.zeros(2)}, 1)
+            await learn_latencies(gen)  # attempts get a budget of their own (0.3 s), below generation.request_timeout_s
+            old.freeze()  # answers nothing: the request to it times out after the replacement
+            held = [asyncio.create_task(gen.generate(request(i))) for i in range(2)]  # the second goes to `old`
+            await until(lambda: gen.stats()["servers"][1]["outstanding"] == 1, 10, "a request open to the old server")
+            gen.replace_server(1, new.url, "its actor died")
+            outcomes = await asyncio.gather(*held, return_exceptions=True)  # the old URL's at its overdue limit
+            old.thaw()
+            return outcomes, gen.stats()["servers"][1], old.url
+        finally:
+            await gen.aclose()
+            for server in (first, old, new):
+                await server.stop()
+
+    (answered, timed_out), replaced, old_url = run(main())
+    assert answered.versions == (1, 1, 1)
+    assert f"to {old_url} got no answer" in str(timed_out)  # the caller retries it
+    assert replaced["last_error"].startswith("replaced ") and replaced["hung"] is None  # the old process timed out, not the new one
 
 
 def test_a_server_gone_for_good_is_named_with_why_when_no_server_is_left():

@@ -202,15 +202,18 @@ class HttpGenerator:
             # a resumed rollout whose prefix spent the budget: nothing to ask a server (base.py's contract)
             return Completion((), (), (), "length", self.serving_version)
         server = await self._server_for(request)
+        url = server.url
         try:
             completion = await self._attempt(server, request)
         except PromptRejectedError:
             raise  # the server works; this prompt does not fit it
         except GenerationError as exc:
-            self._attempt_failed(server, exc)  # raises BackendDeadError once failing for backend_dead_after_s
+            if server.url == url:  # else its process was replaced meanwhile, and this says nothing of the new one
+                self._attempt_failed(server, exc)  # raises BackendDeadError once failing for backend_dead_after_s
             raise
-        self._pool.health.answered(server.url, asyncio.get_running_loop().time())
-        server.flapping = False
+        if server.url == url:
+            self._pool.health.answered(url, asyncio.get_running_loop().time())
+            server.flapping = False
         return completion
 
     async def _server_for(self, request: GenerationRequest) -> PooledServer:
