@@ -7,6 +7,7 @@ tests/integration's (test_launch_actor.py, test_ray_launch.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from typing import Any
 
@@ -43,6 +44,7 @@ class Actor:
         self.exits: list[ServerExit] = []
         self.died = False
         self.stopped = False
+        self.unkillable = False  # ray.kill raises on it
         self.start, self.exited, self.stop = Method(self._start), Method(self._exited), Method(self._stop)
 
     async def _start(self) -> str | LaunchFailure:
@@ -95,6 +97,8 @@ class FakeRay:
 
     def kill(self, actor: Actor, no_restart: bool) -> None:
         assert no_restart
+        if actor.unkillable:
+            raise RayError(f"could not kill actor {actor.spec.name}: its node does not answer")
         self.killed.append(actor)
 
     def available_resources(self) -> dict[str, float]:
@@ -191,3 +195,27 @@ def test_a_replacement_that_does_not_start_leaves_the_server_down_naming_why(mon
     run(scenario())
     (what, position, why), = slots.calls
     assert (what, position) == ("gone", 1) and "its replacement did not start: " + failure.message in why
+
+
+def test_a_dead_actor_that_cannot_be_killed_gets_no_replacement_and_its_server_stays_down_naming_why(monkeypatch, tmp_path):
+    # Killed for sure first, or no other actor takes its place (a merely unreachable one may serve on); the watcher says so
+    # and ends, instead of ending on the kill's exception with nobody told.
+    server_launcher, ray = launcher(monkeypatch, tmp_path, [])
+    slots = Slots(ray.signal)
+
+    async def scenario() -> None:
+        await server_launcher.start()
+        server_launcher.watch(slots, first=0)
+        ray.actors[0].unkillable = True
+        ray.actors[0].die()
+        await ray.signal.wait_for(lambda: len(slots.calls) == 1)
+        watcher = server_launcher._watchers[0]
+        await asyncio.wait([watcher], timeout=5)
+        assert watcher.done() and watcher.exception() is None  # it ended saying why, not on the kill's exception
+        ray.actors[0].unkillable = False
+        await server_launcher.aclose()
+
+    run(scenario())
+    (what, position, why), = slots.calls
+    assert (what, position) == ("gone", 0) and len(ray.actors) == 2  # no replacement started
+    assert "its dead actor could not be killed for sure within 30 s (RayError: could not kill actor server-0" in why

@@ -21,7 +21,8 @@ Invariants:
   started and bounded as at start-up, its URL then replaces the old one in the pool (`ServerSlots`;
   the pool treats it as a server back after an outage: the current weights before any work).
 - Both kinds of restart spend one budget per server, `launch.max_restarts` (a replacement actor gets
-  what is left for its own process restarts). Past it, or when a restart fails, the server stays
+  what is left for its own process restarts). Past it, or when a restart fails (its dead actor not killed for sure
+  within 30 s included: it might serve on), the server stays
   down, the log says why and that the run goes on with the others, the pool's error messages name
   the reason (`server_gone`), and a pool with no server left fails as any HTTP pool does
   (`BackendDeadError` after `generation.backend_dead_after_s`).
@@ -196,9 +197,14 @@ class ServerLauncher:
         """A new actor for server `index` in place of its dead one (killed for sure first: a merely unreachable one must
         not serve on), with `restarts_left` for its own process; its URL once /health answers, or why not."""
         ray = import_ray()
-        dead = self.handles[index]
-        await run_in_daemon_thread(lambda: ray.kill(dead, no_restart=True), name="asyncgrpo-ray-kill")
-        spec = dataclasses.replace(self.specs[index], max_restarts=restarts_left)
+        dead, spec = self.handles[index], dataclasses.replace(self.specs[index], max_restarts=restarts_left)
+        try:
+            async with asyncio.timeout(_STOP_TIMEOUT_S):
+                await run_in_daemon_thread(lambda: ray.kill(dead, no_restart=True), name="asyncgrpo-ray-kill")
+        except Exception as exc:  # noqa: BLE001 - ray.kill's errors are not typed; whatever it raised, the old actor may live
+            return LaunchFailure("start", f"server {spec.name}: its dead actor could not be killed for sure within "
+                                          f"{_STOP_TIMEOUT_S:g} s ({type(exc).__name__}: {exc}), so no other actor is started "
+                                          f"in its place")
         handle = self.handles[index] = self._actor(index, spec)  # in `handles` at once: aclose stops it
         try:
             async with asyncio.timeout(self.cfg.ray.startup_timeout_s + self.launch.start_timeout_s):
