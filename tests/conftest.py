@@ -13,6 +13,16 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.pluginmanager.register(FastTierGuard(), "fast-tier-guard")
+    _build_matplotlib_font_cache()
+
+
+def _build_matplotlib_font_cache():
+    """On a machine where matplotlib has never run, its font manager starts `fc-list` on first use to build its cache:
+    built here, before any test, the fast tier's plot tests start no process whichever test draws first."""
+    try:
+        import matplotlib.font_manager  # noqa: F401 - imported for its side effect: the cache
+    except ImportError:
+        pass  # the plot tests skip, naming why
 
 
 def pytest_xdist_make_scheduler(config, log):
