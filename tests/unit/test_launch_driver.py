@@ -219,3 +219,24 @@ def test_a_dead_actor_that_cannot_be_killed_gets_no_replacement_and_its_server_s
     (what, position, why), = slots.calls
     assert (what, position) == ("gone", 0) and len(ray.actors) == 2  # no replacement started
     assert "its dead actor could not be killed for sure within 30 s (RayError: could not kill actor server-0" in why
+
+
+def test_a_watcher_that_fails_unexpectedly_leaves_its_server_down_naming_why(monkeypatch, tmp_path):
+    server_launcher, ray = launcher(monkeypatch, tmp_path, [])
+    slots = Slots(ray.signal)
+
+    def refused(**_options: Any) -> Method:
+        raise ValueError("placement group bundle 0 was removed")
+
+    async def scenario() -> None:
+        await server_launcher.start()
+        server_launcher.watch(slots, first=0)
+        ray.options = refused  # type: ignore[method-assign]  # the replacement actor cannot be created
+        ray.actors[0].die()
+        await ray.signal.wait_for(lambda: len(slots.calls) == 1)
+        await server_launcher.aclose()
+
+    run(scenario())
+    (what, position, why), = slots.calls
+    assert (what, position) == ("gone", 0)
+    assert "watching it failed: ValueError: placement group bundle 0 was removed" in why

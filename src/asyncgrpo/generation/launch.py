@@ -101,8 +101,17 @@ class ServerLauncher:
 
     def watch(self, slots: ServerSlots, first: int) -> None:
         """Watch every server until `aclose()`: server `index` is `slots`' position `first + index`."""
-        self._watchers = [asyncio.create_task(self._watch(index, slots, first + index), name=f"{spec.name}-watch")
+        self._watchers = [asyncio.create_task(self._watch_or_say_why(index, slots, first + index), name=f"{spec.name}-watch")
                           for index, spec in enumerate(self.specs)]
+
+    async def _watch_or_say_why(self, index: int, slots: ServerSlots, position: int) -> None:
+        """`_watch`; should it fail unexpectedly (a new actor refused by Ray, say), the server stays down, named with why,
+        rather than its watcher ending on an exception nobody observes."""
+        try:
+            await self._watch(index, slots, position)
+        except Exception as exc:  # noqa: BLE001 - whatever it was, it is named where the pool's errors list the servers
+            self._gone(slots, position, self.specs[index], self.urls[index],
+                       f"watching it failed: {type(exc).__name__}: {exc}")
 
     def _actor(self, index: int, spec: LaunchSpec) -> Any:
         """A new actor for server `index` (in its bundle of the placement group, if any), running `spec`."""
