@@ -350,13 +350,14 @@ async def late_partial_reward(prompts, completions, **columns):
 
 
 def test_a_group_judged_stale_counts_its_unscored_tokens_once():
-    # Prompt 1's group is scored (two of its three completions) only after the trainer has moved past its bound, so it is
+    # Prompt 1's group is scored (two of its three completions) only after the trainer has moved past its bound. Under
+    # `resume` with `max_masked_share` 1 a finished group is not cancelled for that (its tokens may all be masked), and it is
     # stale when judged: every finished token of it is wasted once, as stale, not its unscored completion also as failed.
     from tests.sim.test_chaos import check_tokens
 
     cfg = recipe(
         reward={"functions": ["tests.sim.test_regressions:late_partial_reward"], "timeout_s": 600.0},
-        rollout={"group_size": 3, "min_group_survivors": 2, "on_stale": "resume", "max_prefix_staleness": 4},
+        rollout={"group_size": 3, "min_group_survivors": 2, "on_stale": "resume", "max_masked_share": 1.0},
         train={"max_steps": 6},
     )
     sim = simulate(cfg, ProgrammedGenerator())

@@ -65,10 +65,10 @@ def test_a_fully_masked_rollout_does_not_hold_its_group_back() -> None:
 def test_the_resume_policy_refuses_a_group_resumed_too_often_or_with_a_finished_rollout_past_the_limit() -> None:
     policy = ResumePolicy(recipe(rollout={"on_stale": "resume", "max_resumptions": 2, "max_masked_share": 0.5}).rollout)
     fresh, old = completion((1, 2), (2, 2)), completion((1, 2), (0, 0))
-    assert policy.may_resume([fresh, None], [0, 1], step=2)
-    assert not policy.may_resume([fresh, None], [2], step=2)
-    assert not policy.may_resume([old, None], [0], step=3)  # every token of `old` is past K = 1 at step 3
-    assert policy.may_resume([old, None], [0], step=1)
+    assert policy.may_resume([fresh, None], [0, 1], step=2, resumed=True)
+    assert not policy.may_resume([fresh, None], [2], step=2, resumed=True)
+    assert not policy.may_resume([old, None], [0], step=3, resumed=True)  # every token of `old` is past K = 1 at step 3
+    assert policy.may_resume([old, None], [0], step=1, resumed=True)
 
 
 @pytest.mark.parametrize("key, value", [("rollout.partial_groups", True), ("algorithm", "distill")])

@@ -170,3 +170,26 @@ def test_the_retry_loop_empties_the_sink_before_each_attempt_and_after_a_failed_
     run_virtual(main())
     assert backend.sink_at_attempt == [0, 0] and at_retry == [0]  # a failed attempt's tokens are no prefix of its retry
     assert sink.token_ids == [5, 6]  # the current attempt's tokens only
+
+
+def test_a_group_is_judged_and_let_go_on_by_the_wider_bound_only_if_resumed_in_place_too() -> None:
+    # rollout.max_prefix_staleness is the bound of a resumed group's older tokens. A group none of whose rollouts continued under
+    # newer weights is judged by K at its end, so when the steps leave it behind it may go on only if it passes under K:
+    # else it went on to be dropped as stale after scoring. On a backend that continues rollouts in place, a rollout with
+    # tokens of two versions was resumed as much as an interrupted one, and gets the wider bound.
+    def finished(versions: tuple[int, ...], *, running: bool = False) -> InFlightGroup:
+        g = InFlightGroup(key=1, prompt=Prompt(id=0, text="p", token_ids=(1,)), size=2)
+        g.completions[0], g.dispatch_versions[0] = completion((5,) * len(versions), versions), versions[0]
+        g.dispatch_versions[1] = 0
+        if not running:
+            g.completions[1] = completion((6,), (0,))
+        return g
+
+    for in_place in (False, True):
+        resuming, _ = runner("resume", in_place=in_place, max_prefix_staleness=2)
+        assert not resuming.resume(finished((0, 0)), step=2)  # K = 1: every token of both is masked at step 2
+        assert resuming.bound_of(finished((0, 0))) is None
+    in_place, in_place_books = runner("resume", in_place=True, max_prefix_staleness=2)
+    assert in_place.bound_of(finished((0, 1))) == 2  # continued in place from version 0 to 1: resumed
+    assert in_place.resume(finished((0, 0), running=True), step=2)  # member 1 (version 0) runs on under the newest weights
+    assert in_place_books.counters["rollout/resumed_rollouts_total"] == 0  # nothing interrupted

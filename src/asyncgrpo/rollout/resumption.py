@@ -162,7 +162,13 @@ class Resuming(Cancelling):
         return cut
 
     def bound_of(self, group: InFlightGroup) -> int | None:
-        return self.policy.bound_of_resumed if any(group.resumptions) else None
+        return self.policy.bound_of_resumed if self._resumed(group) else None
+
+    def _resumed(self, group: InFlightGroup) -> bool:
+        """Did a rollout of `group` continue under newer weights than it started with: interrupted and resubmitted, or, in
+        place, with tokens of more than one version? Then its older tokens are a resumed prefix (`rollout.max_prefix_staleness`)."""
+        return any(group.resumptions) or (self.in_place and any(
+            c is not None and c.versions[:1] != c.versions[-1:] for c in group.completions))
 
     def _hopeless(self, group: InFlightGroup, step: int) -> bool:
         """Is a rollout of `group` sure to be masked past `rollout.max_masked_share` at `step` (the earliest step that can train it)
@@ -178,17 +184,27 @@ class Resuming(Cancelling):
     def _interrupt(self, group: InFlightGroup, *, older_than: int, step: int, may_end: bool) -> bool:
         """Interrupt the group's rollouts awaiting a request (never one in an environment call) whose attempt is of a version
         below `older_than`, all at once, if the policy lets it resume them at `step`. False: it does not, and the group is to
-        be cancelled as stale (`may_end`: they would be stale) or left as it is."""
-        behind = [m for m in range(group.size) if not self.in_place and group.generating[m] and not group.interrupts[m]
+        be cancelled as stale (`may_end`: they would be stale) or left as it is. In place, those rollouts are resumed as they
+        run (under the newest weights, token by token): the policy decides the same way, and nothing is interrupted."""
+        behind = [m for m in range(group.size) if self._running(group, m) and not group.interrupts[m]
                   and (v := group.dispatch_versions[m]) is not None and v < older_than]
         if not behind and not may_end:
             return True
-        if not self.policy.may_resume(group.kept()[0], [group.resumptions[m] for m in behind], step):
+        resumed = bool(behind) or self._resumed(group)
+        if not self.policy.may_resume(group.kept()[0], [group.resumptions[m] for m in behind], step, resumed=resumed):
             return False
+        if self.in_place:
+            return True
         for member in behind:
             group.interrupt(member)
         self.books.resumed(len(behind))
         return True
+
+    def _running(self, group: InFlightGroup, member: int) -> bool:
+        """Is `member` generating: awaiting a request, or, in place, dispatched and not ended?"""
+        if not self.in_place:
+            return group.generating[member]
+        return group.dispatch_versions[member] is not None and group.completions[member] is None and group.errors[member] is None
 
 
 def runner_for(policy: StalePolicy, books: Books, *, continues_in_flight: bool, episode_tokens: int | None = None) -> Cancelling:

@@ -137,9 +137,10 @@ class StalePolicy:
             return None, 0
         return group, added
 
-    def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int) -> bool:
+    def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int, *, resumed: bool) -> bool:
         """`resume`: may a group whose finished rollouts are `finished` resume its rollouts resumed `resumptions` times so far,
-        once the steps reached `step`? (No policy but `resume` resumes.)"""
+        once the steps reached `step`? `resumed`: the group is (or was) resumed, so its bound is `rollout.max_prefix_staleness`
+        where set. (No policy but `resume` resumes.)"""
         return False
 
     def hopeless(self, running: Iterable[tuple[Sequence[int], int]], step: int) -> bool:
@@ -211,12 +212,13 @@ class ResumePolicy(RequeuePolicy):
         """`group` as step `step` may train it (tokens past the bound masked) and the tokens that masked anew; None: stale."""
         return mask_stale(group, step=step, bound=group.bound(self.max_staleness), max_share=self.max_masked_share)
 
-    def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int) -> bool:
+    def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int, *, resumed: bool) -> bool:
         """Not when a rollout would be resumed more than `rollout.max_resumptions` times, nor when a finished one already has more
-        than the limit masked at `step` (and so at every later step)."""
+        than the limit masked at `step` (and so at every later step) under the bound the group will be judged by (K, or
+        `rollout.max_prefix_staleness` for a resumed group)."""
         if any(times >= self.max_resumptions for times in resumptions):
             return False
-        bound = self.max_staleness if self.bound_of_resumed is None else self.bound_of_resumed  # the group is resumed now
+        bound = self.bound_of_resumed if resumed and self.bound_of_resumed is not None else self.max_staleness
         return not any(c is not None and masked_share(c, step=step, bound=bound) > self.max_masked_share for c in finished)
 
     def hopeless(self, running: Iterable[tuple[Sequence[int], int]], step: int) -> bool:
