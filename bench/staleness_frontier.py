@@ -36,16 +36,18 @@ POLICIES: dict[str, list[str]] = {
     "patience 4": ["rollout.on_stale=patience", "rollout.patience_share=4"],
     "requeue, over-admit 4": ["rollout.on_stale=requeue", "rollout.over_admit_groups=4"],
     "patience 1, partial groups": ["rollout.on_stale=patience", "rollout.patience_share=1", "rollout.partial_groups=true"],
-    # resume ({k2} is 2K): tokens past K masked; with masked share 1 no group is dropped for its masked tokens; with a prefix
-    # bound, a resumed group's tokens up to 2K steps old stay in the loss, importance-weighted.
+    # resume ({k2} is 2K, {k4} 4K): tokens past K masked; with masked share 1 no group is dropped for its masked tokens; with a
+    # prefix bound, a resumed group's tokens up to 2K (4K) steps old stay in the loss, importance-weighted.
     "resume": ["rollout.on_stale=resume"],
     "resume, masked share 1": ["rollout.on_stale=resume", "rollout.max_masked_share=1"],
     "resume, prefix bound 2K": ["rollout.on_stale=resume", "rollout.max_prefix_staleness={k2}"],
+    "resume, prefix bound 4K, masked share 1": ["rollout.on_stale=resume", "rollout.max_prefix_staleness={k4}",
+                                                "rollout.max_masked_share=1", "rollout.max_resumptions=8"],
 }
 
 
 def run(workload: str, k: int, policy: str) -> dict[str, Any]:
-    overrides = [o.format(k2=2 * k) for o in POLICIES[policy]]
+    overrides = [o.format(k2=2 * k, k4=4 * k) for o in POLICIES[policy]]
     report = simulate(load_config(WORKLOADS[workload], [f"rollout.max_staleness={k}", *overrides])).report()
     if report["outcome"] != "completed":
         raise SystemExit(f"{workload} K={k} {policy}: the simulation ended {report['outcome']}: {report['error']}")
@@ -96,7 +98,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    markers = dict(zip(POLICIES, "osD^v<>PXh*d"))
+    markers = dict(zip(POLICIES, "osD^v<>PXh*dp", strict=True))
     palette = {0: "#7f7f7f", 1: "#1f5fbf", 2: "#2e9e4f", 4: "#d62728", 8: "#9467bd", 16: "#8c564b"}
     colours = {k: palette.get(k, "#000000") for k in sorted({r["k"] for r in rows})}
     workloads = list(WORKLOADS)
