@@ -136,20 +136,24 @@ def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max(float((a[name] - b[name]).abs().max()) for name in a)
 
 
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_rank_0_writes_the_checkpoint_and_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(
-        cluster, tmp_path, monkeypatch):
-    """Rank 0 writes a checkpoint's weights and optimizer state itself: this process never saves a tensor (torch.save
-    refuses here), and one process resumes the checkpoint with the ranks' version and AdamW state."""
+        cluster, tmp_path, monkeypatch, sharding):
+    """Rank 0 writes a checkpoint's weights and optimizer state itself (sharded: each rank its shards of the optimizer
+    state, training/sharded_state.py): this process never saves a tensor (torch.save refuses here), and one process
+    resumes the checkpoint with the ranks' version and AdamW state."""
     model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
     groups = make_groups(model, 2, seed=1)
     resumed = TorchTrainer(copy.deepcopy(model), tokenizer, config())
+    single = TorchTrainer(copy.deepcopy(model), tokenizer, config())
+    single.train_step(groups)
 
     def refused(*args, **kwargs):
         raise AssertionError("the driver wrote a checkpoint's tensors")
 
     async def scenario():
-        trainer = RayTrainer(config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=1", "ray.trainer_timeout_s=60"),
-                             tokenizer, checkpoint=None, version=0)
+        trainer = RayTrainer(config("runtime=ray", "train.world_size=2", f"train.sharding={sharding}", "ray.trainer.num_cpus=1",
+                                    "ray.trainer_timeout_s=60"), tokenizer, checkpoint=None, version=0)
         await trainer.start()
         try:
             await asyncio.to_thread(trainer.train_step, groups)
@@ -157,8 +161,11 @@ def test_rank_0_writes_the_checkpoint_and_a_killed_rank_fails_the_next_step_nami
             with monkeypatch.context() as driver:
                 driver.setattr(torch, "save", refused)
                 checkpoint = await asyncio.to_thread(save_checkpoint, tmp_path, 1, trainer, "", {})
+            assert (checkpoint / "optimizer" / "manifest.json").is_file() == (sharding == "fsdp")
             load_checkpoint(checkpoint, resumed)
             assert resumed.version == 1 and len(resumed.optimizer.state) == len(list(model.parameters()))
+            steps = {int(s["step"]) for s in resumed.optimizer.state.values()}
+            assert steps == {int(s["step"]) for s in single.optimizer.state.values()} and steps != {0}
             pids = trainer.rank_pids
             ranks = {pid for pid, cmd in processes_of(cluster).items() if cmd.startswith("ray::TrainerRank")}
             assert set(pids) == ranks and len(ranks) == 2

@@ -29,9 +29,11 @@ Design and invariants:
   itself: neither goes through the object store or the driver, which writes the rest
   (training/checkpoint.py: the tokenizer, config, records and state.json; the same layout).
 - **Sharded** (`train.sharding: fsdp`, training/sharding.py): rank 0 answers with (or writes) the
-  full weights and optimizer state as before, gathered from every rank's shards; so every rank is
-  called for them (a gather is a collective) and only rank 0's answer is kept. A checkpoint holds the full
-  state in the single-process layout, so a run resumes it at any world size, sharded or not.
+  full weights as before, gathered from every rank's shards; so every rank is called for them (a
+  gather is a collective) and only rank 0's answer is kept. The optimizer state is not gathered: each
+  rank writes its shards into the checkpoint directory, which every rank must see (on several nodes:
+  a shared file system), and rank 0 their manifest (training/sharded_state.py). A run resumes the
+  checkpoint at any world size, sharded or not.
 - **Faults.** Ranks are not restarted (a new process cannot rejoin the group mid-run). Every wait
   on a rank is bounded: `ray.startup_timeout_s` for the start, `ray.trainer_timeout_s` for any
   later call. When a rank dies, raises or does not answer in time, every rank is killed (the others
@@ -137,13 +139,9 @@ class TrainerRank:
         self.trainer.save_pretrained(directory)
 
     def save_trainer_state(self, path: str) -> None:
-        """Rank 0 writes the optimizer, scheduler, version and RNG state to `path`; sharded, every rank is called (the
-        optimizer state is gathered from the shards) and only rank 0 writes."""
-        import torch
-
-        state = self.trainer.state_dict()
-        if self.rank == 0:
-            torch.save(state, path)
+        """Rank 0 writes the optimizer, scheduler, version and RNG state to `path`; sharded, every rank is called and
+        writes its shards of the optimizer state beside it (training/sharded_state.py), then rank 0 writes `path`."""
+        self.trainer.save_trainer_state(Path(path))
 
 
 @dataclass(eq=False)
