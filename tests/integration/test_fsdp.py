@@ -37,6 +37,7 @@ from asyncgrpo.training.bf16_adamw import local
 from asyncgrpo.training.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from asyncgrpo.training.integrity import TRAINER_STATE_FILE
 from asyncgrpo.training.lora import adapter_state
+from asyncgrpo.training.sharded_state import read_shards
 from asyncgrpo.training.trainer import TorchTrainer
 from tests.component.test_trainer import TEMPERATURE, make_groups
 
@@ -91,16 +92,16 @@ def rank_main(rank: int, port: int, directory: str, first_checkpoint: str, lora_
         weights = trainer.generation_weights()  # every rank takes part; rank 0 gets them
         written = save_together(trainer, rank, directory, 2, cfg)
         # Two ranks resume the checkpoint the ranks wrote: each rank's shards are the ones it saved, to the bit.
-        again = TorchTrainer(copy.deepcopy(initial), tokenizer, cfg)
-        load_checkpoint(written, again)
-        again.join_data_parallel(rank, WORLD)
-        resumed_at_2 = (again.version, again.scheduler.last_epoch == trainer.scheduler.last_epoch, shard_difference(again, trainer))
+        again = resume_sharded(initial, tokenizer, cfg, written, rank)
+        resumed_at_2 = [(again.version, again.scheduler.last_epoch == trainer.scheduler.last_epoch, shard_difference(again, trainer))]
         # bfloat16 through FSDP2's mixed precision, AdamW's moments in bfloat16 (sharded like the parameters).
         low = TorchTrainer(copy.deepcopy(initial), tokenizer, config(*LOW, "runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp"))
         low.join_data_parallel(rank, WORLD)
         low_metrics = low.train_step(groups)
         assert all(local(p).dtype == torch.float32 for p in low.model.parameters())  # the master weights
-        save_together(low, rank, os.path.join(directory, "low"), 1, cfg)
+        low_written = save_together(low, rank, os.path.join(directory, "low"), 1, cfg)
+        low_again = resume_sharded(initial, tokenizer, low.cfg, low_written, rank)  # its bfloat16 moments, read as such
+        resumed_at_2.append((low_again.version, True, shard_difference(low_again, low)))
         low_generators = low.optimizer.state_dict()["rounding_generators"]  # each rank its own; rank 0's are saved
         # float16 with its loss scaler; rank 1 alone sees an overflow (in one gradient shard) in the last update.
         half = low_loss_scale(TorchTrainer(copy.deepcopy(initial), tokenizer,
@@ -154,6 +155,16 @@ def save_together(trainer: TorchTrainer, rank: int, directory: str, step: int, c
         trainer.save_trainer_state(seen / TRAINER_STATE_FILE)
     dist.barrier()  # rank 0 renamed it into place
     return checkpoint_dir(Path(directory), step)
+
+
+def resume_sharded(initial: torch.nn.Module, tokenizer: Any, cfg, checkpoint: Path, rank: int) -> TorchTrainer:
+    """A rank resumed from `checkpoint` as a Ray rank resumes (training/ray_trainer.py `TrainerRank`): the checkpoint
+    without the optimizer's shards, then joined, then (every rank together) its own shards."""
+    trainer = TorchTrainer(copy.deepcopy(initial), tokenizer, cfg)
+    load_checkpoint(checkpoint, trainer, shards_after_join=True)
+    trainer.join_data_parallel(rank, WORLD)
+    read_shards(checkpoint, trainer.optimizer, trainer.model)
+    return trainer
 
 
 def shard_difference(a: TorchTrainer, b: TorchTrainer) -> float:
@@ -260,7 +271,7 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     assert largest_difference(moments(resumed), moments(expected), relative=True) <= 10 * moment_noise
     assert resumed.optimizer.state_dict()["param_groups"] == expected.optimizer.state_dict()["param_groups"]
     # Two ranks resume it too, each with exactly the shards it saved (weights and AdamW state), at the same schedule.
-    assert [r["resumed_at_2"] for r in ranks] == [(2, True, 0.0)] * WORLD
+    assert [r["resumed_at_2"] for r in ranks] == [[(2, True, 0.0), (1, True, 0.0)]] * WORLD  # float32, bfloat16 moments
     assert not (first_checkpoint / "optimizer").exists()  # one process keeps the whole state in trainer_state.pt
 
     # bfloat16 compute and moments: the same update to bfloat16's precision. FSDP2 casts the weights where the single

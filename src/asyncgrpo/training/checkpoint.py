@@ -98,9 +98,11 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path, trainer: TorchTrainer) -> dict[str, Any]:
+def load_checkpoint(path: Path, trainer: TorchTrainer, *, shards_after_join: bool = False) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler, version and RNG state into `trainer`.
 
+    `shards_after_join` (a rank about to be sharded): a sharded optimizer state's tensors are left for
+    `sharded_state.read_shards` once the rank joined (each rank then reads its own shards); the rest is loaded now.
     Returns the checkpoint's `state.json` (step, version, extra).
     """
     import torch
@@ -113,7 +115,9 @@ def load_checkpoint(path: Path, trainer: TorchTrainer) -> dict[str, Any]:
     if "sharded" in trainer_state["optimizer"]:  # each rank of a sharded trainer wrote its shards (training/sharded_state.py)
         from asyncgrpo.training import sharded_state
 
-        optimizer = sharded_state.read_full(path, trainer_state["optimizer"], trainer.optimizer, trainer.model)
+        entry = trainer_state["optimizer"]
+        optimizer = sharded_state.without_tensors(entry) if shards_after_join else \
+            sharded_state.read_full(path, entry, trainer.optimizer, trainer.model)
         trainer_state = {**trainer_state, "optimizer": optimizer}
     with trainer.lock:
         if trainer.lora:  # the base weights are model.path's; the adapter holds what was trained

@@ -8,7 +8,8 @@ GPU) and present them to the run as the in-process `TorchTrainer` is presented: 
 Design and invariants:
 - **Ranks.** Each rank builds its `TorchTrainer` as a single-process run does: from `model.path`
   (seeded by `run.seed`), then, on resume, from the checkpoint (so the KL reference and LoRA's base
-  weights are the initial model's). The run directory must be visible to every rank's node. The
+  weights are the initial model's; sharded, each rank reads its own shards of the optimizer state once
+  it joined, training/sharded_state.py). The run directory must be visible to every rank's node. The
   driver builds no trainer of its own (commands/train.py): the ranks are the only holders of the
   float32 weights, the KL reference and the optimizer state.
 - **A step.** Every rank gets the whole batch (one object in the store) and trains its share of
@@ -89,8 +90,9 @@ class TrainerRank:
         torch.manual_seed(cfg.run.seed)
         model, tokenizer = load_model_and_tokenizer(cfg.model.path, "float32", cfg.run.seed)
         self.trainer = TorchTrainer(model, tokenizer, cfg)
-        if checkpoint is not None:
-            load_checkpoint(Path(checkpoint), self.trainer)
+        self.sharded, self.checkpoint = cfg.train.sharding == "fsdp", checkpoint
+        if checkpoint is not None:  # sharded: the optimizer's shards are read once the rank joined (`join`)
+            load_checkpoint(Path(checkpoint), self.trainer, shards_after_join=self.sharded)
         self.rank, self.world_size, self.timeout_s = rank, world_size, cfg.ray.trainer_timeout_s
 
     def rendezvous(self) -> str:
@@ -113,6 +115,10 @@ class TrainerRank:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=address, rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s))
         self.trainer.join_data_parallel(self.rank, self.world_size)
+        if self.sharded and self.checkpoint is not None:  # each rank reads only its shards (every rank together)
+            from asyncgrpo.training.sharded_state import read_shards
+
+            read_shards(Path(self.checkpoint), self.trainer.optimizer, self.trainer.model)
         return self.trainer.version, os.getpid(), import_ray().util.get_node_ip_address()
 
     def train_step(self, groups: list[Group], with_weights: bool) -> tuple[dict[str, float], dict[str, Any] | None]:

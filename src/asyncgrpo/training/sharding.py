@@ -25,7 +25,8 @@ Invariants:
   gradients are those of float16 weights (autocast's, of float32 ones), so at a high scale they can
   overflow in an update where the single process's do not; the scaler then backs off once.
 - The optimizer is the trainer's own object, re-pointed at the sharded parameters, its state (the
-  loaded checkpoint's, if any, read whole) sliced to each rank's shard without communication. Checkpoints
+  loaded checkpoint's, if it held the whole state) sliced to each rank's shard without communication (a sharded
+  checkpoint's shards are read after this, each rank its own: sharded_state.read_shards). Checkpoints
   hold the full weights in the single-process layout and the optimizer state as each rank's shards, keyed by
   parameter name (training/sharded_state.py), so any world size, sharded or not, resumes them.
 - LoRA (`train.lora`): the peft model is sharded as it is, the frozen base weights and the adapters
