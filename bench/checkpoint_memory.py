@@ -6,6 +6,8 @@ methods): `save_pretrained` (the full weights, gathered for rank 0) and `save_tr
 Before each call the rank hands its freed heap memory back to the system (malloc_trim) and resets its
 resident-memory peak (/proc/self/clear_refs, 5), and reads the peak after it (VmHWM): the table shows the peak above
 the resident memory before the call, per parameter of the model (the rank's own shards, held throughout, are not in it).
+Then two fresh ranks resume that checkpoint as Ray ranks do (`TrainerRank(...)`, then `join`): each one's peak from
+its start to the end of `join` (loading the model, the checkpoint's weights and optimizer state, sharding).
 
 Run it once with this checkout's src and once with another's to compare them (the bench calls only what both have):
 
@@ -76,6 +78,24 @@ def rank_main(rank: int, world: int, model_path: str, port: int, out: str) -> No
     dist.destroy_process_group()
 
 
+def resume_main(rank: int, world: int, model_path: str, port: int, out: str) -> None:
+    """A Ray rank's resume of the checkpoint `rank_main` wrote (`TrainerRank`: built from it, then joined): this
+    process's resident-memory peak from its start (a fresh fork) to the end of `join`."""
+    torch.set_num_threads(1)
+    heap.release_freed_memory()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status_bytes("VmRSS")
+    cfg = load_config(None, [f"model.path={model_path}", "train.device=cpu", "rollout.group_size=2", "train.loss.kl_coef=0",
+                             "runtime=ray", f"train.world_size={world}", "train.sharding=fsdp"])
+    checkpoint = Path(out) / "checkpoint"
+    (checkpoint / "state.json").write_text(json.dumps({"step": 1, "version": 1, "extra": {}}))  # the driver's part
+    body = TrainerRank(cfg, rank, world, str(checkpoint))
+    body.join(f"tcp://127.0.0.1:{port}")
+    with open(os.path.join(out, f"resume{rank}.json"), "w") as handle:
+        json.dump({"resume": status_bytes("VmHWM") - before}, handle)
+    dist.destroy_process_group()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -89,13 +109,15 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(rank_main, args=(args.ranks, args.model, free_port(), out), nprocs=args.ranks, start_method="fork")
-        ranks = [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(args.ranks)]
+        mp.start_processes(resume_main, args=(args.ranks, args.model, free_port(), out), nprocs=args.ranks, start_method="fork")
+        ranks = [{**json.load(open(os.path.join(out, f"{r}.json"))), **json.load(open(os.path.join(out, f"resume{r}.json")))}
+                 for r in range(args.ranks)]
     print(f"{args.model}, {ranks[0]['count']:,} parameters, {args.ranks} ranks; peak resident memory above the memory before "
           f"the call, MiB (bytes per parameter)")
-    print("| rank | save_pretrained | save_trainer_state |")
-    print("| --- | --- | --- |")
+    print("| rank | save_pretrained | save_trainer_state | resume (whole start, from a fresh fork) |")
+    print("| --- | --- | --- | --- |")
     for rank, r in enumerate(ranks):
-        cells = [f"{r[k] / 2**20:.0f} ({r[k] / r['count']:.2f})" for k in ("weights", "state")]
+        cells = [f"{r[k] / 2**20:.0f} ({r[k] / r['count']:.2f})" for k in ("weights", "state", "resume")]
         print(f"| {rank} | " + " | ".join(cells) + " |")
 
 
