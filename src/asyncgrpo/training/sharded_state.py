@@ -2,8 +2,8 @@
 
 Job: write the per-parameter optimizer state (AdamW's `step`, `exp_avg`, `exp_avg_sq`, in their own dtype: float32,
 or bfloat16 with `train.optimizer_state_dtype: bfloat16`; with LoRA the adapters' only) as
-torch.distributed.checkpoint (DCP) files, keyed by parameter name, and read it back whole, for a trainer of any
-world size, sharded or not. No rank gathers another rank's shards: writing them adds almost nothing to the shards a
+torch.distributed.checkpoint (DCP) files, keyed by parameter name, and read it back at any world size, sharded
+(each rank its own shards) or not (whole). No rank gathers another rank's shards: writing them adds almost nothing to the shards a
 rank holds anyway (8 / N bytes per parameter with float32 moments), where gathering added the whole state to rank 0
 (8; bench/checkpoint_memory.py, docs/benchmarks.md).
 
@@ -12,8 +12,8 @@ Layout, in the checkpoint directory:
   writes returned: DCP gathers their results, which is the barrier, bounded by the process group's timeout,
   `ray.trainer_timeout_s`), then `manifest.json` (integrity.py `OPTIMIZER_MANIFEST`), written by rank 0 last: every
   file that holds state (a rank with none writes an empty one) and `.metadata`, with its size, each checked as rank 0
-  sees it. The manifest is the sharded state's commit point: without it, or
-  with a file of another size, the state is not whole (integrity.py `sharded_optimizer_problem`), and the driver
+  sees it. The manifest is the sharded state's commit point: without it, or with a file of another size, the state
+  is not whole (integrity.py `sharded_optimizer_problem`), and the driver
   renames the checkpoint into place only after every rank answered (training/checkpoint.py).
 - `trainer_state.pt`'s `optimizer` entry (rank 0's): the optimizer's `state_dict()` without its `state` (the param
   groups; Bf16StateAdamW's rounding generators, rank 0's), the parameter names of each group, and `sharded` (the
