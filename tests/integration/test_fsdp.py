@@ -22,6 +22,8 @@ import copy
 import os
 import socket
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,8 +34,10 @@ from safetensors.torch import load_file
 from asyncgrpo.config import load_config
 from asyncgrpo.models.loading import load_model_and_tokenizer
 from asyncgrpo.training.bf16_adamw import local
-from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
+from asyncgrpo.training.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+from asyncgrpo.training.integrity import TRAINER_STATE_FILE
 from asyncgrpo.training.lora import adapter_state
+from asyncgrpo.training.sharded_state import read_shards
 from asyncgrpo.training.trainer import TorchTrainer
 from tests.component.test_trainer import TEMPERATURE, make_groups
 
@@ -86,17 +90,19 @@ def rank_main(rank: int, port: int, directory: str, first_checkpoint: str, lora_
         metrics = trainer.train_step(groups)
         reference.append(parameter_bytes(trainer.reference))  # after its forwards: resharded, the root group's too
         weights = trainer.generation_weights()  # every rank takes part; rank 0 gets them
-        if rank == 0:
-            save_checkpoint(directory, 2, trainer, cfg.model_dump_json(), {})
-        else:  # what the driver's save_checkpoint asks of every rank, in the same order
-            trainer.save_pretrained(os.path.join(directory, "unused"))
-            assert trainer.state_dict()["optimizer"] == {}
+        written = save_together(trainer, rank, directory, 2, cfg)
+        # Two ranks resume the checkpoint the ranks wrote: each rank's shards are the ones it saved, to the bit.
+        again = resume_sharded(initial, tokenizer, cfg, written, rank)
+        resumed_at_2 = [(again.version, again.scheduler.last_epoch == trainer.scheduler.last_epoch, shard_difference(again, trainer))]
         # bfloat16 through FSDP2's mixed precision, AdamW's moments in bfloat16 (sharded like the parameters).
         low = TorchTrainer(copy.deepcopy(initial), tokenizer, config(*LOW, "runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp"))
         low.join_data_parallel(rank, WORLD)
         low_metrics = low.train_step(groups)
         assert all(local(p).dtype == torch.float32 for p in low.model.parameters())  # the master weights
-        low_state = low.state_dict()["optimizer"]
+        low_written = save_together(low, rank, os.path.join(directory, "low"), 1, cfg)
+        low_again = resume_sharded(initial, tokenizer, low.cfg, low_written, rank)  # its bfloat16 moments, read as such
+        resumed_at_2.append((low_again.version, True, shard_difference(low_again, low)))
+        low_generators = low.optimizer.state_dict()["rounding_generators"]  # each rank its own; rank 0's are saved
         # float16 with its loss scaler; rank 1 alone sees an overflow (in one gradient shard) in the last update.
         half = low_loss_scale(TorchTrainer(copy.deepcopy(initial), tokenizer,
                                            config(HALF, "runtime=ray", f"train.world_size={WORLD}", "train.sharding=fsdp")))
@@ -115,18 +121,62 @@ def rank_main(rank: int, port: int, directory: str, first_checkpoint: str, lora_
         lora_sharded = held_bytes(adapted)
         lora_metrics = adapted.train_step(groups)
         lora_weights = adapted.generation_weights()
-        if rank == 0:
-            save_checkpoint(os.path.join(directory, "lora"), 2, adapted, lora_cfg.model_dump_json(), {})
-        else:
-            adapted.save_pretrained(os.path.join(directory, "unused-lora"))
-            assert adapted.state_dict()["optimizer"] == {}
+        save_together(adapted, rank, os.path.join(directory, "lora"), 2, lora_cfg)
         torch.save({"metrics": metrics, "weights": weights, "unsharded": unsharded, "sharded": sharded,
-                    "low_metrics": low_metrics, "low_state": low_state, "lora_metrics": lora_metrics,
+                    "low_metrics": low_metrics, "low_generators": low_generators, "lora_metrics": lora_metrics,
                     "lora_weights": lora_weights, "lora_held": (lora_unsharded, lora_sharded), "reference": reference,
-                    "half": (half_metrics, half_state)},
+                    "half": (half_metrics, half_state), "resumed_at_2": resumed_at_2},
                    os.path.join(directory, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def save_together(trainer: TorchTrainer, rank: int, directory: str, step: int, cfg, *, elsewhere: bool = False) -> Path:
+    """What the driver's `save_checkpoint` asks of every rank (training/ray_trainer.py): rank 0 runs it, the other ranks
+    take part in its calls, in its temporary directory (`elsewhere`: one the other ranks do not see). Returns the
+    checkpoint once it is in place."""
+    if rank == 0:
+        save_pretrained = trainer.save_pretrained
+
+        def announced(tmp: Any) -> None:
+            dist.broadcast_object_list([str(tmp)], src=0)
+            save_pretrained(tmp)
+
+        trainer.save_pretrained = announced  # type: ignore[method-assign]
+        try:
+            save_checkpoint(directory, step, trainer, cfg.model_dump_json(), {})
+        finally:
+            del trainer.save_pretrained
+    else:
+        tmp: list[Any] = [None]
+        dist.broadcast_object_list(tmp, src=0)
+        seen = Path(tmp[0] + "-elsewhere" if elsewhere else tmp[0])
+        trainer.save_pretrained(seen)
+        trainer.save_trainer_state(seen / TRAINER_STATE_FILE)
+    dist.barrier()  # rank 0 renamed it into place
+    return checkpoint_dir(Path(directory), step)
+
+
+def resume_sharded(initial: torch.nn.Module, tokenizer: Any, cfg, checkpoint: Path, rank: int) -> TorchTrainer:
+    """A rank resumed from `checkpoint` as a Ray rank resumes (training/ray_trainer.py `TrainerRank`): the checkpoint
+    without the optimizer's shards, then joined, then (every rank together) its own shards."""
+    trainer = TorchTrainer(copy.deepcopy(initial), tokenizer, cfg)
+    load_checkpoint(checkpoint, trainer, shards_after_join=True)
+    trainer.join_data_parallel(rank, WORLD)
+    read_shards(checkpoint, trainer.optimizer, trainer.model)
+    return trainer
+
+
+def shard_difference(a: TorchTrainer, b: TorchTrainer) -> float:
+    """The largest difference of what two sharded trainers hold on this rank (their parameters' and optimizer state's
+    shards), matched by parameter name."""
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    pairs = [(local(pa[n]), local(pb[n])) for n in pa]
+    for name, param in pa.items():
+        mine, theirs = a.optimizer.state.get(param, {}), b.optimizer.state.get(pb[name], {})
+        assert mine.keys() == theirs.keys(), name
+        pairs += [(local(mine[k]), local(theirs[k])) for k in mine]
+    return max(float((x.detach().float() - y.detach().float()).abs().max()) if x.numel() else 0.0 for x, y in pairs)
 
 
 def low_loss_scale(trainer: TorchTrainer) -> TorchTrainer:
@@ -210,14 +260,19 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     assert all(0.45 < part / whole < 0.55 for r in ranks for whole, part in [r["reference"]]), [r["reference"] for r in ranks]
 
     # One process resumes the ranks' checkpoint: the full weights and AdamW state, in the single-process layout.
+    written = tmp_path / "checkpoints" / "step_000002"
+    assert sorted(p.name for p in (written / "optimizer").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
     resumed = single(model, tokenizer)
-    state = load_checkpoint(tmp_path / "checkpoints" / "step_000002", resumed)
+    state = load_checkpoint(written, resumed)
     assert state["step"] == 2 and resumed.version == 2
     assert largest_difference(resumed.generation_weights(), expected.generation_weights()) <= 4 * weight_noise
     # The moments (running averages of the gradients) carry the summation order more directly than the weights: the
     # ranks' largest difference measured 2.3x the regrouped process's (1.3e-8 against 5.6e-9, absolute); 10x bounds it.
     assert largest_difference(moments(resumed), moments(expected), relative=True) <= 10 * moment_noise
     assert resumed.optimizer.state_dict()["param_groups"] == expected.optimizer.state_dict()["param_groups"]
+    # Two ranks resume it too, each with exactly the shards it saved (weights and AdamW state), at the same schedule.
+    assert [r["resumed_at_2"] for r in ranks] == [[(2, True, 0.0), (1, True, 0.0)]] * WORLD  # float32, bfloat16 moments
+    assert not (first_checkpoint / "optimizer").exists()  # one process keeps the whole state in trainer_state.pt
 
     # bfloat16 compute and moments: the same update to bfloat16's precision. FSDP2 casts the weights where the single
     # process autocasts the matrix products, and the moments are rounded stochastically, each rank its shard: the bound
@@ -227,13 +282,17 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     plain.train_step(groups)
     assert ranks[0]["low_metrics"]["loss"] == pytest.approx(low_metrics["loss"], rel=2e-2)
     assert ranks[0]["low_metrics"]["grad_norm"] == pytest.approx(low_metrics["grad_norm"], rel=2e-2)
-    sharded_moments = {f"{k}.{n}": v for k, e in ranks[0]["low_state"]["state"].items() for n, v in e.items() if n != "step"}
+    low_resumed = single(model, tokenizer, *LOW)  # one process reads the ranks' shards of the bfloat16 moments
+    load_checkpoint(tmp_path / "low" / "checkpoints" / "step_000001", low_resumed)
+    sharded_moments = moments(low_resumed)
     assert sharded_moments.keys() == moments(low).keys()
+    generators = low_resumed.optimizer.state_dict()["rounding_generators"]
+    assert generators.keys() == ranks[0]["low_generators"].keys()
+    assert all(torch.equal(generators[d], ranks[0]["low_generators"][d]) for d in generators)
     assert all(v.dtype == torch.bfloat16 for v in sharded_moments.values())
     bfloat16_noise = first_moment_distance(moments(low), moments(plain))
     assert 0 < bfloat16_noise < 0.2
     assert first_moment_distance(sharded_moments, moments(low)) <= 2 * bfloat16_noise
-    low.load_state_dict({**low.state_dict(), "optimizer": ranks[0]["low_state"]})  # the single-process layout
 
     # float16: the ranks compute the single process's losses; the overflow one rank saw in the last update made both skip
     # it (one AdamW step fewer than the single process, every rank) and halve their loss scale alike.
@@ -268,6 +327,10 @@ def test_two_sharded_ranks_make_the_single_process_step_on_half_the_bytes_and_ch
     resumed = single(model, tokenizer, *LORA)
     assert load_checkpoint(written, resumed)["step"] == 2
     assert largest_difference(adapter_state(resumed.model), adapter_state(expected.model)) <= 4 * adapter_noise
+    # The adapters' AdamW state only (the base weights are frozen), read from the ranks' shards.
+    lora_moment_noise = largest_difference(moments(regrouped), moments(expected), relative=True)
+    assert moments(resumed).keys() == moments(expected).keys() and len(resumed.optimizer.state) == len(resumed._params)
+    assert largest_difference(moments(resumed), moments(expected), relative=True) <= 10 * lora_moment_noise
     assert largest_difference(resumed.generation_weights(), expected.generation_weights()) <= 4 * weight_noise
     assert resumed.optimizer.state_dict()["param_groups"] == expected.optimizer.state_dict()["param_groups"]
 

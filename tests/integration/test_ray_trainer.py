@@ -136,20 +136,23 @@ def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max(float((a[name] - b[name]).abs().max()) for name in a)
 
 
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_rank_0_writes_the_checkpoint_and_a_killed_rank_fails_the_next_step_naming_it_and_every_rank_is_stopped(
-        cluster, tmp_path, monkeypatch):
-    """Rank 0 writes a checkpoint's weights and optimizer state itself: this process never saves a tensor (torch.save
-    refuses here), and one process resumes the checkpoint with the ranks' version and AdamW state."""
+        cluster, tmp_path, monkeypatch, sharding):
+    """Rank 0 writes a checkpoint's weights and optimizer state itself (sharded: each rank its shards of the optimizer
+    state, training/sharded_state.py): this process never saves a tensor (torch.save refuses here), and one process
+    resumes the checkpoint with the ranks' version and AdamW state; so do two new ranks (sharded: each reads its own
+    shards), whose next step is the one process's next step."""
     model, tokenizer = load_model_and_tokenizer("builtin:tiny", "float32", 0)
     groups = make_groups(model, 2, seed=1)
     resumed = TorchTrainer(copy.deepcopy(model), tokenizer, config())
+    cfg = config("runtime=ray", "train.world_size=2", f"train.sharding={sharding}", "ray.trainer.num_cpus=1", "ray.trainer_timeout_s=60")
 
     def refused(*args, **kwargs):
         raise AssertionError("the driver wrote a checkpoint's tensors")
 
     async def scenario():
-        trainer = RayTrainer(config("runtime=ray", "train.world_size=2", "ray.trainer.num_cpus=1", "ray.trainer_timeout_s=60"),
-                             tokenizer, checkpoint=None, version=0)
+        trainer = RayTrainer(cfg, tokenizer, checkpoint=None, version=0)
         await trainer.start()
         try:
             await asyncio.to_thread(trainer.train_step, groups)
@@ -157,8 +160,10 @@ def test_rank_0_writes_the_checkpoint_and_a_killed_rank_fails_the_next_step_nami
             with monkeypatch.context() as driver:
                 driver.setattr(torch, "save", refused)
                 checkpoint = await asyncio.to_thread(save_checkpoint, tmp_path, 1, trainer, "", {})
+            assert (checkpoint / "optimizer" / "manifest.json").is_file() == (sharding == "fsdp")
             load_checkpoint(checkpoint, resumed)
             assert resumed.version == 1 and len(resumed.optimizer.state) == len(list(model.parameters()))
+            assert all(int(s["step"]) > 0 for s in resumed.optimizer.state.values())
             pids = trainer.rank_pids
             ranks = {pid for pid, cmd in processes_of(cluster).items() if cmd.startswith("ray::TrainerRank")}
             assert set(pids) == ranks and len(ranks) == 2
@@ -167,15 +172,27 @@ def test_rank_0_writes_the_checkpoint_and_a_killed_rank_fails_the_next_step_nami
                 await asyncio.to_thread(trainer.train_step, groups)
             with pytest.raises(TrainerRankError):  # lost for good: no checkpoint from half a trainer, and no disk blamed
                 save_checkpoint(tmp_path, 1, trainer, "", {})
-            return str(failed.value), trainer.version, pids
+            return str(failed.value), trainer.version, pids, checkpoint
         finally:
             await trainer.aclose()
 
-    message, version, pids = run(scenario())
+    message, version, pids, checkpoint = run(scenario())
     assert f"trainer rank 1 of 2 (pid {pids[1]} on " in message and "died" in message and "during training step 1" in message
     assert "rank 0" not in message and "resumes from the newest checkpoint" in message and "\n" not in message
     assert version == 1
     assert not still_running(pids), "a rank outlived the failure"
+
+    async def resume():
+        again = RayTrainer(cfg, tokenizer, checkpoint=checkpoint, version=1)
+        await again.start()
+        try:
+            return await asyncio.to_thread(again.train_step, groups)
+        finally:
+            await again.aclose()
+
+    metrics, expected = run(resume()), resumed.train_step(groups)
+    for key in ("loss", "grad_norm"):  # the later updates' losses and gradients depend on the resumed AdamW moments
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5), key
 
 
 def test_a_rank_that_hangs_while_the_weights_are_gathered_outside_a_step_is_named_in_bounded_time(cluster):

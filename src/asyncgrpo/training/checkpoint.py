@@ -5,7 +5,9 @@ Layout of `run_dir/checkpoints/step_{step:06d}/`:
   model.safetensors or shards, tokenizer files): the directory loads anywhere
   transformers does (`AutoModelForCausalLM.from_pretrained(path)`); with `train.lora` this is
   the merged model, and `adapter/` holds the peft adapter (what a LoRA run resumes from);
-- `trainer_state.pt`: optimizer, LR scheduler, policy version, torch RNG state;
+- `trainer_state.pt`: optimizer, LR scheduler, policy version, torch RNG state; with `train.sharding: fsdp` the
+  optimizer's per-parameter state is in `optimizer/` instead, each rank's shards in its own file, which
+  `trainer_state.pt` names (training/sharded_state.py); `load_checkpoint` reads either at any world size;
 - `run_config.yaml`: the run's resolved config;
 - `records/`: copies of the run's record files (metrics.jsonl, outcomes.jsonl, timeline.jsonl) as they were
   when the checkpoint's state was taken, so a resume restores records that agree with it
@@ -96,9 +98,11 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path, trainer: TorchTrainer) -> dict[str, Any]:
+def load_checkpoint(path: Path, trainer: TorchTrainer, *, shards_after_join: bool = False) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler, version and RNG state into `trainer`.
 
+    `shards_after_join` (a rank about to be sharded): a sharded optimizer state's tensors are left for
+    `sharded_state.read_shards` once the rank joined (each rank then reads its own shards); the rest is loaded now.
     Returns the checkpoint's `state.json` (step, version, extra).
     """
     import torch
@@ -108,6 +112,13 @@ def load_checkpoint(path: Path, trainer: TorchTrainer) -> dict[str, Any]:
     if state is None:
         raise FileNotFoundError(f"{path} is not a complete checkpoint: {STATE_FILE} is missing or unreadable")
     trainer_state = torch.load(path / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
+    if "sharded" in trainer_state["optimizer"]:  # each rank of a sharded trainer wrote its shards (training/sharded_state.py)
+        from asyncgrpo.training import sharded_state
+
+        entry = trainer_state["optimizer"]
+        optimizer = sharded_state.without_tensors(entry) if shards_after_join else \
+            sharded_state.read_full(path, entry, trainer.optimizer, trainer.model)
+        trainer_state = {**trainer_state, "optimizer": optimizer}
     with trainer.lock:
         if trainer.lora:  # the base weights are model.path's; the adapter holds what was trained
             from asyncgrpo.training.lora import load_adapter

@@ -10,7 +10,9 @@ file emptied by hand. `checkpoint_problem` reads only headers and sizes, never t
 - `trainer_state.pt` (a torch zip archive) has a readable central directory whose members all
   lie inside the file;
 - `config.json` and `run_config.yaml` are present; `config.json` parses;
-- the copies of the run's records (`records/`) are as long as the offsets the state names.
+- the copies of the run's records (`records/`) are as long as the offsets the state names;
+- a sharded trainer's optimizer state (`optimizer/`, training/sharded_state.py) has its manifest, and every file
+  it lists has the size it lists (the manifest is written last, by rank 0, once every rank's files are written).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ CONFIG_FILE = "run_config.yaml"
 RECORDS_DIR = "records"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
+OPTIMIZER_DIR = "optimizer"  # a sharded trainer's optimizer state, one file per rank
+OPTIMIZER_MANIFEST = "manifest.json"
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -44,7 +48,7 @@ def checkpoint_problem(path: Path) -> str | None:
     if missing:
         return f"missing {', '.join(missing)}"
     for check in (_ledger_problem(state), _config_problem(path), _weights_problem(path), _archive_problem(path / TRAINER_STATE_FILE),
-                  _records_problem(path, state)):
+                  _records_problem(path, state), sharded_optimizer_problem(path)):
         if check:
             return check
     return None
@@ -119,6 +123,25 @@ def _archive_problem(file: Path) -> str | None:
         return f"{TRAINER_STATE_FILE} is not a whole archive ({size} bytes: {exc})"
     if not members or any(m.header_offset + m.compress_size > size for m in members):
         return f"{TRAINER_STATE_FILE} is truncated ({size} bytes)"
+    return None
+
+
+def sharded_optimizer_problem(path: Path) -> str | None:
+    """Why checkpoint `path`'s sharded optimizer state (`optimizer/`, if it has one) is not whole, or None."""
+    directory = path / OPTIMIZER_DIR
+    if not directory.exists():
+        return None  # an unsharded trainer's checkpoint: trainer_state.pt holds the state
+    try:
+        files = json.loads((directory / OPTIMIZER_MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"{OPTIMIZER_DIR}/{OPTIMIZER_MANIFEST} is missing (the ranks' writes of the optimizer state did not all finish)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{OPTIMIZER_DIR}/{OPTIMIZER_MANIFEST} is unreadable ({exc!r})"
+    for name, size in sorted(files.items()):
+        file = directory / name
+        found = file.stat().st_size if file.is_file() else None
+        if found != size:
+            return f"{OPTIMIZER_DIR}/{name} " + ("is missing" if found is None else f"has {found} bytes, its manifest says {size}")
     return None
 
 

@@ -8,7 +8,8 @@ GPU) and present them to the run as the in-process `TorchTrainer` is presented: 
 Design and invariants:
 - **Ranks.** Each rank builds its `TorchTrainer` as a single-process run does: from `model.path`
   (seeded by `run.seed`), then, on resume, from the checkpoint (so the KL reference and LoRA's base
-  weights are the initial model's). The run directory must be visible to every rank's node. The
+  weights are the initial model's; sharded, each rank reads its own shards of the optimizer state once
+  it joined, training/sharded_state.py). The run directory must be visible to every rank's node. The
   driver builds no trainer of its own (commands/train.py): the ranks are the only holders of the
   float32 weights, the KL reference and the optimizer state.
 - **A step.** Every rank gets the whole batch (one object in the store) and trains its share of
@@ -29,9 +30,11 @@ Design and invariants:
   itself: neither goes through the object store or the driver, which writes the rest
   (training/checkpoint.py: the tokenizer, config, records and state.json; the same layout).
 - **Sharded** (`train.sharding: fsdp`, training/sharding.py): rank 0 answers with (or writes) the
-  full weights and optimizer state as before, gathered from every rank's shards; so every rank is
-  called for them (a gather is a collective) and only rank 0's answer is kept. A checkpoint holds the full
-  state in the single-process layout, so a run resumes it at any world size, sharded or not.
+  full weights as before, gathered from every rank's shards; so every rank is called for them (a
+  gather is a collective) and only rank 0's answer is kept. The optimizer state is not gathered: each
+  rank writes its shards into the checkpoint directory, which every rank must see (on several nodes:
+  a shared file system), and rank 0 their manifest (training/sharded_state.py). A run resumes the
+  checkpoint at any world size, sharded or not.
 - **Faults.** Ranks are not restarted (a new process cannot rejoin the group mid-run). Every wait
   on a rank is bounded: `ray.startup_timeout_s` for the start, `ray.trainer_timeout_s` for any
   later call. When a rank dies, raises or does not answer in time, every rank is killed (the others
@@ -87,8 +90,9 @@ class TrainerRank:
         torch.manual_seed(cfg.run.seed)
         model, tokenizer = load_model_and_tokenizer(cfg.model.path, "float32", cfg.run.seed)
         self.trainer = TorchTrainer(model, tokenizer, cfg)
-        if checkpoint is not None:
-            load_checkpoint(Path(checkpoint), self.trainer)
+        self.sharded, self.checkpoint = cfg.train.sharding == "fsdp", checkpoint
+        if checkpoint is not None:  # sharded: the optimizer's shards are read once the rank joined (`join`)
+            load_checkpoint(Path(checkpoint), self.trainer, shards_after_join=self.sharded)
         self.rank, self.world_size, self.timeout_s = rank, world_size, cfg.ray.trainer_timeout_s
 
     def rendezvous(self) -> str:
@@ -111,6 +115,10 @@ class TrainerRank:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=address, rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s))
         self.trainer.join_data_parallel(self.rank, self.world_size)
+        if self.sharded and self.checkpoint is not None:  # each rank reads only its shards (every rank together)
+            from asyncgrpo.training.sharded_state import read_shards
+
+            read_shards(Path(self.checkpoint), self.trainer.optimizer, self.trainer.model)
         return self.trainer.version, os.getpid(), import_ray().util.get_node_ip_address()
 
     def train_step(self, groups: list[Group], with_weights: bool) -> tuple[dict[str, float], dict[str, Any] | None]:
@@ -137,13 +145,9 @@ class TrainerRank:
         self.trainer.save_pretrained(directory)
 
     def save_trainer_state(self, path: str) -> None:
-        """Rank 0 writes the optimizer, scheduler, version and RNG state to `path`; sharded, every rank is called (the
-        optimizer state is gathered from the shards) and only rank 0 writes."""
-        import torch
-
-        state = self.trainer.state_dict()
-        if self.rank == 0:
-            torch.save(state, path)
+        """Rank 0 writes the optimizer, scheduler, version and RNG state to `path`; sharded, every rank is called and
+        writes its shards of the optimizer state beside it (training/sharded_state.py), then rank 0 writes `path`."""
+        self.trainer.save_trainer_state(Path(path))
 
 
 @dataclass(eq=False)

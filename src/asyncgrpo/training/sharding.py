@@ -2,8 +2,9 @@
 
 Job: shard the model's parameters, their gradients and the optimizer's state across the ranks
 (`torch.distributed.fsdp.fully_shard`: each decoder layer one group, the rest of the model the
-root group), sum the ranks' gradients, and gather the full weights and the full optimizer state
-once, for rank 0, when a generator or a checkpoint needs them. The share of each update and the
+root group), sum the ranks' gradients, and gather the full weights once, for rank 0, when a generator or
+a checkpoint needs them (a checkpoint's optimizer state is never gathered: each rank writes its shards,
+training/sharded_state.py). The share of each update and the
 reduction of the loss statistics are data parallelism's (training/data_parallel.py `RankShare`);
 `join` picks DDP or this, as `train.sharding` says.
 
@@ -15,7 +16,7 @@ Invariants:
 - Every rank makes the same collectives in the same order: each forward pass all-gathers the
   parameters, so the ranks make the same number of forward passes (`rounds`: the largest count
   over the ranks; a rank with fewer makes zero-loss passes), and every rank takes part in each
-  gather (`full_weights`, `full_optimizer_state`), whose full tensors only rank 0 keeps.
+  gather (`full_weights`), whose full tensors only rank 0 keeps.
 - The trainer's parameters stay float32 master weights (sharded); `train.precision: bfloat16` or
   `float16` runs forward and backward in that dtype through FSDP2's `MixedPrecisionPolicy` (gradients
   reduced in float32). float16's loss scaler is the trainer's own `torch.amp.GradScaler`: its inf/NaN
@@ -24,13 +25,15 @@ Invariants:
   gradients are those of float16 weights (autocast's, of float32 ones), so at a high scale they can
   overflow in an update where the single process's do not; the scaler then backs off once.
 - The optimizer is the trainer's own object, re-pointed at the sharded parameters, its state (the
-  loaded checkpoint's, if any) sliced to each rank's shard without communication. Checkpoints hold
-  the full state in the single-process layout, so any world size, sharded or not, resumes them.
+  loaded checkpoint's, if it held the whole state) sliced to each rank's shard without communication (a sharded
+  checkpoint's shards are read after this, each rank its own: sharded_state.read_shards). Checkpoints
+  hold the full weights in the single-process layout and the optimizer state as each rank's shards, keyed by
+  parameter name (training/sharded_state.py), so any world size, sharded or not, resumes them.
 - LoRA (`train.lora`): the peft model is sharded as it is, the frozen base weights and the adapters
   in the same groups (FSDP2 all-gathers both and reduce-scatters only the gradients that exist: the
   adapters'). The generators get the merged weights: `lora.merged_state` computes W + scale * B @ A
   on the shards (DTensor operations: every rank takes part) and `full_weights` gathers the result;
-  checkpoints hold that merged model and the gathered adapter in peft's layout.
+  checkpoints hold that merged model, the gathered adapter in peft's layout and the adapters' optimizer shards.
 - The KL reference (`train.loss.kl_coef > 0`) is sharded too: without LoRA its frozen copy is sharded
   like the model (its groups resharded after every forward: it has no backward); with LoRA it is the
   sharded model with its adapters off. Either way its forward all-gathers, so a rank's zero-loss
@@ -122,13 +125,6 @@ class FullySharded(RankShare):
     def full_weights(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """The full tensors of `tensors` (a state dict), gathered one at a time: rank 0's, on the CPU; {} on the others."""
         return {name: value for name, value in ((name, self._gather(t)) for name, t in tensors.items()) if value is not None}
-
-    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """`optimizer.state_dict()` with each sharded tensor gathered: the single-process layout on rank 0; {} on the others."""
-        state = optimizer.state_dict()
-        full = {key: {name: self._gather(value) if isinstance(value, DTensor) else value for name, value in entry.items()}
-                for key, entry in state["state"].items()}
-        return {**state, "state": full} if self.rank == 0 else {}
 
     def _gather(self, tensor: Tensor) -> Tensor | None:
         if not isinstance(tensor, DTensor):

@@ -76,7 +76,7 @@ from asyncgrpo.generation.lora_adapter import with_adapter
 from asyncgrpo.metric_names import TRAIN_KEYS
 from asyncgrpo.models.device import autocast, check_precision, resolve_device
 from asyncgrpo.sampling import Processing, sampled_logprobs, token_logprobs
-from asyncgrpo.training import heap, packing
+from asyncgrpo.training import heap, packing, sharded_state
 from asyncgrpo.training import lora as lora_adapters
 from asyncgrpo.training.batch import MicroBatch, TrainSequence, by_length, chunks, collate, filler, pad_id_of, sequences, split_even
 from asyncgrpo.training.bf16_adamw import Bf16StateAdamW
@@ -232,22 +232,22 @@ class TorchTrainer:
                     lora_adapters.save_adapter(self.model, directory, adapter)
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer, scheduler, version and torch RNG state (not the weights: those go through save_pretrained)."""
+        """Optimizer, scheduler, version and torch RNG state (not the weights: those go through save_pretrained).
+        Sharded, the optimizer's state is this rank's shards (DTensors)."""
         with self.lock:
-            rng: dict[str, Any] = {"torch": torch.get_rng_state()}
-            if torch.cuda.is_available():
-                rng["cuda"] = torch.cuda.get_rng_state_all()
-            return {
-                "optimizer": self.optimizer.state_dict() if self._sharded is None else self._sharded.full_optimizer_state(self.optimizer),
-                "scheduler": self.scheduler.state_dict(),
-                "version": self.version,
-                "rng": rng,
-                **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {}),
-            }
+            rng = {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})}
+            return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "version": self.version,
+                    "rng": rng, **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}
 
     def save_trainer_state(self, path: Path) -> None:
-        """Write `state_dict()` to `path` (a checkpoint's trainer_state.pt)."""
-        torch.save(self.state_dict(), path)
+        """Write `state_dict()` to `path` (a checkpoint's trainer_state.pt). Sharded, every rank first writes its shards
+        of the optimizer state beside it, and rank 0 writes `path`, naming them (training/sharded_state.py)."""
+        with self.lock:
+            state = self.state_dict()
+            if self._sharded is not None:
+                state["optimizer"] = sharded_state.save(self.optimizer, self.model, Path(path).parent, self._sharded)
+            if self._sharded is None or self._sharded.rank == 0:
+                torch.save(state, path)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.lock:
