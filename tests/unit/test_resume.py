@@ -44,31 +44,31 @@ def test_a_resumed_request_carries_the_prefix_as_context_and_the_budget_left() -
 
 def test_mask_stale_masks_exactly_the_tokens_older_than_the_bound_and_counts_them_once() -> None:
     g = group(completion((1, 2, 3, 4), (0, 1, 2, 3)), completion((5, 6), (3, 3)))
-    masked = mask_stale(g, step=3, bound=1, max_share=0.5)
+    masked = mask_stale(g, step=3, bound=1, prefix_bound=None, max_share=0.5)
     assert masked is not None
     again, added = masked
     assert added == 2 and again.rollouts[0].completion.loss_mask == (False, False, True, True)
     assert again.rollouts[1] is g.rollouts[1]  # untouched rollouts are kept as they are
     assert again.generation_version == 2  # the oldest trained token: within the bound at step 3
-    assert mask_stale(again, step=3, bound=1, max_share=0.5) == (again, 0)  # nothing masked twice
+    assert mask_stale(again, step=3, bound=1, prefix_bound=None, max_share=0.5) == (again, 0)  # nothing masked twice
     assert masked_share(g.rollouts[0].completion, step=3, bound=1) == 0.5
-    assert mask_stale(g, step=4, bound=1, max_share=0.5) is None  # 3 of 4 would be masked: over the limit, stale
+    assert mask_stale(g, step=4, bound=1, prefix_bound=None, max_share=0.5) is None  # 3 of 4 would be masked: over the limit, stale
     assert version_span([again]) == 1 and version_span([g]) == 3
 
 
 def test_a_fully_masked_rollout_does_not_hold_its_group_back() -> None:
     g = group(completion((1, 2), (0, 0)), completion((3, 4), (2, 2)))
-    masked = mask_stale(g, step=2, bound=1, max_share=1.0)
+    masked = mask_stale(g, step=2, bound=1, prefix_bound=None, max_share=1.0)
     assert masked is not None and masked[1] == 2 and masked[0].generation_version == 2
 
 
 def test_the_resume_policy_refuses_a_group_resumed_too_often_or_with_a_finished_rollout_past_the_limit() -> None:
     policy = ResumePolicy(recipe(rollout={"on_stale": "resume", "max_resumptions": 2, "max_masked_share": 0.5}).rollout)
     fresh, old = completion((1, 2), (2, 2)), completion((1, 2), (0, 0))
-    assert policy.may_resume([fresh, None], [0, 1], step=2, resumed=True)
-    assert not policy.may_resume([fresh, None], [2], step=2, resumed=True)
-    assert not policy.may_resume([old, None], [0], step=3, resumed=True)  # every token of `old` is past K = 1 at step 3
-    assert policy.may_resume([old, None], [0], step=1, resumed=True)
+    assert policy.may_resume([fresh, None], [0, 1], step=2)
+    assert not policy.may_resume([fresh, None], [2], step=2)
+    assert not policy.may_resume([old, None], [0], step=3)  # every token of `old` is past K = 1 at step 3
+    assert policy.may_resume([old, None], [0], step=1)
 
 
 @pytest.mark.parametrize("key, value", [("rollout.partial_groups", True), ("algorithm", "distill")])
@@ -127,7 +127,9 @@ def test_a_resumed_groups_own_bound_masks_only_the_tokens_past_it() -> None:
     policy = ResumePolicy(recipe(rollout={"on_stale": "resume", "max_staleness": 1, "max_prefix_staleness": 2}).rollout)
     masked = policy.mask(resumed, 3)
     assert masked is not None and masked[0].rollouts[0].completion.loss_mask == (False, True, True, True) and masked[1] == 1
-    assert policy.mask(g, 3) is not None and policy.mask(g, 3)[0].rollouts[0].completion.loss_mask == (False, False, True, True)  # type: ignore[index]
+    again = policy.mask(g, 3)  # the bound is the rollout's own (its tokens span versions), whatever the group says
+    assert again is not None and again[0].rollouts == masked[0].rollouts
+    assert policy.mask(group(completion((1, 2, 3, 4), (1, 1, 1, 1))), 3) is None  # one version: held to K, masked whole
 
 
 def test_a_buffered_group_past_the_bound_at_a_take_is_masked_again_and_kept_if_that_brings_it_within() -> None:
@@ -151,3 +153,15 @@ def test_a_buffered_group_past_the_bound_at_a_take_is_masked_again_and_kept_if_t
     asyncio.run(at_step_3())
     assert [g.rollouts[0].completion.loss_mask for g in buffer.groups()] == [(False, False, True, True)]
     assert collector.counters["rollout/masked_stale_tokens_total"] == 2 and collector.counters["rollout/dropped/stale"] == 1
+
+
+def test_the_prefix_bound_is_a_resumed_rollouts_own_and_not_its_siblings() -> None:
+    # rollout.max_prefix_staleness bounds a rollout with a resumed prefix (tokens of more than one version); a sibling that was
+    # generated whole under one version keeps K, also in a group where another rollout was resumed.
+    resumed, whole = completion((1, 2), (1, 3)), completion((5, 6), (1, 1))
+    masked = mask_stale(group(resumed, whole), step=4, bound=1, prefix_bound=3, max_share=1.0)
+    assert masked is not None and masked[1] == 2
+    assert [r.completion.loss_mask for r in masked[0].rollouts] == [None, (False, False)]
+    assert mask_stale(group(resumed, whole), step=4, bound=1, prefix_bound=3, max_share=0.5) is None  # `whole` all masked
+    policy = ResumePolicy(recipe(rollout={"on_stale": "resume", "max_prefix_staleness": 3}).rollout)
+    assert policy.may_resume([resumed, None], [0], step=4) and not policy.may_resume([whole, None], [0], step=4)

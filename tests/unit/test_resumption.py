@@ -172,11 +172,12 @@ def test_the_retry_loop_empties_the_sink_before_each_attempt_and_after_a_failed_
     assert sink.token_ids == [5, 6]  # the current attempt's tokens only
 
 
-def test_a_group_is_judged_and_let_go_on_by_the_wider_bound_only_if_resumed_in_place_too() -> None:
-    # rollout.max_prefix_staleness is the bound of a resumed group's older tokens. A group none of whose rollouts continued under
-    # newer weights is judged by K at its end, so when the steps leave it behind it may go on only if it passes under K:
-    # else it went on to be dropped as stale after scoring. On a backend that continues rollouts in place, a rollout with
-    # tokens of two versions was resumed as much as an interrupted one, and gets the wider bound.
+def test_a_group_is_judged_and_let_go_on_by_each_rollouts_own_bound_in_place_too() -> None:
+    # rollout.max_prefix_staleness is the bound of a rollout with a resumed prefix. When the steps leave a group behind, it may
+    # go on only if its finished rollouts pass under the bounds they will be judged by at its end: a rollout generated whole
+    # under one version keeps K (before, the wider bound let such a group go on, to be dropped as stale after scoring). On a
+    # backend that continues rollouts in place, a rollout with tokens of two versions has a resumed prefix as an interrupted
+    # one has (before, nothing counted as resumed there and the wider bound never applied).
     def finished(versions: tuple[int, ...], *, running: bool = False) -> InFlightGroup:
         g = InFlightGroup(key=1, prompt=Prompt(id=0, text="p", token_ids=(1,)), size=2)
         g.completions[0], g.dispatch_versions[0] = completion((5,) * len(versions), versions), versions[0]
@@ -189,7 +190,8 @@ def test_a_group_is_judged_and_let_go_on_by_the_wider_bound_only_if_resumed_in_p
         resuming, _ = runner("resume", in_place=in_place, max_prefix_staleness=2)
         assert not resuming.resume(finished((0, 0)), step=2)  # K = 1: every token of both is masked at step 2
         assert resuming.bound_of(finished((0, 0))) is None
+        assert resuming.bound_of(finished((0, 1))) == 2  # continued from version 0 to 1: a resumed prefix
     in_place, in_place_books = runner("resume", in_place=True, max_prefix_staleness=2)
-    assert in_place.bound_of(finished((0, 1))) == 2  # continued in place from version 0 to 1: resumed
-    assert in_place.resume(finished((0, 0), running=True), step=2)  # member 1 (version 0) runs on under the newest weights
+    assert in_place.resume(finished((0, 1), running=True), step=2)  # member 1 (version 0) runs on under the newest weights
+    assert not in_place.resume(finished((0, 0), running=True), step=2)  # member 0 is masked whole under its K
     assert in_place_books.counters["rollout/resumed_rollouts_total"] == 0  # nothing interrupted

@@ -11,7 +11,10 @@ again before a step takes it, every token of a version older than `step - K` is 
 (it stays in the context); the group's generation version, the minimum over its unmasked tokens, is
 then within the bound, so the buffer's and the take's checks hold unchanged. A group in which one rollout
 would have more than `rollout.max_masked_share` of its tokens masked is stale as a whole (its prompt
-handled as `requeue` does).
+handled as `requeue` does). `rollout.max_prefix_staleness` K' (explicit, at least K) is the bound of a
+rollout with a resumed prefix, one whose tokens span versions (`has_resumed_prefix`: continued under newer
+weights, after an interruption or in place); every other rollout keeps K, also in a group where a sibling
+was resumed (`rollout_bound`).
 
 Invariants: `join` keeps every token of its parts in order; `mask_stale` only ever adds masked tokens
 (a token once masked stays masked) and reports how many it added.
@@ -56,6 +59,17 @@ def resumed_request(request: GenerationRequest, prefix: Completion | None, sink:
                    sampling=replace(request.sampling, max_new_tokens=left), sink=sink)
 
 
+def has_resumed_prefix(completion: Completion) -> bool:
+    """Do the completion's tokens span versions: a prefix generated under older weights, continued under newer ones?"""
+    return completion.versions[:1] != completion.versions[-1:]
+
+
+def rollout_bound(completion: Completion, *, bound: int, prefix_bound: int | None) -> int:
+    """The staleness bound of one rollout's tokens: `prefix_bound` (`rollout.max_prefix_staleness`) if it has a resumed
+    prefix and one is set, else `bound` (K)."""
+    return prefix_bound if prefix_bound is not None and has_resumed_prefix(completion) else bound
+
+
 def masked_share(completion: Completion, *, step: int, bound: int) -> float:
     """The share of the completion's tokens older than `step - bound` (0 for an empty completion)."""
     if not completion.versions:
@@ -63,16 +77,18 @@ def masked_share(completion: Completion, *, step: int, bound: int) -> float:
     return sum(v < step - bound for v in completion.versions) / len(completion.versions)
 
 
-def mask_stale(group: Group, *, step: int, bound: int, max_share: float) -> tuple[Group, int] | None:
-    """The group with every token older than `step - bound` masked out of the loss, and how many tokens that masked anew;
-    None when a rollout would have more than `max_share` of its tokens masked (the group is stale)."""
+def mask_stale(group: Group, *, step: int, bound: int, prefix_bound: int | None, max_share: float) -> tuple[Group, int] | None:
+    """The group with every token older than `step - ` its rollout's bound (`rollout_bound`) masked out of the loss, and how
+    many tokens that masked anew; None when a rollout would have more than `max_share` of its tokens masked (the group is
+    stale)."""
     rollouts, added = [], 0
     for rollout in group.rollouts:
         c = rollout.completion
-        if masked_share(c, step=step, bound=bound) > max_share:
+        own = rollout_bound(c, bound=bound, prefix_bound=prefix_bound)
+        if masked_share(c, step=step, bound=own) > max_share:
             return None
         old = c.loss_mask if c.loss_mask is not None else (True,) * len(c.token_ids)
-        mask = tuple(m and v >= step - bound for m, v in zip(old, c.versions))
+        mask = tuple(m and v >= step - own for m, v in zip(old, c.versions))
         if mask == old:
             rollouts.append(rollout)
             continue

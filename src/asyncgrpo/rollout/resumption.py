@@ -47,7 +47,7 @@ from typing import Protocol
 
 from asyncgrpo.rollout.books import Books
 from asyncgrpo.rollout.in_flight import InFlightGroup
-from asyncgrpo.rollout.resume import join, partial, resumed_request
+from asyncgrpo.rollout.resume import has_resumed_prefix, join, partial, resumed_request
 from asyncgrpo.rollout.slots import Slot
 from asyncgrpo.rollout.stale_policy import StalePolicy
 from asyncgrpo.types import Completion, GenerationRequest, TokenSink
@@ -162,13 +162,11 @@ class Resuming(Cancelling):
         return cut
 
     def bound_of(self, group: InFlightGroup) -> int | None:
-        return self.policy.bound_of_resumed if self._resumed(group) else None
-
-    def _resumed(self, group: InFlightGroup) -> bool:
-        """Did a rollout of `group` continue under newer weights than it started with: interrupted and resubmitted, or, in
-        place, with tokens of more than one version? Then its older tokens are a resumed prefix (`rollout.max_prefix_staleness`)."""
-        return any(group.resumptions) or (self.in_place and any(
-            c is not None and c.versions[:1] != c.versions[-1:] for c in group.completions))
+        """The widest bound of the finished group's rollouts: `rollout.max_prefix_staleness` if one has a resumed prefix
+        (its tokens span versions: interrupted and continued, or continued in place), else None (K). Each rollout's tokens
+        are masked by their own bound (resume.py `rollout_bound`)."""
+        resumed = any(c is not None and has_resumed_prefix(c) for c in group.completions)
+        return self.policy.bound_of_resumed if resumed else None
 
     def _hopeless(self, group: InFlightGroup, step: int) -> bool:
         """Is a rollout of `group` sure to be masked past `rollout.max_masked_share` at `step` (the earliest step that can train it)
@@ -190,8 +188,7 @@ class Resuming(Cancelling):
                   and (v := group.dispatch_versions[m]) is not None and v < older_than]
         if not behind and not may_end:
             return True
-        resumed = bool(behind) or self._resumed(group)
-        if not self.policy.may_resume(group.kept()[0], [group.resumptions[m] for m in behind], step, resumed=resumed):
+        if not self.policy.may_resume(group.kept()[0], [group.resumptions[m] for m in behind], step):
             return False
         if self.in_place:
             return True

@@ -61,7 +61,7 @@ from collections.abc import Iterable, Sequence, Sized
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from asyncgrpo.rollout.admission import is_stale
-from asyncgrpo.rollout.resume import mask_stale, masked_share
+from asyncgrpo.rollout.resume import mask_stale, masked_share, rollout_bound
 from asyncgrpo.types import Completion, Group, Prompt
 
 if TYPE_CHECKING:
@@ -137,10 +137,9 @@ class StalePolicy:
             return None, 0
         return group, added
 
-    def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int, *, resumed: bool) -> bool:
+    def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int) -> bool:
         """`resume`: may a group whose finished rollouts are `finished` resume its rollouts resumed `resumptions` times so far,
-        once the steps reached `step`? `resumed`: the group is (or was) resumed, so its bound is `rollout.max_prefix_staleness`
-        where set. (No policy but `resume` resumes.)"""
+        once the steps reached `step`? (No policy but `resume` resumes.)"""
         return False
 
     def hopeless(self, running: Iterable[tuple[Sequence[int], int]], step: int) -> bool:
@@ -210,16 +209,16 @@ class ResumePolicy(RequeuePolicy):
 
     def mask(self, group: Group, step: int) -> tuple[Group, int] | None:
         """`group` as step `step` may train it (tokens past the bound masked) and the tokens that masked anew; None: stale."""
-        return mask_stale(group, step=step, bound=group.bound(self.max_staleness), max_share=self.max_masked_share)
+        return mask_stale(group, step=step, bound=self.max_staleness, prefix_bound=self.bound_of_resumed, max_share=self.max_masked_share)
 
-    def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int, *, resumed: bool) -> bool:
+    def may_resume(self, finished: Iterable[Completion | None], resumptions: Iterable[int], step: int) -> bool:
         """Not when a rollout would be resumed more than `rollout.max_resumptions` times, nor when a finished one already has more
-        than the limit masked at `step` (and so at every later step) under the bound the group will be judged by (K, or
-        `rollout.max_prefix_staleness` for a resumed group)."""
+        than the limit masked at `step` (and so at every later step) under its own bound (`rollout_bound`: K, or
+        `rollout.max_prefix_staleness` for a rollout with a resumed prefix), the bound it will be judged by."""
         if any(times >= self.max_resumptions for times in resumptions):
             return False
-        bound = self.bound_of_resumed if resumed and self.bound_of_resumed is not None else self.max_staleness
-        return not any(c is not None and masked_share(c, step=step, bound=bound) > self.max_masked_share for c in finished)
+        return not any(c is not None and masked_share(c, step=step, bound=rollout_bound(
+            c, bound=self.max_staleness, prefix_bound=self.bound_of_resumed)) > self.max_masked_share for c in finished)
 
     def hopeless(self, running: Iterable[tuple[Sequence[int], int]], step: int) -> bool:
         """Is a rollout of the group be masked past the limit at any step that can train it, whatever it still generates?
