@@ -80,6 +80,31 @@ def test_predictions_of_the_calibrated_simulator_hold_on_the_truth(tmp_path, cha
     assert abs(predicted.wait_share - truth.wait_share) <= WAIT_SHARE_TOLERANCE, (predicted, truth)
 
 
+RAY_RUNS = {
+    "generator actors and trainer ranks": {"runtime": "ray", "generation": {"backend": "local"}, "train": {"world_size": 2}},
+    "launched servers": {"runtime": "ray", "generation": {"backend": "http", "http": {"launch": {"count": 2}}}},
+}
+
+
+def merged(base: dict, changes: dict) -> dict:
+    """`base` with `changes` merged in, section by section."""
+    return {**base, **{k: merged(base.get(k) or {}, v) if isinstance(v, dict) else v for k, v in changes.items()}}
+
+
+@pytest.mark.parametrize("recorded", list(RAY_RUNS.values()), ids=list(RAY_RUNS))
+def test_a_ray_run_is_calibrated_into_a_recipe_the_one_process_simulator_runs(tmp_path, capsys, recorded):
+    """A run recorded with runtime: ray (its generators Ray actors or servers it launched, its trainer ranks actors) is
+    calibrated and replayed like a local one: the fitted times are the actors' already, and the simulator is one process."""
+    truth_run(tmp_path)
+    config = merged(yaml.safe_load((tmp_path / CONFIG_FILE).read_text()), recorded)
+    (tmp_path / CONFIG_FILE).write_text(yaml.safe_dump(config), encoding="utf-8")
+    assert main(["tune", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["validation"]["ok"], report["validation"]["reasons"]
+    tuned = yaml.safe_load((tmp_path / "tuned.yaml").read_text())
+    assert tuned["runtime"] == "local" and tuned["train"]["world_size"] == 1 and tuned["generation"]["http"]["launch"] is None
+
+
 def test_a_replay_that_misses_the_run_refuses_to_advise(tmp_path, capsys):
     truth_run(tmp_path)
     timeline = tmp_path / "timeline.jsonl"

@@ -6,7 +6,8 @@ its simulate: section (generation.backend: scripted, train.backend: stub, train.
 steps), decode and trainer time fitted to the pooled runs' spans too (`timing`); `write_tuned` writes it as
 RUN_DIR/tuned.yaml. `with_overrides` makes a variant of a recipe.
 
-Invariants: the recipe validates as a Config (ConfigError otherwise: a bug here); every number comes
+Invariants: the recipe validates as a Config (ConfigError otherwise: a bug here) and runs in one process (runtime: local,
+no launched servers, one trainer rank: a Ray run's actors are in its fitted times); every number comes
 from the run's records, none is assumed. The trainer's per-step overhead (`simulate.step_overhead_s`) is
 simulated only when the steps show one (fit.py); evaluation time (`simulate.eval_s`) is the mean of the
 evaluations inside the training loop (the baseline, before it, is not the loop's time). Where the run shows that
@@ -150,6 +151,10 @@ def calibrate(records: RunRecords, pool: Sequence[RunRecords] = ()) -> Calibrati
         data["simulate"]["env"] = {**data["simulate"].get("env", {}), **env.simulate_env()}
     data["generation"]["backend"] = "scripted"
     data["train"]["backend"] = "stub"
+    # The simulator is one process: a Ray run's actors (generators, launched servers, trainer ranks) are in the fitted times.
+    data["runtime"] = "local"
+    data["generation"]["http"]["launch"] = None
+    data["train"]["world_size"] = 1
     data["train"]["max_steps"] = len(records.steps)
     validate_config(data, "the calibrated recipe")
     return Calibration(lengths, decode, trainer, faults, weight_sync_s, eval_s, data, env)
