@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.generation.weight_delta import DeltaError, load_delta, merge_delta
+from asyncgrpo.generation.weight_delta import DeltaError, load_delta, prepare_delta
 
 
 class DeltaWorkerExtension:
@@ -51,10 +51,11 @@ class DeltaWorkerExtension:
             entries, manifest = load_delta(Path(delta_path).read_bytes())
             if manifest["weights_id"] != weights_id:
                 raise DeltaError(f"{delta_path} holds weights {manifest['weights_id']}, not {weights_id}")
-            merged = merge_delta(self._asyncgrpo_weights or {}, self._asyncgrpo_id, entries, manifest)
+            weights = self._asyncgrpo_weights or {}
+            prepare_delta(weights, self._asyncgrpo_id, entries, manifest).apply(weights)
         except (DeltaError, OSError) as exc:
             return {"applied": False, "reason": str(exc)}
-        return self._asyncgrpo_install(merged, weights_id)
+        return self._asyncgrpo_install(weights, weights_id)
 
     def _asyncgrpo_install(self, weights: dict[str, Any], weights_id: str) -> dict[str, Any]:
         self._asyncgrpo_id = None
