@@ -3,6 +3,8 @@ and leave the served tensors as they were when the check fails."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -180,3 +182,33 @@ def test_a_tied_tensor_is_encoded_once_and_reaches_servers_that_hold_it_tied_or_
         assert all(bits_equal(served[k], new[k]) for k in new)
     delta.apply_to(base)
     assert base["tied"] is base["a"] and bits_equal(base["a"], new["a"])
+
+
+def test_the_publisher_patches_one_base_and_writes_a_delta_versions_full_weights_only_while_it_is_the_latest(tmp_path):
+    from safetensors.torch import load_file
+
+    from asyncgrpo.generation.delta_publisher import DeltaWeightPublisher
+    from asyncgrpo.generation.weight_sync import WeightSyncStepError
+
+    publisher = DeltaWeightPublisher(tmp_path, keep_last=5)
+    base, v1 = states(torch.bfloat16, 0.05, seed=1)
+    _, v2 = states(torch.bfloat16, 0.05, seed=2)
+    v2 = {k: v1[k] + (v2[k] != base[k]).to(torch.bfloat16) for k in v1}  # sparse changes again
+
+    async def main():
+        await publisher.stage(base, 0)  # whole
+        first = await publisher.stage(v1, 1)
+        assert first.delta is not None
+        await publisher.full_path(first)  # a fallback while v1 is the latest: written from the base
+        second = await publisher.stage(v2, 2)
+        third = await publisher.stage(v1, 3)
+        full_first = await publisher.full_path(first)  # written before it was superseded: still on disk
+        with pytest.raises(WeightSyncStepError, match="full weights v2 were needed after a later version was staged"):
+            await publisher.full_path(second)  # the base is v3's now: never written as v2
+        return full_first, await publisher.full_path(third)
+
+    full_first, full_third = asyncio.run(main())
+    for path, want in ((full_first, v1), (full_third, v1)):
+        written = load_file(str(path / "model.safetensors"))
+        assert all(bits_equal(written[k], want[k]) for k in want)
+    assert all(bits_equal(publisher._base[k], v1[k]) for k in v1)  # the base patched to the latest, bit for bit
