@@ -24,7 +24,8 @@ from asyncgrpo.generation.delta_publisher import DeltaWeightPublisher
 from asyncgrpo.generation.http import HttpGenerator
 from asyncgrpo.generation.local import LocalEngine
 from asyncgrpo.generation.serve import STATE, ServerState, create_app
-from asyncgrpo.generation.weight_sync import write_weights
+from asyncgrpo.generation.weight_delta import FORMAT, checksum, dtype_names, encode_delta, save_delta
+from asyncgrpo.generation.weight_sync import plain_tensors, write_weights
 from asyncgrpo.models.saving import save_model
 from asyncgrpo.models.tiny import build_tiny
 from tests.integration.servers import ServeProcess, free_port, http
@@ -127,6 +128,45 @@ def test_deltas_apply_in_place_bit_exact_and_a_wrong_base_or_a_failed_check_load
     assert stats["weight_sync_deltas"] == 2 and stats["weight_sync_delta_fallbacks"] == 2
     assert stats["weight_sync_full_loads"] == 4 and stats["weight_sync_failures"] == 0
     assert counters["deltas_applied"] == 2 and counters["delta_refusals"] == 2
+
+
+def test_a_corrupted_delta_is_undone_in_the_engine_and_one_of_another_format_is_refused_before_any_write(tmp_path):
+    trainer = build_tiny(1)[0]
+
+    async def main():
+        async with served_tiny() as (url, state):
+            gen = HttpGenerator(generation_cfg(url), weights_dir=tmp_path / "weights", model_config=trainer.config.to_dict())
+            await gen.start()
+            try:
+                await gen.load_weights(trainer.state_dict(), 0)
+            finally:
+                await gen.aclose()
+            held = {name: t.clone() for name, t in state.engine.weights().items()}
+            base = plain_tensors(trainer.state_dict(), tied_embeddings=False)
+            sparse_step(trainer, 0.02, 1)
+            new = plain_tensors(trainer.state_dict(), tied_embeddings=False)
+            delta = encode_delta({k: v.clone() for k, v in base.items()}, new)
+            assert delta is not None
+            manifest = {"format": FORMAT, "version": 1, "weights_id": "other-v1", "base": state.weights_id,
+                        "checksum": checksum(new), "dtypes": dtype_names(new)}
+            values = next(key for key in delta.entries if key.startswith("values/"))
+            delta.entries[values][-1] += 1.0  # one value corrupted on its way: every write lands, the check fails
+            answers = []
+            for name, changes in (("corrupted", manifest), ("format 1", {**manifest, "format": 1})):
+                save_delta(tmp_path / name, delta, changes)
+                status, body = await asyncio.to_thread(http, "POST", f"{url}/collective_rpc", {
+                    "method": "asyncgrpo_apply_delta", "kwargs": {"delta_path": str(tmp_path / name)}}, 30.0)
+                assert status == 200, body
+                answers.append(body["results"][0])
+                served = state.engine.weights()
+                assert all(torch.equal(served[k].view(torch.int32), held[k].view(torch.int32)) for k in held), name
+                assert state.engine.serving_version == 0 and state.engine.failure is None  # it keeps serving
+            return answers, dict(state.counters)
+
+    (corrupted, other_format), counters = asyncio.run(main())
+    assert not corrupted["applied"] and "checksum" in corrupted["reason"] and "restored" in corrupted["reason"]
+    assert not other_format["applied"] and "format 1" in other_format["reason"]
+    assert counters["delta_refusals"] == 2 and counters["deltas_applied"] == 0
 
 
 def test_servers_killed_and_hung_mid_delta_are_bounded_skipped_and_named_while_the_other_is_updated(tmp_path, monkeypatch, caplog):

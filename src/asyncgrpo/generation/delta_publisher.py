@@ -15,8 +15,11 @@ Invariants:
   restarted server, one that missed a version, or another run's server always gets the full weights.
 - Each install is one pause (keep, clearing the prefix cache), the loads, one resume, all within its
   `timeout_s` like `DiskWeightPublisher.install` (and /resume sent again after any failure).
-- The publisher keeps one CPU copy of the latest staged weights (the next delta's base); a staged
-  version keeps its own copy until its full files are needed or it is dropped.
+- The publisher keeps one CPU copy of the latest staged weights (the next delta's base), patched in place by
+  each delta it stages (no copy of the whole state per version). A delta version's full files are written
+  from that copy, so only while it is the latest: a server that needs the full weights of a version already
+  superseded (a recovering server's install racing the next stage) fails that install, and the next install
+  brings it the latest. Staging and writing full files from the copy exclude each other (one lock).
 - Counted in `counters` (merged into `HttpGenerator.stats()`): deltas applied, full loads, fallbacks
   from a delta to a full load (each also logged with the server and its reason) and the bytes staged.
 """
@@ -27,25 +30,35 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from asyncgrpo.atomic import atomic_directory
-from asyncgrpo.generation.weight_delta import Delta, checksum, dtype_names, encode_delta, save_delta, state_nbytes
+from asyncgrpo.generation.weight_delta import (
+    FORMAT,
+    Delta,
+    checksum,
+    copy_state,
+    dtype_names,
+    encode_delta,
+    save_delta,
+    state_nbytes,
+)
 from asyncgrpo.generation.weight_sync import (
     VERSION_FILE,
     ControlClient,
     DiskWeightPublisher,
     StagedWeights,
     WeightSyncStepError,
-    full_weights_at,
     plain_tensors,
     prune,
     tied_embeddings,
     version_dir,
     write_weights,
+    write_weights_at,
 )
 
 log = logging.getLogger("asyncgrpo")
@@ -57,15 +70,12 @@ FULL_SUBDIR = "full"
 @dataclass(frozen=True)
 class StagedVersion(StagedWeights):
     """A version as the delta publisher staged it. `path` is the version's directory; `delta` is set when it holds a
-    delta against `base_id`, `full` when its full weights are on disk (a Path), else the in-memory weights that
-    `full_path()` writes on first need."""
+    delta against `base_id` (its full weights are then written by `full_path()` on first need)."""
 
     weights_id: str = ""
     base_id: str | None = None
     delta: Path | None = None
     nbytes: int = 0
-    full: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-    full_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
 
 
 class DeltaWeightPublisher(DiskWeightPublisher):
@@ -75,8 +85,9 @@ class DeltaWeightPublisher(DiskWeightPublisher):
                  keep_last: int = 2) -> None:
         super().__init__(weights_dir, model_config=model_config, keep_last=keep_last)
         self.run_id = secrets.token_hex(6)
-        self._base: dict[str, Any] | None = None
+        self._base: dict[str, Any] | None = None  # the latest version staged, owned here and patched by each delta
         self._base_id: str | None = None
+        self._base_lock = threading.Lock()  # taken on worker threads: staging, and writing full files from the base
         self._tied = tied_embeddings(model_config)  # lm_head.weight is written (and so part of every delta): plain_tensors
         self._without_extension: set[str] = set()  # servers that fail asyncgrpo_* calls: vLLM's reload_weights
         self.counters = {"weight_sync_deltas": 0, "weight_sync_full_loads": 0, "weight_sync_delta_fallbacks": 0,
@@ -88,27 +99,35 @@ class DeltaWeightPublisher(DiskWeightPublisher):
         return staged
 
     def _stage(self, state: Mapping[str, Any], version: int) -> StagedVersion:
-        new = {name: t.clone() for name, t in plain_tensors(state, tied_embeddings=self._tied).items()}
+        with self._base_lock:  # held by this thread to the end, even when the caller is cancelled meanwhile
+            return self._stage_locked(state, version)
+
+    def _stage_locked(self, state: Mapping[str, Any], version: int) -> StagedVersion:
+        new = plain_tensors(state, tied_embeddings=self._tied, copy_aliases=False)  # the caller's, read before this returns
         weights_id = f"{self.run_id}-v{version}"
-        delta = encode_delta(self._base, new) if self._base is not None else None
+        base = self._base
+        delta = encode_delta(base, new) if base is not None else None
         marker = {"weights_id": weights_id}
         if delta is None:
             path = write_weights(new, self.weights_dir, version, model_config=self.model_config,
                                  keep_last=self.keep_last, marker=marker)
             staged = StagedVersion(version, path, weights_id=weights_id, nbytes=state_nbytes(new))
+            self._base = copy_state(new)  # a tied head stays one tensor: encoded once (weight_delta.Delta.aliases)
             self.counters["weight_sync_changed_fraction"] = 1.0
         else:
             path = self._write_delta(delta, new, version, weights_id)
+            assert base is not None
+            delta.apply_to(base)  # the base is now this version, bit for bit
             staged = StagedVersion(version, path, weights_id=weights_id, base_id=self._base_id, delta=path / DELTA_FILE,
-                                   nbytes=delta.nbytes, full=new)
+                                   nbytes=delta.nbytes)
             self.counters["weight_sync_changed_fraction"] = delta.changed / max(1, delta.total)
-        self._base, self._base_id = new, weights_id
+        self._base_id = weights_id
         return staged
 
     def _write_delta(self, delta: Delta, new: Mapping[str, Any], version: int, weights_id: str) -> Path:
         final = version_dir(self.weights_dir, version)
-        manifest = {"version": version, "weights_id": weights_id, "base": self._base_id,
-                    "checksum": checksum(new), "dtypes": dtype_names(new)}
+        manifest = {"format": FORMAT, "version": version, "weights_id": weights_id, "base": self._base_id,
+                    "checksum": checksum(new), "dtypes": dtype_names(new), "aliases": delta.aliases}
         with atomic_directory(final) as tmp:
             save_delta(tmp / DELTA_FILE, delta, manifest)
             (tmp / VERSION_FILE).write_text(json.dumps({"version": version, "weights_id": weights_id}))
@@ -116,12 +135,22 @@ class DeltaWeightPublisher(DiskWeightPublisher):
         return final
 
     async def full_path(self, staged: StagedVersion) -> Path:
-        """The directory of `staged`'s full weights, written on first need (once, under its lock)."""
+        """The directory of `staged`'s full weights, written from the base on first need (once). Raises
+        WeightSyncStepError when a later version was staged first: the base is that one's now."""
         assert staged.path is not None
         if staged.delta is None:
             return staged.path
-        return await full_weights_at(staged.path / FULL_SUBDIR, staged.full, staged.version, staged.full_lock,
-                                     model_config=self.model_config, marker={"weights_id": staged.weights_id})
+        return await asyncio.to_thread(self._write_full, staged, staged.path / FULL_SUBDIR)
+
+    def _write_full(self, staged: StagedVersion, target: Path) -> Path:
+        with self._base_lock:
+            if not (target / VERSION_FILE).is_file():
+                if staged.weights_id != self._base_id or self._base is None:
+                    raise WeightSyncStepError(f"the full weights v{staged.version} were needed after a later version "
+                                              f"was staged; the server gets the latest version next")
+                write_weights_at(self._base, target, staged.version, model_config=self.model_config,
+                                 marker={"weights_id": staged.weights_id})
+        return target
 
     async def _load(self, server: ControlClient, staged: StagedWeights, left: Callable[[], float]) -> None:
         """The delta when the server can take it, else the full weights (see the module docstring)."""

@@ -14,7 +14,9 @@ Design and invariants:
   nothing polls. Futures are resolved with `loop.call_soon_threadsafe` and a `done()` guard, so a
   cancelled future is never set.
 - **Weights.** `load_weights` queues a state dict; the thread copies it into its parameters
-  between two steps (under `torch.no_grad`) and only then reports the new `serving_version`.
+  between two steps (under `torch.no_grad`) and only then reports the new `serving_version`. Or it
+  queues a `WeightUpdate`, which the thread calls there with the parameters to write in place; what
+  it raises fails the load (the version stays), and it must then have left the parameters as they were.
   Active rows are then re-prefilled with the new weights (prompt + tokens so far), so every later
   token's logprob is exactly log pi_new(token | prefix); `versions[t]` is the version whose
   forward pass produced token t. The engine owns the model passed to it (eval mode, no grads);
@@ -63,6 +65,7 @@ from asyncgrpo.sampling import Processing, processed_logits
 from asyncgrpo.types import Completion, GenerationRequest
 
 StepHook = Callable[[dict[str, int]], None]
+WeightUpdate = Callable[[Mapping[str, torch.Tensor]], None]  # writes weights() in place (module docstring, Weights)
 
 
 def serving_copy(model: Any, state: Mapping[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device) -> Any:
@@ -126,7 +129,7 @@ class _Job:
 
 @dataclass(eq=False)
 class _WeightLoad:
-    state: Mapping[str, Any] | None
+    state: Mapping[str, Any] | WeightUpdate | None
     version: int
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
@@ -226,8 +229,8 @@ class LocalEngine:
         """The live parameters by name (tied aliases under every name): read them, never write them (`load_weights` does)."""
         return self._targets
 
-    async def load_weights(self, state: Mapping[str, Any] | None, version: int) -> None:
-        """Install `state` (parameter name -> tensor; None: same weights) as `version`; returns once it serves.
+    async def load_weights(self, state: Mapping[str, Any] | WeightUpdate | None, version: int) -> None:
+        """Install `state` (parameter name -> tensor; None: same weights; or a WeightUpdate) as `version`; returns once it serves.
 
         Cancelling the call withdraws the load only if the engine thread has not taken it yet.
         """
@@ -236,7 +239,7 @@ class LocalEngine:
                 f"load_weights: version {version} is older than version {self._requested_version} already loaded or queued; "
                 f"versions must not decrease."
             )
-        if state is not None:
+        if state is not None and not callable(state):
             self._check_state(state)
         loop = asyncio.get_running_loop()
         load = _WeightLoad(state, version, loop.create_future(), loop)
@@ -250,7 +253,6 @@ class LocalEngine:
                 self._cond.notify_all()
         if not started:  # no engine thread yet: nothing else touches the model
             self._apply([load])
-            return
         try:
             await load.future
         finally:
@@ -367,7 +369,13 @@ class LocalEngine:
 
     def _apply(self, loads: list[_WeightLoad]) -> None:
         for load in loads:
-            if load.state is not None:
+            if callable(load.state):
+                try:
+                    load.state(self._targets)
+                except Exception as exc:  # noqa: BLE001 - the update refused (weights unchanged): its caller's error
+                    _post(load.loop, load.future, error=exc)
+                    continue
+            elif load.state is not None:
                 with torch.no_grad():
                     for key, value in load.state.items():
                         self._targets[key].copy_(value)

@@ -77,7 +77,7 @@ from asyncgrpo.generation.lora_serve import AdapterState, add_lora_routes
 from asyncgrpo.generation.serve_protocol import BadRequest, abort_body, completion_body, error_response, parse_completion
 from asyncgrpo.generation.serve_stream import StreamedTokens, stream_answer
 from asyncgrpo.generation.serve_weights import read_bounded, read_delta_file, read_marker, read_weights_dir
-from asyncgrpo.generation.weight_delta import DeltaError, merge_delta
+from asyncgrpo.generation.weight_delta import DeltaError, Patches, prepare_delta
 from asyncgrpo.sync import StateSignal
 from asyncgrpo.threads import DaemonThreadPool
 
@@ -220,8 +220,8 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
             try:
                 if delta:
                     served, held = state.engine.weights(), state.weights_id
-                    weights, manifest = await read_bounded(
-                        lambda: _merged(served, held, Path(path)), state.reload_timeout_s)
+                    patches, manifest = await read_bounded(
+                        lambda: _prepared(served, held, Path(path)), state.reload_timeout_s)
                     file_version: int | None = int(manifest["version"])
                     weights_id = manifest["weights_id"]
                 else:
@@ -231,7 +231,10 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
                 current = state.engine.serving_version
                 version = file_version if file_version is not None and file_version >= current else current + 1
                 state.weights_id = None  # until the install is complete: no delta may apply to half-loaded weights
-                await _install(state, weights, version)
+                if delta:
+                    await _apply_delta(state, patches, version)
+                else:
+                    await _install(state, weights, version)
                 state.adapters.reset()
                 state.weights_id = weights_id
             except DeltaError as exc:  # another base, a bad file or a failed checksum: the publisher sends the full weights
@@ -329,10 +332,18 @@ async def _install(state: ServerState, weights: dict[str, Any], version: int) ->
     await failed.aclose()  # its thread has exited: releases nothing more, idempotent
 
 
-def _merged(served: Mapping[str, Any], held: str | None, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The full state after the delta at `path` (read on the caller's daemon thread) and the delta's manifest."""
+def _prepared(served: Mapping[str, Any], held: str | None, path: Path) -> tuple[Patches, dict[str, Any]]:
+    """The delta at `path` (read on the caller's daemon thread) checked against the served weights, and its manifest."""
     entries, manifest = read_delta_file(path)
-    return merge_delta(served, held, entries, manifest), manifest
+    return prepare_delta(served, held, entries, manifest), manifest
+
+
+async def _apply_delta(state: ServerState, patches: Patches, version: int) -> None:
+    """Write `patches` into the engine's own weights as `version`, on its thread between decoding steps: no request
+    sees a half-applied delta, and one whose checksum fails is undone before decoding goes on (DeltaError)."""
+    if state.engine.failure is not None:
+        raise DeltaError(f"the engine had failed ({state.engine.failure!r}); the full weights restart it")
+    await state.engine.load_weights(patches.apply, version)
 
 
 def _too_large(state: ServerState) -> str:

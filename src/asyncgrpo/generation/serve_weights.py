@@ -3,8 +3,7 @@
 Job: `read_weights_dir(DIR)` returns every tensor of DIR's ``*.safetensors`` files and the
 publisher's version (DIR/asyncgrpo_version.json), or raises an error naming the file;
 `read_weights(DIR, timeout_s)` does it on a daemon thread within a deadline (`read_bounded` any such
-read: also a delta file's, `read_delta_file`). `merge_delta` turns the served weights and a delta into the
-full state to install, or says why it must not be applied (another base, a checksum that does not match).
+read: also a delta file's, `read_delta_file`; serve.py checks and applies a delta with weight_delta.py).
 
 Invariants:
 - Only regular files are read. Each file is opened with ``O_NONBLOCK`` (opening a FIFO for

@@ -5,18 +5,22 @@ this package importable there, e.g. PYTHONPATH pointing at asyncgrpo's ``src``; 
 safetensors are imported) and ``POST /collective_rpc`` gains the two methods `asyncgrpo serve` has:
 
 - ``asyncgrpo_load_full {weights_path, weights_id}``: the ``*.safetensors`` of the directory, loaded;
-- ``asyncgrpo_apply_delta {delta_path, weights_id}``: a delta against the weights held, applied after its
-  checksum of the full result matched (weight_delta.merge_delta); a delta against another base, a bad file or
-  a failed check is refused (``applied: false`` with the reason) and the served weights stay as they were.
+- ``asyncgrpo_apply_delta {delta_path, weights_id}``: a delta against the weights held, written into the worker's
+  copy and kept when its checksum of the full result matched (weight_delta.prepare_delta, Patches.apply); a delta
+  against another base or format, a bad file or a failed check (its writes undone) is refused (``applied: false``
+  with the reason), and the copy and the served weights stay as they were.
 
 Both answer ``{"applied": bool, "reason"?, "weights_id"?}`` per worker.
 
 Invariants:
 - The worker keeps the published weights in their checkpoint layout and dtype (one CPU copy: vLLM's own
   parameters are fused and, on CPU, repacked for its GEMM kernels, so they cannot be compared with or patched
-  by a delta). The checksum is verified on that copy before anything reaches the model; the model then gets
-  the full merged weights through vLLM's in-place ``reload_weights(weights_iterator=...)``, the same path as a
-  reload from disk (layer processing, tied heads), so what is served is what the checksum covered.
+  by a delta). The delta is written into that copy in place and the checksum verified there before anything
+  reaches the model; the model then gets every tensor of the copy through vLLM's in-place
+  ``reload_weights(weights_iterator=...)``, the same path as a reload from disk (layer processing, tied heads), so
+  what is served is what the checksum covered. Every tensor, not only the changed ones: vLLM reloads a layer
+  from scratch (fused projections included) once any of its tensors arrives, and leaves one that gets none
+  as it was with a warning; at the learning rates measured every layer changes each step anyway.
 - The identity held is cleared before a load and set only after it completed: a load that failed midway
   leaves no base a delta could be applied to.
 """
@@ -26,7 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.generation.weight_delta import DeltaError, load_delta, merge_delta
+from asyncgrpo.generation.weight_delta import DeltaError, load_delta, prepare_delta
 
 
 class DeltaWorkerExtension:
@@ -51,10 +55,11 @@ class DeltaWorkerExtension:
             entries, manifest = load_delta(Path(delta_path).read_bytes())
             if manifest["weights_id"] != weights_id:
                 raise DeltaError(f"{delta_path} holds weights {manifest['weights_id']}, not {weights_id}")
-            merged = merge_delta(self._asyncgrpo_weights or {}, self._asyncgrpo_id, entries, manifest)
+            weights = self._asyncgrpo_weights or {}
+            prepare_delta(weights, self._asyncgrpo_id, entries, manifest).apply(weights)
         except (DeltaError, OSError) as exc:
             return {"applied": False, "reason": str(exc)}
-        return self._asyncgrpo_install(merged, weights_id)
+        return self._asyncgrpo_install(weights, weights_id)
 
     def _asyncgrpo_install(self, weights: dict[str, Any], weights_id: str) -> dict[str, Any]:
         self._asyncgrpo_id = None

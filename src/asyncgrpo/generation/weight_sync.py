@@ -208,8 +208,9 @@ async def full_weights_at(target: Path, weights: Mapping[str, Any], version: int
         return target
 
 
-def plain_tensors(state: Mapping[str, Any], *, tied_embeddings: bool) -> dict[str, Any]:
-    """CPU, contiguous tensors that share no memory (safetensors refuses that); aliases are written as copies.
+def plain_tensors(state: Mapping[str, Any], *, tied_embeddings: bool, copy_aliases: bool = True) -> dict[str, Any]:
+    """CPU, contiguous tensors that share no memory (safetensors refuses that); aliases are written as copies
+    (`copy_aliases=False`: kept as one tensor under each name, for a reader that is not safetensors).
 
     Tied weights are written under every name, `lm_head.weight` included (added from the
     embedding when the state lacks it): vLLM's in-place reload (0.32, seen on CPU) replaces the
@@ -222,12 +223,13 @@ def plain_tensors(state: Mapping[str, Any], *, tied_embeddings: bool) -> dict[st
     for name, tensor in state.items():
         t = tensor.detach().to("cpu")
         storage = t.untyped_storage().data_ptr()
-        if storage in storages or not t.is_contiguous():
+        if (copy_aliases and storage in storages) or not t.is_contiguous():
             t = t.contiguous().clone()
         storages.add(t.untyped_storage().data_ptr())
         out[name] = t
     if tied_embeddings and "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
+        embedding = out["model.embed_tokens.weight"]
+        out["lm_head.weight"] = embedding.clone() if copy_aliases else embedding
     return out
 
 
