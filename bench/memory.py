@@ -43,7 +43,8 @@ def one(model_path: str, overrides: list[str]) -> dict:
     import torch
 
     from asyncgrpo.config import load_config
-    from asyncgrpo.generation.local import LocalEngine, serving_copy
+    from asyncgrpo.generation.local import LocalEngine
+    from asyncgrpo.generation.serving_copy import serving_copy
     from asyncgrpo.models.loading import load_model_and_tokenizer
     from asyncgrpo.rollout.advantages import group_advantages
     from asyncgrpo.training.trainer import TorchTrainer

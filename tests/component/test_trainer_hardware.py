@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.generation.local import serving_copy
+from asyncgrpo.generation.serving_copy import serving_copy
 from asyncgrpo.models.device import autocast, check_precision, resolve_device
 from asyncgrpo.training.checkpoint import load_checkpoint, save_checkpoint
 from asyncgrpo.training.integrity import checkpoint_problem

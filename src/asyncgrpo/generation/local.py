@@ -39,7 +39,7 @@ Design and invariants:
   cancel your requests first if they must not count as failures.
 Text is decoded on the caller's event loop, never on the engine thread (fast tokenizers raise
 "Already borrowed" when two threads use one).
-- **Device and dtype.** The engine runs where its model's parameters are; `serving_copy` builds
+- **Device and dtype.** The engine runs where its model's parameters are; `serving_copy` (serving_copy.py) builds
   that model in the serving dtype (`model.dtype`) on the engine's device (`generation.local.device`)
   without a float32 intermediate, and weight loads cast and move each tensor as they copy it.
 """
@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import copy
 import inspect
 import math
 import threading
@@ -66,29 +65,6 @@ from asyncgrpo.types import Completion, GenerationRequest
 
 StepHook = Callable[[dict[str, int]], None]
 WeightUpdate = Callable[[Mapping[str, torch.Tensor]], None]  # writes weights() in place (module docstring, Weights)
-
-
-def serving_copy(model: Any, state: Mapping[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device) -> Any:
-    """A new model of `model`'s architecture, in `dtype` on `device`, holding `state` (names as in
-    `model.state_dict()`; e.g. a trainer's `generation_weights()`) and `model`'s buffers.
-
-    Built on the meta device and allocated once in `dtype`, so the engine's copy costs
-    dtype-size bytes per parameter, never a float32 copy first."""
-    with torch.device("meta"):
-        replica = type(model)._from_config(copy.deepcopy(model.config), dtype=dtype)
-    replica = replica.to_empty(device=device)
-    replica.tie_weights()
-    targets = replica.state_dict(keep_vars=True)
-    missing = [k for k in targets if k not in state]
-    if missing:
-        raise ValueError(f"serving_copy: the weights lack {missing[:5]} of the model's {len(targets)} tensors")
-    buffers = dict(model.named_buffers())
-    with torch.no_grad():
-        for name, target in targets.items():
-            target.copy_(state[name])
-        for name, buffer in replica.named_buffers():  # non-persistent ones (rotary frequencies) are not in state
-            buffer.copy_(buffers[name])
-    return replica.eval().requires_grad_(False)
 
 
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -59,7 +59,7 @@ def serving_model(cfg: Config, trainer: Any, device: str) -> Any:
     a model read at float32, as they read it, and dropped once copied."""
     import torch
 
-    from asyncgrpo.generation.local import serving_copy
+    from asyncgrpo.generation.serving_copy import serving_copy
     from asyncgrpo.models.device import resolve_device
 
     dtype = getattr(torch, cfg.model.dtype)
