@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -44,6 +45,32 @@ def test_every_policy_but_resume_cancels_a_group_left_behind_and_resume_on_an_in
     in_place.weights_published([g], version=3, step=3)
     assert in_place.resume(g, step=3) and g.interrupts == [0]  # in place: the policy lets it go on, nothing interrupted
     assert books.counters["rollout/resumed_rollouts_total"] == 0
+
+
+def test_in_place_a_rollout_that_went_on_under_newer_weights_makes_its_group_resumed_for_max_prefix_staleness() -> None:
+    # The local engine (and Ray actors) continue a rollout in place across a publication, each token stamped with its
+    # version: nothing is interrupted, so `resumptions` stays 0, yet the group was resumed as an interrupted one would be.
+    # Its tokens are bounded by rollout.max_prefix_staleness, as the collector builds its Group (rollout/collector.py).
+    in_place, _ = runner("resume", in_place=True, max_staleness=1, max_prefix_staleness=2, max_masked_share=0.0)
+    assert isinstance(in_place, Resuming)
+    policy = stale_policy(recipe(rollout={"on_stale": "resume", "max_staleness": 1, "max_prefix_staleness": 2,
+                                          "max_masked_share": 0.0}).rollout)
+
+    def finished(*members: Completion) -> InFlightGroup:
+        g = InFlightGroup(key=1, prompt=Prompt(id=0, text="p", token_ids=(1, 2)), size=len(members))
+        g.completions = list(members)
+        return g
+
+    went_on = finished(completion((5, 6, 7), (0, 0, 1)), completion((8,), (0,)))  # member 0 went on under version 1
+    assert in_place.bound_of(went_on) == 2
+    buffered = replace(group(*(c for c in went_on.completions if c is not None)), max_staleness=in_place.bound_of(went_on))
+    assert policy.trainable(buffered, step=2) == (buffered, 0)  # version 0 is 2 steps old at step 2: within the prefix bound
+    one_version = finished(completion((5, 6), (0, 0)), completion((8,), (0,)))
+    assert in_place.bound_of(one_version) is None  # never went on under newer weights: the run's K
+    interrupted, _ = runner("resume", max_staleness=1, max_prefix_staleness=2)
+    assert interrupted.bound_of(went_on) is None  # not in place: only an interruption makes a group resumed
+    went_on.resumptions[1] = 1
+    assert interrupted.bound_of(went_on) == 2
 
 
 def test_under_resume_an_episodes_turn_is_dispatched_without_the_floor_of_its_earlier_turns() -> None:

@@ -13,7 +13,9 @@ switch of its own. `runner_for` picks the runner from the policy (rollout/stale_
   allow, or one already sure to be masked past the limit (below), is cancelled as stale. On a backend that
   installs weights between decoding steps (`continues_in_flight`: the local engine) every rollout continues in
   place, each token stamped with its version: nothing is interrupted, the policy still decides whether a group
-  left behind is cancelled (the early cut below does not apply: no sink records its tokens so far).
+  left behind is cancelled (the early cut below does not apply: no sink records its tokens so far), and a group one
+  of whose rollouts went on under newer weights than its first token's is a resumed group, as an interrupted one is
+  (`bound_of`: `rollout.max_prefix_staleness` bounds its tokens).
 
 An episode (`env:`, rollout/episode.py) generates each turn through `rollouts` too, so under `Resuming` each
 turn's request is such a chain with a sink of its own: an interrupted turn keeps its tokens and continues, the
@@ -162,7 +164,11 @@ class Resuming(Cancelling):
         return cut
 
     def bound_of(self, group: InFlightGroup) -> int | None:
-        return self.policy.bound_of_resumed if any(group.resumptions) else None
+        """`rollout.max_prefix_staleness` for a resumed group: one of its rollouts was interrupted and continued, or, in place,
+        its tokens span versions (it went on under newer weights, as an interrupted rollout would have)."""
+        resumed = any(group.resumptions) or (self.in_place and any(
+            c is not None and c.versions and min(c.versions) != max(c.versions) for c in group.kept()[0]))
+        return self.policy.bound_of_resumed if resumed else None
 
     def _hopeless(self, group: InFlightGroup, step: int) -> bool:
         """Is a rollout of `group` sure to be masked past `rollout.max_masked_share` at `step` (the earliest step that can train it)
