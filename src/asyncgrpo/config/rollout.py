@@ -43,7 +43,8 @@ class RolloutConfig(Section):
         None, ge=0,
         description="on_stale: resume: the bound for the tokens of a resumed group (at least max_staleness): tokens up to this many "
         "steps old stay in the loss, importance-weighted with their own behaviour logprobs (truncated as the loss does); older "
-        "ones are masked. Unset: max_staleness, for every token.",
+        "ones are masked. A group is resumed when one of its rollouts was interrupted and continued, or, where rollouts continue "
+        "in place (the local engine, Ray actors), went on under newer weights. Unset: max_staleness, for every token.",
     )
     max_resumptions: int = Field(
         4, ge=0,
