@@ -8,7 +8,8 @@ the window (`rollout.over_admit_groups`, with `generation.max_inflight` and the 
 in one wave), and the slowest groups race past the bound. Everything else is the recipe's. For every run it prints the
 held-out curve (the recipe's metric, e.g. `eval/reward_mean`, at each evaluation) against the tokens trained so far,
 and what the policy did with the tokens: generated, trained, wasted (thrown away as stale), masked (kept in the
-context, out of the loss: `resume`), stale groups and the widest version span of a trained rollout. Then the mean curve
+context, out of the loss: `resume`), stale groups, the widest version span of a trained rollout and the oldest trained
+token (`staleness/max`, in steps). Then the mean curve
 per policy over the seeds, and each policy's difference from the first one listed, paired by seed (mean ± standard
 error over the seeds). A policy named with `2K` sets `rollout.max_prefix_staleness` to twice the recipe's
 `max_staleness`. Runs are sequential, one process each, in a scratch directory (`--keep DIR` keeps them, and a later
@@ -124,6 +125,7 @@ def summary(run_dir: Path, eval_every: int, metric: str) -> dict[str, Any]:
         "wasted": last["rollout/wasted_tokens_total"], "masked": last["rollout/masked_stale_tokens_total"],
         "stale_groups": last["rollout/stale_groups_total"],
         "span": max(int(r["rollout/trained_version_span"]) for r in rows),
+        "oldest": max(int(r["staleness/max"]) for r in rows),
     }
 
 
@@ -171,8 +173,8 @@ def main() -> int:
     max_staleness = rollout_shape(recipe)[0]
     print(f"{recipe.path}: {' '.join(common)}")
     print(f"| policy | seed | held-out {metric} after N steps (tokens trained by then) | generated tokens | trained share | "
-          "wasted share | masked share | stale groups | version span | wall s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "wasted share | masked share | stale groups | version span | oldest trained token | wall s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     results: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
     with tempfile.TemporaryDirectory(prefix="staleness-learning-") as scratch:
         base = (args.keep or Path(scratch)).resolve()
@@ -186,7 +188,8 @@ def main() -> int:
                 results[policy].append(s)
                 g = s["generated"]
                 print(f"| {policy} | {seed} | {curve_text(s['curve'])} | {g} | {s['trained'] / g:.1%} | {s['wasted'] / g:.1%} | "
-                      f"{s['masked'] / g:.1%} | {s['stale_groups']} | {s['span']} | {'read' if wall is None else f'{wall:.0f}'} |", flush=True)
+                      f"{s['masked'] / g:.1%} | {s['stale_groups']} | {s['span']} | {s['oldest']} | "
+                      f"{'read' if wall is None else f'{wall:.0f}'} |", flush=True)
     for policy, runs in results.items():
         points = zip(*(r["curve"] for r in runs))
         mean = [(p[0][0], round(statistics.mean(t for _, t, _ in p)), statistics.mean(v for _, _, v in p)) for p in points]
@@ -195,7 +198,8 @@ def main() -> int:
               f"{statistics.mean(r['trained'] for r in runs) / generated:.1%} | "
               f"{statistics.mean(r['wasted'] for r in runs) / generated:.1%} | "
               f"{statistics.mean(r['masked'] for r in runs) / generated:.1%} | "
-              f"{statistics.mean(r['stale_groups'] for r in runs):.0f} | {max(r['span'] for r in runs)} | - |")
+              f"{statistics.mean(r['stale_groups'] for r in runs):.0f} | {max(r['span'] for r in runs)} | "
+              f"{max(r['oldest'] for r in runs)} | - |")
     first, *others = policies
     if others:
         print(f"\n| policy | minus {first}, paired by seed: mean ± standard error after N steps | at the end, per seed "
