@@ -36,14 +36,18 @@ class RolloutConfig(Section):
         0.5, ge=0, le=1,
         description="on_stale: resume: a group in which one rollout would have more than this share of its tokens masked as older "
         "than the bound is stale as a whole (its prompt requeued, as requeue does). Measured on the demo with stale groups "
-        "(docs/benchmarks.md, bench/staleness_learning.py): 0 learned as well as patience per trained token, 0.5 worse "
-        "(a rollout's masked first tokens can be the ones that decided its reward).",
+        "(docs/benchmarks.md, bench/staleness_learning.py): with the bound at max_staleness for every token, 0 learned as well "
+        "as patience per trained token and 0.5 worse (a rollout's masked first tokens can be the ones that decided its reward); "
+        "with max_prefix_staleness 4 x max_staleness, 1 learned at least as well as patience.",
     )
     max_prefix_staleness: int | None = Field(
         None, ge=0,
-        description="on_stale: resume: the bound for the tokens of a resumed group (at least max_staleness): tokens up to this many "
-        "steps old stay in the loss, importance-weighted with their own behaviour logprobs (truncated as the loss does); older "
-        "ones are masked. Unset: max_staleness, for every token.",
+        description="on_stale: resume: the bound for the tokens of a rollout with a resumed prefix (at least max_staleness): one whose "
+        "tokens span versions, because it was interrupted and continued or, where rollouts continue in place (the local engine, Ray "
+        "actors), went on under newer weights. Its tokens up to this many steps old stay in the loss, importance-weighted with their "
+        "own behaviour logprobs (truncated as the loss does); older ones are masked. Every other rollout, in any group, keeps "
+        "max_staleness. Unset: max_staleness, for every token. With max_masked_share 1 and max_resumptions 8, 4 x max_staleness "
+        "met issue 23's goals on the simulated frontier (docs/concepts.md).",
     )
     max_resumptions: int = Field(
         4, ge=0,

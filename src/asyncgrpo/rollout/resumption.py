@@ -13,7 +13,9 @@ switch of its own. `runner_for` picks the runner from the policy (rollout/stale_
   allow, or one already sure to be masked past the limit (below), is cancelled as stale. On a backend that
   installs weights between decoding steps (`continues_in_flight`: the local engine) every rollout continues in
   place, each token stamped with its version: nothing is interrupted, the policy still decides whether a group
-  left behind is cancelled (the early cut below does not apply: no sink records its tokens so far).
+  left behind is cancelled (the early cut below does not apply: no sink records its tokens so far), and a rollout
+  that went on under newer weights than its first token's has a resumed prefix, as an interrupted one has
+  (resume.py `rollout_bound`: `rollout.max_prefix_staleness` bounds its tokens, K its siblings').
 
 An episode (`env:`, rollout/episode.py) generates each turn through `rollouts` too, so under `Resuming` each
 turn's request is such a chain with a sink of its own: an interrupted turn keeps its tokens and continues, the
