@@ -82,6 +82,7 @@ def test_predictions_of_the_calibrated_simulator_hold_on_the_truth(tmp_path, cha
 
 RAY_RUNS = {
     "generator actors and trainer ranks": {"runtime": "ray", "generation": {"backend": "local"}, "train": {"world_size": 2}},
+    "sharded trainer ranks": {"runtime": "ray", "generation": {"backend": "local"}, "train": {"world_size": 2, "sharding": "fsdp"}},
     "launched servers": {"runtime": "ray", "generation": {"backend": "http", "http": {"launch": {"count": 2}}}},
 }
 

@@ -155,6 +155,7 @@ def calibrate(records: RunRecords, pool: Sequence[RunRecords] = ()) -> Calibrati
     data["runtime"] = "local"
     data["generation"]["http"]["launch"] = None
     data["train"]["world_size"] = 1
+    data["train"]["sharding"] = "ddp"  # FSDP needs two ranks; one process has nothing to shard
     data["train"]["max_steps"] = len(records.steps)
     validate_config(data, "the calibrated recipe")
     return Calibration(lengths, decode, trainer, faults, weight_sync_s, eval_s, data, env)
