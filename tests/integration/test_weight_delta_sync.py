@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -142,10 +143,10 @@ def test_a_corrupted_delta_is_undone_in_the_engine_and_one_of_another_format_is_
             finally:
                 await gen.aclose()
             held = {name: t.clone() for name, t in state.engine.weights().items()}
-            base = plain_tensors(trainer.state_dict(), tied_embeddings=False)
+            base = {k: v.clone() for k, v in plain_tensors(trainer.state_dict(), tied_embeddings=False).items()}  # not views
             sparse_step(trainer, 0.02, 1)
             new = plain_tensors(trainer.state_dict(), tied_embeddings=False)
-            delta = encode_delta({k: v.clone() for k, v in base.items()}, new)
+            delta = encode_delta(base, new)
             assert delta is not None
             manifest = {"format": FORMAT, "version": 1, "weights_id": "other-v1", "base": state.weights_id,
                         "checksum": checksum(new), "dtypes": dtype_names(new)}
@@ -167,6 +168,45 @@ def test_a_corrupted_delta_is_undone_in_the_engine_and_one_of_another_format_is_
     assert not corrupted["applied"] and "checksum" in corrupted["reason"] and "restored" in corrupted["reason"]
     assert not other_format["applied"] and "format 1" in other_format["reason"]
     assert counters["delta_refusals"] == 2 and counters["deltas_applied"] == 0
+
+
+def test_a_delta_the_engine_does_not_install_in_time_is_answered_504_within_the_reload_bound(tmp_path, monkeypatch):
+    # A decoding step that hangs holds the engine thread, so a weight load waits for it: the reload is bounded as the file
+    # read is (reload_timeout_s), and the server keeps no base a later delta could apply to.
+    from asyncgrpo.generation import weight_delta
+
+    trainer = build_tiny(1)[0]
+    apply = weight_delta.Patches.apply
+
+    def slow_apply(self, weights):
+        time.sleep(3.0)  # the engine thread is busy this long
+        return apply(self, weights)
+
+    async def main():
+        async with served_tiny() as (url, state):
+            base = {k: v.clone() for k, v in plain_tensors(trainer.state_dict(), tied_embeddings=False).items()}
+            gen = HttpGenerator(generation_cfg(url), weights_dir=tmp_path / "weights", model_config=trainer.config.to_dict())
+            await gen.start()
+            try:
+                await gen.load_weights(trainer.state_dict(), 0)
+            finally:
+                await gen.aclose()
+            sparse_step(trainer, 0.02, 1)
+            new = plain_tensors(trainer.state_dict(), tied_embeddings=False)
+            delta = encode_delta(base, new)
+            assert delta is not None
+            save_delta(tmp_path / "d1", delta, {"format": FORMAT, "version": 1, "weights_id": "v1", "base": state.weights_id,
+                                                "checksum": checksum(new), "dtypes": dtype_names(new)})
+            state.reload_timeout_s = 0.5
+            monkeypatch.setattr(weight_delta.Patches, "apply", slow_apply)
+            started = time.monotonic()
+            status, body = await asyncio.to_thread(http, "POST", f"{url}/collective_rpc", {
+                "method": "asyncgrpo_apply_delta", "kwargs": {"delta_path": str(tmp_path / "d1")}}, 30.0)
+            return status, body, time.monotonic() - started, state.weights_id
+
+    status, body, elapsed, held = asyncio.run(main())
+    assert status == 504 and elapsed < 2.5, (status, body, elapsed)
+    assert held is None  # no delta may apply to a base this server is not sure it holds: the next sync is full
 
 
 def test_servers_killed_and_hung_mid_delta_are_bounded_skipped_and_named_while_the_other_is_updated(tmp_path, monkeypatch, caplog):

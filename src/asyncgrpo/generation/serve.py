@@ -244,7 +244,7 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
             except GenerationError as exc:  # the engine is closed
                 state.counters["reload_failures"] += 1
                 return error_response(503, f"{method} from {path}: {exc}")
-            except TimeoutError as exc:  # the read was abandoned on its daemon thread
+            except TimeoutError as exc:  # the read abandoned on its daemon thread, or the engine did not take the weights in time
                 state.counters["reload_failures"] += 1
                 log.warning("asyncgrpo serve: %s from %s failed: %s", method, path, exc)
                 return error_response(504, f"{method} from {path}: {exc}")
@@ -321,7 +321,8 @@ async def _install(state: ServerState, weights: dict[str, Any], version: int) ->
     """Load `weights` as `version` into the engine; a failed engine is replaced by a new one that has them."""
     failed = state.engine
     if failed.failure is None or state.engine_factory is None:
-        await failed.load_weights(weights, version)
+        async with asyncio.timeout(state.reload_timeout_s):  # a hung decoding step never takes it: 504, the next sync retries
+            await failed.load_weights(weights, version)
         return
     replacement = state.engine_factory(failed.serving_version)
     await replacement.load_weights(weights, version)  # not started yet: applied at once, nothing runs on the model
@@ -343,7 +344,10 @@ async def _apply_delta(state: ServerState, patches: Patches, version: int) -> No
     sees a half-applied delta, and one whose checksum fails is undone before decoding goes on (DeltaError)."""
     if state.engine.failure is not None:
         raise DeltaError(f"the engine had failed ({state.engine.failure!r}); the full weights restart it")
-    await state.engine.load_weights(patches.apply, version)
+    # Bounded as the read is: a load not yet taken is withdrawn; one taken finishes or undoes itself on the engine thread,
+    # and with weights_id unset the next sync is a full one.
+    async with asyncio.timeout(state.reload_timeout_s):
+        await state.engine.load_weights(patches.apply, version)
 
 
 def _too_large(state: ServerState) -> str:
