@@ -40,19 +40,33 @@ def program(mode: str, record: Path) -> str:
     return shlex.join([sys.executable, str(ROOT / "tests" / "command_agents.py"), mode, str(record)])
 
 
+PF_EXITING = 0x4  # the kernel's flag (in /proc/PID/stat) of a process in its exit
+
+
 def alive_in_group(pgid: int) -> list[int]:
-    """The processes of process group `pgid` that are not zombies (a zombie has stopped; its reaping is its parent's)."""
+    """The processes of process group `pgid` that are neither zombies (a zombie has stopped; its reaping is its parent's)
+    nor ending: sent SIGKILL, which cannot be caught, or in their exit (on a loaded machine a killed process takes a
+    moment to become a zombie, and this reads /proc at once)."""
     alive = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
+                status = (entry / "status").read_text()
             except OSError:
                 continue
-            state, _ppid, group = stat.rpartition(")")[2].split()[:3]
-            if int(group) == pgid and state != "Z":
+            fields = stat.rpartition(")")[2].split()
+            state, group, flags = fields[0], int(fields[2]), int(fields[6])
+            exiting = flags & PF_EXITING or _sigkill_pending(status)
+            if group == pgid and state not in ("Z", "X") and not exiting:
                 alive.append(int(entry.name))
     return alive
+
+
+def _sigkill_pending(status: str) -> bool:
+    """Is SIGKILL pending for the process (its own or its thread group's pending set, in /proc/PID/status)?"""
+    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask >> (signal.SIGKILL - 1) & 1 for mask in masks)
 
 
 def recorded(record: Path) -> dict[int, str]:
