@@ -131,25 +131,32 @@ def test_deltas_apply_in_place_bit_exact_and_a_wrong_base_or_a_failed_check_load
     assert counters["deltas_applied"] == 2 and counters["delta_refusals"] == 2
 
 
+async def published_then_stepped(url: str, state: ServerState, trainer: torch.nn.Module, tmp_path) -> tuple[Any, dict[str, Any]]:
+    """Publish `trainer`'s weights to the served engine as version 0, take a sparse step, and encode that step as a delta
+    (from a copy of the base: `plain_tensors` gives views the step changes): the delta and its manifest."""
+    base = {k: v.clone() for k, v in plain_tensors(trainer.state_dict(), tied_embeddings=False).items()}
+    gen = HttpGenerator(generation_cfg(url), weights_dir=tmp_path / "weights", model_config=trainer.config.to_dict())
+    await gen.start()
+    try:
+        await gen.load_weights(trainer.state_dict(), 0)
+    finally:
+        await gen.aclose()
+    sparse_step(trainer, 0.02, 1)
+    new = plain_tensors(trainer.state_dict(), tied_embeddings=False)
+    delta = encode_delta(base, new)
+    assert delta is not None
+    manifest = {"format": FORMAT, "version": 1, "weights_id": "v1", "base": state.weights_id, "checksum": checksum(new),
+                "dtypes": dtype_names(new)}
+    return delta, manifest
+
+
 def test_a_corrupted_delta_is_undone_in_the_engine_and_one_of_another_format_is_refused_before_any_write(tmp_path):
     trainer = build_tiny(1)[0]
 
     async def main():
         async with served_tiny() as (url, state):
-            gen = HttpGenerator(generation_cfg(url), weights_dir=tmp_path / "weights", model_config=trainer.config.to_dict())
-            await gen.start()
-            try:
-                await gen.load_weights(trainer.state_dict(), 0)
-            finally:
-                await gen.aclose()
-            held = {name: t.clone() for name, t in state.engine.weights().items()}
-            base = {k: v.clone() for k, v in plain_tensors(trainer.state_dict(), tied_embeddings=False).items()}  # not views
-            sparse_step(trainer, 0.02, 1)
-            new = plain_tensors(trainer.state_dict(), tied_embeddings=False)
-            delta = encode_delta(base, new)
-            assert delta is not None
-            manifest = {"format": FORMAT, "version": 1, "weights_id": "other-v1", "base": state.weights_id,
-                        "checksum": checksum(new), "dtypes": dtype_names(new)}
+            delta, manifest = await published_then_stepped(url, state, trainer, tmp_path)
+            held = {name: t.clone() for name, t in state.engine.weights().items()}  # the served version 0
             # a tensor every server writes (not a tied head, which a server holding it tied skips by identity)
             values = next(key for key in sorted(delta.entries) if key.startswith("values/") and "q_proj" in key)
             delta.entries[values][-1] += 1.0  # one value corrupted on its way: every write lands, the check fails
@@ -185,19 +192,8 @@ def test_a_delta_the_engine_does_not_install_in_time_is_answered_504_within_the_
 
     async def main():
         async with served_tiny() as (url, state):
-            base = {k: v.clone() for k, v in plain_tensors(trainer.state_dict(), tied_embeddings=False).items()}
-            gen = HttpGenerator(generation_cfg(url), weights_dir=tmp_path / "weights", model_config=trainer.config.to_dict())
-            await gen.start()
-            try:
-                await gen.load_weights(trainer.state_dict(), 0)
-            finally:
-                await gen.aclose()
-            sparse_step(trainer, 0.02, 1)
-            new = plain_tensors(trainer.state_dict(), tied_embeddings=False)
-            delta = encode_delta(base, new)
-            assert delta is not None
-            save_delta(tmp_path / "d1", delta, {"format": FORMAT, "version": 1, "weights_id": "v1", "base": state.weights_id,
-                                                "checksum": checksum(new), "dtypes": dtype_names(new)})
+            delta, manifest = await published_then_stepped(url, state, trainer, tmp_path)
+            save_delta(tmp_path / "d1", delta, manifest)
             state.reload_timeout_s = 0.5
             monkeypatch.setattr(weight_delta.Patches, "apply", slow_apply)
             started = time.monotonic()
