@@ -154,7 +154,7 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, max_model_len: i
     (as commands.serve.run_server does) so that a client disconnecting aborts its request. `engine_factory(version)`
     builds a replacement engine over the same model (see ServerState); without it a failed engine stays failed.
     `max_prompt_chars` (None: PROMPT_CHARS_PER_TOKEN x max_model_len) bounds string prompts and, through it, the
-    body; `reload_timeout_s` bounds reading a reload's weights."""
+    body; `reload_timeout_s` bounds reading a reload's weights, and installing them."""
     state = ServerState(engine, tokenizer, model_name=model_name, max_model_len=max_model_len, vocab_size=vocab_size,
                         model_dir=model_dir, engine_factory=engine_factory, max_prompt_chars=max_prompt_chars,
                         reload_timeout_s=reload_timeout_s)
